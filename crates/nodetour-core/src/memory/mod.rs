@@ -1,0 +1,38 @@
+//! Memory that NICs and peers may read and write.
+//!
+//! A buffer that is registered for RDMA can be written by hardware at any moment, so safe code
+//! never holds a `&[u8]`/`&mut [u8]` into it while it is registered: a buffer type implements
+//! [`RdmaBuffer`] (an address that never moves, and a length), registration takes the buffer by
+//! value, and the registered region hands out copies (`read_at`/`write_at`) until it is
+//! deregistered and gives the buffer back.
+
+mod host;
+
+pub use host::HostBuffer;
+
+/// Memory that can be registered with an RDMA device.
+///
+/// # Safety
+/// Implementors guarantee that `as_mut_ptr()` returns the same address for the whole life of
+/// the value (moving the value must not move the memory), that `len()` bytes from it stay
+/// mapped, readable and writable until the value is dropped, and that nothing else frees or
+/// remaps that memory meanwhile.
+pub unsafe trait RdmaBuffer: Send + Sync + 'static {
+    /// Start of the memory.
+    fn as_mut_ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the length is zero.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// What kind of memory this is, for messages ("host", "gpu").
+    fn kind(&self) -> &'static str;
+}
+
+/// The system page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 { n as usize } else { 4096 }
+}

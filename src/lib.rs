@@ -1,0 +1,12 @@
+//! # nodetour
+//!
+//! Moves gradients from the network straight into GPU memory. This facade re-exports the
+//! library crates and holds what the `nodetour` command and the examples share.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub use nodetour_core as core;
+pub use nodetour_core::{Config, Deadline, Error, Result};
+
+pub mod logging;
+pub mod write_bw;
