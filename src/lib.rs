@@ -8,5 +8,6 @@
 pub use nodetour_core as core;
 pub use nodetour_core::{Config, Deadline, Error, Result};
 
+pub mod link;
 pub mod logging;
 pub mod write_bw;

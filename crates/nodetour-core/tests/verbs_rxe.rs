@@ -1,0 +1,593 @@
+//! Real verbs, on a real RDMA device: soft-RoCE inside `scripts/rdma-vm.sh` in CI, or any NIC.
+//!
+//! These tests are `#[ignore]`d so that a plain `cargo test` on a machine without RDMA counts them
+//! as skipped (never as passed); `scripts/test.sh` runs them with `--include-ignored` inside the
+//! VM, where `NODETOUR_REQUIRE_RDMA=1` turns a missing device into a failure. Run by hand with
+//! `cargo test -p nodetour-core --test verbs_rxe -- --include-ignored`; with no device each test
+//! prints `SKIP <reason>`.
+//!
+//! Two endpoints: `NODETOUR_VM_DEV0` and `NODETOUR_VM_DEV1` (two rxe devices on a veth pair,
+//! set by `rdma-vm.sh --nodes 2`), else the first device for both (its loopback path).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nodetour_core::memory::{HostBuffer, RdmaBuffer};
+use nodetour_core::verbs::inject::{self, Call};
+use nodetour_core::verbs::{
+    Access, Completion, Context, DmabufSupport, GidChoice, LinkLayer, MemoryRegion, PathOptions,
+    PortAttributes, ProtectionDomain, QpState, QueuePair, QueuePairOptions, RemoteRegion,
+};
+use nodetour_core::{Config, Deadline, Error};
+
+struct Side {
+    context: Arc<Context>,
+    port: PortAttributes,
+    gid: GidChoice,
+    pd: Arc<ProtectionDomain>,
+}
+
+fn side(name: &str) -> Side {
+    let context = Context::open(name).expect("open device");
+    let port = context.first_active_port().expect("active port");
+    let gid = context.choose_gid(&port, None).expect("gid");
+    let pd = ProtectionDomain::new(&context).expect("pd");
+    Side {
+        context,
+        port,
+        gid,
+        pd,
+    }
+}
+
+/// The two device names to use, or `None` after printing `SKIP <reason>`.
+fn devices() -> Option<(String, String)> {
+    let found = match nodetour_core::verbs::devices() {
+        Ok(list) if !list.is_empty() => list,
+        Ok(_) => return skip("no RDMA device on this machine"),
+        Err(e) => return skip(&format!("{e}")),
+    };
+    let first = found[0].name.clone();
+    let dev0 = std::env::var("NODETOUR_VM_DEV0").unwrap_or_else(|_| first.clone());
+    let dev1 = std::env::var("NODETOUR_VM_DEV1").unwrap_or(dev0.clone());
+    Some((dev0, dev1))
+}
+
+fn skip<T>(reason: &str) -> Option<T> {
+    if std::env::var("NODETOUR_REQUIRE_RDMA").as_deref() == Ok("1") {
+        panic!("NODETOUR_REQUIRE_RDMA=1 but {reason}");
+    }
+    println!("SKIP {reason}");
+    None
+}
+
+fn config() -> Config {
+    Config {
+        timeout: Duration::from_secs(20),
+        ..Config::default()
+    }
+}
+
+/// Two connected queue pairs and a target region on side B.
+struct Pair {
+    a: QueuePair,
+    b: QueuePair,
+    a_side: Side,
+    b_side: Side,
+}
+
+fn connected(options: QueuePairOptions) -> Option<Pair> {
+    let (d0, d1) = devices()?;
+    let a_side = side(&d0);
+    let b_side = side(&d1);
+    let a = QueuePair::new(&a_side.pd, a_side.port.port, options).unwrap();
+    let b = QueuePair::new(&b_side.pd, b_side.port.port, options).unwrap();
+    let cfg = config();
+    a.connect(
+        &b.endpoint(&b_side.gid),
+        &PathOptions::new(a_side.port.port, &a_side.gid, &cfg),
+    )
+    .unwrap();
+    b.connect(
+        &a.endpoint(&a_side.gid),
+        &PathOptions::new(b_side.port.port, &b_side.gid, &cfg),
+    )
+    .unwrap();
+    assert_eq!(a.state(), QpState::ReadyToSend);
+    Some(Pair {
+        a,
+        b,
+        a_side,
+        b_side,
+    })
+}
+
+fn deadline() -> Deadline {
+    Deadline::after(Duration::from_secs(30))
+}
+
+fn pattern(i: usize) -> u8 {
+    (i as u32).wrapping_mul(2_654_435_761).to_be_bytes()[0] ^ (i >> 16) as u8
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn device_port_and_gid_are_read_from_the_device() {
+    let Some((d0, _)) = devices() else { return };
+    let s = side(&d0);
+    assert!(s.context.attributes().ports >= 1);
+    assert!(s.context.attributes().max_qp_wr > 0 && s.context.attributes().max_cqe > 0);
+    assert!(s.port.active_mtu.is_some());
+    if s.port.link_layer == LinkLayer::Ethernet {
+        assert!(s.gid.reason.contains("RoCE v2"), "{}", s.gid.reason);
+    }
+    println!("{d0}: {:?} gid {} ({})", s.port, s.gid.index, s.gid.reason);
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn bad_device_name_and_gid_index_are_typed_errors() {
+    let Some((d0, _)) = devices() else { return };
+    match Context::open("no_such_device") {
+        Err(Error::DeviceNotFound { name, available }) => {
+            assert_eq!(name, "no_such_device");
+            assert!(available.contains(&d0), "{available}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let s = side(&d0);
+    match s.context.choose_gid(&s.port, Some(250)) {
+        Err(Error::GidIndexOutOfRange { index: 250, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        s.context.port(0),
+        Err(Error::PortOutOfRange { .. })
+    ));
+    assert!(matches!(
+        s.context.port(99),
+        Err(Error::PortOutOfRange { .. })
+    ));
+}
+
+/// Host memory at an offset of one byte into a page: what a careless caller might register.
+struct Misaligned(HostBuffer);
+// SAFETY: the pointer is inside the HostBuffer's stable mapping, len stays within it.
+unsafe impl RdmaBuffer for Misaligned {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        // SAFETY: offset 1 is within the buffer (len >= 2).
+        unsafe { self.0.as_mut_ptr().add(1) }
+    }
+    fn len(&self) -> usize {
+        self.0.len() - 1
+    }
+    fn kind(&self) -> &'static str {
+        "host"
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn registration_refusals_are_typed_with_hints() {
+    let Some((d0, _)) = devices() else { return };
+    let s = side(&d0);
+    let r = MemoryRegion::register(
+        &s.pd,
+        Misaligned(HostBuffer::new(8192).unwrap()),
+        Access::REMOTE,
+    );
+    assert!(
+        matches!(r, Err(Error::InvalidRegistration { .. })),
+        "{:?}",
+        r.err()
+    );
+    inject::fail_next(Call::RegMr, libc::ENOMEM);
+    match MemoryRegion::register(&s.pd, HostBuffer::new(4096).unwrap(), Access::REMOTE) {
+        Err(e @ Error::RegisterMemory { .. }) => {
+            assert_eq!(e.errno(), Some(libc::ENOMEM));
+            assert!(e.to_string().contains("ulimit -l"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // The fault fired once: the next registration works, and gives its buffer back.
+    let mr = MemoryRegion::register(&s.pd, HostBuffer::new(4096).unwrap(), Access::REMOTE).unwrap();
+    assert!(mr.rkey() != 0 || mr.lkey() != 0);
+    assert_eq!(mr.into_buffer().unwrap().len(), 4096);
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn soft_roce_refuses_dma_buf_and_says_why() {
+    let Some((d0, _)) = devices() else { return };
+    let s = side(&d0);
+    let support = s.pd.probe_dmabuf();
+    println!("{d0}: dma-buf {support:?}");
+    if d0.starts_with("rxe") || d0.starts_with("siw") {
+        match support {
+            DmabufSupport::Unsupported(reason) => assert!(
+                reason.contains(&d0) || reason.contains("rdma-core"),
+                "{reason}"
+            ),
+            other => panic!("soft-RoCE must refuse dma-buf, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn rdma_write_and_write_with_immediate_deliver_verified_data() {
+    let Some(p) = connected(QueuePairOptions {
+        send_depth: 16,
+        recv_depth: 8,
+        max_inline: 64,
+    }) else {
+        return;
+    };
+    const LEN: usize = 4 << 20;
+    const CHUNK: usize = 256 << 10;
+    let src = Arc::new(
+        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(LEN).unwrap(), Access::LOCAL).unwrap(),
+    );
+    let dst = Arc::new(
+        MemoryRegion::register(
+            &p.b_side.pd,
+            HostBuffer::new(LEN + 4096).unwrap(),
+            Access::REMOTE,
+        )
+        .unwrap(),
+    );
+    src.fill_with(0..LEN, pattern).unwrap();
+    p.b.post_receives(2).unwrap();
+    let remote = dst.remote();
+    let start = Instant::now();
+    let mut done = Vec::new();
+    for (i, off) in (0..LEN).step_by(CHUNK).enumerate() {
+        let last = off + CHUNK == LEN;
+        loop {
+            match p.a.post_write(
+                &src,
+                off..off + CHUNK,
+                &remote,
+                off as u64,
+                last.then_some(0xabcd_0000 | i as u32),
+                last,
+            ) {
+                Ok(_) => break,
+                Err(Error::SendQueueFull { .. }) => {
+                    p.a.wait(&mut done, deadline()).unwrap();
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    // An inline write carries its bytes in the request: no registration on the sending side.
+    let tail = b"inline tail written by the sender";
+    p.a.wait_idle(deadline()).unwrap();
+    p.a.post_write_inline(tail, &remote, LEN as u64, None, true)
+        .unwrap();
+    p.a.wait_idle(deadline()).unwrap();
+    let elapsed = start.elapsed();
+    let mut got_imm = None;
+    while got_imm.is_none() {
+        done.clear();
+        p.b.wait(&mut done, deadline()).unwrap();
+        for c in &done {
+            if let Completion::WriteWithImmediate {
+                immediate,
+                byte_len,
+                ..
+            } = c
+            {
+                got_imm = Some(*immediate);
+                assert_eq!(*byte_len as usize, CHUNK);
+            }
+        }
+    }
+    assert_eq!(got_imm, Some(0xabcd_0000 | (LEN / CHUNK - 1) as u32));
+    let mut got = vec![0u8; LEN + tail.len()];
+    dst.read_at(0, &mut got).unwrap();
+    let bad = got[..LEN]
+        .iter()
+        .enumerate()
+        .position(|(i, b)| *b != pattern(i));
+    assert_eq!(bad, None, "first corrupted byte");
+    assert_eq!(&got[LEN..], tail);
+    assert_eq!(p.a.outstanding_sends(), 0);
+    assert_eq!(p.b.posted_receives(), 1);
+    println!(
+        "wrote {} MiB in {:.3} s ({:.1} MiB/s), verified byte for byte",
+        LEN >> 20,
+        elapsed.as_secs_f64(),
+        LEN as f64 / elapsed.as_secs_f64() / 1_048_576.0
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_wrong_rkey_fails_the_write_with_a_remote_access_error() {
+    let Some(p) = connected(QueuePairOptions::default()) else {
+        return;
+    };
+    let src = Arc::new(
+        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(4096).unwrap(), Access::LOCAL)
+            .unwrap(),
+    );
+    let dst = MemoryRegion::register(&p.b_side.pd, HostBuffer::new(4096).unwrap(), Access::REMOTE)
+        .unwrap();
+    let forged = RemoteRegion {
+        rkey: dst.rkey() ^ 0x5a5a_0000,
+        ..dst.remote()
+    };
+    p.a.post_write(&src, 0..4096, &forged, 0, None, true)
+        .unwrap();
+    let mut done = Vec::new();
+    match p.a.wait(&mut done, deadline()) {
+        Err(Error::WorkCompletion { status, hint, .. }) => {
+            assert_eq!(status, "IBV_WC_REM_ACCESS_ERR");
+            assert!(hint.contains("rkey"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(p.a.state(), QpState::Error);
+    assert!(matches!(
+        p.a.post_write(&src, 0..16, &dst.remote(), 0, None, true),
+        Err(Error::QueuePairNotReady { state: "ERR", .. })
+    ));
+    let mut zero = vec![1u8; 4096];
+    dst.read_at(0, &mut zero).unwrap();
+    assert!(zero.iter().all(|b| *b == 0), "nothing landed");
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn local_bounds_and_states_are_checked_before_posting() {
+    let Some((d0, _)) = devices() else { return };
+    let s = side(&d0);
+    let qp = QueuePair::new(&s.pd, s.port.port, QueuePairOptions::default()).unwrap();
+    assert_eq!(qp.state(), QpState::Init);
+    let src = Arc::new(
+        MemoryRegion::register(&s.pd, HostBuffer::new(4096).unwrap(), Access::LOCAL).unwrap(),
+    );
+    let remote = RemoteRegion {
+        addr: 0x1000,
+        len: 4096,
+        rkey: 1,
+    };
+    assert!(matches!(
+        qp.post_write(&src, 0..16, &remote, 0, None, true),
+        Err(Error::QueuePairNotReady { state: "INIT", .. })
+    ));
+    let Some(p) = connected(QueuePairOptions::default()) else {
+        return;
+    };
+    let src = Arc::new(
+        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(4096).unwrap(), Access::LOCAL)
+            .unwrap(),
+    );
+    assert!(matches!(
+        p.a.post_write(&src, 0..8192, &remote, 0, None, true),
+        Err(Error::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        p.a.post_write(&src, 0..4096, &remote, 1, None, true),
+        Err(Error::OutOfBounds { .. })
+    ));
+    assert!(matches!(
+        p.a.post_write_inline(&[0; 4096], &remote, 0, None, true),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        QueuePair::new(
+            &p.a_side.pd,
+            p.a_side.port.port,
+            QueuePairOptions {
+                send_depth: 0,
+                ..Default::default()
+            }
+        ),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        QueuePair::new(
+            &p.a_side.pd,
+            p.a_side.port.port,
+            QueuePairOptions {
+                send_depth: u32::MAX / 4,
+                ..Default::default()
+            }
+        ),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_full_send_queue_is_reported_and_drains() {
+    let Some(p) = connected(QueuePairOptions {
+        send_depth: 4,
+        recv_depth: 1,
+        max_inline: 0,
+    }) else {
+        return;
+    };
+    let src = Arc::new(
+        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(65536).unwrap(), Access::LOCAL)
+            .unwrap(),
+    );
+    let dst = MemoryRegion::register(
+        &p.b_side.pd,
+        HostBuffer::new(65536).unwrap(),
+        Access::REMOTE,
+    )
+    .unwrap();
+    let mut full = false;
+    for _ in 0..64 {
+        match p
+            .a
+            .post_write(&src, 0..65536, &dst.remote(), 0, None, false)
+        {
+            Ok(_) => {}
+            Err(Error::SendQueueFull { depth: 4, .. }) => {
+                full = true;
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(full, "four unretired writes fill a queue of four");
+    p.a.wait_idle(deadline()).unwrap();
+    assert_eq!(p.a.outstanding_sends(), 0);
+    p.a.post_write(&src, 0..16, &dst.remote(), 0, None, true)
+        .unwrap();
+    p.a.wait_idle(deadline()).unwrap();
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn waiting_with_nothing_in_flight_times_out_on_schedule() {
+    let Some(p) = connected(QueuePairOptions::default()) else {
+        return;
+    };
+    let start = Instant::now();
+    let r =
+        p.b.wait(&mut Vec::new(), Deadline::after(Duration::from_millis(300)));
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn injected_completion_errors_and_call_failures_are_typed() {
+    let Some(p) = connected(QueuePairOptions::default()) else {
+        return;
+    };
+    let src = Arc::new(
+        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(4096).unwrap(), Access::LOCAL)
+            .unwrap(),
+    );
+    let dst = MemoryRegion::register(&p.b_side.pd, HostBuffer::new(4096).unwrap(), Access::REMOTE)
+        .unwrap();
+    inject::fail_next(Call::PostSend, libc::ENOMEM);
+    match p.a.post_write(&src, 0..64, &dst.remote(), 0, None, true) {
+        Err(e @ Error::PostSend { .. }) => assert_eq!(e.errno(), Some(libc::ENOMEM)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        p.a.outstanding_sends(),
+        0,
+        "a refused post leaves no bookkeeping behind"
+    );
+    inject::fail_next(Call::PostRecv, libc::EINVAL);
+    assert!(matches!(
+        p.b.post_receives(1),
+        Err(Error::PostReceive { .. })
+    ));
+    p.a.post_write(&src, 0..64, &dst.remote(), 0, None, true)
+        .unwrap();
+    inject::next_completion_status(12); // IBV_WC_RETRY_EXC_ERR
+    match p.a.wait(&mut Vec::new(), deadline()) {
+        Err(e @ Error::WorkCompletion { .. }) => {
+            assert!(e.to_string().contains("ACS/IOMMU"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(p.a.outstanding_sends(), 0, "the failed request is retired");
+    inject::fail_next(Call::ModifyQp, libc::EINVAL);
+    let qp = QueuePair::new(
+        &p.a_side.pd,
+        p.a_side.port.port,
+        QueuePairOptions::default(),
+    );
+    assert!(
+        matches!(qp, Err(Error::ModifyQueuePair { to: "INIT", .. })),
+        "{qp:?}"
+    );
+    inject::fail_next(Call::CreateQp, libc::ENOMEM);
+    assert!(matches!(
+        QueuePair::new(
+            &p.a_side.pd,
+            p.a_side.port.port,
+            QueuePairOptions::default()
+        ),
+        Err(Error::CreateQueuePair { .. })
+    ));
+    inject::fail_next(Call::CreateCq, libc::ENOMEM);
+    assert!(matches!(
+        QueuePair::new(
+            &p.a_side.pd,
+            p.a_side.port.port,
+            QueuePairOptions::default()
+        ),
+        Err(Error::CreateCompletionQueue { .. })
+    ));
+    inject::fail_next(Call::AllocPd, libc::ENOMEM);
+    assert!(matches!(
+        ProtectionDomain::new(&p.a_side.context),
+        Err(Error::AllocateProtectionDomain { .. })
+    ));
+    inject::fail_next(Call::QueryPort, libc::EIO);
+    assert!(matches!(
+        p.a_side.context.port(1),
+        Err(Error::QueryPort { .. })
+    ));
+    inject::clear();
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn teardown_with_writes_in_flight_is_orderly() {
+    for _ in 0..3 {
+        let Some(p) = connected(QueuePairOptions {
+            send_depth: 32,
+            recv_depth: 4,
+            max_inline: 0,
+        }) else {
+            return;
+        };
+        let src = Arc::new(
+            MemoryRegion::register(
+                &p.a_side.pd,
+                HostBuffer::new(1 << 20).unwrap(),
+                Access::LOCAL,
+            )
+            .unwrap(),
+        );
+        let dst = MemoryRegion::register(
+            &p.b_side.pd,
+            HostBuffer::new(1 << 20).unwrap(),
+            Access::REMOTE,
+        )
+        .unwrap();
+        p.b.post_receives(4).unwrap();
+        for _ in 0..16 {
+            p.a.post_write(&src, 0..(1 << 20), &dst.remote(), 0, None, false)
+                .unwrap();
+        }
+        // The caller lets go of its region while the NIC may still read it: the queue pair keeps
+        // it registered until its teardown has drained.
+        let weak = Arc::downgrade(&src);
+        drop(src);
+        assert!(
+            weak.upgrade().is_some(),
+            "posted work keeps the source region alive"
+        );
+        let Pair {
+            a,
+            b,
+            a_side,
+            b_side,
+        } = p;
+        drop(a);
+        assert!(
+            weak.upgrade().is_none(),
+            "released after the queue pair is gone"
+        );
+        drop(b);
+        drop(dst);
+        drop((a_side, b_side));
+    }
+}

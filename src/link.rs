@@ -1,0 +1,124 @@
+//! A connected pair of RC queue pairs between two processes, each with one registered host
+//! region the other may write: the common start of the `nodetour write-bw` tool and the
+//! two-node example.
+//!
+//! Establishing a link takes the steps a user of the core crate takes, in order: choose and open
+//! a device, pick the port and GID, register memory, create the queue pair, post receives,
+//! exchange endpoint descriptions out of band, connect, and agree that both sides are ready
+//! (a write must not reach a queue pair that is not yet ready to receive).
+
+use std::sync::Arc;
+
+use nodetour_core::memory::HostBuffer;
+use nodetour_core::oob::{MessageKind, OobChannel, OobListener};
+use nodetour_core::verbs::{
+    Access, Context, DeviceChoice, Endpoint, EndpointDescription, GidChoice, MemoryRegion, Near,
+    PathOptions, PortAttributes, ProtectionDomain, QueuePair, QueuePairOptions, RemoteRegion,
+};
+use nodetour_core::{Config, Deadline, Result};
+
+/// Which side of the out-of-band connection this process is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Listen on this address ("0.0.0.0:18517") and accept the peer.
+    Listen(String),
+    /// Connect to the peer listening at this address.
+    Connect(String),
+}
+
+/// One end of an established link.
+pub struct PeerLink {
+    /// The queue pair, connected and ready to send. Declared first: dropped (torn down) before
+    /// the region it may still be writing into.
+    pub qp: QueuePair,
+    /// This side's registered region (the peer may write all of it).
+    pub region: Arc<MemoryRegion<HostBuffer>>,
+    /// The peer's region, as this side may write it.
+    pub remote: RemoteRegion,
+    /// The peer's queue pair.
+    pub remote_endpoint: Endpoint,
+    /// The out-of-band channel, kept open for control messages.
+    pub channel: OobChannel,
+    /// The device, and why it was chosen.
+    pub device: DeviceChoice,
+    /// The port in use.
+    pub port: PortAttributes,
+    /// The GID in use, and why.
+    pub gid: GidChoice,
+    /// The open device.
+    pub context: Arc<Context>,
+}
+
+impl PeerLink {
+    /// Establishes a link with `region_len` bytes of writable host memory on each side.
+    pub fn establish(
+        config: &Config,
+        role: &Role,
+        region_len: usize,
+        options: QueuePairOptions,
+        deadline: Deadline,
+    ) -> Result<PeerLink> {
+        let (context, device) = Context::open_chosen(config, Near::Host)?;
+        let port = context.first_active_port()?;
+        let gid = context.choose_gid(&port, config.gid_index)?;
+        tracing::info!(device = %context.name(), port = port.port, gid_index = gid.index, reason = %gid.reason, "GID chosen");
+        let pd = ProtectionDomain::new(&context)?;
+        let region = Arc::new(MemoryRegion::register(
+            &pd,
+            HostBuffer::new(region_len)?,
+            Access::REMOTE,
+        )?);
+        let qp = QueuePair::new(&pd, port.port, options)?;
+        qp.post_receives(options.recv_depth)?;
+        let mut channel = match role {
+            Role::Listen(addr) => OobListener::bind(addr.as_str())?.accept(deadline)?,
+            Role::Connect(addr) => OobChannel::connect(addr, deadline)?,
+        };
+        let ours = EndpointDescription {
+            endpoint: qp.endpoint(&gid),
+            regions: vec![region.remote()],
+        };
+        let theirs = channel.exchange_endpoints(&ours, deadline)?;
+        let remote = *theirs
+            .regions
+            .first()
+            .ok_or_else(|| nodetour_core::Error::PeerMismatch {
+                reason: "the peer advertised no writable region".into(),
+            })?;
+        qp.connect(&theirs.endpoint, &PathOptions::new(port.port, &gid, config))?;
+        channel.send(MessageKind::Ready, &[], deadline)?;
+        channel.expect(MessageKind::Ready, deadline)?;
+        Ok(PeerLink {
+            qp,
+            region,
+            remote,
+            remote_endpoint: theirs.endpoint,
+            channel,
+            device,
+            port,
+            gid,
+            context,
+        })
+    }
+
+    /// The path MTU in bytes (the smaller of both ends).
+    pub fn mtu_bytes(&self) -> u32 {
+        let local = self.port.active_mtu.map_or(1024, |m| m.bytes());
+        local.min(self.remote_endpoint.mtu.bytes())
+    }
+
+    /// A one-line description: device, port, GID, MTU.
+    pub fn describe(&self) -> String {
+        format!(
+            "device={} port={} gid_index={} gid={} mtu={} link={:?} qpn={} peer_qpn={}",
+            self.context.name(),
+            self.port.port,
+            self.gid.index,
+            std::net::Ipv6Addr::from(self.gid.gid),
+            self.mtu_bytes(),
+            self.port.link_layer,
+            self.qp.qpn(),
+            self.remote_endpoint.qpn
+        )
+    }
+}
