@@ -1,0 +1,54 @@
+//! Replays the `cargo fuzz` corpora (`fuzz/corpus/<target>/`) through the decoders with the
+//! same properties the fuzz targets check, so every input a fuzzer ever kept stays covered by
+//! `cargo test` on machines without a fuzzer.
+
+use std::fs;
+use std::path::PathBuf;
+
+use nodetour_core::oob::{HEADER_LEN, MAX_PAYLOAD, decode_header, encode_frame};
+use nodetour_core::verbs::EndpointDescription;
+
+fn corpus(target: &str) -> Vec<(String, Vec<u8>)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/corpus")
+        .join(target);
+    let mut files: Vec<_> = fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("corpus {} is missing: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let inputs: Vec<_> = files
+        .into_iter()
+        .map(|p| (p.display().to_string(), fs::read(&p).unwrap()))
+        .collect();
+    assert!(!inputs.is_empty(), "corpus {target} is empty");
+    inputs
+}
+
+#[test]
+fn endpoint_decode_corpus() {
+    let mut accepted = 0;
+    for (name, data) in corpus("endpoint_decode") {
+        if let Ok(d) = EndpointDescription::decode(&data) {
+            assert_eq!(
+                d.encode().unwrap(),
+                data,
+                "{name}: decode/encode round trip"
+            );
+            accepted += 1;
+        }
+    }
+    assert!(accepted >= 1, "the corpus holds valid descriptions too");
+}
+
+#[test]
+fn oob_frame_header_corpus() {
+    for (name, data) in corpus("oob_frame_header") {
+        let header = &data[..data.len().min(HEADER_LEN)];
+        if let Ok((kind, len)) = decode_header(header) {
+            assert!(len <= MAX_PAYLOAD, "{name}");
+            let frame = encode_frame(kind, &vec![0; len as usize]).unwrap();
+            assert_eq!(&frame[..HEADER_LEN], header, "{name}");
+        }
+    }
+}

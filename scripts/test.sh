@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# test.sh: nodetour's whole test suite, from a fresh Debian/Ubuntu machine with Rust.
+#   scripts/test.sh            install what is missing, build, run every tier this machine allows
+# Tiers:
+#   host   cargo test --workspace: pure logic, fixtures, fault injection, the out-of-band channel,
+#          fuzz corpora; hardware tests are ignored (counted as skipped) here.
+#   binary the binaries do not link libibverbs/librdmacm (ldd), and start without them.
+#   vm     real verbs in a soft-RoCE VM (scripts/rdma-vm.sh --nodes 2): the hardware tests, the
+#          two-node smoke example between two rxe devices, and our write loop vs ib_write_bw.
+#          Prints "SKIP <reason>" where the VM cannot run.
+# Env: NODETOUR_SKIP_INSTALL=1 (do not touch packages), NODETOUR_SKIP_VM=1.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+T0=$(date +%s)
+step() { echo "== test.sh [$(($(date +%s) - T0))s] $*"; }
+passed=0 failed=0 skipped=0
+tally() { # FILE: echoes cargo test output from stdin, appends "passed failed ignored" per run
+    local line
+    while IFS= read -r line; do
+        echo "$line"
+        if [[ $line =~ ^test\ result:.*\ ([0-9]+)\ passed\;\ ([0-9]+)\ failed\;\ ([0-9]+)\ ignored ]]; then
+            echo "${BASH_REMATCH[1]} ${BASH_REMATCH[2]} ${BASH_REMATCH[3]}" >>"$1"
+        fi
+    done
+}
+sum() { awk '{p+=$1; f+=$2; i+=$3} END {print p+0, f+0, i+0}' "$1"; }
+HOST=$(mktemp) VM=$(mktemp)
+trap 'rm -f "$HOST" "$VM"' EXIT
+check() { # name, command...: one pass/fail line
+    local name=$1; shift
+    if "$@"; then echo "check $name ... ok"; passed=$((passed + 1)); else echo "check $name ... FAILED"; failed=$((failed + 1)); fi
+}
+
+if [[ ${NODETOUR_SKIP_INSTALL:-0} != 1 ]]; then
+    step "installing packages"
+    scripts/install-deps.sh || { echo "test.sh: installing packages failed"; exit 1; }
+fi
+
+step "host tier: cargo test --workspace"
+cargo test --workspace --color never 2>&1 | tally "$HOST"
+host_rc=${PIPESTATUS[0]}
+[[ $host_rc == 0 ]] || failed=$((failed + 1))
+
+step "binary tier: release build, no load-time libibverbs/librdmacm"
+cargo build --release --bins --examples --color never 2>&1 | tail -n 3
+no_verbs_link() { ! ldd "$1" | grep -E 'libibverbs|librdmacm'; }
+check "ldd nodetour has no libibverbs/librdmacm" no_verbs_link target/release/nodetour
+check "ldd two_node_smoke has no libibverbs/librdmacm" no_verbs_link target/release/examples/two_node_smoke
+starts_without_libibverbs() {
+    local out rc
+    out=$(NODETOUR_IBVERBS_LIBRARY=/nonexistent/libibverbs.so.1 target/release/nodetour devices 2>&1); rc=$?
+    echo "  $out"
+    [[ $rc == 2 && $out == *"RDMA verbs is not supported here: cannot load"* ]]
+}
+check "nodetour starts without libibverbs (typed Unsupported, exit 2)" starts_without_libibverbs
+
+if [[ ${NODETOUR_SKIP_VM:-0} == 1 ]]; then
+    echo "SKIP vm tier: NODETOUR_SKIP_VM=1"; skipped=$((skipped + 1))
+elif ! reason=$(scripts/rdma-vm.sh --check 2>&1); then
+    echo "$reason"; skipped=$((skipped + 1))
+else
+    step "vm tier: real verbs between rxe0 and rxe1 in a soft-RoCE VM"
+    mapfile -t exes < <(cargo test -p nodetour-core --test verbs_rxe --no-run --color never 2>&1 |
+        sed -n 's/.*Executable .*(\(.*\))$/\1/p')
+    if [[ ${#exes[@]} == 0 ]]; then
+        echo "test.sh: could not find the verbs_rxe test executable"; failed=$((failed + 1))
+    else
+        scripts/rdma-vm.sh --nodes 2 --timeout 900 -- scripts/vm-tier.sh "${exes[@]}" 2>&1 | tally "$VM"
+        vm_rc=${PIPESTATUS[0]}
+        if [[ $vm_rc == 0 ]]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+        echo "vm tier exit status: $vm_rc"
+    fi
+fi
+
+read -r hp hf hi < <(sum "$HOST")
+read -r vp vf _ < <(sum "$VM")
+step "done"
+# Hardware tests are ignored on the host and run in the VM: count each test once, where it ran.
+not_run=$(( hi > vp + vf ? hi - vp - vf : 0 ))
+echo "host cargo tests: $hp passed, $hf failed, $hi ignored; vm cargo tests: $vp passed, $vf failed; checks: $passed passed, $failed failed, $skipped skipped"
+echo "tests: $((hp + vp + passed)) passed, $((hf + vf + failed)) failed, $((not_run + skipped)) skipped"
+(( failed == 0 && hf == 0 && vf == 0 ))

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# vm-tier.sh: the real-verbs test tier. Runs INSIDE the soft-RoCE VM with two endpoints:
+#   scripts/rdma-vm.sh --nodes 2 -- scripts/vm-tier.sh TEST_EXE...
+# 1. the hardware tests (TEST_EXE... --include-ignored; a missing device fails them),
+# 2. two_node_smoke between rxe0 and rxe1 (two processes, verified data),
+# 3. our write loop against ib_write_bw (scripts/write-bw-compare.sh),
+# and checks that the kernel's RDMA resource counts return to where they started (no leaked
+# queue pair, completion queue, region or protection domain).
+# Env: NODETOUR_BIN_DIR (default target/release), COMPARE_RUNS (default 5).
+set -uo pipefail
+: "${NODETOUR_VM_DEV1:?run inside scripts/rdma-vm.sh --nodes 2}"
+BIN_DIR=${NODETOUR_BIN_DIR:-target/release}
+failed=0
+say() { echo "vm-tier: $*"; }
+resources() { rdma resource show 2>/dev/null | sed 's/  */ /g'; }
+
+before=$(resources)
+say "RDMA resources before: $(echo "$before" | tr '\n' ';')"
+
+export NODETOUR_REQUIRE_RDMA=1
+for exe in "$@"; do
+    say "running $(basename "$exe") --include-ignored"
+    "$exe" --include-ignored --test-threads 1 || failed=1
+done
+
+say "two_node_smoke: rank 0 on $NODETOUR_VM_DEV0, rank 1 on $NODETOUR_VM_DEV1"
+addr=$NODETOUR_VM_IP0:18517
+NODETOUR_IB_DEVICE=$NODETOUR_VM_DEV0 timeout 120 "$BIN_DIR/examples/two_node_smoke" --rank 0 --addr "$addr" >/tmp/smoke0.log 2>&1 &
+r0pid=$!
+NODETOUR_IB_DEVICE=$NODETOUR_VM_DEV1 timeout 120 "$BIN_DIR/examples/two_node_smoke" --rank 1 --addr "$addr" >/tmp/smoke1.log 2>&1
+r1=$?
+wait "$r0pid"
+r0=$?
+grep -h -E '^(rank|SMOKE)' /tmp/smoke0.log /tmp/smoke1.log
+if [[ $r0 == 0 && $r1 == 0 ]] && [[ $(cat /tmp/smoke0.log /tmp/smoke1.log | grep -c '^SMOKE OK') == 2 ]]; then
+    say "two_node_smoke ... ok"
+else
+    say "two_node_smoke ... FAILED (rank 0 rc=$r0, rank 1 rc=$r1)"
+    cat /tmp/smoke0.log /tmp/smoke1.log
+    failed=1
+fi
+
+if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-bw-compare.sh; then
+    say "write-bw-compare ... ok"
+else
+    say "write-bw-compare ... FAILED"
+    failed=1
+fi
+
+after=$(resources)
+say "RDMA resources after:  $(echo "$after" | tr '\n' ';')"
+if [[ $before == "$after" ]]; then
+    say "resource counts returned to their starting values ... ok"
+else
+    say "resource counts differ: leaked verbs objects ... FAILED"
+    failed=1
+fi
+exit $failed

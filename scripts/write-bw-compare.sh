@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# write-bw-compare.sh: our RDMA WRITE loop (`nodetour write-bw`) against perftest's ib_write_bw,
+# same message size, iteration count and send-queue depth, alternating, several runs each, in
+# one VM boot. Prints every run, the medians, and the ratio ours/perftest per size.
+#
+# Runs INSIDE the soft-RoCE VM:  scripts/rdma-vm.sh --nodes 2 -- scripts/write-bw-compare.sh
+# Env: SIZES (default "65536 1048576"), RUNS (default 3), VOLUME (bytes per run, default 64 MiB),
+#      NODETOUR_BIN (default target/release/nodetour).
+# Under software emulation rxe moves 10-30 MB/s: the ratio checks that nothing is grossly wrong
+# with our loop; it says nothing about real NICs.
+set -euo pipefail
+: "${NODETOUR_VM_DEV0:?run inside scripts/rdma-vm.sh}"
+BIN=${NODETOUR_BIN:-target/release/nodetour}
+SIZES=${SIZES:-"65536 1048576"}
+RUNS=${RUNS:-3}
+VOLUME=${VOLUME:-$((64 << 20))}
+GID=${NODETOUR_VM_GID_INDEX:-1}
+SRV_DEV=$NODETOUR_VM_DEV1 CLI_DEV=$NODETOUR_VM_DEV0 SRV_IP=$NODETOUR_VM_IP1
+port=19000
+results=$(mktemp)
+
+median() { sort -g | awk '{v[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
+
+run_ours() { # size iters -> MB/s
+  port=$((port + 1))
+  NODETOUR_IB_DEVICE=$SRV_DEV timeout 300 "$BIN" write-bw --listen "$SRV_IP:$port" -s "$1" -n "$2" -t 128 >/tmp/ours-srv.log 2>&1 &
+  local spid=$!
+  NODETOUR_IB_DEVICE=$CLI_DEV timeout 300 "$BIN" write-bw --connect "$SRV_IP:$port" -s "$1" -n "$2" -t 128 >/tmp/ours-cli.log 2>&1 || { cat /tmp/ours-cli.log /tmp/ours-srv.log >&2; return 1; }
+  wait "$spid" || { cat /tmp/ours-srv.log >&2; return 1; }
+  grep -q 'verified=true' /tmp/ours-cli.log || { echo "data not verified" >&2; return 1; }
+  sed -n 's/.*MB_per_s=\([0-9.]*\).*/\1/p' /tmp/ours-cli.log
+}
+
+run_perftest() { # size iters -> MB/s (BW average, MB = 2^20 bytes)
+  port=$((port + 1))
+  timeout 300 ib_write_bw -d "$SRV_DEV" -x "$GID" -F -s "$1" -n "$2" -t 128 -p "$port" >/tmp/pt-srv.log 2>&1 &
+  local spid=$!
+  sleep 1
+  timeout 300 ib_write_bw -d "$CLI_DEV" -x "$GID" -F -s "$1" -n "$2" -t 128 -p "$port" "$SRV_IP" >/tmp/pt-cli.log 2>&1 || { cat /tmp/pt-cli.log >&2; return 1; }
+  wait "$spid" || true
+  grep -A1 '#bytes' /tmp/pt-cli.log | tail -1 | awk '{print $4}'
+}
+
+echo "write-bw-compare: client $CLI_DEV -> server $SRV_DEV ($SRV_IP), GID index $GID, tx depth 128, $RUNS runs per size, alternating"
+for size in $SIZES; do
+  iters=$((VOLUME / size)); [ "$iters" -lt 8 ] && iters=8
+  for r in $(seq "$RUNS"); do
+    ours=$(run_ours "$size" "$iters"); pt=$(run_perftest "$size" "$iters")
+    echo "run $r size $size iters $iters: nodetour $ours MB/s, ib_write_bw $pt MB/s"
+    echo "$size ours $ours" >>"$results"; echo "$size perftest $pt" >>"$results"
+  done
+done
+echo "== medians (MB/s, MB = 2^20 bytes)"
+for size in $SIZES; do
+  o=$(awk -v s="$size" '$1==s && $2=="ours" {print $3}' "$results" | median)
+  p=$(awk -v s="$size" '$1==s && $2=="perftest" {print $3}' "$results" | median)
+  echo "WRITE_BW_COMPARE size=$size nodetour_MBps=$o ib_write_bw_MBps=$p ratio=$(awk -v o="$o" -v p="$p" 'BEGIN{printf "%.2f", (p>0)?o/p:0}')"
+done
