@@ -102,6 +102,30 @@ fn connected(options: QueuePairOptions) -> Option<Pair> {
     })
 }
 
+impl Pair {
+    /// A registered source region of `len` bytes on side A.
+    fn source(&self, len: usize) -> Arc<MemoryRegion<HostBuffer>> {
+        Arc::new(
+            MemoryRegion::register(
+                &self.a_side.pd,
+                HostBuffer::new(len).unwrap(),
+                Access::LOCAL,
+            )
+            .unwrap(),
+        )
+    }
+
+    /// A remotely writable region of `len` bytes on side B.
+    fn target(&self, len: usize) -> MemoryRegion<HostBuffer> {
+        MemoryRegion::register(
+            &self.b_side.pd,
+            HostBuffer::new(len).unwrap(),
+            Access::REMOTE,
+        )
+        .unwrap()
+    }
+}
+
 fn deadline() -> Deadline {
     Deadline::after(Duration::from_secs(30))
 }
@@ -225,17 +249,8 @@ fn rdma_write_and_write_with_immediate_deliver_verified_data() {
     };
     const LEN: usize = 4 << 20;
     const CHUNK: usize = 256 << 10;
-    let src = Arc::new(
-        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(LEN).unwrap(), Access::LOCAL).unwrap(),
-    );
-    let dst = Arc::new(
-        MemoryRegion::register(
-            &p.b_side.pd,
-            HostBuffer::new(LEN + 4096).unwrap(),
-            Access::REMOTE,
-        )
-        .unwrap(),
-    );
+    let src = p.source(LEN);
+    let dst = Arc::new(p.target(LEN + 4096));
     src.fill_with(0..LEN, pattern).unwrap();
     p.b.post_receives(2).unwrap();
     let remote = dst.remote();
@@ -308,12 +323,8 @@ fn a_wrong_rkey_fails_the_write_with_a_remote_access_error() {
     let Some(p) = connected(QueuePairOptions::default()) else {
         return;
     };
-    let src = Arc::new(
-        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(4096).unwrap(), Access::LOCAL)
-            .unwrap(),
-    );
-    let dst = MemoryRegion::register(&p.b_side.pd, HostBuffer::new(4096).unwrap(), Access::REMOTE)
-        .unwrap();
+    let src = p.source(4096);
+    let dst = p.target(4096);
     let forged = RemoteRegion {
         rkey: dst.rkey() ^ 0x5a5a_0000,
         ..dst.remote()
@@ -360,10 +371,7 @@ fn local_bounds_and_states_are_checked_before_posting() {
     let Some(p) = connected(QueuePairOptions::default()) else {
         return;
     };
-    let src = Arc::new(
-        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(4096).unwrap(), Access::LOCAL)
-            .unwrap(),
-    );
+    let src = p.source(4096);
     assert!(matches!(
         p.a.post_write(&src, 0..8192, &remote, 0, None, true),
         Err(Error::OutOfBounds { .. })
@@ -410,16 +418,8 @@ fn a_full_send_queue_is_reported_and_drains() {
     }) else {
         return;
     };
-    let src = Arc::new(
-        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(65536).unwrap(), Access::LOCAL)
-            .unwrap(),
-    );
-    let dst = MemoryRegion::register(
-        &p.b_side.pd,
-        HostBuffer::new(65536).unwrap(),
-        Access::REMOTE,
-    )
-    .unwrap();
+    let src = p.source(65536);
+    let dst = p.target(65536);
     let mut full = false;
     for _ in 0..64 {
         match p
@@ -465,12 +465,8 @@ fn injected_completion_errors_and_call_failures_are_typed() {
     let Some(p) = connected(QueuePairOptions::default()) else {
         return;
     };
-    let src = Arc::new(
-        MemoryRegion::register(&p.a_side.pd, HostBuffer::new(4096).unwrap(), Access::LOCAL)
-            .unwrap(),
-    );
-    let dst = MemoryRegion::register(&p.b_side.pd, HostBuffer::new(4096).unwrap(), Access::REMOTE)
-        .unwrap();
+    let src = p.source(4096);
+    let dst = p.target(4096);
     inject::fail_next(Call::PostSend, libc::ENOMEM);
     match p.a.post_write(&src, 0..64, &dst.remote(), 0, None, true) {
         Err(e @ Error::PostSend { .. }) => assert_eq!(e.errno(), Some(libc::ENOMEM)),
@@ -548,20 +544,8 @@ fn teardown_with_writes_in_flight_is_orderly() {
         }) else {
             return;
         };
-        let src = Arc::new(
-            MemoryRegion::register(
-                &p.a_side.pd,
-                HostBuffer::new(1 << 20).unwrap(),
-                Access::LOCAL,
-            )
-            .unwrap(),
-        );
-        let dst = MemoryRegion::register(
-            &p.b_side.pd,
-            HostBuffer::new(1 << 20).unwrap(),
-            Access::REMOTE,
-        )
-        .unwrap();
+        let src = p.source(1 << 20);
+        let dst = p.target(1 << 20);
         p.b.post_receives(4).unwrap();
         for _ in 0..16 {
             p.a.post_write(&src, 0..(1 << 20), &dst.remote(), 0, None, false)
