@@ -372,6 +372,17 @@ pub enum Error {
         reason: String,
     },
 
+    /// A CUDA driver call failed.
+    #[error("CUDA {op} failed: {code}{}", hint_suffix(hint))]
+    Cuda {
+        /// The call (`cuMemAlloc`, `cuMemHostRegister`, ...).
+        op: &'static str,
+        /// The CUDA error name (`CUDA_ERROR_OUT_OF_MEMORY`, ...).
+        code: String,
+        /// What it usually means here.
+        hint: &'static str,
+    },
+
     /// A peer's description does not fit ours (other link layer, other protocol version).
     #[error("peer is incompatible: {reason}")]
     PeerMismatch {
@@ -408,6 +419,7 @@ impl Error {
     /// callers fall back (to staging, to tcp) on these and fail on the rest.
     pub fn is_unsupported(&self) -> bool {
         matches!(self, Error::Unsupported { .. } | Error::NoDevice { .. })
+            || matches!(self, Error::Cuda { code, .. } if code == "CUDA_ERROR_NOT_SUPPORTED")
             || matches!(
                 self.errno(),
                 Some(libc::EOPNOTSUPP) | Some(libc::EPROTONOSUPPORT) | Some(libc::ENOSYS)

@@ -34,10 +34,12 @@
 #![warn(missing_docs)]
 
 pub mod config;
+pub mod cuda;
 pub mod deadline;
 pub mod error;
 pub mod memory;
 pub mod oob;
+pub mod registration;
 pub mod verbs;
 
 pub use config::Config;

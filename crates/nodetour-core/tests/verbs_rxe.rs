@@ -9,8 +9,14 @@
 //! Two endpoints: `NODETOUR_VM_DEV0` and `NODETOUR_VM_DEV1` (two rxe devices on a veth pair,
 //! set by `rdma-vm.sh --nodes 2`), else the first device for both (its loopback path).
 
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use nodetour_core::cuda::GdrAttributes;
+use nodetour_core::registration::{
+    self, GdrMode, LadderBuffer, PeermemState, Probe, Registration, Rung,
+};
 
 use nodetour_core::memory::{HostBuffer, RdmaBuffer};
 use nodetour_core::verbs::inject::{self, Call};
@@ -574,4 +580,144 @@ fn teardown_with_writes_in_flight_is_orderly() {
         drop(dst);
         drop((a_side, b_side));
     }
+}
+
+/// Host memory standing in for GPU memory on a machine without a GPU: its "dma-buf" is a plain
+/// file, which a provider without dma-buf support refuses before looking at it.
+struct StandInGpu(HostBuffer);
+
+// SAFETY: delegates to the HostBuffer, whose address is stable and len valid.
+unsafe impl RdmaBuffer for StandInGpu {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.0.as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        RdmaBuffer::len(&self.0)
+    }
+    fn kind(&self) -> &'static str {
+        "gpu"
+    }
+}
+
+impl LadderBuffer for StandInGpu {
+    fn register_dmabuf(
+        pd: &Arc<ProtectionDomain>,
+        buffer: Self,
+        access: Access,
+    ) -> Result<MemoryRegion<Self>, (Error, Self)> {
+        let file = tempfile::tempfile().unwrap();
+        registration::register_with_dmabuf_fd(pd, buffer, file.as_fd(), 0, access)
+    }
+}
+
+fn stand_in_gpu() -> GdrAttributes {
+    GdrAttributes {
+        gpu_direct_rdma: true,
+        flush_writes_options: 1,
+        writes_ordering: 100,
+        dma_buf: true,
+        host_register: true,
+        gdr_with_vmm: true,
+        stream_wait_value: true,
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn the_ladder_on_soft_roce_refuses_dmabuf_and_peermem_and_stages() {
+    let Some((d0, _)) = devices() else { return };
+    let s = side(&d0);
+    let probe = Probe::gather(Ok(stand_in_gpu()), Ok(&s.pd));
+    assert!(
+        matches!(probe.nic_dmabuf, DmabufSupport::Unsupported(_)),
+        "{:?}",
+        probe.nic_dmabuf
+    );
+    assert!(
+        !probe.peermem.loaded,
+        "a VM without NVIDIA drivers has no nvidia-peermem"
+    );
+    let buffer = StandInGpu(HostBuffer::new(1 << 20).unwrap());
+    let outcome =
+        registration::register_gpu(&s.pd, buffer, &probe, GdrMode::Auto, Access::REMOTE).unwrap();
+    println!("{d0}: {}", outcome.describe());
+    assert_eq!(outcome.rung(), Rung::Staged);
+    let reasons: Vec<_> = outcome
+        .refused()
+        .iter()
+        .map(|r| (r.rung, r.reason.clone()))
+        .collect();
+    assert_eq!(reasons.len(), 2);
+    assert!(
+        reasons[0].0 == Rung::DmaBuf && reasons[0].1.contains("os error 95"),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[1].0 == Rung::PeerMem && reasons[1].1.contains("nvidia-peermem is not loaded"),
+        "{reasons:?}"
+    );
+    // The buffer comes back whole for the staged path.
+    match outcome {
+        Registration::Staged { buffer, .. } => assert_eq!(RdmaBuffer::len(&buffer), 1 << 20),
+        Registration::Direct { .. } => unreachable!(),
+    }
+    // Force mode turns the same outcome into an error that carries every reason.
+    let buffer = StandInGpu(HostBuffer::new(1 << 20).unwrap());
+    match registration::register_gpu(&s.pd, buffer, &probe, GdrMode::Force, Access::REMOTE) {
+        Err(Error::Unsupported { reason, .. }) => {
+            assert!(reason.contains("dma-buf:") && reason.contains("peermem:"))
+        }
+        other => panic!("{:?}", other.map(|o| o.describe())),
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn each_rung_is_attempted_and_its_failure_recorded() {
+    let Some((d0, _)) = devices() else { return };
+    let s = side(&d0);
+    // The dma-buf probe answering oddly still lets the rung be tried: the real attempt fails
+    // with EOPNOTSUPP and that is what is recorded.
+    let mut probe = Probe::gather(Ok(stand_in_gpu()), Ok(&s.pd));
+    probe.nic_dmabuf = DmabufSupport::Unknown("fixture".into());
+    probe.peermem = PeermemState {
+        loaded: true,
+        evidence: "fixture".into(),
+    };
+    let buffer = StandInGpu(HostBuffer::new(1 << 20).unwrap());
+    let outcome =
+        registration::register_gpu(&s.pd, buffer, &probe, GdrMode::Auto, Access::REMOTE).unwrap();
+    // The peermem rung is ibv_reg_mr on the buffer's address: host memory registers, so the
+    // stand-in reaches "direct (peermem)" with the dma-buf attempt's failure on record.
+    assert_eq!(outcome.rung(), Rung::PeerMem, "{}", outcome.describe());
+    assert!(
+        outcome.refused()[0].reason.contains("no dma-buf support"),
+        "{}",
+        outcome.describe()
+    );
+    drop(outcome);
+    // An EFAULT from ibv_reg_mr (what a GPU pointer gives without a working nvidia-peermem)
+    // is recorded as such, and the buffer goes to the staged path.
+    inject::fail_next(Call::RegMr, libc::EFAULT);
+    let buffer = StandInGpu(HostBuffer::new(1 << 20).unwrap());
+    let outcome =
+        registration::register_gpu(&s.pd, buffer, &probe, GdrMode::Auto, Access::REMOTE).unwrap();
+    assert_eq!(outcome.rung(), Rung::Staged);
+    assert!(
+        outcome
+            .describe()
+            .contains("nvidia-peermem is missing or not working"),
+        "{}",
+        outcome.describe()
+    );
+    inject::fail_next(Call::RegDmabufMr, libc::ENOMEM);
+    let buffer = StandInGpu(HostBuffer::new(1 << 20).unwrap());
+    probe.peermem.loaded = false;
+    let outcome =
+        registration::register_gpu(&s.pd, buffer, &probe, GdrMode::Auto, Access::REMOTE).unwrap();
+    assert!(
+        outcome.describe().contains("BAR1"),
+        "{}",
+        outcome.describe()
+    );
 }

@@ -1,21 +1,46 @@
-//! Page-aligned host memory for registration.
+//! Page-aligned host memory for registration, on 2 MiB hugepages where the machine has them.
 
 use std::io;
 
 use memmap2::{MmapMut, MmapOptions};
 
-use super::{RdmaBuffer, page_size};
+use super::{HostAccessible, RdmaBuffer, page_size};
 use crate::error::{Error, Result};
 
-/// Anonymous, page-aligned, zero-filled host memory.
+/// Size of the hugepages nodetour asks for.
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// What backs a [`HostBuffer`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Pages {
+    /// 2 MiB hugepages: fewer TLB misses for the NIC and the copy engines, fewer pinned pages.
+    Huge2M,
+    /// Base pages, and why not hugepages.
+    Base(String),
+}
+
+/// Whether to try hugepages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HugePages {
+    /// Use 2 MiB hugepages when the buffer is at least one hugepage and some are free.
+    Try,
+    /// Base pages only.
+    Never,
+}
+
+/// Anonymous, page-aligned, zero-filled host memory, optionally registered with CUDA for
+/// pinned-speed copies.
 ///
-/// While it is not registered it is ordinary memory (`as_slice`, `as_mut_slice`); registration
-/// takes it by value and gives it back when the region is deregistered.
+/// While it is not registered for RDMA it is ordinary memory (`as_slice`, `as_mut_slice`);
+/// registration takes it by value and gives it back when the region is deregistered.
 pub struct HostBuffer {
     // `ptr` is taken once from the mapping with write provenance and stays valid as long as
     // `map` lives; moving a HostBuffer does not move the mapping.
     ptr: *mut u8,
     len: usize,
+    pages: Pages,
+    cuda_registered: bool,
+    // Dropped last, after Drop::drop has unregistered the range from CUDA.
     map: MmapMut,
 }
 
@@ -26,27 +51,64 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
-    /// Maps `len` bytes (rounded up to whole pages) of zeroed memory.
+    /// Maps `len` bytes of zeroed memory, on hugepages when possible (see [`Self::pages`]).
     pub fn new(len: usize) -> Result<Self> {
+        Self::with_pages(len, HugePages::Try)
+    }
+
+    /// Maps `len` bytes (rounded up to whole pages) of zeroed memory.
+    pub fn with_pages(len: usize, huge: HugePages) -> Result<Self> {
         if len == 0 {
             return Err(Error::InvalidRegistration {
                 reason: "a buffer of zero bytes".into(),
             });
         }
-        let page = page_size();
-        let mapped =
-            len.checked_next_multiple_of(page)
-                .ok_or_else(|| Error::AllocateHostMemory {
-                    len,
-                    source: io::Error::from_raw_os_error(libc::ENOMEM),
-                })?;
+        let too_big = || Error::AllocateHostMemory {
+            len,
+            source: io::Error::from_raw_os_error(libc::ENOMEM),
+        };
+        let base_reason = match huge {
+            HugePages::Never => Some("base pages asked for".to_owned()),
+            HugePages::Try if len < HUGE_PAGE => {
+                Some(format!("{len} bytes is less than one 2 MiB hugepage"))
+            }
+            HugePages::Try => None,
+        };
+        let reason = match base_reason {
+            Some(r) => r,
+            None => {
+                let mapped = len
+                    .checked_next_multiple_of(HUGE_PAGE)
+                    .ok_or_else(too_big)?;
+                match MmapOptions::new().len(mapped).huge(Some(21)).map_anon() {
+                    Ok(mut map) => {
+                        return Ok(HostBuffer {
+                            ptr: map.as_mut_ptr(),
+                            len,
+                            pages: Pages::Huge2M,
+                            cuda_registered: false,
+                            map,
+                        });
+                    }
+                    Err(e) => format!(
+                        "no free 2 MiB hugepages for {mapped} bytes ({e}): see HugePages_Free in /proc/meminfo; as root `echo N > /proc/sys/vm/nr_hugepages`"
+                    ),
+                }
+            }
+        };
+        let mapped = len
+            .checked_next_multiple_of(page_size())
+            .ok_or_else(too_big)?;
         let mut map = MmapOptions::new()
             .len(mapped)
             .map_anon()
             .map_err(|source| Error::AllocateHostMemory { len, source })?;
+        tracing::debug!(len, reason = %reason, "host buffer on base pages");
         Ok(HostBuffer {
             ptr: map.as_mut_ptr(),
             len,
+            pages: Pages::Base(reason),
+            cuda_registered: false,
             map,
         })
     }
@@ -61,6 +123,11 @@ impl HostBuffer {
         self.len == 0
     }
 
+    /// What backs the buffer, and why not hugepages if not.
+    pub fn pages(&self) -> &Pages {
+        &self.pages
+    }
+
     /// The contents.
     pub fn as_slice(&self) -> &[u8] {
         &self.map[..self.len]
@@ -69,6 +136,38 @@ impl HostBuffer {
     /// The contents, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         &mut self.map[..self.len]
+    }
+
+    /// Registers the buffer with CUDA (`cuMemHostRegister`, portable) so GPU copies from and to
+    /// it run at pinned-memory speed. Unregistered when the buffer is dropped. Needs CUDA;
+    /// registering twice is a no-op.
+    pub fn register_with_cuda(&mut self) -> Result<()> {
+        if self.cuda_registered {
+            return Ok(());
+        }
+        crate::cuda::availability()?;
+        // SAFETY: CUDA is initialised; the range is this buffer's live mapping, which outlives
+        // the registration (unregistered in Drop before the unmap).
+        unsafe { crate::cuda::result::host_register(self.ptr, self.map.len())? };
+        self.cuda_registered = true;
+        Ok(())
+    }
+
+    /// Whether [`Self::register_with_cuda`] succeeded.
+    pub fn is_registered_with_cuda(&self) -> bool {
+        self.cuda_registered
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if self.cuda_registered {
+            // Failure policy: log; the unmap that follows releases the pages either way.
+            // SAFETY: the range was registered by register_with_cuda and is still mapped.
+            if let Err(e) = unsafe { crate::cuda::result::host_unregister(self.ptr) } {
+                tracing::warn!(error = %e, "cuMemHostUnregister failed");
+            }
+        }
     }
 }
 
@@ -86,11 +185,16 @@ unsafe impl RdmaBuffer for HostBuffer {
     }
 }
 
+// SAFETY: the memory is ordinary host memory, dereferenceable by the CPU.
+unsafe impl HostAccessible for HostBuffer {}
+
 impl std::fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostBuffer")
             .field("ptr", &self.ptr)
             .field("len", &self.len)
+            .field("pages", &self.pages)
+            .field("cuda_registered", &self.cuda_registered)
             .finish()
     }
 }
@@ -118,5 +222,37 @@ mod tests {
         assert_eq!(moved.as_mut_ptr(), addr);
         assert_eq!(moved.as_slice()[9_999], 7);
         assert_eq!(RdmaBuffer::len(&*moved), 10_000);
+    }
+
+    #[test]
+    fn small_buffers_say_why_they_are_not_on_hugepages() {
+        let b = HostBuffer::new(4096).unwrap();
+        assert!(matches!(b.pages(), Pages::Base(r) if r.contains("less than one 2 MiB hugepage")));
+        let b = HostBuffer::with_pages(4 << 20, HugePages::Never).unwrap();
+        assert_eq!(b.pages(), &Pages::Base("base pages asked for".into()));
+    }
+
+    #[test]
+    fn large_buffers_get_hugepages_or_a_reason() {
+        let mut b = HostBuffer::new(4 << 20).unwrap();
+        match b.pages() {
+            Pages::Huge2M => assert_eq!(b.as_mut_ptr() as usize % HUGE_PAGE, 0),
+            Pages::Base(reason) => assert!(reason.contains("nr_hugepages"), "{reason}"),
+        }
+        b.as_mut_slice()[(4 << 20) - 1] = 1;
+    }
+
+    #[test]
+    fn cuda_registration_without_cuda_is_unsupported() {
+        if crate::cuda::availability().is_ok() {
+            println!("SKIP this machine has CUDA");
+            return;
+        }
+        let mut b = HostBuffer::new(4096).unwrap();
+        assert!(matches!(
+            b.register_with_cuda(),
+            Err(Error::Unsupported { what: "CUDA", .. })
+        ));
+        assert!(!b.is_registered_with_cuda());
     }
 }

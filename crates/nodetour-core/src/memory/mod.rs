@@ -3,20 +3,22 @@
 //! A buffer that is registered for RDMA can be written by hardware at any moment, so safe code
 //! never holds a `&[u8]`/`&mut [u8]` into it while it is registered: a buffer type implements
 //! [`RdmaBuffer`] (an address that never moves, and a length), registration takes the buffer by
-//! value, and the registered region hands out copies (`read_at`/`write_at`) until it is
-//! deregistered and gives the buffer back.
+//! value, and the registered region hands out copies (`read_at`/`write_at`, only for
+//! [`HostAccessible`] memory) until it is deregistered and gives the buffer back.
 
+mod device;
 mod host;
 
-pub use host::HostBuffer;
+pub use device::{DEVICE_ALIGNMENT, DeviceBuffer, DmabufExport};
+pub use host::{HUGE_PAGE, HostBuffer, HugePages, Pages};
 
 /// Memory that can be registered with an RDMA device.
 ///
 /// # Safety
 /// Implementors guarantee that `as_mut_ptr()` returns the same address for the whole life of
 /// the value (moving the value must not move the memory), that `len()` bytes from it stay
-/// mapped, readable and writable until the value is dropped, and that nothing else frees or
-/// remaps that memory meanwhile.
+/// allocated until the value is dropped, and that nothing else frees or remaps that memory
+/// meanwhile. The address is a host virtual address, or a GPU virtual address for GPU memory.
 pub unsafe trait RdmaBuffer: Send + Sync + 'static {
     /// Start of the memory.
     fn as_mut_ptr(&self) -> *mut u8;
@@ -29,6 +31,12 @@ pub unsafe trait RdmaBuffer: Send + Sync + 'static {
     /// What kind of memory this is, for messages ("host", "gpu").
     fn kind(&self) -> &'static str;
 }
+
+/// Marks buffers whose address the CPU may dereference (host memory, not GPU memory).
+///
+/// # Safety
+/// `as_mut_ptr()..+len()` must be readable and writable host memory.
+pub unsafe trait HostAccessible: RdmaBuffer {}
 
 /// The system page size.
 pub fn page_size() -> usize {

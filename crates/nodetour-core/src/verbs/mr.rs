@@ -8,6 +8,7 @@
 
 use std::ffi::c_void;
 use std::ops::Range;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
 
@@ -16,7 +17,7 @@ use rdma_sys::ibv_mr;
 use super::pd::ProtectionDomain;
 use super::result;
 use crate::error::{Error, Result};
-use crate::memory::{RdmaBuffer, page_size};
+use crate::memory::{DeviceBuffer, HostAccessible, RdmaBuffer, page_size};
 
 const ACCESS_LOCAL_WRITE: u32 = 1;
 const ACCESS_REMOTE_WRITE: u32 = 2;
@@ -131,21 +132,34 @@ unsafe impl<B: RdmaBuffer> Send for MemoryRegion<B> {}
 unsafe impl<B: RdmaBuffer> Sync for MemoryRegion<B> {}
 
 impl<B: RdmaBuffer> MemoryRegion<B> {
-    /// Registers `buffer` in `pd`. The buffer must be page-aligned and non-empty (a region
-    /// sharing a page with unrelated data would pin and expose that data too).
+    /// Registers `buffer` in `pd` with `ibv_reg_mr` (`ibv_reg_mr_iova2` where rdma-core has it).
+    /// The buffer must be page-aligned and non-empty (a region sharing a page with unrelated
+    /// data would pin and expose that data too). GPU memory registered this way is the
+    /// nvidia-peermem path; [`MemoryRegion::try_register_dmabuf`] is the dma-buf path.
     pub fn register(pd: &Arc<ProtectionDomain>, buffer: B, access: Access) -> Result<Self> {
+        Self::try_register(pd, buffer, access).map_err(|(e, _)| e)
+    }
+
+    /// [`Self::register`], giving the buffer back on failure (so a caller can try another way).
+    pub fn try_register(
+        pd: &Arc<ProtectionDomain>,
+        buffer: B,
+        access: Access,
+    ) -> Result<Self, (Error, B)> {
         let addr = buffer.as_mut_ptr();
         let len = buffer.len();
-        check_registration(addr as usize, len, page_size())?;
+        if let Err(e) = check_registration(addr as usize, len, page_size()) {
+            return Err((e, buffer));
+        }
         let lib = pd.context().lib();
         let optional = if access.relaxed_ordering {
             ACCESS_RELAXED_ORDERING
         } else {
             0
         };
-        // SAFETY: pd is live; [addr, addr+len) is memory the buffer keeps mapped for as long as
-        // this region (which owns the buffer) exists.
-        let (raw, iova2) = unsafe {
+        // SAFETY: pd is live; [addr, addr+len) is memory the buffer keeps allocated for as long
+        // as this region (which owns the buffer) exists.
+        let registered = unsafe {
             result::reg_mr(
                 lib,
                 pd.raw(),
@@ -155,13 +169,23 @@ impl<B: RdmaBuffer> MemoryRegion<B> {
                 access.bits(),
                 optional,
             )
-        }
-        .map_err(|source| Error::RegisterMemory {
-            kind: buffer.kind(),
-            len,
-            hint: register_hint(source.raw_os_error()),
-            source,
-        })?;
+        };
+        let (raw, iova2) = match registered {
+            Ok(v) => v,
+            Err(source) => {
+                let e = Error::RegisterMemory {
+                    kind: if buffer.kind() == "gpu" {
+                        "peermem (GPU)"
+                    } else {
+                        "host"
+                    },
+                    len,
+                    hint: register_hint(source.raw_os_error()),
+                    source,
+                };
+                return Err((e, buffer));
+            }
+        };
         let relaxed = match (access.relaxed_ordering, iova2) {
             (false, _) => RelaxedOrdering::NotRequested,
             (true, true) => RelaxedOrdering::Requested,
@@ -169,19 +193,37 @@ impl<B: RdmaBuffer> MemoryRegion<B> {
                 "rdma-core has no ibv_reg_mr_iova2 (needs rdma-core 29 or newer)",
             ),
         };
+        Ok(Self::from_raw(raw, buffer, pd, addr as u64, len, relaxed))
+    }
+
+    fn from_raw(
+        raw: *mut ibv_mr,
+        buffer: B,
+        pd: &Arc<ProtectionDomain>,
+        addr: u64,
+        len: usize,
+        relaxed: RelaxedOrdering,
+    ) -> Self {
         // SAFETY: raw is a live MR returned just now.
         let (lkey, rkey) = unsafe { ((*raw).lkey, (*raw).rkey) };
-        tracing::debug!(len, lkey, rkey, ?relaxed, "memory registered");
-        Ok(MemoryRegion {
+        tracing::debug!(
+            len,
+            lkey,
+            rkey,
+            kind = buffer.kind(),
+            ?relaxed,
+            "memory registered"
+        );
+        MemoryRegion {
             raw,
             buffer: Some(buffer),
             pd: pd.clone(),
-            addr: addr as u64,
+            addr,
             len,
             lkey,
             rkey,
             relaxed,
-        })
+        }
     }
 
     /// Length in bytes.
@@ -237,6 +279,109 @@ impl<B: RdmaBuffer> MemoryRegion<B> {
         })
     }
 
+    /// Deregisters the region and gives the buffer back.
+    pub fn into_buffer(mut self) -> Result<B> {
+        let lib = self.pd.context().lib();
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        // SAFETY: raw is live; no work request holds this region (we own it by value, and work
+        // in flight holds an Arc, which would prevent calling this).
+        unsafe { result::dereg_mr(lib, raw) }.map_err(|source| Error::RegisterMemory {
+            kind: "deregistration of",
+            len: self.len,
+            hint: "",
+            source,
+        })?;
+        Ok(self
+            .buffer
+            .take()
+            .expect("buffer is present until into_buffer or drop"))
+    }
+
+    fn check_range(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                what,
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.len as u64,
+            }),
+        }
+    }
+}
+
+impl<B: RdmaBuffer> MemoryRegion<B> {
+    /// Registers `buffer` through the dma-buf `fd` (`ibv_reg_dmabuf_mr`) at iova = the buffer's
+    /// address, `offset` being where the buffer starts in the dma-buf. The caller keeps
+    /// ownership of `fd` and may close it once this returns (the kernel holds its own
+    /// reference). Gives the buffer back on failure.
+    pub fn try_register_dmabuf_fd(
+        pd: &Arc<ProtectionDomain>,
+        buffer: B,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        access: Access,
+    ) -> Result<Self, (Error, B)> {
+        let len = buffer.len();
+        let iova = buffer.as_mut_ptr() as u64;
+        if let Err(e) = check_registration(iova as usize, len, page_size()) {
+            return Err((e, buffer));
+        }
+        // SAFETY: pd is live; the dma-buf covers the buffer, which the region owns (and so keeps
+        // allocated) for as long as the registration exists.
+        let registered = unsafe {
+            result::reg_dmabuf_mr(
+                pd.context().lib(),
+                pd.raw(),
+                offset,
+                len,
+                iova,
+                fd.as_raw_fd(),
+                access.bits() as i32,
+            )
+        };
+        match registered {
+            // For dma-buf registrations the MR's `addr` field holds the offset: the region is
+            // addressed, and advertised, by its iova.
+            Ok(raw) => Ok(Self::from_raw(
+                raw,
+                buffer,
+                pd,
+                iova,
+                len,
+                RelaxedOrdering::NotRequested,
+            )),
+            Err(source) => Err((
+                Error::RegisterMemory {
+                    kind: "dma-buf",
+                    len,
+                    hint: register_hint(source.raw_os_error()),
+                    source,
+                },
+                buffer,
+            )),
+        }
+    }
+}
+
+impl MemoryRegion<DeviceBuffer> {
+    /// Registers GPU memory through dma-buf: the buffer is exported
+    /// (`cuMemGetHandleForAddressRange`), registered with [`Self::try_register_dmabuf_fd`], and
+    /// the descriptor closed. Gives the buffer back on failure.
+    pub fn try_register_dmabuf(
+        pd: &Arc<ProtectionDomain>,
+        buffer: DeviceBuffer,
+        access: Access,
+    ) -> Result<Self, (Error, DeviceBuffer)> {
+        let export = match buffer.export_dmabuf() {
+            Ok(x) => x,
+            Err(e) => return Err((e, buffer)),
+        };
+        Self::try_register_dmabuf_fd(pd, buffer, export.fd.as_fd(), export.offset, access)
+    }
+}
+
+impl<B: RdmaBuffer + HostAccessible> MemoryRegion<B> {
     /// Copies `dst.len()` bytes at `offset` out of the region.
     ///
     /// The device or a peer may be writing the region: call this only after the completion
@@ -280,41 +425,11 @@ impl<B: RdmaBuffer> MemoryRegion<B> {
         Ok(())
     }
 
-    /// Deregisters the region and gives the buffer back.
-    pub fn into_buffer(mut self) -> Result<B> {
-        let lib = self.pd.context().lib();
-        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
-        // SAFETY: raw is live; no work request holds this region (we own it by value, and work
-        // in flight holds an Arc, which would prevent calling this).
-        unsafe { result::dereg_mr(lib, raw) }.map_err(|source| Error::RegisterMemory {
-            kind: "deregistration of",
-            len: self.len,
-            hint: "",
-            source,
-        })?;
-        Ok(self
-            .buffer
-            .take()
-            .expect("buffer is present until into_buffer or drop"))
-    }
-
     fn ptr(&self) -> *mut u8 {
         self.buffer
             .as_ref()
             .expect("buffer is present while registered")
             .as_mut_ptr()
-    }
-
-    fn check_range(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::OutOfBounds {
-                what,
-                offset: offset as u64,
-                len: len as u64,
-                region_len: self.len as u64,
-            }),
-        }
     }
 }
 

@@ -1,0 +1,13 @@
+//! CUDA, loaded at run time through cudarc's dynamic loading: what nodetour needs of the driver
+//! beyond cudarc's safe layer (GPUDirect attributes, dma-buf export, host registration, flushes),
+//! as a thin result layer ([`result`]) and probes ([`driver`]).
+//!
+//! Nothing here links libcuda: [`driver::availability`] checks that the library loads and a GPU
+//! answers before any other call, and turns absence into [`crate::Error::Unsupported`]. Entry
+//! points newer than CUDA 11.0 are resolved with `cuGetProcAddress`, so an old driver is a typed
+//! error, not a panic.
+
+pub mod driver;
+pub(crate) mod result;
+
+pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus};
