@@ -2,7 +2,6 @@
 //! filter (`info`, `nodetour_core=debug`, ...); the default shows warnings and the decisions
 //! nodetour makes (device chosen, path taken, and why).
 
-use std::io::IsTerminal;
 
 /// Installs a stderr logger filtered by `NODETOUR_LOG` (default `info`).
 pub fn init() {
