@@ -19,6 +19,16 @@ SRV_DEV=$NODETOUR_VM_DEV1 CLI_DEV=$NODETOUR_VM_DEV0 SRV_IP=$NODETOUR_VM_IP1
 port=19000
 results=$(mktemp)
 
+# Waits until something listens on TCP port $1 (up to 60 s): a fixed sleep races a slow start.
+wait_listen() {
+  local i
+  for i in $(seq 600); do
+    ss -ltn 2>/dev/null | grep -q ":$1 " && return 0
+    sleep 0.1
+  done
+  echo "nothing listens on port $1 after 60 s" >&2; return 1
+}
+
 median() { sort -g | awk '{v[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
 
 run_ours() { # size iters -> MB/s
@@ -35,7 +45,7 @@ run_perftest() { # size iters -> MB/s (BW average, MB = 2^20 bytes)
   port=$((port + 1))
   timeout 300 ib_write_bw -d "$SRV_DEV" -x "$GID" -F -s "$1" -n "$2" -t 128 -p "$port" >/tmp/pt-srv.log 2>&1 &
   local spid=$!
-  sleep 1
+  wait_listen "$port" || { kill "$spid" 2>/dev/null; return 1; }
   timeout 300 ib_write_bw -d "$CLI_DEV" -x "$GID" -F -s "$1" -n "$2" -t 128 -p "$port" "$SRV_IP" >/tmp/pt-cli.log 2>&1 || { cat /tmp/pt-cli.log >&2; return 1; }
   wait "$spid" || true
   grep -A1 '#bytes' /tmp/pt-cli.log | tail -1 | awk '{print $4}'

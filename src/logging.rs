@@ -2,7 +2,6 @@
 //! filter (`info`, `nodetour_core=debug`, ...); the default shows warnings and the decisions
 //! nodetour makes (device chosen, path taken, and why).
 
-
 /// Installs a stderr logger filtered by `NODETOUR_LOG` (default `info`).
 pub fn init() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("NODETOUR_LOG")

@@ -25,6 +25,9 @@ struct Cli {
 enum Command {
     /// List RDMA devices with their ports, link layer, MTU and the GID nodetour would use.
     Devices,
+    /// List GPUs with their GPUDirect attributes, try a dma-buf export, and show which
+    /// registration path (dma-buf, peermem, staged) GPU memory would take here, and why.
+    Gpus,
     /// RDMA WRITE bandwidth between two processes, measured like perftest's ib_write_bw.
     WriteBw {
         /// Listen for the client on this address (server side).
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         tracing::debug!(settings = %config.describe(), "nodetour starting");
         match cli.command {
             Command::Devices => devices(&config),
+            Command::Gpus => gpus(&config),
             Command::WriteBw {
                 listen,
                 connect,
@@ -167,6 +171,74 @@ fn devices(config: &Config) -> Result<(), Error> {
         if let Ok(pd) = verbs::ProtectionDomain::new(&context) {
             println!("  dma-buf registration: {:?}", pd.probe_dmabuf());
         }
+    }
+    Ok(())
+}
+
+fn gpus(config: &Config) -> Result<(), Error> {
+    use nodetour_core::registration::{self, GdrMode, Probe};
+    let version = nodetour_core::cuda::availability()?;
+    let mode = GdrMode::from_env()?;
+    println!("CUDA driver: {}.{}", version / 1000, (version % 1000) / 10);
+    for gpu in nodetour_core::cuda::gpus()? {
+        println!(
+            "gpu {}: {} pci {} sm_{}{} memory {} GiB",
+            gpu.ordinal,
+            gpu.name,
+            gpu.pci_bus_id,
+            gpu.compute_capability.0,
+            gpu.compute_capability.1,
+            gpu.total_memory >> 30
+        );
+        println!("  GPUDirect attributes: {:?}", gpu.gdr);
+        let context = cudarc::driver::CudaContext::new(gpu.ordinal).map_err(|e| Error::Cuda {
+            op: "cuDevicePrimaryCtxRetain",
+            code: format!("{e:?}"),
+            hint: "",
+        })?;
+        let buffer = nodetour_core::memory::DeviceBuffer::new(&context, 64 << 20)?;
+        match buffer.export_dmabuf() {
+            Ok(x) => println!(
+                "  dma-buf export of a 64 MiB buffer: ok ({} bytes, fd {:?})",
+                x.len, x.fd
+            ),
+            Err(e) => println!("  dma-buf export of a 64 MiB buffer: failed: {e}"),
+        }
+        let pci = gpu.pci_path();
+        let nic = verbs::Context::open_chosen(
+            config,
+            verbs::Near::Gpu(pci.as_deref().unwrap_or(std::path::Path::new("/"))),
+        );
+        let probe = match &nic {
+            Ok((ctx, choice)) => {
+                println!("  NIC: {} ({})", ctx.name(), choice.reason);
+                let pd = verbs::ProtectionDomain::new(ctx)?;
+                let probe = Probe::gather(Ok(gpu.gdr.clone()), Ok(&pd));
+                let outcome =
+                    registration::register_gpu(&pd, buffer, &probe, mode, verbs::Access::REMOTE)?;
+                println!("  registration: {}", outcome.describe());
+                continue;
+            }
+            Err(e) => {
+                let why = match e {
+                    Error::NoDevice { reason } => reason.clone(),
+                    other => other.to_string(),
+                };
+                Probe {
+                    gpu: Ok(gpu.gdr.clone()),
+                    nic: Err(why.clone()),
+                    nic_dmabuf: verbs::DmabufSupport::Unknown(why),
+                    peermem: registration::peermem_state(std::path::Path::new("/")),
+                }
+            }
+        };
+        let plan = registration::plan(&probe, mode);
+        let reasons: Vec<String> = plan
+            .refused
+            .iter()
+            .map(|r| format!("{}: {}", r.rung, r.reason))
+            .collect();
+        println!("  registration: staged; {}", reasons.join("; "));
     }
     Ok(())
 }

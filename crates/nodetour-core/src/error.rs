@@ -383,6 +383,15 @@ pub enum Error {
         hint: &'static str,
     },
 
+    /// NVRTC could not compile nodetour's kernels.
+    #[error("compiling CUDA kernels for {arch} failed: {log}")]
+    CompileKernels {
+        /// Target architecture (`sm_90`).
+        arch: String,
+        /// The compiler's log, or the NVRTC error.
+        log: String,
+    },
+
     /// A peer's description does not fit ours (other link layer, other protocol version).
     #[error("peer is incompatible: {reason}")]
     PeerMismatch {

@@ -8,6 +8,7 @@
 //! error, not a panic.
 
 pub mod driver;
+pub mod nvrtc;
 pub(crate) mod result;
 
 pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus};
