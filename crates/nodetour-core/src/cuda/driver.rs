@@ -9,6 +9,9 @@ use cudarc::driver::sys::{self, CUdevice_attribute as A};
 use super::result::{cuda_error, error_name};
 use crate::error::{Error, Result};
 
+/// The oldest driver API nodetour uses (CUDA 11.0); newer calls are resolved one by one.
+pub const MIN_DRIVER_VERSION: i32 = 11000;
+
 static AVAILABLE: OnceLock<std::result::Result<i32, String>> = OnceLock::new();
 
 /// Checks once per process that libcuda loads and `cuInit` succeeds; returns the driver's CUDA
@@ -26,6 +29,13 @@ pub fn availability() -> Result<i32> {
             unsafe { sys::cuDriverGetVersion(&mut version) }
                 .result()
                 .map_err(|e| format!("cuDriverGetVersion failed: {}", error_name(e)))?;
+            if version < MIN_DRIVER_VERSION {
+                return Err(format!(
+                    "the NVIDIA driver supports CUDA {}.{}; nodetour needs 11.0 or newer (dma-buf export needs 11.7)",
+                    version / 1000,
+                    (version % 1000) / 10
+                ));
+            }
             Ok(version)
         })
         .clone()

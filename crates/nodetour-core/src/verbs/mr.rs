@@ -365,6 +365,13 @@ impl<B: RdmaBuffer> MemoryRegion<B> {
 }
 
 impl MemoryRegion<DeviceBuffer> {
+    /// The GPU buffer, for GPU-side copies (its methods go through the driver; the CPU never
+    /// dereferences it). Host buffers have no such accessor: their bytes are reached only
+    /// through `read_at`/`write_at` copies.
+    pub fn device_buffer(&self) -> &DeviceBuffer {
+        self.buffer.as_ref().expect("buffer is present while registered")
+    }
+
     /// Registers GPU memory through dma-buf: the buffer is exported
     /// (`cuMemGetHandleForAddressRange`), registered with [`Self::try_register_dmabuf_fd`], and
     /// the descriptor closed. Gives the buffer back on failure.
