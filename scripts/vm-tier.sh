@@ -23,11 +23,11 @@ for exe in "$@"; do
     "$exe" --include-ignored --test-threads 1 || failed=1
 done
 
-say "two_node_smoke: rank 0 on $NODETOUR_VM_DEV0, rank 1 on $NODETOUR_VM_DEV1"
+say "two_node_smoke --gpu (no GPU in the VM: it says so and uses host memory): rank 0 on $NODETOUR_VM_DEV0, rank 1 on $NODETOUR_VM_DEV1"
 addr=$NODETOUR_VM_IP0:18517
-NODETOUR_IB_DEVICE=$NODETOUR_VM_DEV0 timeout 120 "$BIN_DIR/examples/two_node_smoke" --rank 0 --addr "$addr" >/tmp/smoke0.log 2>&1 &
+NODETOUR_IB_DEVICE=$NODETOUR_VM_DEV0 timeout 120 "$BIN_DIR/examples/two_node_smoke" --gpu --rank 0 --addr "$addr" >/tmp/smoke0.log 2>&1 &
 r0pid=$!
-NODETOUR_IB_DEVICE=$NODETOUR_VM_DEV1 timeout 120 "$BIN_DIR/examples/two_node_smoke" --rank 1 --addr "$addr" >/tmp/smoke1.log 2>&1
+NODETOUR_IB_DEVICE=$NODETOUR_VM_DEV1 timeout 120 "$BIN_DIR/examples/two_node_smoke" --gpu --rank 1 --addr "$addr" >/tmp/smoke1.log 2>&1
 r1=$?
 wait "$r0pid"
 r0=$?

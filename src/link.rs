@@ -1,15 +1,16 @@
-//! A connected pair of RC queue pairs between two processes, each with one registered host
-//! region the other may write: the common start of the `nodetour write-bw` tool and the
-//! two-node example.
+//! A connected pair of RC queue pairs between two processes, each with one registered region
+//! the other may write: the common start of the `nodetour write-bw` tool and the two-node
+//! example.
 //!
-//! Establishing a link takes the steps a user of the core crate takes, in order: choose and open
-//! a device, pick the port and GID, register memory, create the queue pair, post receives,
-//! exchange endpoint descriptions out of band, connect, and agree that both sides are ready
-//! (a write must not reach a queue pair that is not yet ready to receive).
+//! The steps are the ones a user of the core crate takes, in order: open the device the memory
+//! calls for and pick the port and GID ([`LocalSide::open`]); register memory (host memory, or
+//! GPU memory through the registration ladder); then [`PeerLink::connect`] creates the queue
+//! pair, posts receives, exchanges endpoint descriptions out of band, connects, and waits until
+//! both sides are ready (a write must not reach a queue pair that is not yet ready to receive).
 
 use std::sync::Arc;
 
-use nodetour_core::memory::HostBuffer;
+use nodetour_core::memory::{HostBuffer, RdmaBuffer};
 use nodetour_core::oob::{MessageKind, OobChannel, OobListener};
 use nodetour_core::verbs::{
     Access, Context, DeviceChoice, Endpoint, EndpointDescription, GidChoice, MemoryRegion, Near,
@@ -26,19 +27,10 @@ pub enum Role {
     Connect(String),
 }
 
-/// One end of an established link.
-pub struct PeerLink {
-    /// The queue pair, connected and ready to send. Declared first: dropped (torn down) before
-    /// the region it may still be writing into.
-    pub qp: QueuePair,
-    /// This side's registered region (the peer may write all of it).
-    pub region: Arc<MemoryRegion<HostBuffer>>,
-    /// The peer's region, as this side may write it.
-    pub remote: RemoteRegion,
-    /// The peer's queue pair.
-    pub remote_endpoint: Endpoint,
-    /// The out-of-band channel, kept open for control messages.
-    pub channel: OobChannel,
+/// This process's device, port, GID and protection domain.
+pub struct LocalSide {
+    /// The protection domain regions and the queue pair are created in.
+    pub pd: Arc<ProtectionDomain>,
     /// The device, and why it was chosen.
     pub device: DeviceChoice,
     /// The port in use.
@@ -49,7 +41,43 @@ pub struct PeerLink {
     pub context: Arc<Context>,
 }
 
-impl PeerLink {
+impl LocalSide {
+    /// Opens the device for memory at `near` (`NODETOUR_IB_DEVICE` overrides) and chooses the
+    /// port and GID.
+    pub fn open(config: &Config, near: Near<'_>) -> Result<LocalSide> {
+        let (context, device) = Context::open_chosen(config, near)?;
+        let port = context.first_active_port()?;
+        let gid = context.choose_gid(&port, config.gid_index)?;
+        tracing::info!(device = %context.name(), port = port.port, gid_index = gid.index, reason = %gid.reason, "GID chosen");
+        let pd = ProtectionDomain::new(&context)?;
+        Ok(LocalSide {
+            pd,
+            device,
+            port,
+            gid,
+            context,
+        })
+    }
+}
+
+/// One end of an established link.
+pub struct PeerLink<B: RdmaBuffer = HostBuffer> {
+    /// The queue pair, connected and ready to send. Declared first: dropped (torn down) before
+    /// the region it may still be writing into.
+    pub qp: QueuePair,
+    /// This side's registered region (the peer may write all of it).
+    pub region: Arc<MemoryRegion<B>>,
+    /// The peer's region, as this side may write it.
+    pub remote: RemoteRegion,
+    /// The peer's queue pair.
+    pub remote_endpoint: Endpoint,
+    /// The out-of-band channel, kept open for control messages.
+    pub channel: OobChannel,
+    /// Device, port, GID.
+    pub local: LocalSide,
+}
+
+impl PeerLink<HostBuffer> {
     /// Establishes a link with `region_len` bytes of writable host memory on each side.
     pub fn establish(
         config: &Config,
@@ -57,25 +85,35 @@ impl PeerLink {
         region_len: usize,
         options: QueuePairOptions,
         deadline: Deadline,
-    ) -> Result<PeerLink> {
-        let (context, device) = Context::open_chosen(config, Near::Host)?;
-        let port = context.first_active_port()?;
-        let gid = context.choose_gid(&port, config.gid_index)?;
-        tracing::info!(device = %context.name(), port = port.port, gid_index = gid.index, reason = %gid.reason, "GID chosen");
-        let pd = ProtectionDomain::new(&context)?;
+    ) -> Result<PeerLink<HostBuffer>> {
+        let local = LocalSide::open(config, Near::Host)?;
         let region = Arc::new(MemoryRegion::register(
-            &pd,
+            &local.pd,
             HostBuffer::new(region_len)?,
             Access::REMOTE,
         )?);
-        let qp = QueuePair::new(&pd, port.port, options)?;
+        PeerLink::connect(config, local, region, role, options, deadline)
+    }
+}
+
+impl<B: RdmaBuffer> PeerLink<B> {
+    /// Connects `region` (registered in `local.pd`) with the peer's.
+    pub fn connect(
+        config: &Config,
+        local: LocalSide,
+        region: Arc<MemoryRegion<B>>,
+        role: &Role,
+        options: QueuePairOptions,
+        deadline: Deadline,
+    ) -> Result<PeerLink<B>> {
+        let qp = QueuePair::new(&local.pd, local.port.port, options)?;
         qp.post_receives(options.recv_depth)?;
         let mut channel = match role {
             Role::Listen(addr) => OobListener::bind(addr.as_str())?.accept(deadline)?,
             Role::Connect(addr) => OobChannel::connect(addr, deadline)?,
         };
         let ours = EndpointDescription {
-            endpoint: qp.endpoint(&gid),
+            endpoint: qp.endpoint(&local.gid),
             regions: vec![region.remote()],
         };
         let theirs = channel.exchange_endpoints(&ours, deadline)?;
@@ -85,7 +123,10 @@ impl PeerLink {
             .ok_or_else(|| nodetour_core::Error::PeerMismatch {
                 reason: "the peer advertised no writable region".into(),
             })?;
-        qp.connect(&theirs.endpoint, &PathOptions::new(port.port, &gid, config))?;
+        qp.connect(
+            &theirs.endpoint,
+            &PathOptions::new(local.port.port, &local.gid, config),
+        )?;
         channel.send(MessageKind::Ready, &[], deadline)?;
         channel.expect(MessageKind::Ready, deadline)?;
         Ok(PeerLink {
@@ -94,16 +135,13 @@ impl PeerLink {
             remote,
             remote_endpoint: theirs.endpoint,
             channel,
-            device,
-            port,
-            gid,
-            context,
+            local,
         })
     }
 
     /// The path MTU in bytes (the smaller of both ends).
     pub fn mtu_bytes(&self) -> u32 {
-        let local = self.port.active_mtu.map_or(1024, |m| m.bytes());
+        let local = self.local.port.active_mtu.map_or(1024, |m| m.bytes());
         local.min(self.remote_endpoint.mtu.bytes())
     }
 
@@ -111,12 +149,12 @@ impl PeerLink {
     pub fn describe(&self) -> String {
         format!(
             "device={} port={} gid_index={} gid={} mtu={} link={:?} qpn={} peer_qpn={}",
-            self.context.name(),
-            self.port.port,
-            self.gid.index,
-            std::net::Ipv6Addr::from(self.gid.gid),
+            self.local.context.name(),
+            self.local.port.port,
+            self.local.gid.index,
+            std::net::Ipv6Addr::from(self.local.gid.gid),
             self.mtu_bytes(),
-            self.port.link_layer,
+            self.local.port.link_layer,
             self.qp.qpn(),
             self.remote_endpoint.qpn
         )

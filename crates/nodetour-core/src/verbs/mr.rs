@@ -369,7 +369,9 @@ impl MemoryRegion<DeviceBuffer> {
     /// dereferences it). Host buffers have no such accessor: their bytes are reached only
     /// through `read_at`/`write_at` copies.
     pub fn device_buffer(&self) -> &DeviceBuffer {
-        self.buffer.as_ref().expect("buffer is present while registered")
+        self.buffer
+            .as_ref()
+            .expect("buffer is present while registered")
     }
 
     /// Registers GPU memory through dma-buf: the buffer is exported

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# gpu-pack.sh: build everything the GPU tier runs and pack it into DIR (default .device/), for
+# machines that have GPUs but no Rust toolchain: copy DIR there and run DIR/gpu-tier.sh.
+# The binaries load libcuda, NVRTC and libibverbs at run time, so one build runs everywhere.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${1:-.device}
+mkdir -p "$out"
+cargo build --release --bins --examples
+cargo build --release -p nodetour-core --example gpu_spike
+exe=$(cargo test --release -p nodetour-core --test gpu --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
+cp target/release/nodetour target/release/examples/two_node_smoke target/release/examples/gpu_spike "$out/"
+cp "$exe" "$out/gpu_tests"
+cp scripts/gpu-tier.sh "$out/"
+strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/gpu_tests"
+du -sh "$out"
