@@ -22,6 +22,10 @@ use crate::error::Error;
 use crate::memory::{DeviceBuffer, RdmaBuffer};
 use crate::verbs::{Access, DmabufSupport, MemoryRegion, ProtectionDomain};
 
+/// Said with every direct-path outcome until the project's own hardware has run it.
+pub const NOT_VERIFIED: &str =
+    "NIC-to-GPU path not verified on hardware by nodetour's CI: check it with two_node_smoke --gpu";
+
 /// A way to make GPU memory reachable by the NIC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Rung {
@@ -286,7 +290,9 @@ impl<B: RdmaBuffer> Registration<B> {
     /// One line: `direct (dma-buf)` or `staged`, then each refused rung with its reason.
     pub fn describe(&self) -> String {
         let head = match self {
-            Registration::Direct { rung, .. } => format!("direct ({rung})"),
+            Registration::Direct { rung, .. } => {
+                format!("direct ({rung}; {NOT_VERIFIED})")
+            }
             Registration::Staged { .. } => "staged".to_owned(),
         };
         let reasons: Vec<String> = self
