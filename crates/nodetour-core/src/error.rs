@@ -392,6 +392,32 @@ pub enum Error {
         log: String,
     },
 
+    /// Forming the job failed: world size mismatch, duplicate rank, a rank that never arrived,
+    /// a peer refused.
+    #[error("rendezvous failed: {reason}")]
+    Rendezvous {
+        /// What went wrong, naming the ranks involved.
+        reason: String,
+    },
+
+    /// A peer failed the job-token challenge (or we did, in its eyes).
+    #[error("authenticating {peer} failed: {reason}")]
+    Authenticate {
+        /// The peer's address (and rank, if known).
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+
+    /// A rank of the job is gone (its process died or its connection broke).
+    #[error("rank {rank} lost: {reason}")]
+    RankLost {
+        /// The lost rank.
+        rank: u32,
+        /// How it was noticed.
+        reason: String,
+    },
+
     /// A peer's description does not fit ours (other link layer, other protocol version).
     #[error("peer is incompatible: {reason}")]
     PeerMismatch {

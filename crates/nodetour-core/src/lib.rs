@@ -33,6 +33,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod bootstrap;
 pub mod config;
 pub mod cuda;
 pub mod deadline;

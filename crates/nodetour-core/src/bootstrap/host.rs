@@ -1,0 +1,95 @@
+//! Which host, and which namespaces, a process lives in: "same host" is decided from the kernel's
+//! boot id plus namespace ids, never from the hostname (containers share hostnames and hosts
+//! share names across clusters). Transports still confirm by mapping the peer's memory.
+
+use std::path::Path;
+
+/// A process's host and namespaces.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct HostIdentity {
+    /// `/proc/sys/kernel/random/boot_id`: unique per boot of a kernel.
+    pub boot_id: String,
+    /// Network namespace inode.
+    pub net_ns: u64,
+    /// IPC namespace inode (System V shared memory, CUDA IPC needs the same).
+    pub ipc_ns: u64,
+    /// Mount namespace inode (whether `/dev/shm` is the same).
+    pub mnt_ns: u64,
+}
+
+impl HostIdentity {
+    /// This process's identity, read under `root` ("/" on a live system). Unreadable parts read
+    /// as empty/zero, which never compares equal to a real peer's.
+    pub fn read(root: &Path) -> HostIdentity {
+        let boot_id = std::fs::read_to_string(root.join("proc/sys/kernel/random/boot_id"))
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default();
+        let ns = |name: &str| {
+            std::fs::read_link(root.join("proc/self/ns").join(name))
+                .ok()
+                .and_then(|l| {
+                    let s = l.to_string_lossy().into_owned();
+                    s.split('[').nth(1)?.trim_end_matches(']').parse().ok()
+                })
+                .unwrap_or(0)
+        };
+        HostIdentity {
+            boot_id,
+            net_ns: ns("net"),
+            ipc_ns: ns("ipc"),
+            mnt_ns: ns("mnt"),
+        }
+    }
+
+    /// The identity of this process.
+    pub fn current() -> HostIdentity {
+        Self::read(Path::new("/"))
+    }
+
+    /// Same kernel (same machine, same boot): GPU peer access and CUDA IPC may work.
+    pub fn same_host(&self, other: &HostIdentity) -> bool {
+        !self.boot_id.is_empty() && self.boot_id == other.boot_id
+    }
+
+    /// Same kernel and the same mount and IPC namespaces: shared memory under `/dev/shm` is the
+    /// same for both.
+    pub fn shares_memory(&self, other: &HostIdentity) -> bool {
+        self.same_host(other)
+            && self.mnt_ns == other.mnt_ns
+            && self.ipc_ns == other.ipc_ns
+            && self.mnt_ns != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_has_an_identity_and_matches_itself() {
+        let me = HostIdentity::current();
+        assert_eq!(me.boot_id.len(), 36, "{me:?}");
+        assert!(me.net_ns != 0 && me.mnt_ns != 0);
+        assert!(me.same_host(&me) && me.shares_memory(&me));
+    }
+
+    #[test]
+    fn other_boots_and_namespaces_differ() {
+        let me = HostIdentity::current();
+        let other_boot = HostIdentity {
+            boot_id: "00000000-0000-0000-0000-000000000000".into(),
+            ..me.clone()
+        };
+        assert!(!me.same_host(&other_boot));
+        let other_mnt = HostIdentity {
+            mnt_ns: me.mnt_ns + 1,
+            ..me.clone()
+        };
+        assert!(me.same_host(&other_mnt) && !me.shares_memory(&other_mnt));
+        let unknown = HostIdentity::read(Path::new("/nonexistent"));
+        assert!(
+            !unknown.same_host(&unknown),
+            "unreadable identities never match"
+        );
+    }
+}

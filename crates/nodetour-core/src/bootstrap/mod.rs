@@ -1,0 +1,129 @@
+//! Forming a job: who each process is (from torchrun, Slurm, Open MPI, or explicit values), a
+//! rendezvous at rank 0 guarded by a job token, the table of every rank's address, and a
+//! liveness mesh that tells every rank when another is lost.
+//!
+//! ```no_run
+//! use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
+//! use nodetour_core::Deadline;
+//! # fn main() -> nodetour_core::Result<()> {
+//! let info = LaunchInfo::from_env()?;               // RANK, WORLD_SIZE, MASTER_ADDR, ...
+//! let me = PeerEntry { rank: info.rank, host: HostIdentity::current(),
+//!                      address: "10.0.0.5:41000".into(), blob: vec![] };
+//! let job = Bootstrap::rendezvous(&info.rendezvous_addr(), info.rank, info.world_size, me,
+//!                                 &JobToken::from_env(), Deadline::after(std::time::Duration::from_secs(60)))?;
+//! for peer in job.peers() { /* connect transports */ }
+//! job.check()?;                                     // Err(RankLost) once any rank is gone
+//! # Ok(()) }
+//! ```
+
+pub mod auth;
+pub mod host;
+pub mod launcher;
+mod rendezvous;
+pub mod wire;
+
+pub use auth::JobToken;
+pub use host::HostIdentity;
+pub use launcher::{LaunchInfo, Launcher};
+pub use rendezvous::Bootstrap;
+pub use wire::PeerEntry;
+
+use crate::error::{Error, Result};
+
+/// An NCCL-style unique id: the rendezvous address and a fresh job token in one string, created
+/// by rank 0 and passed to the others through the runtime's own store (for runtimes that do not
+/// use launcher environment variables).
+#[derive(Clone, PartialEq, Eq)]
+pub struct UniqueId {
+    /// `host:port` of rank 0's rendezvous.
+    pub address: String,
+    /// The job token (random).
+    pub token: [u8; 16],
+}
+
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UniqueId")
+            .field("address", &self.address)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UniqueId {
+    /// A new id for a rendezvous at `address`, with a random token.
+    pub fn new(address: impl Into<String>) -> UniqueId {
+        let mut token = [0u8; 16];
+        token.copy_from_slice(&auth::nonce()[..16]);
+        UniqueId {
+            address: address.into(),
+            token,
+        }
+    }
+
+    /// The id as text: `ndt1:<32 hex digits>@<host:port>`.
+    pub fn encode(&self) -> String {
+        let hex: String = self.token.iter().map(|b| format!("{b:02x}")).collect();
+        format!("ndt1:{hex}@{}", self.address)
+    }
+
+    /// Parses [`Self::encode`]'s form.
+    pub fn decode(s: &str) -> Result<UniqueId> {
+        let bad = |reason: &str| Error::Decode {
+            what: "unique id",
+            reason: reason.to_owned(),
+        };
+        let rest = s
+            .strip_prefix("ndt1:")
+            .ok_or_else(|| bad("missing the ndt1: prefix"))?;
+        let (hex, address) = rest
+            .split_once('@')
+            .ok_or_else(|| bad("missing @address"))?;
+        if hex.len() != 32 || address.is_empty() || address.len() > wire::MAX_STRING {
+            return Err(bad(
+                "the token must be 32 hex digits and the address non-empty",
+            ));
+        }
+        let mut token = [0u8; 16];
+        for (i, b) in token.iter_mut().enumerate() {
+            *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2).ok_or_else(|| bad("bad hex"))?, 16)
+                .map_err(|_| bad("bad hex"))?;
+        }
+        Ok(UniqueId {
+            address: address.to_owned(),
+            token,
+        })
+    }
+
+    /// The job token this id carries.
+    pub fn job_token(&self) -> JobToken {
+        JobToken::new(self.token.to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_ids_round_trip_and_reject_garbage() {
+        let id = UniqueId::new("node0:29600");
+        let text = id.encode();
+        assert!(text.starts_with("ndt1:") && text.ends_with("@node0:29600"));
+        assert_eq!(UniqueId::decode(&text).unwrap(), id);
+        assert_ne!(UniqueId::new("x").token, UniqueId::new("x").token);
+        for bad in [
+            "",
+            "ndt2:00@x",
+            "ndt1:zz@x",
+            "ndt1:0011@x",
+            "ndt1:00112233445566778899aabbccddeeff@",
+            "ndt1:00112233445566778899aabbccddeeffx",
+        ] {
+            assert!(UniqueId::decode(bad).is_err(), "{bad}");
+        }
+        assert!(
+            !format!("{id:?}").contains(&text[5..37]),
+            "Debug does not print the token"
+        );
+    }
+}

@@ -1,0 +1,634 @@
+//! Forming the job: every rank connects to rank 0, proves the job token, and tells the others
+//! where it listens; rank 0 checks the world (size, duplicate ranks, ranks that never arrive)
+//! and sends everyone the table. The connections then stay open as a liveness mesh (a star
+//! through rank 0): a rank that dies closes its socket, rank 0 sees it at once and tells every
+//! other rank, including ranks that never talk to it otherwise.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::auth::{JobToken, nonce};
+use super::wire::{HEADER_LEN, Message, PeerEntry};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+
+/// How long one handshake step may take from a connected peer (a stranger that connects and
+/// stays silent is dropped after this, without holding up the others).
+const STEP: Duration = Duration::from_secs(10);
+/// How often the liveness watcher wakes to check for shutdown.
+const WATCH_TICK: Duration = Duration::from_millis(200);
+
+/// Who has been lost, shared with the watcher thread.
+#[derive(Default)]
+struct Liveness {
+    lost: Mutex<Vec<(u32, String)>>,
+    changed: Condvar,
+}
+
+impl Liveness {
+    fn mark(&self, rank: u32, reason: String) {
+        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        if !lost.iter().any(|(r, _)| *r == rank) {
+            tracing::warn!(rank, reason = %reason, "rank lost");
+            lost.push((rank, reason));
+            self.changed.notify_all();
+        }
+    }
+}
+
+/// A formed job: the peer table, and the liveness mesh that watches it.
+pub struct Bootstrap {
+    rank: u32,
+    world_size: u32,
+    table: Vec<PeerEntry>,
+    liveness: Arc<Liveness>,
+    stop: Arc<AtomicBool>,
+    links: Vec<(u32, TcpStream)>,
+    watcher: Option<JoinHandle<()>>,
+}
+
+impl Bootstrap {
+    /// Runs the rendezvous at `rendezvous` (`host:port`; rank 0 listens there, binding all
+    /// interfaces on that port) and returns once every rank has joined, or fails before
+    /// `deadline` with the ranks that never arrived. `me` is this rank's entry (its `rank` field
+    /// must be `rank`).
+    pub fn rendezvous(
+        rendezvous: &str,
+        rank: u32,
+        world_size: u32,
+        me: PeerEntry,
+        token: &JobToken,
+        deadline: Deadline,
+    ) -> Result<Bootstrap> {
+        if me.rank != rank || rank >= world_size {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "rank {rank} of {world_size} with an entry for rank {}",
+                    me.rank
+                ),
+            });
+        }
+        if token.is_empty() {
+            tracing::warn!(
+                "NODETOUR_JOB_TOKEN is not set: any process that reaches the rendezvous port can join this job"
+            );
+        }
+        let (table, links) = if rank == 0 {
+            serve(rendezvous, world_size, me, token, deadline)?
+        } else {
+            join(rendezvous, rank, world_size, me, token, deadline)?
+        };
+        let liveness = Arc::new(Liveness::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let watcher = {
+            let streams: Vec<(u32, TcpStream)> = links
+                .iter()
+                .map(|(r, s)| s.try_clone().map(|c| (*r, c)))
+                .collect::<io::Result<_>>()
+                .map_err(|source| Error::Exchange {
+                    op: "clone",
+                    peer: "bootstrap".into(),
+                    source,
+                })?;
+            let (liveness, stop) = (liveness.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name(format!("nodetour-liveness-{rank}"))
+                .spawn(move || watch(rank, streams, &liveness, &stop))
+                .map_err(|source| Error::Exchange {
+                    op: "spawn watcher",
+                    peer: "bootstrap".into(),
+                    source,
+                })?
+        };
+        Ok(Bootstrap {
+            rank,
+            world_size,
+            table,
+            liveness,
+            stop,
+            links,
+            watcher: Some(watcher),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> u32 {
+        self.world_size
+    }
+
+    /// Every rank's entry, indexed by rank.
+    pub fn peers(&self) -> &[PeerEntry] {
+        &self.table
+    }
+
+    /// `Err(RankLost)` naming the first rank lost, if any.
+    pub fn check(&self) -> Result<()> {
+        let lost = self.liveness.lost.lock().unwrap_or_else(|p| p.into_inner());
+        match lost.first() {
+            Some((rank, reason)) => Err(Error::RankLost {
+                rank: *rank,
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until some rank is lost or `deadline` passes; returns the lost rank and why.
+    pub fn wait_for_loss(&self, deadline: Deadline) -> Option<(u32, String)> {
+        let mut lost = self.liveness.lost.lock().unwrap_or_else(|p| p.into_inner());
+        while lost.is_empty() && !deadline.expired() {
+            lost = self
+                .liveness
+                .changed
+                .wait_timeout(lost, deadline.remaining())
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        lost.first().cloned()
+    }
+}
+
+impl Drop for Bootstrap {
+    fn drop(&mut self) {
+        // Leave on purpose: say goodbye so the others do not report this rank lost, stop the
+        // watcher, then close the sockets.
+        self.stop.store(true, Ordering::SeqCst);
+        if let Ok(bye) = Message::Goodbye.encode() {
+            for (_, s) in &mut self.links {
+                let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                let _ = s.write_all(&bye);
+            }
+        }
+        if let Some(w) = self.watcher.take() {
+            let _ = w.join();
+        }
+        for (_, s) in &self.links {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Reads one message within `deadline`.
+fn read_message(s: &mut TcpStream, deadline: Deadline, peer: &str) -> Result<Message> {
+    let mut header = [0u8; HEADER_LEN];
+    read_exact(s, &mut header, deadline, peer)?;
+    let (kind, len) = Message::decode_header(&header)?;
+    let mut payload = vec![0u8; len as usize];
+    read_exact(s, &mut payload, deadline, peer)?;
+    Message::decode_payload(kind, &payload)
+}
+
+fn read_exact(s: &mut TcpStream, buf: &mut [u8], deadline: Deadline, peer: &str) -> Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        if deadline.expired() {
+            return Err(deadline.timeout(format!("a bootstrap message from {peer}")));
+        }
+        s.set_read_timeout(Some(deadline.remaining().max(Duration::from_millis(1))))
+            .map_err(|source| Error::Exchange {
+                op: "read",
+                peer: peer.to_owned(),
+                source,
+            })?;
+        match s.read(&mut buf[at..]) {
+            Ok(0) => {
+                return Err(Error::Exchange {
+                    op: "read",
+                    peer: peer.to_owned(),
+                    source: io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the peer closed the connection",
+                    ),
+                });
+            }
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
+            Err(source) => {
+                return Err(Error::Exchange {
+                    op: "read",
+                    peer: peer.to_owned(),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn send(s: &mut TcpStream, m: &Message, peer: &str) -> Result<()> {
+    let frame = m.encode()?;
+    s.set_write_timeout(Some(STEP))
+        .and_then(|()| s.write_all(&frame))
+        .map_err(|source| Error::Exchange {
+            op: "write",
+            peer: peer.to_owned(),
+            source,
+        })
+}
+
+struct Joined {
+    stream: TcpStream,
+    entry: PeerEntry,
+    peer: String,
+}
+
+/// Rank 0: accept, authenticate and collect every other rank, then send the table.
+fn serve(
+    addr: &str,
+    world_size: u32,
+    me: PeerEntry,
+    token: &JobToken,
+    deadline: Deadline,
+) -> Result<(Vec<PeerEntry>, Vec<(u32, TcpStream)>)> {
+    let port = addr.rsplit(':').next().unwrap_or("0");
+    let bind = format!("0.0.0.0:{port}");
+    let listener = TcpListener::bind(&bind).map_err(|source| Error::Exchange {
+        op: "listen",
+        peer: bind.clone(),
+        source,
+    })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| Error::Exchange {
+            op: "listen",
+            peer: bind.clone(),
+            source,
+        })?;
+    let (tx, rx) = mpsc::channel::<std::result::Result<Joined, (String, Error)>>();
+    let mut joined: Vec<Option<Joined>> = (0..world_size).map(|_| None).collect();
+    let mut missing = world_size - 1;
+    while missing > 0 {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let (tx, token) = (tx.clone(), token.clone());
+                let peer = peer.to_string();
+                std::thread::spawn(move || {
+                    let r = handshake_server(stream, &peer, world_size, &token, deadline)
+                        .map_err(|e| (peer, e));
+                    let _ = tx.send(r);
+                });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(source) => {
+                return Err(Error::Exchange {
+                    op: "accept",
+                    peer: bind,
+                    source,
+                });
+            }
+        }
+        while let Ok(result) = rx.try_recv() {
+            match result {
+                Ok(mut j) => {
+                    let r = j.entry.rank as usize;
+                    if let Some(first) = &joined[r] {
+                        let reason = format!(
+                            "rank {r} already joined from {}; {} claims it too",
+                            first.peer, j.peer
+                        );
+                        tracing::warn!(%reason, "duplicate rank refused");
+                        let _ = send(&mut j.stream, &Message::Reject { reason }, &j.peer);
+                        continue;
+                    }
+                    tracing::debug!(rank = r, peer = %j.peer, "rank joined");
+                    joined[r] = Some(j);
+                    missing -= 1;
+                }
+                Err((peer, e)) => {
+                    tracing::warn!(peer = %peer, error = %e, "refused a bootstrap connection")
+                }
+            }
+        }
+        if missing > 0 && deadline.expired() {
+            let absent: Vec<String> = (1..world_size)
+                .filter(|r| joined[*r as usize].is_none())
+                .map(|r| r.to_string())
+                .collect();
+            let reason = format!(
+                "rank(s) {} never arrived within {:?}",
+                absent.join(", "),
+                deadline.budget()
+            );
+            for j in joined.iter_mut().flatten() {
+                let _ = send(
+                    &mut j.stream,
+                    &Message::Reject {
+                        reason: reason.clone(),
+                    },
+                    &j.peer,
+                );
+            }
+            return Err(Error::Rendezvous { reason });
+        }
+        let mut pfd = libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; a short timeout so handshake results are collected promptly.
+        unsafe { libc::poll(&mut pfd, 1, 20) };
+    }
+    let mut table = vec![me];
+    table.extend(joined.iter().skip(1).flatten().map(|j| j.entry.clone()));
+    let msg = Message::Table(table.clone());
+    let mut links = Vec::new();
+    for j in joined.into_iter().skip(1).flatten() {
+        let Joined {
+            mut stream,
+            entry,
+            peer,
+        } = j;
+        send(&mut stream, &msg, &peer)?;
+        links.push((entry.rank, stream));
+    }
+    Ok((table, links))
+}
+
+fn handshake_server(
+    mut s: TcpStream,
+    peer: &str,
+    world_size: u32,
+    token: &JobToken,
+    deadline: Deadline,
+) -> Result<Joined> {
+    s.set_nodelay(true).ok();
+    let step = Deadline::after(STEP.min(deadline.remaining().max(Duration::from_millis(100))));
+    let ours = nonce();
+    send(&mut s, &Message::Challenge { nonce: ours }, peer)?;
+    let (rank, claimed_world, theirs) = match read_message(&mut s, step, peer)? {
+        Message::Hello {
+            rank,
+            world_size: w,
+            proof,
+            nonce,
+        } => {
+            if !token.verify_client(&ours, rank, w, &proof) {
+                let _ = send(
+                    &mut s,
+                    &Message::Reject {
+                        reason: "wrong job token".into(),
+                    },
+                    peer,
+                );
+                return Err(Error::Authenticate {
+                    peer: peer.to_owned(),
+                    reason: format!("wrong job token (claimed rank {rank})"),
+                });
+            }
+            (rank, w, nonce)
+        }
+        other => {
+            return Err(Error::Decode {
+                what: "bootstrap handshake",
+                reason: format!("expected Hello, got {other:?}"),
+            });
+        }
+    };
+    let refuse = |s: &mut TcpStream, reason: String| -> Error {
+        let _ = send(
+            s,
+            &Message::Reject {
+                reason: reason.clone(),
+            },
+            peer,
+        );
+        Error::Rendezvous { reason }
+    };
+    if claimed_world != world_size {
+        return Err(refuse(
+            &mut s,
+            format!(
+                "world size mismatch: rank 0 has {world_size}, rank {rank} at {peer} says {claimed_world}"
+            ),
+        ));
+    }
+    if rank == 0 || rank >= world_size {
+        return Err(refuse(
+            &mut s,
+            format!("rank {rank} from {peer} is not a valid joining rank of {world_size}"),
+        ));
+    }
+    send(
+        &mut s,
+        &Message::ServerProof {
+            proof: token.server_proof(&theirs, rank, world_size),
+        },
+        peer,
+    )?;
+    match read_message(&mut s, step, peer)? {
+        Message::Join(entry) if entry.rank == rank => Ok(Joined {
+            stream: s,
+            entry,
+            peer: peer.to_owned(),
+        }),
+        Message::Join(entry) => Err(refuse(
+            &mut s,
+            format!("{peer} proved rank {rank} but joins as rank {}", entry.rank),
+        )),
+        other => Err(Error::Decode {
+            what: "bootstrap handshake",
+            reason: format!("expected Join, got {other:?}"),
+        }),
+    }
+}
+
+/// Ranks 1..n: connect to rank 0, authenticate both ways, join, and receive the table.
+fn join(
+    addr: &str,
+    rank: u32,
+    world_size: u32,
+    me: PeerEntry,
+    token: &JobToken,
+    deadline: Deadline,
+) -> Result<(Vec<PeerEntry>, Vec<(u32, TcpStream)>)> {
+    let target = addr
+        .to_socket_addrs()
+        .map_err(|source| Error::Exchange {
+            op: "resolve",
+            peer: addr.to_owned(),
+            source,
+        })?
+        .next()
+        .ok_or_else(|| Error::Exchange {
+            op: "resolve",
+            peer: addr.to_owned(),
+            source: io::Error::new(io::ErrorKind::NotFound, "no address"),
+        })?;
+    let peer = format!("rank 0 at {addr}");
+    let mut s = loop {
+        match TcpStream::connect_timeout(
+            &target,
+            deadline.remaining().max(Duration::from_millis(1)),
+        ) {
+            Ok(s) => break s,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
+                ) =>
+            {
+                deadline.check(|| format!("rank 0's rendezvous at {addr} ({e})"))?;
+                std::thread::sleep(Duration::from_millis(50).min(deadline.remaining()));
+            }
+            Err(source) => {
+                return Err(Error::Exchange {
+                    op: "connect",
+                    peer,
+                    source,
+                });
+            }
+        }
+    };
+    s.set_nodelay(true).ok();
+    let challenge = match read_message(&mut s, deadline, &peer)? {
+        Message::Challenge { nonce } => nonce,
+        other => {
+            return Err(Error::Decode {
+                what: "bootstrap handshake",
+                reason: format!("expected Challenge, got {other:?}"),
+            });
+        }
+    };
+    let ours = nonce();
+    send(
+        &mut s,
+        &Message::Hello {
+            rank,
+            world_size,
+            proof: token.client_proof(&challenge, rank, world_size),
+            nonce: ours,
+        },
+        &peer,
+    )?;
+    match read_message(&mut s, deadline, &peer)? {
+        Message::ServerProof { proof } if token.verify_server(&ours, rank, world_size, &proof) => {}
+        Message::ServerProof { .. } => {
+            return Err(Error::Authenticate {
+                peer,
+                reason: "the rendezvous does not know the job token".into(),
+            });
+        }
+        Message::Reject { reason } if reason.contains("token") => {
+            return Err(Error::Authenticate { peer, reason });
+        }
+        Message::Reject { reason } => return Err(Error::Rendezvous { reason }),
+        other => {
+            return Err(Error::Decode {
+                what: "bootstrap handshake",
+                reason: format!("expected ServerProof, got {other:?}"),
+            });
+        }
+    }
+    send(&mut s, &Message::Join(me), &peer)?;
+    // Rank 0 answers at its own deadline, naming the ranks that never arrived: that answer is
+    // worth a short grace past ours.
+    let answer = Deadline::after(deadline.remaining() + Duration::from_secs(2));
+    let table = match read_message(&mut s, answer, &peer)? {
+        Message::Table(t) => t,
+        Message::Reject { reason } => return Err(Error::Rendezvous { reason }),
+        other => {
+            return Err(Error::Decode {
+                what: "bootstrap table",
+                reason: format!("expected Table, got {other:?}"),
+            });
+        }
+    };
+    if table.len() != world_size as usize
+        || table.iter().enumerate().any(|(i, e)| e.rank != i as u32)
+    {
+        return Err(Error::Decode {
+            what: "bootstrap table",
+            reason: format!(
+                "{} entries, not ranks 0..{world_size} in order",
+                table.len()
+            ),
+        });
+    }
+    Ok((table, vec![(0, s)]))
+}
+
+/// The liveness watcher: reads the mesh's sockets until told to stop. On rank 0 a closed socket
+/// is a lost rank, announced to every other rank; elsewhere the messages come from rank 0.
+fn watch(me: u32, mut streams: Vec<(u32, TcpStream)>, liveness: &Liveness, stop: &AtomicBool) {
+    let mut open: Vec<bool> = vec![true; streams.len()];
+    while !stop.load(Ordering::SeqCst) && open.iter().any(|o| *o) {
+        let mut fds: Vec<libc::pollfd> = streams
+            .iter()
+            .map(|(_, s)| libc::pollfd {
+                fd: s.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        for (f, o) in fds.iter_mut().zip(&open) {
+            if !o {
+                f.fd = -1;
+            }
+        }
+        // SAFETY: fds is a valid array of pollfds for the duration of the call.
+        let n = unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                WATCH_TICK.as_millis() as i32,
+            )
+        };
+        if n <= 0 {
+            continue;
+        }
+        for i in 0..streams.len() {
+            if !open[i] || fds[i].revents == 0 {
+                continue;
+            }
+            let (rank, ref mut s) = streams[i];
+            let outcome = read_message(s, Deadline::after(STEP), &format!("rank {rank}"));
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
+            match outcome {
+                Ok(Message::RankLost { rank: lost, reason }) if me != 0 => {
+                    liveness.mark(lost, reason)
+                }
+                Ok(Message::Goodbye) if me != 0 => {
+                    open[i] = false;
+                }
+                Ok(Message::Goodbye) => {
+                    open[i] = false;
+                    tracing::debug!(rank, "rank left");
+                }
+                Ok(other) => {
+                    tracing::warn!(rank, message = ?other, "unexpected bootstrap message after the rendezvous")
+                }
+                Err(e) => {
+                    open[i] = false;
+                    let reason = format!("its bootstrap connection broke ({e})");
+                    liveness.mark(rank, reason.clone());
+                    if me == 0 {
+                        let msg = Message::RankLost { rank, reason };
+                        for (j, (other, s2)) in streams.iter_mut().enumerate() {
+                            if j != i && open[j] {
+                                let _ = send(s2, &msg, &format!("rank {other}"));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
