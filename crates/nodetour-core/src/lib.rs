@@ -41,6 +41,7 @@ pub mod error;
 pub mod memory;
 pub mod oob;
 pub mod registration;
+pub mod transport;
 pub mod verbs;
 
 pub use config::Config;

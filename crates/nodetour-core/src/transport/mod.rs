@@ -1,0 +1,215 @@
+//! Transports: one-sided writes into a peer's slot regions, with notifications the receiver
+//! waits on, behind one interface.
+//!
+//! A receiver owns [`SlotRegion`]s (memory peers may write, each with a key) and grants them to
+//! one peer at a time ([`SlotGrant`]: key, length, and the transport's addressing). A sender
+//! writes part of one of its own regions into a granted region at an offset, optionally with a
+//! 32-bit notification that the receiver sees after the bytes have landed (and after every
+//! earlier write on the same connection).
+//!
+//! Two kinds of completion, because the hardware differs (see docs/gpu-design-spike.md):
+//! host-driven transports ([`HostConnection`]: verbs, tcp, mem) complete on the host; in-host
+//! GPU transports (cuda-ipc, shm) queue their copies and flags on CUDA streams.
+//!
+//! What each transport guarantees about bounds: **tcp** and **mem** check every write's key,
+//! offset and length against the regions granted to that peer in software (a bad frame closes the
+//! connection before a byte is written); **verbs** relies on the NIC's key check (the remote key
+//! names exactly the granted region), and isolation on the fabric is the network's job (VLANs,
+//! partition keys).
+
+mod mem;
+mod slots;
+pub mod tcp;
+pub mod wire;
+
+pub use mem::MemConnection;
+pub use slots::{SlotGrant, SlotRegion, SlotTable};
+
+use std::ops::Range;
+
+use crate::deadline::Deadline;
+use crate::error::Result;
+
+/// Which transport a connection uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// RDMA verbs (RC queue pairs).
+    Verbs,
+    /// TCP sockets, one-sided semantics in software.
+    Tcp,
+    /// CUDA IPC between GPUs of one host (direct path).
+    CudaIpc,
+    /// Shared host memory between processes of one host (staged path).
+    Shm,
+    /// In-process, for tests.
+    Mem,
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Verbs => "verbs",
+            TransportKind::Tcp => "tcp",
+            TransportKind::CudaIpc => "cuda-ipc",
+            TransportKind::Shm => "shm",
+            TransportKind::Mem => "mem",
+        })
+    }
+}
+
+/// Something that happened on a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The peer's write carrying this notification has landed in one of our regions, and so
+    /// have all its earlier writes on this connection.
+    Notified(u32),
+}
+
+/// A connection to one peer over a host-driven transport.
+pub trait HostConnection: Send {
+    /// The transport.
+    fn kind(&self) -> TransportKind;
+
+    /// Grants `region` to this peer: from now on the peer may write it, within its bounds.
+    fn grant(&mut self, region: &SlotRegion) -> Result<SlotGrant>;
+
+    /// Writes `src[range]` into the peer's granted region `dst` at `dst_offset`, then (if given)
+    /// delivers `notify` to the peer. When this returns, `src[range]` may be reused.
+    fn write(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()>;
+
+    /// Collects events without blocking.
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<()>;
+
+    /// Waits until at least one event arrives or `deadline` passes.
+    fn wait(&mut self, events: &mut Vec<Event>, deadline: Deadline) -> Result<()>;
+}
+
+/// Why a transport was chosen for a pair of ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransportChoice {
+    /// The transport.
+    pub kind: TransportKind,
+    /// The reason, for the log and the doctor.
+    pub reason: String,
+}
+
+/// What is known about a pair of ranks when choosing their transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PairFacts {
+    /// Same kernel (boot id).
+    pub same_host: bool,
+    /// Same host and shared `/dev/shm` (mount and IPC namespaces).
+    pub shares_memory: bool,
+    /// Both GPUs can access each other (peer access).
+    pub gpu_peer_access: bool,
+    /// Both ranks have an RDMA device.
+    pub both_have_rdma: bool,
+}
+
+/// Chooses the transport for a pair (`NODETOUR_TRANSPORT` forces one). Pure.
+///
+/// Same host with GPU peer access → cuda-ipc (direct); same host sharing memory → shm (staged);
+/// an RDMA device on both → verbs; else tcp.
+pub fn choose(facts: &PairFacts, forced: Option<TransportKind>) -> TransportChoice {
+    if let Some(kind) = forced {
+        return TransportChoice {
+            kind,
+            reason: format!("NODETOUR_TRANSPORT={kind}"),
+        };
+    }
+    let (kind, reason) = if facts.same_host && facts.gpu_peer_access {
+        (
+            TransportKind::CudaIpc,
+            "same host, GPU peer access: GPUs write each other's memory directly".to_owned(),
+        )
+    } else if facts.shares_memory {
+        (
+            TransportKind::Shm,
+            "same host without GPU peer access: staged through shared host memory".to_owned(),
+        )
+    } else if facts.both_have_rdma {
+        (
+            TransportKind::Verbs,
+            "different hosts, both with an RDMA device".to_owned(),
+        )
+    } else {
+        let why = if facts.same_host {
+            "same host but no shared memory namespace"
+        } else {
+            "no RDMA device on both ends"
+        };
+        (TransportKind::Tcp, format!("{why}: TCP"))
+    };
+    TransportChoice { kind, reason }
+}
+
+/// Parses `NODETOUR_TRANSPORT` (`auto` or unset: choose per pair).
+pub fn forced_from_env() -> Result<Option<TransportKind>> {
+    match std::env::var("NODETOUR_TRANSPORT")
+        .as_deref()
+        .map(str::trim)
+    {
+        Err(_) | Ok("") | Ok("auto") => Ok(None),
+        Ok("verbs") => Ok(Some(TransportKind::Verbs)),
+        Ok("tcp") => Ok(Some(TransportKind::Tcp)),
+        Ok("cuda-ipc") => Ok(Some(TransportKind::CudaIpc)),
+        Ok("shm") => Ok(Some(TransportKind::Shm)),
+        Ok(other) => Err(crate::Error::InvalidConfig {
+            name: "NODETOUR_TRANSPORT",
+            value: other.to_owned(),
+            reason: "expected auto, verbs, tcp, cuda-ipc or shm".into(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(
+        same_host: bool,
+        shares_memory: bool,
+        gpu_peer_access: bool,
+        both_have_rdma: bool,
+    ) -> PairFacts {
+        PairFacts {
+            same_host,
+            shares_memory,
+            gpu_peer_access,
+            both_have_rdma,
+        }
+    }
+
+    #[test]
+    fn the_choice_follows_the_pair() {
+        assert_eq!(
+            choose(&facts(true, true, true, true), None).kind,
+            TransportKind::CudaIpc
+        );
+        assert_eq!(
+            choose(&facts(true, true, false, true), None).kind,
+            TransportKind::Shm
+        );
+        assert_eq!(
+            choose(&facts(false, false, false, true), None).kind,
+            TransportKind::Verbs
+        );
+        let tcp = choose(&facts(false, false, false, false), None);
+        assert_eq!(tcp.kind, TransportKind::Tcp);
+        assert!(tcp.reason.contains("no RDMA device"));
+        let containers = choose(&facts(true, false, false, false), None);
+        assert!(containers.reason.contains("no shared memory namespace"));
+        let forced = choose(&facts(true, true, true, true), Some(TransportKind::Tcp));
+        assert_eq!(
+            (forced.kind, forced.reason.as_str()),
+            (TransportKind::Tcp, "NODETOUR_TRANSPORT=tcp")
+        );
+    }
+}

@@ -1,0 +1,320 @@
+//! Slot regions: memory peers may write, named by a key, and the per-connection table of what
+//! each peer was granted.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+use crate::memory::{HostBuffer, RdmaBuffer};
+use crate::verbs::{MemoryRegion, RemoteRegion};
+
+static NEXT_KEY: AtomicU32 = AtomicU32::new(1);
+
+enum Memory {
+    // Held only to own (and in the end unmap) the memory behind `ptr`.
+    Host(#[allow(dead_code)] HostBuffer),
+    Registered(Arc<MemoryRegion<HostBuffer>>),
+}
+
+struct Inner {
+    key: u32,
+    ptr: *mut u8,
+    len: usize,
+    // Owns the memory behind `ptr`.
+    memory: Memory,
+}
+
+// SAFETY: the memory is owned by Inner; access goes through bounds-checked raw copies.
+unsafe impl Send for Inner {}
+// SAFETY: as above.
+unsafe impl Sync for Inner {}
+
+/// Host memory that peers may write, with the key they name it by. Cheap to clone (shared).
+///
+/// Like a registered region, it is never visible as a slice: peers may write it at any time,
+/// so it is read and written through copies, after the notification that says the bytes landed.
+#[derive(Clone)]
+pub struct SlotRegion(Arc<Inner>);
+
+impl SlotRegion {
+    /// Slot memory for software transports (tcp, mem).
+    pub fn host(buffer: HostBuffer) -> SlotRegion {
+        let (ptr, len) = (buffer.as_mut_ptr(), RdmaBuffer::len(&buffer));
+        SlotRegion(Arc::new(Inner {
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            ptr,
+            len,
+            memory: Memory::Host(buffer),
+        }))
+    }
+
+    /// Slot memory registered with an RDMA device (verbs).
+    pub fn registered(region: Arc<MemoryRegion<HostBuffer>>) -> SlotRegion {
+        let remote = region.remote();
+        SlotRegion(Arc::new(Inner {
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            ptr: remote.addr as *mut u8,
+            len: region.len(),
+            memory: Memory::Registered(region),
+        }))
+    }
+
+    /// The key peers name it by.
+    pub fn key(&self) -> u32 {
+        self.0.key
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len
+    }
+
+    /// Whether it is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.0.len == 0
+    }
+
+    /// The verbs registration, if any.
+    pub fn memory_region(&self) -> Option<&Arc<MemoryRegion<HostBuffer>>> {
+        match &self.0.memory {
+            Memory::Registered(r) => Some(r),
+            Memory::Host(_) => None,
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out (after the notification that they landed).
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check("read", offset, dst.len())?;
+        fence(Ordering::Acquire);
+        // SAFETY: in bounds (checked); dst is a distinct allocation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.0.ptr.add(offset), dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `src` in at `offset`.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check("write", offset, src.len())?;
+        // SAFETY: in bounds (checked); src is a distinct allocation.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.ptr.add(offset), src.len()) };
+        fence(Ordering::Release);
+        Ok(())
+    }
+
+    pub(crate) fn check(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.0.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                what,
+                offset: offset as u64,
+                len: len as u64,
+                region_len: self.0.len as u64,
+            }),
+        }
+    }
+
+    /// `len` bytes at `offset` as a raw pointer, bounds-checked.
+    pub(crate) fn ptr_at(&self, what: &'static str, offset: usize, len: usize) -> Result<*mut u8> {
+        self.check(what, offset, len)?;
+        // SAFETY: offset is within the allocation (checked).
+        Ok(unsafe { self.0.ptr.add(offset) })
+    }
+}
+
+impl std::fmt::Debug for SlotRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotRegion")
+            .field("key", &self.0.key)
+            .field("len", &self.0.len)
+            .finish()
+    }
+}
+
+/// What a peer needs to write into a granted region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotGrant {
+    /// The region's key.
+    pub key: u32,
+    /// Its length.
+    pub len: u64,
+    /// Its RDMA address and remote key (verbs only).
+    pub remote: Option<RemoteRegion>,
+}
+
+impl SlotGrant {
+    /// Encoded size.
+    pub const ENCODED_LEN: usize = 4 + 8 + 1 + 8 + 8 + 4;
+
+    /// Encodes (big-endian) for the out-of-band exchange.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut b = [0u8; Self::ENCODED_LEN];
+        b[..4].copy_from_slice(&self.key.to_be_bytes());
+        b[4..12].copy_from_slice(&self.len.to_be_bytes());
+        if let Some(r) = self.remote {
+            b[12] = 1;
+            b[13..21].copy_from_slice(&r.addr.to_be_bytes());
+            b[21..29].copy_from_slice(&r.len.to_be_bytes());
+            b[29..33].copy_from_slice(&r.rkey.to_be_bytes());
+        }
+        b
+    }
+
+    /// Decodes, validating every field.
+    pub fn decode(b: &[u8]) -> Result<SlotGrant> {
+        let bad = |reason: String| Error::Decode {
+            what: "slot grant",
+            reason,
+        };
+        if b.len() != Self::ENCODED_LEN {
+            return Err(bad(format!(
+                "{} bytes, expected {}",
+                b.len(),
+                Self::ENCODED_LEN
+            )));
+        }
+        let u64_at = |i: usize| u64::from_be_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let key = u32::from_be_bytes(b[..4].try_into().expect("4 bytes"));
+        let len = u64_at(4);
+        if len == 0 {
+            return Err(bad("an empty region".into()));
+        }
+        let remote = match b[12] {
+            0 if b[13..].iter().all(|x| *x == 0) => None,
+            1 => {
+                let r = RemoteRegion {
+                    addr: u64_at(13),
+                    len: u64_at(21),
+                    rkey: u32::from_be_bytes(b[29..33].try_into().expect("4 bytes")),
+                };
+                if r.len != len || r.addr.checked_add(r.len).is_none() {
+                    return Err(bad("the RDMA window does not match the region".into()));
+                }
+                Some(r)
+            }
+            f => return Err(bad(format!("flag byte {f}"))),
+        };
+        Ok(SlotGrant { key, len, remote })
+    }
+}
+
+/// The regions one peer may write on one connection: the receiver's side of every bounds check.
+#[derive(Default, Clone)]
+pub struct SlotTable(Arc<Mutex<HashMap<u32, SlotRegion>>>);
+
+impl SlotTable {
+    /// Allows writes into `region`.
+    pub fn insert(&self, region: &SlotRegion) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(region.key(), region.clone());
+    }
+
+    /// Revokes `key`.
+    pub fn remove(&self, key: u32) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key);
+    }
+
+    /// The region and destination pointer for a peer's write of `len` bytes at `offset` into
+    /// `key`, or the reason it is refused (unknown key, out of bounds).
+    pub fn target(&self, key: u32, offset: u64, len: u64) -> Result<(SlotRegion, *mut u8)> {
+        let table = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let region = table.get(&key).cloned().ok_or_else(|| Error::OutOfBounds {
+            what: "peer write to a region it was not granted",
+            offset,
+            len,
+            region_len: 0,
+        })?;
+        let (off, n) = (usize::try_from(offset), usize::try_from(len));
+        let ptr = match (off, n) {
+            (Ok(o), Ok(n)) => region.ptr_at("peer write", o, n)?,
+            _ => {
+                return Err(Error::OutOfBounds {
+                    what: "peer write",
+                    offset,
+                    len,
+                    region_len: region.len() as u64,
+                });
+            }
+        };
+        Ok((region, ptr))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_copy_in_and_out_within_bounds() {
+        let r = SlotRegion::host(HostBuffer::new(4096).unwrap());
+        r.write_at(100, b"abc").unwrap();
+        let mut out = [0u8; 3];
+        r.read_at(100, &mut out).unwrap();
+        assert_eq!(&out, b"abc");
+        assert!(r.write_at(4095, b"ab").is_err());
+        assert!(r.read_at(usize::MAX, &mut out).is_err());
+        assert_ne!(
+            r.key(),
+            SlotRegion::host(HostBuffer::new(4096).unwrap()).key()
+        );
+    }
+
+    #[test]
+    fn the_table_refuses_unknown_keys_and_out_of_bounds_writes() {
+        let r = SlotRegion::host(HostBuffer::new(4096).unwrap());
+        let t = SlotTable::default();
+        assert!(t.target(r.key(), 0, 1).is_err(), "not granted yet");
+        t.insert(&r);
+        assert!(t.target(r.key(), 0, 4096).is_ok());
+        for (off, len) in [(0, 4097), (4096, 1), (u64::MAX, 2), (1 << 40, 1)] {
+            assert!(t.target(r.key(), off, len).is_err(), "{off}+{len}");
+        }
+        assert!(t.target(r.key() + 1000, 0, 1).is_err());
+        t.remove(r.key());
+        assert!(t.target(r.key(), 0, 1).is_err(), "revoked");
+    }
+
+    #[test]
+    fn grants_round_trip_and_reject_garbage() {
+        let g = SlotGrant {
+            key: 7,
+            len: 4096,
+            remote: Some(RemoteRegion {
+                addr: 0x1000,
+                len: 4096,
+                rkey: 9,
+            }),
+        };
+        assert_eq!(SlotGrant::decode(&g.encode()).unwrap(), g);
+        let plain = SlotGrant {
+            key: 7,
+            len: 10,
+            remote: None,
+        };
+        assert_eq!(SlotGrant::decode(&plain.encode()).unwrap(), plain);
+        let mut bad = g.encode();
+        bad[12] = 2;
+        assert!(SlotGrant::decode(&bad).is_err());
+        let mut bad = g.encode();
+        bad[21..29].copy_from_slice(&1u64.to_be_bytes());
+        assert!(SlotGrant::decode(&bad).is_err(), "window must match");
+        assert!(SlotGrant::decode(&[0; 3]).is_err());
+        assert!(
+            SlotGrant::decode(
+                &SlotGrant {
+                    key: 1,
+                    len: 0,
+                    remote: None
+                }
+                .encode()
+            )
+            .is_err()
+        );
+    }
+}

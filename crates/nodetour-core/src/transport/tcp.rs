@@ -1,0 +1,691 @@
+//! The tcp transport: one-sided writes in software for machines without RDMA.
+//!
+//! Each connection has a receiver thread that reads write frames and, after checking the key,
+//! offset and length against the regions granted on that connection, reads the payload straight
+//! into the region (no intermediate buffer). A frame that names anything else closes the
+//! connection before a byte of it is written; the sender's next call fails, and so does the
+//! receiver's. Connections are authenticated with the job token (the acceptor's nonce, the
+//! connector's rank and HMAC) before any frame is accepted.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::wire::{HEADER_LEN, MAX_FRAME, WriteHeader};
+use super::{Event, HostConnection, SlotGrant, SlotRegion, SlotTable, TransportKind};
+use crate::bootstrap::auth::{JobToken, nonce};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+
+#[derive(Default)]
+struct Received {
+    events: Mutex<(VecDeque<Event>, Option<String>)>,
+    arrived: Condvar,
+}
+
+/// A tcp connection to one peer.
+pub struct TcpConnection {
+    // Shut down (waking the reader) and joined in Drop before the table releases the regions.
+    stream: TcpStream,
+    reader: Option<JoinHandle<()>>,
+    received: Arc<Received>,
+    granted: SlotTable,
+    peer: String,
+    timeout: Duration,
+}
+
+impl TcpConnection {
+    fn start(stream: TcpStream, peer: String, timeout: Duration) -> Result<TcpConnection> {
+        let setup = |source| Error::Exchange {
+            op: "configure",
+            peer: peer.clone(),
+            source,
+        };
+        stream.set_nodelay(true).map_err(setup)?;
+        stream.set_read_timeout(None).map_err(setup)?;
+        let received = Arc::new(Received::default());
+        let granted = SlotTable::default();
+        let reader = {
+            let (mut s, received, granted, who) = (
+                stream.try_clone().map_err(setup)?,
+                received.clone(),
+                granted.clone(),
+                peer.clone(),
+            );
+            std::thread::Builder::new()
+                .name("nodetour-tcp-rx".into())
+                .spawn(move || {
+                    let why = receive_loop(&mut s, &granted, &received);
+                    tracing::debug!(peer = %who, reason = %why, "tcp receiver stopped");
+                    let _ = s.shutdown(Shutdown::Both);
+                    let mut ev = received.events.lock().unwrap_or_else(|p| p.into_inner());
+                    ev.1.get_or_insert(why);
+                    received.arrived.notify_all();
+                })
+                .map_err(setup)?
+        };
+        Ok(TcpConnection {
+            stream,
+            reader: Some(reader),
+            received,
+            granted,
+            peer,
+            timeout,
+        })
+    }
+
+    /// The peer's address.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn failure(&self) -> Option<Error> {
+        let ev = self
+            .received
+            .events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        ev.1.as_ref()
+            .filter(|_| ev.0.is_empty())
+            .map(|why| Error::Exchange {
+                op: "receive",
+                peer: self.peer.clone(),
+                source: io::Error::new(io::ErrorKind::ConnectionAborted, why.clone()),
+            })
+    }
+}
+
+/// Reads frames until the connection ends; returns why it ended.
+fn receive_loop(s: &mut TcpStream, granted: &SlotTable, received: &Received) -> String {
+    let mut header = [0u8; HEADER_LEN];
+    loop {
+        if let Err(e) = s.read_exact(&mut header) {
+            return if e.kind() == io::ErrorKind::UnexpectedEof {
+                "the peer closed the connection".into()
+            } else {
+                e.to_string()
+            };
+        }
+        let h = match WriteHeader::decode(&header) {
+            Ok(h) => h,
+            Err(e) => return format!("refused a malformed frame from the peer: {e}"),
+        };
+        let (region, dst) = match granted.target(h.key, h.offset, u64::from(h.len)) {
+            Ok(t) => t,
+            Err(e) => {
+                return format!(
+                    "refused the peer's write (key {}, offset {}, {} bytes): {e}",
+                    h.key, h.offset, h.len
+                );
+            }
+        };
+        // SAFETY: dst..dst+len lies inside `region` (checked by the table), which stays alive
+        // while `region` is held; the peer's bytes land there through a transient slice that no
+        // one else reads until the notification below (the slot protocol's rule).
+        let into = unsafe { std::slice::from_raw_parts_mut(dst, h.len as usize) };
+        if let Err(e) = s.read_exact(into) {
+            return format!("the peer's frame was truncated: {e}");
+        }
+        drop(region);
+        if let Some(v) = h.notify {
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            received
+                .events
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .0
+                .push_back(Event::Notified(v));
+            received.arrived.notify_all();
+        }
+    }
+}
+
+impl HostConnection for TcpConnection {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn grant(&mut self, region: &SlotRegion) -> Result<SlotGrant> {
+        self.granted.insert(region);
+        Ok(SlotGrant {
+            key: region.key(),
+            len: region.len() as u64,
+            remote: None,
+        })
+    }
+
+    fn write(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        let len = range
+            .end
+            .checked_sub(range.start)
+            .ok_or(Error::InvalidArgument {
+                reason: "an inverted range".into(),
+            })?;
+        let end = dst_offset.checked_add(len as u64);
+        if end.is_none_or(|e| e > dst.len) {
+            return Err(Error::OutOfBounds {
+                what: "tcp write",
+                offset: dst_offset,
+                len: len as u64,
+                region_len: dst.len,
+            });
+        }
+        let from = src.ptr_at("write source", range.start, len)?;
+        let io_err = |source: io::Error| {
+            if matches!(
+                source.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) {
+                Error::Timeout {
+                    what: format!("the tcp peer {} to take a write", self.peer),
+                    after: self.timeout,
+                }
+            } else {
+                Error::Exchange {
+                    op: "write",
+                    peer: self.peer.clone(),
+                    source,
+                }
+            }
+        };
+        self.stream
+            .set_write_timeout(Some(self.timeout))
+            .map_err(io_err)?;
+        let mut sent = 0usize;
+        loop {
+            let n = (len - sent).min(MAX_FRAME as usize);
+            let last = sent + n == len;
+            let h = WriteHeader {
+                key: dst.key,
+                offset: dst_offset + sent as u64,
+                len: n as u32,
+                notify: if last { notify } else { None },
+            };
+            // SAFETY: from+sent..from+sent+n lies inside `src` (checked above); the caller owns
+            // those bytes until this returns (the interface's rule).
+            let payload = unsafe { std::slice::from_raw_parts(from.add(sent), n) };
+            let header = h.encode();
+            let mut bufs = [io::IoSlice::new(&header), io::IoSlice::new(payload)];
+            write_all_vectored(&mut self.stream, &mut bufs).map_err(io_err)?;
+            sent += n;
+            if last {
+                return Ok(());
+            }
+        }
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        let mut ev = self
+            .received
+            .events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if ev.0.is_empty() {
+            if let Some(why) = &ev.1 {
+                return Err(Error::Exchange {
+                    op: "receive",
+                    peer: self.peer.clone(),
+                    source: io::Error::new(io::ErrorKind::ConnectionAborted, why.clone()),
+                });
+            }
+        }
+        events.extend(ev.0.drain(..));
+        Ok(())
+    }
+
+    fn wait(&mut self, events: &mut Vec<Event>, deadline: Deadline) -> Result<()> {
+        let before = events.len();
+        loop {
+            self.poll(events)?;
+            if events.len() > before {
+                return Ok(());
+            }
+            deadline.check(|| format!("a notification from tcp peer {}", self.peer))?;
+            let ev = self
+                .received
+                .events
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if ev.0.is_empty() && ev.1.is_none() {
+                drop(
+                    self.received
+                        .arrived
+                        .wait_timeout(ev, deadline.remaining().min(Duration::from_millis(100))),
+                );
+            }
+        }
+    }
+}
+
+fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [io::IoSlice<'_>]) -> io::Result<()> {
+    io::IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match s.write_vectored(bufs) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "the connection took no bytes",
+                ));
+            }
+            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+impl Drop for TcpConnection {
+    fn drop(&mut self) {
+        // Stop the receiver before the granted regions can be released: once it has joined, no
+        // peer byte can land anywhere.
+        let _ = self.stream.shutdown(Shutdown::Both);
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+/// A listening endpoint that accepts authenticated connections from ranks of the job.
+pub struct TcpEndpoint {
+    listener: TcpListener,
+    token: JobToken,
+    timeout: Duration,
+}
+
+impl TcpEndpoint {
+    /// Listens on `addr` (port 0 picks one).
+    pub fn bind(
+        addr: impl ToSocketAddrs + std::fmt::Debug,
+        token: JobToken,
+        timeout: Duration,
+    ) -> Result<TcpEndpoint> {
+        let where_ = format!("{addr:?}");
+        let listener = TcpListener::bind(&addr).map_err(|source| Error::Exchange {
+            op: "listen",
+            peer: where_.clone(),
+            source,
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|source| Error::Exchange {
+                op: "listen",
+                peer: where_,
+                source,
+            })?;
+        Ok(TcpEndpoint {
+            listener,
+            token,
+            timeout,
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.listener
+            .local_addr()
+            .map_err(|source| Error::Exchange {
+                op: "listen",
+                peer: "local".into(),
+                source,
+            })
+    }
+
+    /// Accepts connections until every rank in `expected` has connected and proved itself;
+    /// strangers and wrong tokens are refused and logged.
+    pub fn accept(
+        &self,
+        expected: &[u32],
+        world_size: u32,
+        deadline: Deadline,
+    ) -> Result<HashMap<u32, TcpConnection>> {
+        let mut got: HashMap<u32, TcpConnection> = HashMap::new();
+        while got.len() < expected.len() {
+            match self.listener.accept() {
+                Ok((mut s, peer)) => {
+                    let peer = peer.to_string();
+                    match self.authenticate(&mut s, &peer, world_size, deadline) {
+                        Ok(rank) if expected.contains(&rank) && !got.contains_key(&rank) => {
+                            got.insert(
+                                rank,
+                                TcpConnection::start(
+                                    s,
+                                    format!("rank {rank} at {peer}"),
+                                    self.timeout,
+                                )?,
+                            );
+                        }
+                        Ok(rank) => {
+                            tracing::warn!(%peer, rank, "refused an unexpected or duplicate tcp connection")
+                        }
+                        Err(e) => tracing::warn!(%peer, error = %e, "refused a tcp connection"),
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let missing: Vec<u32> = expected
+                        .iter()
+                        .filter(|r| !got.contains_key(r))
+                        .copied()
+                        .collect();
+                    deadline.check(|| format!("tcp connections from rank(s) {missing:?}"))?;
+                    let mut pfd = libc::pollfd {
+                        fd: self.listener.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: one valid pollfd.
+                    unsafe {
+                        libc::poll(
+                            &mut pfd,
+                            1,
+                            deadline.poll_timeout_ms(Duration::from_millis(200)),
+                        )
+                    };
+                }
+                Err(source) => {
+                    return Err(Error::Exchange {
+                        op: "accept",
+                        peer: "tcp endpoint".into(),
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(got)
+    }
+
+    fn authenticate(
+        &self,
+        s: &mut TcpStream,
+        peer: &str,
+        world_size: u32,
+        deadline: Deadline,
+    ) -> Result<u32> {
+        s.set_nonblocking(false).ok();
+        let step = Deadline::after(deadline.remaining().min(Duration::from_secs(10)));
+        let io = |source| Error::Exchange {
+            op: "authenticate",
+            peer: peer.to_owned(),
+            source,
+        };
+        s.set_read_timeout(Some(step.remaining().max(Duration::from_millis(1))))
+            .map_err(io)?;
+        s.set_write_timeout(Some(step.remaining().max(Duration::from_millis(1))))
+            .map_err(io)?;
+        let challenge = nonce();
+        s.write_all(&challenge).map_err(io)?;
+        let mut answer = [0u8; 4 + 32];
+        s.read_exact(&mut answer).map_err(io)?;
+        let rank = u32::from_be_bytes(answer[..4].try_into().expect("4 bytes"));
+        let proof: [u8; 32] = answer[4..].try_into().expect("32 bytes");
+        if !self
+            .token
+            .verify_client(&challenge, rank, world_size, &proof)
+        {
+            return Err(Error::Authenticate {
+                peer: peer.to_owned(),
+                reason: format!("wrong job token (claimed rank {rank})"),
+            });
+        }
+        s.write_all(&[1]).map_err(io)?;
+        Ok(rank)
+    }
+}
+
+/// Connects to the endpoint of a peer rank and proves this rank's identity.
+pub fn connect(
+    addr: &str,
+    my_rank: u32,
+    world_size: u32,
+    token: &JobToken,
+    timeout: Duration,
+    deadline: Deadline,
+) -> Result<TcpConnection> {
+    let target = addr
+        .to_socket_addrs()
+        .map_err(|source| Error::Exchange {
+            op: "resolve",
+            peer: addr.to_owned(),
+            source,
+        })?
+        .next()
+        .ok_or_else(|| Error::Exchange {
+            op: "resolve",
+            peer: addr.to_owned(),
+            source: io::Error::new(io::ErrorKind::NotFound, "no address"),
+        })?;
+    let mut s = loop {
+        match TcpStream::connect_timeout(
+            &target,
+            deadline.remaining().max(Duration::from_millis(1)),
+        ) {
+            Ok(s) => break s,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
+                ) =>
+            {
+                deadline.check(|| format!("the tcp endpoint at {addr} ({e})"))?;
+                std::thread::sleep(Duration::from_millis(50).min(deadline.remaining()));
+            }
+            Err(source) => {
+                return Err(Error::Exchange {
+                    op: "connect",
+                    peer: addr.to_owned(),
+                    source,
+                });
+            }
+        }
+    };
+    let io = |source| Error::Exchange {
+        op: "authenticate",
+        peer: addr.to_owned(),
+        source,
+    };
+    s.set_read_timeout(Some(deadline.remaining().max(Duration::from_millis(1))))
+        .map_err(io)?;
+    let mut challenge = [0u8; 32];
+    s.read_exact(&mut challenge).map_err(io)?;
+    let mut answer = Vec::with_capacity(36);
+    answer.extend_from_slice(&my_rank.to_be_bytes());
+    answer.extend_from_slice(&token.client_proof(&challenge, my_rank, world_size));
+    s.write_all(&answer).map_err(io)?;
+    let mut ok = [0u8; 1];
+    s.read_exact(&mut ok).map_err(|_| Error::Authenticate {
+        peer: addr.to_owned(),
+        reason: "the peer refused our job token".into(),
+    })?;
+    TcpConnection::start(s, addr.to_owned(), timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::HostBuffer;
+
+    fn pair(token_a: &str, token_b: &str) -> Result<(TcpConnection, TcpConnection)> {
+        let ep = TcpEndpoint::bind(
+            "127.0.0.1:0",
+            JobToken::new(token_a),
+            Duration::from_secs(5),
+        )?;
+        let addr = ep.local_addr()?.to_string();
+        let tb = JobToken::new(token_b);
+        let t = std::thread::spawn(move || {
+            connect(
+                &addr,
+                1,
+                2,
+                &tb,
+                Duration::from_secs(5),
+                Deadline::after(Duration::from_secs(5)),
+            )
+        });
+        let accepted = ep.accept(&[1], 2, Deadline::after(Duration::from_secs(2)));
+        let connected = t.join().unwrap();
+        let mut accepted = accepted?;
+        Ok((accepted.remove(&1).unwrap(), connected?))
+    }
+
+    #[test]
+    fn writes_land_in_the_granted_region_with_their_notification() {
+        let (mut a, mut b) = pair("t", "t").unwrap();
+        let target = SlotRegion::host(HostBuffer::new(1 << 20).unwrap());
+        let grant = a.grant(&target).unwrap();
+        let src = SlotRegion::host(HostBuffer::new(1 << 20).unwrap());
+        let data: Vec<u8> = (0..(1 << 20)).map(|i| (i % 251) as u8).collect();
+        src.write_at(0, &data).unwrap();
+        b.write(&src, 0..(1 << 20), &grant, 0, None).unwrap();
+        b.write(&src, 10..20, &grant, 4096, Some(77)).unwrap();
+        let mut ev = Vec::new();
+        a.wait(&mut ev, Deadline::after(Duration::from_secs(5)))
+            .unwrap();
+        assert_eq!(ev, [Event::Notified(77)]);
+        let mut got = vec![0u8; 1 << 20];
+        target.read_at(0, &mut got).unwrap();
+        assert_eq!(&got[..4096], &data[..4096]);
+        assert_eq!(&got[4096..4106], &data[10..20]);
+        assert_eq!(&got[4106..], &data[4106..]);
+    }
+
+    #[test]
+    fn a_wrong_token_is_refused() {
+        assert!(pair("right", "wrong").is_err());
+    }
+
+    #[test]
+    fn writes_outside_the_grant_are_refused_locally() {
+        let (mut a, mut b) = pair("t", "t").unwrap();
+        let target = SlotRegion::host(HostBuffer::new(4096).unwrap());
+        let grant = a.grant(&target).unwrap();
+        let src = SlotRegion::host(HostBuffer::new(8192).unwrap());
+        assert!(matches!(
+            b.write(&src, 0..8192, &grant, 0, None),
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            b.write(&src, 0..1, &grant, 4096, None),
+            Err(Error::OutOfBounds { .. })
+        ));
+    }
+
+    #[test]
+    fn a_hostile_frame_closes_the_connection_and_writes_nothing() {
+        let (mut a, b) = pair("t", "t").unwrap();
+        let target = SlotRegion::host(HostBuffer::new(4096).unwrap());
+        let other = SlotRegion::host(HostBuffer::new(4096).unwrap());
+        let grant = a.grant(&target).unwrap();
+        let mut raw = b.stream.try_clone().unwrap();
+        // Past the end of the granted region, then an ungranted key, then an in-bounds write
+        // that must never be processed.
+        for h in [
+            WriteHeader {
+                key: grant.key,
+                offset: 4000,
+                len: 200,
+                notify: Some(1),
+            },
+            WriteHeader {
+                key: other.key(),
+                offset: 0,
+                len: 16,
+                notify: Some(2),
+            },
+            WriteHeader {
+                key: grant.key,
+                offset: 0,
+                len: 16,
+                notify: Some(3),
+            },
+        ] {
+            let _ = raw.write_all(&h.encode());
+            let _ = raw.write_all(&[0xee; 200][..h.len as usize]);
+        }
+        let mut ev = Vec::new();
+        match a.wait(&mut ev, Deadline::after(Duration::from_secs(5))) {
+            Err(Error::Exchange {
+                op: "receive",
+                source,
+                ..
+            }) => assert!(
+                source.to_string().contains("refused the peer's write"),
+                "{source}"
+            ),
+            other => panic!("{other:?} {ev:?}"),
+        }
+        assert!(ev.is_empty());
+        let mut got = vec![0u8; 4096];
+        target.read_at(0, &mut got).unwrap();
+        assert!(got.iter().all(|x| *x == 0), "no byte written");
+        other.read_at(0, &mut got).unwrap();
+        assert!(
+            got.iter().all(|x| *x == 0),
+            "no byte written in the other region"
+        );
+        // The sender learns too: its next write fails once the socket is closed.
+        let mut b = b;
+        let src = SlotRegion::host(HostBuffer::new(1 << 20).unwrap());
+        let mut failed = false;
+        for _ in 0..50 {
+            if b.write(&src, 0..(1 << 20), &grant, 0, None).is_err() {
+                failed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(failed, "the sender sees the closed connection");
+    }
+
+    #[test]
+    fn truncated_frames_and_disconnects_are_errors_not_hangs() {
+        let (mut a, b) = pair("t", "t").unwrap();
+        let target = SlotRegion::host(HostBuffer::new(4096).unwrap());
+        let grant = a.grant(&target).unwrap();
+        let mut raw = b.stream.try_clone().unwrap();
+        raw.write_all(
+            &WriteHeader {
+                key: grant.key,
+                offset: 0,
+                len: 100,
+                notify: Some(1),
+            }
+            .encode(),
+        )
+        .unwrap();
+        raw.write_all(&[1; 10]).unwrap();
+        drop(raw);
+        drop(b);
+        let mut ev = Vec::new();
+        assert!(matches!(
+            a.wait(&mut ev, Deadline::after(Duration::from_secs(5))),
+            Err(Error::Exchange { .. })
+        ));
+    }
+
+    #[test]
+    fn silence_times_out() {
+        let (mut a, _b) = pair("t", "t").unwrap();
+        let start = std::time::Instant::now();
+        assert!(matches!(
+            a.wait(&mut Vec::new(), Deadline::after(Duration::from_millis(200))),
+            Err(Error::Timeout { .. })
+        ));
+        assert!(start.elapsed() < Duration::from_secs(2));
+    }
+}
