@@ -54,6 +54,23 @@ starts_without_libibverbs() {
 }
 check "nodetour starts without libibverbs (typed Unsupported, exit 2)" starts_without_libibverbs
 
+step "process tier: N processes over tcp (scripts/launch-local.sh)"
+for n in 2 4 8; do
+    ranks_ok() { [[ $(scripts/launch-local.sh -n "$1" --timeout 120 -- target/release/examples/transport_check 2>&1 | tee /dev/stderr | grep -c 'TRANSPORT OK') == "$1" ]]; }
+    check "$n processes connect over tcp, write, verify and exit cleanly" ranks_ok "$n"
+done
+lost_is_reported() {
+    local out
+    out=$(timeout 60 scripts/launch-local.sh -n 4 --timeout 60 -- target/release/examples/transport_check --kill-rank 2 2>&1)
+    echo "$out"
+    [[ $(grep -c 'rank 2 lost' <<<"$out") == 3 ]]
+}
+check "a rank that dies after the rendezvous is reported lost by every other rank" lost_is_reported
+tcp_bench() {
+    scripts/launch-local.sh -n 2 --timeout 120 -- target/release/examples/transport_check --bench 268435456 2>&1 | grep TCP_BENCH
+}
+check "tcp large writes against a plain TCP stream (ratio printed, not asserted)" tcp_bench
+
 if [[ ${NODETOUR_SKIP_VM:-0} == 1 ]]; then
     echo "SKIP vm tier: NODETOUR_SKIP_VM=1"; skipped=$((skipped + 1))
 elif ! reason=$(scripts/rdma-vm.sh --check 2>&1); then

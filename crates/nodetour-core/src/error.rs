@@ -352,8 +352,9 @@ pub enum Error {
         reason: String,
     },
 
-    /// The out-of-band exchange with a peer failed (connect, accept, read, write, EOF).
-    #[error("out-of-band {op} with {peer} failed: {source}")]
+    /// A connection to a peer failed (connect, accept, read, write, EOF): the out-of-band
+    /// channel, the bootstrap, or a socket transport.
+    #[error("{op} with {peer} failed: {source}")]
     Exchange {
         /// What was being done.
         op: &'static str,

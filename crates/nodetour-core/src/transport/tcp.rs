@@ -40,7 +40,14 @@ pub struct TcpConnection {
 }
 
 impl TcpConnection {
-    fn start(stream: TcpStream, peer: String, timeout: Duration) -> Result<TcpConnection> {
+    /// Starts the connection with `regions` already granted: a peer that learned of them
+    /// earlier (from the bootstrap) may write at once.
+    fn start(
+        stream: TcpStream,
+        peer: String,
+        timeout: Duration,
+        regions: &[SlotRegion],
+    ) -> Result<TcpConnection> {
         let setup = |source| Error::Exchange {
             op: "configure",
             peer: peer.clone(),
@@ -50,6 +57,9 @@ impl TcpConnection {
         stream.set_read_timeout(None).map_err(setup)?;
         let received = Arc::new(Received::default());
         let granted = SlotTable::default();
+        for r in regions {
+            granted.insert(r);
+        }
         let reader = {
             let (mut s, received, granted, who) = (
                 stream.try_clone().map_err(setup)?,
@@ -347,11 +357,15 @@ impl TcpEndpoint {
     }
 
     /// Accepts connections until every rank in `expected` has connected and proved itself;
-    /// strangers and wrong tokens are refused and logged.
+    /// strangers and wrong tokens are refused and logged. Each connection starts with
+    /// `grants(rank)` granted. `alive` is asked while waiting (the bootstrap's liveness check):
+    /// its error ends the wait at once, so a rank that died is reported, not waited for.
     pub fn accept(
         &self,
         expected: &[u32],
         world_size: u32,
+        grants: &(dyn Fn(u32) -> Vec<SlotRegion> + Sync),
+        alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
     ) -> Result<HashMap<u32, TcpConnection>> {
         let mut got: HashMap<u32, TcpConnection> = HashMap::new();
@@ -367,6 +381,7 @@ impl TcpEndpoint {
                                     s,
                                     format!("rank {rank} at {peer}"),
                                     self.timeout,
+                                    &grants(rank),
                                 )?,
                             );
                         }
@@ -377,6 +392,7 @@ impl TcpEndpoint {
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    alive()?;
                     let missing: Vec<u32> = expected
                         .iter()
                         .filter(|r| !got.contains_key(r))
@@ -447,12 +463,16 @@ impl TcpEndpoint {
     }
 }
 
-/// Connects to the endpoint of a peer rank and proves this rank's identity.
+/// Connects to the endpoint of a peer rank, proves this rank's identity, and starts the
+/// connection with `regions` granted. `alive` is asked while the peer is not yet listening.
+#[allow(clippy::too_many_arguments)]
 pub fn connect(
     addr: &str,
     my_rank: u32,
     world_size: u32,
     token: &JobToken,
+    regions: &[SlotRegion],
+    alive: &dyn Fn() -> Result<()>,
     timeout: Duration,
     deadline: Deadline,
 ) -> Result<TcpConnection> {
@@ -481,6 +501,7 @@ pub fn connect(
                     io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
                 ) =>
             {
+                alive()?;
                 deadline.check(|| format!("the tcp endpoint at {addr} ({e})"))?;
                 std::thread::sleep(Duration::from_millis(50).min(deadline.remaining()));
             }
@@ -511,7 +532,7 @@ pub fn connect(
         peer: addr.to_owned(),
         reason: "the peer refused our job token".into(),
     })?;
-    TcpConnection::start(s, addr.to_owned(), timeout)
+    TcpConnection::start(s, addr.to_owned(), timeout, regions)
 }
 
 #[cfg(test)]
@@ -533,11 +554,19 @@ mod tests {
                 1,
                 2,
                 &tb,
+                &[],
+                &|| Ok(()),
                 Duration::from_secs(5),
                 Deadline::after(Duration::from_secs(5)),
             )
         });
-        let accepted = ep.accept(&[1], 2, Deadline::after(Duration::from_secs(2)));
+        let accepted = ep.accept(
+            &[1],
+            2,
+            &|_| Vec::new(),
+            &|| Ok(()),
+            Deadline::after(Duration::from_secs(2)),
+        );
         let connected = t.join().unwrap();
         let mut accepted = accepted?;
         Ok((accepted.remove(&1).unwrap(), connected?))
