@@ -269,3 +269,24 @@ fn a_rank_killed_after_the_rendezvous_is_reported_to_every_rank() {
         killed_at.elapsed()
     );
 }
+
+#[test]
+fn barriers_hold_every_rank_until_the_last_arrives() {
+    let jobs: Vec<Bootstrap> = job(4, |_| "t", 20).into_iter().map(|r| r.unwrap()).collect();
+    let start = Instant::now();
+    thread::scope(|s| {
+        for (i, j) in jobs.iter().enumerate() {
+            s.spawn(move || {
+                for round in 0..3u64 {
+                    if i == 3 {
+                        thread::sleep(Duration::from_millis(100)); // the laggard
+                    }
+                    j.barrier(Deadline::after(Duration::from_secs(10))).unwrap();
+                    assert!(start.elapsed() >= Duration::from_millis(100 * (round + 1)), "released before the laggard arrived");
+                }
+            });
+        }
+    });
+    // A barrier some rank never reaches times out.
+    assert!(matches!(jobs[1].barrier(Deadline::after(Duration::from_millis(200))), Err(Error::Timeout { .. })));
+}

@@ -24,22 +24,52 @@ const STEP: Duration = Duration::from_secs(10);
 /// How often the liveness watcher wakes to check for shutdown.
 const WATCH_TICK: Duration = Duration::from_millis(200);
 
-/// Who has been lost, shared with the watcher thread.
+/// What the watcher thread and the callers share.
+#[derive(Default)]
+struct State {
+    /// Ranks lost, in the order noticed.
+    lost: Vec<(u32, String)>,
+    /// Rank 0: the latest barrier generation each rank reached.
+    arrived: Vec<u64>,
+    /// The latest barrier generation released.
+    released: u64,
+}
+
 #[derive(Default)]
 struct Liveness {
-    lost: Mutex<Vec<(u32, String)>>,
+    state: Mutex<State>,
     changed: Condvar,
 }
 
 impl Liveness {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn mark(&self, rank: u32, reason: String) {
-        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
-        if !lost.iter().any(|(r, _)| *r == rank) {
+        let mut st = self.lock();
+        if !st.lost.iter().any(|(r, _)| *r == rank) {
             tracing::warn!(rank, reason = %reason, "rank lost");
-            lost.push((rank, reason));
+            st.lost.push((rank, reason));
             self.changed.notify_all();
         }
     }
+}
+
+/// The mesh's sockets, for whole-frame writes from any thread.
+type Writers = Arc<Mutex<Vec<(u32, TcpStream)>>>;
+
+/// Rank 0: releases barrier `generation` if every rank has reached it.
+fn release_if_complete(st: &mut State, generation: u64, writers: &Writers, liveness: &Liveness) {
+    if st.released >= generation || st.arrived.iter().any(|g| *g < generation) {
+        return;
+    }
+    st.released = generation;
+    let msg = Message::BarrierRelease { generation };
+    for (rank, s) in writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+        let _ = send(s, &msg, &format!("rank {rank}"));
+    }
+    liveness.changed.notify_all();
 }
 
 /// A formed job: the peer table, and the liveness mesh that watches it.
@@ -49,7 +79,8 @@ pub struct Bootstrap {
     table: Vec<PeerEntry>,
     liveness: Arc<Liveness>,
     stop: Arc<AtomicBool>,
-    links: Vec<(u32, TcpStream)>,
+    writers: Writers,
+    generation: Mutex<u64>,
     watcher: Option<JoinHandle<()>>,
 }
 
@@ -67,17 +98,10 @@ impl Bootstrap {
         deadline: Deadline,
     ) -> Result<Bootstrap> {
         if me.rank != rank || rank >= world_size {
-            return Err(Error::InvalidArgument {
-                reason: format!(
-                    "rank {rank} of {world_size} with an entry for rank {}",
-                    me.rank
-                ),
-            });
+            return Err(Error::InvalidArgument { reason: format!("rank {rank} of {world_size} with an entry for rank {}", me.rank) });
         }
         if token.is_empty() {
-            tracing::warn!(
-                "NODETOUR_JOB_TOKEN is not set: any process that reaches the rendezvous port can join this job"
-            );
+            tracing::warn!("NODETOUR_JOB_TOKEN is not set: any process that reaches the rendezvous port can join this job");
         }
         let (table, links) = if rank == 0 {
             serve(rendezvous, world_size, me, token, deadline)?
@@ -85,36 +109,21 @@ impl Bootstrap {
             join(rendezvous, rank, world_size, me, token, deadline)?
         };
         let liveness = Arc::new(Liveness::default());
+        liveness.lock().arrived = vec![0; world_size as usize];
         let stop = Arc::new(AtomicBool::new(false));
+        let readers: Vec<(u32, TcpStream)> =
+            links.iter().map(|(r, s)| s.try_clone().map(|c| (*r, c))).collect::<io::Result<_>>().map_err(|source| {
+                Error::Exchange { op: "clone", peer: "bootstrap".into(), source }
+            })?;
+        let writers: Writers = Arc::new(Mutex::new(links));
         let watcher = {
-            let streams: Vec<(u32, TcpStream)> = links
-                .iter()
-                .map(|(r, s)| s.try_clone().map(|c| (*r, c)))
-                .collect::<io::Result<_>>()
-                .map_err(|source| Error::Exchange {
-                    op: "clone",
-                    peer: "bootstrap".into(),
-                    source,
-                })?;
-            let (liveness, stop) = (liveness.clone(), stop.clone());
+            let (liveness, stop, writers) = (liveness.clone(), stop.clone(), writers.clone());
             std::thread::Builder::new()
                 .name(format!("nodetour-liveness-{rank}"))
-                .spawn(move || watch(rank, streams, &liveness, &stop))
-                .map_err(|source| Error::Exchange {
-                    op: "spawn watcher",
-                    peer: "bootstrap".into(),
-                    source,
-                })?
+                .spawn(move || watch(rank, readers, &writers, &liveness, &stop))
+                .map_err(|source| Error::Exchange { op: "spawn watcher", peer: "bootstrap".into(), source })?
         };
-        Ok(Bootstrap {
-            rank,
-            world_size,
-            table,
-            liveness,
-            stop,
-            links,
-            watcher: Some(watcher),
-        })
+        Ok(Bootstrap { rank, world_size, table, liveness, stop, writers, generation: Mutex::new(0), watcher: Some(watcher) })
     }
 
     /// This rank.
@@ -134,46 +143,71 @@ impl Bootstrap {
 
     /// `Err(RankLost)` naming the first rank lost, if any.
     pub fn check(&self) -> Result<()> {
-        let lost = self.liveness.lost.lock().unwrap_or_else(|p| p.into_inner());
-        match lost.first() {
-            Some((rank, reason)) => Err(Error::RankLost {
-                rank: *rank,
-                reason: reason.clone(),
-            }),
+        match self.liveness.lock().lost.first() {
+            Some((rank, reason)) => Err(Error::RankLost { rank: *rank, reason: reason.clone() }),
             None => Ok(()),
+        }
+    }
+
+    /// Waits until every rank has called `barrier` as many times as this one, or fails with
+    /// the lost rank, or at `deadline`.
+    pub fn barrier(&self, deadline: Deadline) -> Result<()> {
+        let generation = {
+            let mut g = self.generation.lock().unwrap_or_else(|p| p.into_inner());
+            *g += 1;
+            *g
+        };
+        if self.rank == 0 {
+            let mut st = self.liveness.lock();
+            st.arrived[0] = generation;
+            release_if_complete(&mut st, generation, &self.writers, &self.liveness);
+        } else {
+            let msg = Message::Barrier { generation };
+            for (_, s) in self.writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+                send(s, &msg, "rank 0")?;
+            }
+        }
+        let mut st = self.liveness.lock();
+        loop {
+            if let Some((rank, reason)) = st.lost.first() {
+                return Err(Error::RankLost { rank: *rank, reason: reason.clone() });
+            }
+            if st.released >= generation {
+                return Ok(());
+            }
+            if deadline.expired() {
+                return Err(deadline.timeout(format!("barrier {generation} of {} ranks", self.world_size)));
+            }
+            st = self.liveness.changed.wait_timeout(st, deadline.remaining()).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 
     /// Waits until some rank is lost or `deadline` passes; returns the lost rank and why.
     pub fn wait_for_loss(&self, deadline: Deadline) -> Option<(u32, String)> {
-        let mut lost = self.liveness.lost.lock().unwrap_or_else(|p| p.into_inner());
-        while lost.is_empty() && !deadline.expired() {
-            lost = self
-                .liveness
-                .changed
-                .wait_timeout(lost, deadline.remaining())
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        let mut st = self.liveness.lock();
+        while st.lost.is_empty() && !deadline.expired() {
+            st = self.liveness.changed.wait_timeout(st, deadline.remaining()).unwrap_or_else(|p| p.into_inner()).0;
         }
-        lost.first().cloned()
+        st.lost.first().cloned()
     }
 }
 
 impl Drop for Bootstrap {
     fn drop(&mut self) {
-        // Leave on purpose: say goodbye so the others do not report this rank lost, stop the
-        // watcher, then close the sockets.
+        // Leave on purpose: stop the watcher, say goodbye so the others do not report this rank
+        // lost, then close the sockets.
         self.stop.store(true, Ordering::SeqCst);
+        if let Some(w) = self.watcher.take() {
+            let _ = w.join();
+        }
+        let mut writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
         if let Ok(bye) = Message::Goodbye.encode() {
-            for (_, s) in &mut self.links {
+            for (_, s) in writers.iter_mut() {
                 let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
                 let _ = s.write_all(&bye);
             }
         }
-        if let Some(w) = self.watcher.take() {
-            let _ = w.join();
-        }
-        for (_, s) in &self.links {
+        for (_, s) in writers.iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -564,31 +598,18 @@ fn join(
 }
 
 /// The liveness watcher: reads the mesh's sockets until told to stop. On rank 0 a closed socket
-/// is a lost rank, announced to every other rank; elsewhere the messages come from rank 0.
-fn watch(me: u32, mut streams: Vec<(u32, TcpStream)>, liveness: &Liveness, stop: &AtomicBool) {
+/// is a lost rank, announced to every other rank, and barrier arrivals are collected; elsewhere
+/// the messages come from rank 0.
+fn watch(me: u32, mut streams: Vec<(u32, TcpStream)>, writers: &Writers, liveness: &Liveness, stop: &AtomicBool) {
     let mut open: Vec<bool> = vec![true; streams.len()];
     while !stop.load(Ordering::SeqCst) && open.iter().any(|o| *o) {
         let mut fds: Vec<libc::pollfd> = streams
             .iter()
-            .map(|(_, s)| libc::pollfd {
-                fd: s.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            })
+            .zip(&open)
+            .map(|((_, s), o)| libc::pollfd { fd: if *o { s.as_raw_fd() } else { -1 }, events: libc::POLLIN, revents: 0 })
             .collect();
-        for (f, o) in fds.iter_mut().zip(&open) {
-            if !o {
-                f.fd = -1;
-            }
-        }
         // SAFETY: fds is a valid array of pollfds for the duration of the call.
-        let n = unsafe {
-            libc::poll(
-                fds.as_mut_ptr(),
-                fds.len() as libc::nfds_t,
-                WATCH_TICK.as_millis() as i32,
-            )
-        };
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, WATCH_TICK.as_millis() as i32) };
         if n <= 0 {
             continue;
         }
@@ -602,27 +623,32 @@ fn watch(me: u32, mut streams: Vec<(u32, TcpStream)>, liveness: &Liveness, stop:
                 return;
             }
             match outcome {
-                Ok(Message::RankLost { rank: lost, reason }) if me != 0 => {
-                    liveness.mark(lost, reason)
+                Ok(Message::RankLost { rank: lost, reason }) if me != 0 => liveness.mark(lost, reason),
+                Ok(Message::BarrierRelease { generation }) if me != 0 => {
+                    let mut st = liveness.lock();
+                    st.released = st.released.max(generation);
+                    liveness.changed.notify_all();
                 }
-                Ok(Message::Goodbye) if me != 0 => {
-                    open[i] = false;
+                Ok(Message::Barrier { generation }) if me == 0 => {
+                    let mut st = liveness.lock();
+                    if let Some(a) = st.arrived.get_mut(rank as usize) {
+                        *a = (*a).max(generation);
+                    }
+                    release_if_complete(&mut st, generation, writers, liveness);
                 }
                 Ok(Message::Goodbye) => {
                     open[i] = false;
                     tracing::debug!(rank, "rank left");
                 }
-                Ok(other) => {
-                    tracing::warn!(rank, message = ?other, "unexpected bootstrap message after the rendezvous")
-                }
+                Ok(other) => tracing::warn!(rank, message = ?other, "unexpected bootstrap message after the rendezvous"),
                 Err(e) => {
                     open[i] = false;
                     let reason = format!("its bootstrap connection broke ({e})");
                     liveness.mark(rank, reason.clone());
                     if me == 0 {
                         let msg = Message::RankLost { rank, reason };
-                        for (j, (other, s2)) in streams.iter_mut().enumerate() {
-                            if j != i && open[j] {
+                        for (other, s2) in writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+                            if *other != rank {
                                 let _ = send(s2, &msg, &format!("rank {other}"));
                             }
                         }

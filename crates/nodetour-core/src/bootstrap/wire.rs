@@ -71,6 +71,16 @@ pub enum Message {
     },
     /// Either way, after the rendezvous: this rank leaves on purpose (not a failure).
     Goodbye,
+    /// Client → server: this rank reached barrier `generation`.
+    Barrier {
+        /// Which barrier (1, 2, ...).
+        generation: u64,
+    },
+    /// Server → client: every rank reached barrier `generation`.
+    BarrierRelease {
+        /// Which barrier.
+        generation: u64,
+    },
     /// Server → client: a rank is gone.
     RankLost {
         /// Which.
@@ -91,6 +101,8 @@ impl Message {
             Message::Reject { .. } => 6,
             Message::RankLost { .. } => 7,
             Message::Goodbye => 8,
+            Message::Barrier { .. } => 9,
+            Message::BarrierRelease { .. } => 10,
         }
     }
 
@@ -124,6 +136,9 @@ impl Message {
                 put_str(&mut p, reason)?;
             }
             Message::Goodbye => {}
+            Message::Barrier { generation } | Message::BarrierRelease { generation } => {
+                p.extend_from_slice(&generation.to_be_bytes())
+            }
         }
         let len = u32::try_from(p.len())
             .ok()
@@ -159,7 +174,7 @@ impl Message {
                 h[4]
             )));
         }
-        if !(1..=8).contains(&h[5]) {
+        if !(1..=10).contains(&h[5]) {
             return Err(bad(format!("unknown message kind {}", h[5])));
         }
         if h[6..8] != [0, 0] {
@@ -204,6 +219,8 @@ impl Message {
                 reason: r.string()?,
             },
             8 => Message::Goodbye,
+            9 => Message::Barrier { generation: r.u64()? },
+            10 => Message::BarrierRelease { generation: r.u64()? },
             k => return Err(bad(format!("unknown message kind {k}"))),
         };
         if !r.0.is_empty() {
@@ -366,6 +383,8 @@ mod tests {
                 reason: "connection closed".into(),
             },
             Message::Goodbye,
+            Message::Barrier { generation: 3 },
+            Message::BarrierRelease { generation: 3 },
         ]
     }
 
@@ -385,7 +404,7 @@ mod tests {
             good[..good.len() - 1].to_vec(),
             [good.clone(), vec![0]].concat(),
         ];
-        for (at, v) in [(0, b'X'), (4, 2), (5, 0), (5, 9), (6, 1)] {
+        for (at, v) in [(0, b'X'), (4, 2), (5, 0), (5, 11), (6, 1)] {
             let mut m = good.clone();
             m[at] = v;
             cases.push(m);
@@ -413,7 +432,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn decoding_never_panics(kind in 0u8..10, payload in proptest::collection::vec(any::<u8>(), 0..600)) {
+        fn decoding_never_panics(kind in 0u8..12, payload in proptest::collection::vec(any::<u8>(), 0..600)) {
             let _ = Message::decode_payload(kind, &payload);
         }
     }
