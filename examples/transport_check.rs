@@ -21,10 +21,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
+use std::sync::Arc;
+
+use nodetour::link::LocalSide;
 use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::tcp::{self, TcpConnection, TcpEndpoint};
-use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
+use nodetour_core::transport::verbs::PreparedVerbs;
+use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion, TransportKind};
+use nodetour_core::verbs::{
+    Access, EndpointDescription, MemoryRegion, Near, PathOptions, QueuePairOptions,
+};
 use nodetour_core::{Config, Deadline};
 
 #[derive(Parser)]
@@ -39,6 +46,12 @@ struct Args {
     /// This rank exits abruptly right after the rendezvous.
     #[arg(long)]
     kill_rank: Option<u32>,
+    /// tcp or verbs (default: NODETOUR_TRANSPORT, else tcp).
+    #[arg(long)]
+    transport: Option<String>,
+    /// RDMA devices to spread the ranks over (rank r takes device r mod n), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
 }
 
 fn pattern(from: u32, to: u32, i: usize) -> u8 {
@@ -56,31 +69,42 @@ fn main() -> ExitCode {
     }
 }
 
-/// Grants announced in the bootstrap blob: for every rank r, the key and length of the region
-/// this rank lets r write; then a port for the plain-TCP reference (0 if none).
-fn encode_blob(grants: &[SlotGrant], bench_port: u16) -> Vec<u8> {
+/// What each rank announces in its bootstrap blob: for every rank r, the grant of the region
+/// this rank lets r write and (verbs) the endpoint of the queue pair it made for r; then a port
+/// for the plain-TCP reference (0 if none).
+fn encode_blob(grants: &[SlotGrant], endpoints: &[Vec<u8>], bench_port: u16) -> Vec<u8> {
     let mut b = Vec::new();
     b.extend_from_slice(&(grants.len() as u32).to_be_bytes());
-    for g in grants {
+    for (g, e) in grants.iter().zip(endpoints) {
         b.extend_from_slice(&g.encode());
+        b.extend_from_slice(&(e.len() as u16).to_be_bytes());
+        b.extend_from_slice(e);
     }
     b.extend_from_slice(&bench_port.to_be_bytes());
     b
 }
 
-fn decode_blob(b: &[u8]) -> anyhow::Result<(Vec<SlotGrant>, u16)> {
-    let n = u32::from_be_bytes(b.get(..4).context("short blob")?.try_into()?) as usize;
-    let len = SlotGrant::ENCODED_LEN;
-    let mut grants = Vec::with_capacity(n);
-    for i in 0..n {
-        grants.push(SlotGrant::decode(
-            b.get(4 + i * len..4 + (i + 1) * len)
-                .context("short blob")?,
-        )?);
+/// The grant and endpoint rank `owner` announced for rank `me`, and its bench port.
+fn decode_blob(b: &[u8], me: u32) -> anyhow::Result<(SlotGrant, Vec<u8>, u16)> {
+    let take = |at: &mut usize, n: usize| -> anyhow::Result<&[u8]> {
+        let s = b.get(*at..*at + n).context("short blob")?;
+        *at += n;
+        Ok(s)
+    };
+    let mut at = 0;
+    let n = u32::from_be_bytes(take(&mut at, 4)?.try_into()?);
+    let mut mine = None;
+    for r in 0..n {
+        let g = SlotGrant::decode(take(&mut at, SlotGrant::ENCODED_LEN)?)?;
+        let len = u16::from_be_bytes(take(&mut at, 2)?.try_into()?) as usize;
+        let e = take(&mut at, len)?.to_vec();
+        if r == me {
+            mine = Some((g, e));
+        }
     }
-    let at = 4 + n * len;
-    let port = u16::from_be_bytes(b.get(at..at + 2).context("short blob")?.try_into()?);
-    Ok((grants, port))
+    let port = u16::from_be_bytes(take(&mut at, 2)?.try_into()?);
+    let (g, e) = mine.context("the peer announced nothing for us")?;
+    Ok((g, e, port))
 }
 
 fn run() -> anyhow::Result<()> {
@@ -93,16 +117,70 @@ fn run() -> anyhow::Result<()> {
     if args.bench.is_some() && world != 2 {
         bail!("--bench runs with exactly 2 ranks");
     }
+    let kind = match args
+        .transport
+        .clone()
+        .or_else(|| std::env::var("NODETOUR_TRANSPORT").ok())
+        .as_deref()
+    {
+        None | Some("tcp") | Some("auto") => TransportKind::Tcp,
+        Some("verbs") => TransportKind::Verbs,
+        Some(other) => bail!("transport_check speaks tcp and verbs, not {other}"),
+    };
+    // Verbs: this rank's device, port, GID and protection domain, and a queue pair per peer, all
+    // made before the rendezvous so their endpoints go in the blob.
+    let local = match kind {
+        TransportKind::Verbs => {
+            let mut cfg = config.clone();
+            if !args.devices.is_empty() {
+                cfg.ib_device = Some(args.devices[me as usize % args.devices.len()].clone());
+            }
+            Some(LocalSide::open(&cfg, Near::Host)?)
+        }
+        _ => None,
+    };
+    let mut prepared: Vec<Option<PreparedVerbs>> = (0..world).map(|_| None).collect();
+    let mut endpoints: Vec<Vec<u8>> = vec![Vec::new(); world as usize];
+    if let Some(l) = &local {
+        for p in (0..world).filter(|p| *p != me) {
+            let q = PreparedVerbs::new(
+                &l.pd,
+                l.port.port,
+                QueuePairOptions {
+                    send_depth: 64,
+                    recv_depth: 16,
+                    max_inline: 0,
+                },
+            )?;
+            endpoints[p as usize] = EndpointDescription {
+                endpoint: q.endpoint(&l.gid),
+                regions: vec![],
+            }
+            .encode()?;
+            prepared[p as usize] = Some(q);
+        }
+    }
     // One receive region per peer, created and announced before the rendezvous.
+    let region = |len: usize| -> anyhow::Result<SlotRegion> {
+        let buf = HostBuffer::new(len)?;
+        Ok(match &local {
+            Some(l) => SlotRegion::registered(Arc::new(MemoryRegion::register(
+                &l.pd,
+                buf,
+                Access::REMOTE,
+            )?)),
+            None => SlotRegion::host(buf),
+        })
+    };
     let recv: Vec<SlotRegion> = (0..world)
-        .map(|_| HostBuffer::new(size).map(SlotRegion::host))
-        .collect::<Result<_, _>>()?;
+        .map(|_| region(size))
+        .collect::<anyhow::Result<_>>()?;
     let grants: Vec<SlotGrant> = recv
         .iter()
         .map(|r| SlotGrant {
             key: r.key(),
             len: r.len() as u64,
-            remote: None,
+            remote: r.memory_region().map(|m| m.remote()),
         })
         .collect();
     let endpoint = TcpEndpoint::bind("0.0.0.0:0", token.clone(), config.timeout)?;
@@ -118,7 +196,7 @@ fn run() -> anyhow::Result<()> {
         rank: me,
         host: HostIdentity::current(),
         address,
-        blob: encode_blob(&grants, bench_port),
+        blob: encode_blob(&grants, &endpoints, bench_port),
     };
     let deadline = Deadline::after(config.timeout);
     let job = Bootstrap::rendezvous(&info.rendezvous_addr(), me, world, entry, &token, deadline)?;
@@ -127,45 +205,67 @@ fn run() -> anyhow::Result<()> {
         std::process::abort();
     }
 
-    // Every pair connects once: the higher rank dials the lower.
-    let lower: Vec<u32> = (0..me).collect();
-    let higher: Vec<u32> = (me + 1..world).collect();
-    let grants = |p: u32| vec![recv[p as usize].clone()];
-    let alive = || job.check();
-    let mut conns: HashMap<u32, TcpConnection> = std::thread::scope(|s| -> anyhow::Result<_> {
-        let accepting = s.spawn(|| endpoint.accept(&higher, world, &grants, &alive, deadline));
-        let mut out = HashMap::new();
-        for &p in &lower {
-            let addr = &job.peers()[p as usize].address;
-            out.insert(
+    let mut theirs: HashMap<u32, SlotGrant> = HashMap::new();
+    let mut conns: HashMap<u32, Box<dyn HostConnection>> = HashMap::new();
+    for p in (0..world).filter(|p| *p != me) {
+        let (grant, endpoint, _) = decode_blob(&job.peers()[p as usize].blob, me)?;
+        theirs.insert(p, grant);
+        if let (Some(l), Some(q)) = (&local, prepared[p as usize].take()) {
+            let remote = EndpointDescription::decode(&endpoint)?.endpoint;
+            let path = PathOptions::new(l.port.port, &l.gid, &config);
+            conns.insert(
                 p,
-                tcp::connect(
-                    addr,
-                    me,
-                    world,
-                    &token,
-                    &grants(p),
-                    &alive,
-                    config.timeout,
-                    deadline,
-                )?,
+                Box::new(q.connect(&remote, &path, format!("rank {p}"), config.timeout)?),
             );
         }
-        out.extend(accepting.join().expect("accept thread")?);
-        Ok(out)
-    })?;
-    let mut theirs: HashMap<u32, SlotGrant> = HashMap::new();
-    for &p in conns.keys() {
-        let (peer_grants, _) = decode_blob(&job.peers()[p as usize].blob)?;
-        theirs.insert(
-            p,
-            *peer_grants
-                .get(me as usize)
-                .context("the peer announced no region for us")?,
+    }
+    if kind == TransportKind::Verbs {
+        // Every queue pair is connected before anyone writes.
+        job.barrier(deadline)?;
+    } else {
+        // Every pair connects once: the higher rank dials the lower. Connections start with the
+        // peer's region granted (it learned the grant from the bootstrap and may write at once).
+        let lower: Vec<u32> = (0..me).collect();
+        let higher: Vec<u32> = (me + 1..world).collect();
+        let grants = |p: u32| vec![recv[p as usize].clone()];
+        let alive = || job.check();
+        let tcp_conns: HashMap<u32, TcpConnection> =
+            std::thread::scope(|s| -> anyhow::Result<_> {
+                let accepting =
+                    s.spawn(|| endpoint.accept(&higher, world, &grants, &alive, deadline));
+                let mut out = HashMap::new();
+                for &p in &lower {
+                    let addr = &job.peers()[p as usize].address;
+                    out.insert(
+                        p,
+                        tcp::connect(
+                            addr,
+                            me,
+                            world,
+                            &token,
+                            &grants(p),
+                            &alive,
+                            config.timeout,
+                            deadline,
+                        )?,
+                    );
+                }
+                out.extend(accepting.join().expect("accept thread")?);
+                Ok(out)
+            })?;
+        conns.extend(
+            tcp_conns
+                .into_iter()
+                .map(|(p, c)| (p, Box::new(c) as Box<dyn HostConnection>)),
         );
     }
     if let Some(bytes) = args.bench {
-        let port = decode_blob(&job.peers()[0].blob)?.1;
+        let port = if me == 0 {
+            0
+        } else {
+            decode_blob(&job.peers()[0].blob, me)?.2
+        };
+        let send = region(bytes)?;
         return bench(
             me,
             bytes,
@@ -177,10 +277,11 @@ fn run() -> anyhow::Result<()> {
             port,
             &config,
             &job,
+            send,
         );
     }
 
-    let send = SlotRegion::host(HostBuffer::new(size)?);
+    let send = region(size)?;
     let start = Instant::now();
     let mut peers: Vec<u32> = conns.keys().copied().collect();
     peers.sort();
@@ -213,7 +314,7 @@ fn run() -> anyhow::Result<()> {
     }
     job.check()?;
     println!(
-        "TRANSPORT OK rank={me} world={world} transport=tcp peers={} bytes_per_peer={size} verified seconds={:.3}",
+        "TRANSPORT OK rank={me} world={world} transport={kind} peers={} bytes_per_peer={size} verified seconds={:.3}",
         peers.len(),
         start.elapsed().as_secs_f64()
     );
@@ -224,7 +325,7 @@ fn run() -> anyhow::Result<()> {
 fn bench(
     me: u32,
     bytes: usize,
-    mut conns: HashMap<u32, TcpConnection>,
+    mut conns: HashMap<u32, Box<dyn HostConnection>>,
     theirs: HashMap<u32, SlotGrant>,
     recv: &[SlotRegion],
     reference: Option<TcpListener>,
@@ -232,6 +333,7 @@ fn bench(
     port: u16,
     config: &Config,
     job: &Bootstrap,
+    send: SlotRegion,
 ) -> anyhow::Result<()> {
     let peer = 1 - me;
     let conn = conns.get_mut(&peer).context("connected")?;
@@ -244,11 +346,10 @@ fn bench(
         ))?,
     };
     plain.set_nodelay(true)?;
-    let send = SlotRegion::host(HostBuffer::new(bytes)?);
     send.write_at(0, &vec![0x5a; bytes])?;
     let mut buf = vec![0x5a_u8; bytes];
     let (mut ours, mut refs) = (Vec::new(), Vec::new());
-    let wait_for = |conn: &mut TcpConnection, v: u32| -> anyhow::Result<()> {
+    let wait_for = |conn: &mut Box<dyn HostConnection>, v: u32| -> anyhow::Result<()> {
         let mut ev = Vec::new();
         while !ev.contains(&Event::Notified(v)) {
             conn.wait(&mut ev, Deadline::after(config.timeout))?;
@@ -285,7 +386,8 @@ fn bench(
             bytes as f64 / median(refs) / 1e9,
         );
         println!(
-            "TCP_BENCH bytes={bytes} runs={runs} nodetour_tcp_GBps={o:.2} plain_tcp_stream_GBps={r:.2} ratio={:.2}",
+            "{}_BENCH bytes={bytes} runs={runs} nodetour_GBps={o:.2} plain_tcp_stream_GBps={r:.2} ratio={:.2}",
+            conn.kind().to_string().to_uppercase(),
             o / r
         );
     }

@@ -3,7 +3,8 @@
 #   scripts/rdma-vm.sh --nodes 2 -- scripts/vm-tier.sh TEST_EXE...
 # 1. the hardware tests (TEST_EXE... --include-ignored; a missing device fails them),
 # 2. two_node_smoke between rxe0 and rxe1 (two processes, verified data),
-# 3. our write loop against ib_write_bw (scripts/write-bw-compare.sh),
+# 3. 2, 4 and 8 processes connected pairwise over the verbs transport (transport_check),
+# 4. our write loop against ib_write_bw (scripts/write-bw-compare.sh),
 # and checks that the kernel's RDMA resource counts return to where they started (no leaked
 # queue pair, completion queue, region or protection domain).
 # Env: NODETOUR_BIN_DIR (default target/release), COMPARE_RUNS (default 5).
@@ -39,6 +40,19 @@ else
     cat /tmp/smoke0.log /tmp/smoke1.log
     failed=1
 fi
+
+for n in 2 4 8; do
+    say "transport_check over verbs: $n processes spread over $NODETOUR_VM_DEV0 and $NODETOUR_VM_DEV1"
+    ok=$(scripts/launch-local.sh -n "$n" --timeout 180 -- "$BIN_DIR/examples/transport_check" --transport verbs \
+        --devices "$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" --size 1048576 2>&1 | tee /tmp/tc.log | grep -c 'TRANSPORT OK')
+    if [[ $ok == "$n" ]]; then
+        say "transport_check verbs n=$n ... ok"
+    else
+        say "transport_check verbs n=$n ... FAILED"
+        cat /tmp/tc.log
+        failed=1
+    fi
+done
 
 if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-bw-compare.sh; then
     say "write-bw-compare ... ok"

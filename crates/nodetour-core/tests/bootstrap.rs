@@ -272,7 +272,10 @@ fn a_rank_killed_after_the_rendezvous_is_reported_to_every_rank() {
 
 #[test]
 fn barriers_hold_every_rank_until_the_last_arrives() {
-    let jobs: Vec<Bootstrap> = job(4, |_| "t", 20).into_iter().map(|r| r.unwrap()).collect();
+    let jobs: Vec<Bootstrap> = job(4, |_| "t", 20)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
     let start = Instant::now();
     thread::scope(|s| {
         for (i, j) in jobs.iter().enumerate() {
@@ -282,11 +285,17 @@ fn barriers_hold_every_rank_until_the_last_arrives() {
                         thread::sleep(Duration::from_millis(100)); // the laggard
                     }
                     j.barrier(Deadline::after(Duration::from_secs(10))).unwrap();
-                    assert!(start.elapsed() >= Duration::from_millis(100 * (round + 1)), "released before the laggard arrived");
+                    assert!(
+                        start.elapsed() >= Duration::from_millis(100 * (round + 1)),
+                        "released before the laggard arrived"
+                    );
                 }
             });
         }
     });
     // A barrier some rank never reaches times out.
-    assert!(matches!(jobs[1].barrier(Deadline::after(Duration::from_millis(200))), Err(Error::Timeout { .. })));
+    assert!(matches!(
+        jobs[1].barrier(Deadline::after(Duration::from_millis(200))),
+        Err(Error::Timeout { .. })
+    ));
 }

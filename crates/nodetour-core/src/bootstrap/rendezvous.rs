@@ -98,10 +98,17 @@ impl Bootstrap {
         deadline: Deadline,
     ) -> Result<Bootstrap> {
         if me.rank != rank || rank >= world_size {
-            return Err(Error::InvalidArgument { reason: format!("rank {rank} of {world_size} with an entry for rank {}", me.rank) });
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "rank {rank} of {world_size} with an entry for rank {}",
+                    me.rank
+                ),
+            });
         }
         if token.is_empty() {
-            tracing::warn!("NODETOUR_JOB_TOKEN is not set: any process that reaches the rendezvous port can join this job");
+            tracing::warn!(
+                "NODETOUR_JOB_TOKEN is not set: any process that reaches the rendezvous port can join this job"
+            );
         }
         let (table, links) = if rank == 0 {
             serve(rendezvous, world_size, me, token, deadline)?
@@ -111,9 +118,14 @@ impl Bootstrap {
         let liveness = Arc::new(Liveness::default());
         liveness.lock().arrived = vec![0; world_size as usize];
         let stop = Arc::new(AtomicBool::new(false));
-        let readers: Vec<(u32, TcpStream)> =
-            links.iter().map(|(r, s)| s.try_clone().map(|c| (*r, c))).collect::<io::Result<_>>().map_err(|source| {
-                Error::Exchange { op: "clone", peer: "bootstrap".into(), source }
+        let readers: Vec<(u32, TcpStream)> = links
+            .iter()
+            .map(|(r, s)| s.try_clone().map(|c| (*r, c)))
+            .collect::<io::Result<_>>()
+            .map_err(|source| Error::Exchange {
+                op: "clone",
+                peer: "bootstrap".into(),
+                source,
             })?;
         let writers: Writers = Arc::new(Mutex::new(links));
         let watcher = {
@@ -121,9 +133,22 @@ impl Bootstrap {
             std::thread::Builder::new()
                 .name(format!("nodetour-liveness-{rank}"))
                 .spawn(move || watch(rank, readers, &writers, &liveness, &stop))
-                .map_err(|source| Error::Exchange { op: "spawn watcher", peer: "bootstrap".into(), source })?
+                .map_err(|source| Error::Exchange {
+                    op: "spawn watcher",
+                    peer: "bootstrap".into(),
+                    source,
+                })?
         };
-        Ok(Bootstrap { rank, world_size, table, liveness, stop, writers, generation: Mutex::new(0), watcher: Some(watcher) })
+        Ok(Bootstrap {
+            rank,
+            world_size,
+            table,
+            liveness,
+            stop,
+            writers,
+            generation: Mutex::new(0),
+            watcher: Some(watcher),
+        })
     }
 
     /// This rank.
@@ -144,7 +169,10 @@ impl Bootstrap {
     /// `Err(RankLost)` naming the first rank lost, if any.
     pub fn check(&self) -> Result<()> {
         match self.liveness.lock().lost.first() {
-            Some((rank, reason)) => Err(Error::RankLost { rank: *rank, reason: reason.clone() }),
+            Some((rank, reason)) => Err(Error::RankLost {
+                rank: *rank,
+                reason: reason.clone(),
+            }),
             None => Ok(()),
         }
     }
@@ -163,22 +191,37 @@ impl Bootstrap {
             release_if_complete(&mut st, generation, &self.writers, &self.liveness);
         } else {
             let msg = Message::Barrier { generation };
-            for (_, s) in self.writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+            for (_, s) in self
+                .writers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter_mut()
+            {
                 send(s, &msg, "rank 0")?;
             }
         }
         let mut st = self.liveness.lock();
         loop {
             if let Some((rank, reason)) = st.lost.first() {
-                return Err(Error::RankLost { rank: *rank, reason: reason.clone() });
+                return Err(Error::RankLost {
+                    rank: *rank,
+                    reason: reason.clone(),
+                });
             }
             if st.released >= generation {
                 return Ok(());
             }
             if deadline.expired() {
-                return Err(deadline.timeout(format!("barrier {generation} of {} ranks", self.world_size)));
+                return Err(
+                    deadline.timeout(format!("barrier {generation} of {} ranks", self.world_size))
+                );
             }
-            st = self.liveness.changed.wait_timeout(st, deadline.remaining()).unwrap_or_else(|p| p.into_inner()).0;
+            st = self
+                .liveness
+                .changed
+                .wait_timeout(st, deadline.remaining())
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -186,7 +229,12 @@ impl Bootstrap {
     pub fn wait_for_loss(&self, deadline: Deadline) -> Option<(u32, String)> {
         let mut st = self.liveness.lock();
         while st.lost.is_empty() && !deadline.expired() {
-            st = self.liveness.changed.wait_timeout(st, deadline.remaining()).unwrap_or_else(|p| p.into_inner()).0;
+            st = self
+                .liveness
+                .changed
+                .wait_timeout(st, deadline.remaining())
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         st.lost.first().cloned()
     }
@@ -600,16 +648,32 @@ fn join(
 /// The liveness watcher: reads the mesh's sockets until told to stop. On rank 0 a closed socket
 /// is a lost rank, announced to every other rank, and barrier arrivals are collected; elsewhere
 /// the messages come from rank 0.
-fn watch(me: u32, mut streams: Vec<(u32, TcpStream)>, writers: &Writers, liveness: &Liveness, stop: &AtomicBool) {
+fn watch(
+    me: u32,
+    mut streams: Vec<(u32, TcpStream)>,
+    writers: &Writers,
+    liveness: &Liveness,
+    stop: &AtomicBool,
+) {
     let mut open: Vec<bool> = vec![true; streams.len()];
     while !stop.load(Ordering::SeqCst) && open.iter().any(|o| *o) {
         let mut fds: Vec<libc::pollfd> = streams
             .iter()
             .zip(&open)
-            .map(|((_, s), o)| libc::pollfd { fd: if *o { s.as_raw_fd() } else { -1 }, events: libc::POLLIN, revents: 0 })
+            .map(|((_, s), o)| libc::pollfd {
+                fd: if *o { s.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            })
             .collect();
         // SAFETY: fds is a valid array of pollfds for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, WATCH_TICK.as_millis() as i32) };
+        let n = unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                WATCH_TICK.as_millis() as i32,
+            )
+        };
         if n <= 0 {
             continue;
         }
@@ -623,7 +687,9 @@ fn watch(me: u32, mut streams: Vec<(u32, TcpStream)>, writers: &Writers, livenes
                 return;
             }
             match outcome {
-                Ok(Message::RankLost { rank: lost, reason }) if me != 0 => liveness.mark(lost, reason),
+                Ok(Message::RankLost { rank: lost, reason }) if me != 0 => {
+                    liveness.mark(lost, reason)
+                }
                 Ok(Message::BarrierRelease { generation }) if me != 0 => {
                     let mut st = liveness.lock();
                     st.released = st.released.max(generation);
@@ -640,14 +706,18 @@ fn watch(me: u32, mut streams: Vec<(u32, TcpStream)>, writers: &Writers, livenes
                     open[i] = false;
                     tracing::debug!(rank, "rank left");
                 }
-                Ok(other) => tracing::warn!(rank, message = ?other, "unexpected bootstrap message after the rendezvous"),
+                Ok(other) => {
+                    tracing::warn!(rank, message = ?other, "unexpected bootstrap message after the rendezvous")
+                }
                 Err(e) => {
                     open[i] = false;
                     let reason = format!("its bootstrap connection broke ({e})");
                     liveness.mark(rank, reason.clone());
                     if me == 0 {
                         let msg = Message::RankLost { rank, reason };
-                        for (other, s2) in writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+                        for (other, s2) in
+                            writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut()
+                        {
                             if *other != rank {
                                 let _ = send(s2, &msg, &format!("rank {other}"));
                             }

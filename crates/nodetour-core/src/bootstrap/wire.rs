@@ -219,8 +219,12 @@ impl Message {
                 reason: r.string()?,
             },
             8 => Message::Goodbye,
-            9 => Message::Barrier { generation: r.u64()? },
-            10 => Message::BarrierRelease { generation: r.u64()? },
+            9 => Message::Barrier {
+                generation: r.u64()?,
+            },
+            10 => Message::BarrierRelease {
+                generation: r.u64()?,
+            },
             k => return Err(bad(format!("unknown message kind {k}"))),
         };
         if !r.0.is_empty() {

@@ -20,6 +20,7 @@
 mod mem;
 mod slots;
 pub mod tcp;
+pub mod verbs;
 pub mod wire;
 
 pub use mem::MemConnection;

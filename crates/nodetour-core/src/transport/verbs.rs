@@ -1,0 +1,180 @@
+//! The verbs transport: one RC queue pair per peer. Writes are RDMA WRITEs from registered slot
+//! regions into the peer's granted regions; a notification is the immediate of the last
+//! WRITE_WITH_IMM, which completes at the receiver after every earlier write on the queue pair.
+//! Bounds are the NIC's business: a grant carries the region's remote key and window, and the
+//! peer's NIC refuses anything outside it.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Event, HostConnection, SlotGrant, SlotRegion, TransportKind};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result};
+use crate::verbs::{
+    Completion, Endpoint, GidChoice, PathOptions, ProtectionDomain, QueuePair, QueuePairOptions,
+};
+
+/// A queue pair made for one peer, not yet connected (its endpoint goes to the peer first).
+pub struct PreparedVerbs {
+    qp: QueuePair,
+    recv_depth: u32,
+}
+
+impl PreparedVerbs {
+    /// Creates the queue pair on `port` of `pd`'s device and posts its receives.
+    pub fn new(
+        pd: &Arc<ProtectionDomain>,
+        port: u8,
+        options: QueuePairOptions,
+    ) -> Result<PreparedVerbs> {
+        let qp = QueuePair::new(pd, port, options)?;
+        qp.post_receives(options.recv_depth)?;
+        Ok(PreparedVerbs {
+            qp,
+            recv_depth: options.recv_depth,
+        })
+    }
+
+    /// What the peer needs to connect to it.
+    pub fn endpoint(&self, gid: &GidChoice) -> Endpoint {
+        self.qp.endpoint(gid)
+    }
+
+    /// Connects to the peer's queue pair. Writes may start once the peer has connected too (a
+    /// barrier between the two, such as the bootstrap's).
+    pub fn connect(
+        self,
+        remote: &Endpoint,
+        path: &PathOptions,
+        peer: String,
+        timeout: Duration,
+    ) -> Result<VerbsConnection> {
+        self.qp.connect(remote, path)?;
+        Ok(VerbsConnection {
+            qp: self.qp,
+            peer,
+            timeout,
+            events: VecDeque::new(),
+            completions: Vec::new(),
+            recv_depth: self.recv_depth,
+        })
+    }
+}
+
+/// A verbs connection to one peer.
+pub struct VerbsConnection {
+    qp: QueuePair,
+    peer: String,
+    timeout: Duration,
+    events: VecDeque<Event>,
+    completions: Vec<Completion>,
+    recv_depth: u32,
+}
+
+impl VerbsConnection {
+    /// The peer.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Moves completions into events, reposting a receive for every notification consumed.
+    fn absorb(&mut self) -> Result<()> {
+        let mut reposts = 0;
+        for c in self.completions.drain(..) {
+            if let Completion::WriteWithImmediate { immediate, .. } = c {
+                self.events.push_back(Event::Notified(immediate));
+                reposts += 1;
+            }
+        }
+        let room = self.recv_depth - self.qp.posted_receives();
+        if reposts > 0 && room > 0 {
+            self.qp.post_receives(room)?;
+        }
+        Ok(())
+    }
+}
+
+impl HostConnection for VerbsConnection {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Verbs
+    }
+
+    fn grant(&mut self, region: &SlotRegion) -> Result<SlotGrant> {
+        let mr = region.memory_region().ok_or_else(|| Error::InvalidArgument {
+            reason: "the verbs transport grants only registered slot regions (SlotRegion::registered)".into(),
+        })?;
+        Ok(SlotGrant {
+            key: region.key(),
+            len: region.len() as u64,
+            remote: Some(mr.remote()),
+        })
+    }
+
+    fn write(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        let mr = src.memory_region().ok_or_else(|| Error::InvalidArgument {
+            reason: "the verbs transport writes only from registered slot regions".into(),
+        })?;
+        let remote = dst.remote.ok_or_else(|| Error::InvalidArgument {
+            reason: "the grant carries no RDMA window".into(),
+        })?;
+        let max = (self.qp.port().max_message_size as usize).max(4096);
+        let mut at = range.start;
+        let deadline = Deadline::after(self.timeout);
+        loop {
+            let end = (at + max).min(range.end);
+            let last = end == range.end;
+            let off = dst_offset + (at - range.start) as u64;
+            match self.qp.post_write(
+                mr,
+                at..end,
+                &remote,
+                off,
+                if last { notify } else { None },
+                last,
+            ) {
+                Ok(_) => {
+                    if last {
+                        break;
+                    }
+                    at = end;
+                }
+                Err(Error::SendQueueFull { .. }) => {
+                    self.qp.wait(&mut self.completions, deadline)?;
+                    self.absorb()?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // The source may be reused on return: wait until the NIC is done with it.
+        while self.qp.outstanding_sends() > 0 {
+            self.qp.wait(&mut self.completions, deadline)?;
+            self.absorb()?;
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        self.qp.poll(&mut self.completions)?;
+        self.absorb()?;
+        events.extend(self.events.drain(..));
+        Ok(())
+    }
+
+    fn wait(&mut self, events: &mut Vec<Event>, deadline: Deadline) -> Result<()> {
+        while self.events.is_empty() {
+            self.qp.wait(&mut self.completions, deadline)?;
+            self.absorb()?;
+        }
+        events.extend(self.events.drain(..));
+        Ok(())
+    }
+}
