@@ -9,8 +9,9 @@ mkdir -p "$out"
 cargo build --release --bins --examples
 cargo build --release -p nodetour-core --example gpu_spike
 exe=$(cargo test --release -p nodetour-core --test gpu --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
-cp target/release/nodetour target/release/examples/two_node_smoke target/release/examples/gpu_spike "$out/"
+cp target/release/nodetour target/release/examples/two_node_smoke target/release/examples/gpu_spike \
+    target/release/examples/gpu_transport_check target/release/examples/transport_check "$out/"
 cp "$exe" "$out/gpu_tests"
-cp scripts/gpu-tier.sh "$out/"
-strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/gpu_tests"
+cp scripts/gpu-tier.sh scripts/launch-local.sh "$out/"
+strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/gpu_tests" "$out/gpu_transport_check" "$out/transport_check"
 du -sh "$out"

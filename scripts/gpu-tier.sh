@@ -3,7 +3,10 @@
 #   ./gpu-tier.sh [OUTDIR]     (writes gpu-tier.log there too; default: the current directory)
 # 1. the GPU tests (device buffers, dma-buf export, CUDA-registered hugepage buffers, NVRTC);
 # 2. `nodetour gpus`: attributes, dma-buf export, the registration path GPU memory gets here;
-# 3. `two_node_smoke --gpu`: on a machine without RDMA it reports the ladder and exits 2.
+# 3. `two_node_smoke --gpu`: on a machine without RDMA it reports the ladder and exits 2;
+# 4. with 2+ GPUs, cuda-ipc and shm between two processes (gpu_transport_check);
+# 5. transport_check over tcp with 4 processes.
+# Needs hugepages for the 1 GiB shm test at full speed: echo 2200 > /proc/sys/vm/nr_hugepages.
 # NCCL_NVLS_ENABLE=0 is exported for anything that starts NCCL on shared GPU hosts.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -19,6 +22,15 @@ failed=0
     ./nodetour devices; echo "rc=$?"
     echo "== two_node_smoke --gpu (rank 0)"
     timeout 60 ./two_node_smoke --gpu --rank 0 --addr 127.0.0.1:18517; echo "rc=$?"
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [[ $gpus -ge 2 ]]; then
+        echo "== gpu_transport_check: cuda-ipc and shm between two processes, one GPU each"
+        ./launch-local.sh -n 2 --timeout 300 -- ./gpu_transport_check || failed=1
+    else
+        echo "SKIP gpu_transport_check: needs 2 GPUs, this machine has $gpus"
+    fi
+    echo "== transport_check over tcp, 4 processes"
+    ./launch-local.sh -n 4 --timeout 120 -- ./transport_check || failed=1
     echo "gpu-tier: failed=$failed"
 } 2>&1 | tee "$out/gpu-tier.log"
 exit "$failed"

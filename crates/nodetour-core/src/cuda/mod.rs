@@ -10,5 +10,7 @@
 pub mod driver;
 pub mod nvrtc;
 pub(crate) mod result;
+pub mod stream;
 
 pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus};
+pub use stream::{GpuEvent, GpuStream, enable_peer_access};

@@ -125,6 +125,21 @@ pub(crate) unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<(), Error
         .map_err(|e| cuda_error("cuMemHostRegister", e))
 }
 
+/// `cuMemHostRegister` with `PORTABLE | DEVICEMAP`: pinned and addressable by streams' memory
+/// operations (flags).
+pub(crate) unsafe fn host_register_mapped(ptr: *mut u8, len: usize) -> Result<(), Error> {
+    // SAFETY: [ptr, ptr+len) is mapped host memory that outlives the registration.
+    unsafe {
+        sys::cuMemHostRegister_v2(
+            ptr.cast(),
+            len,
+            sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+        )
+    }
+    .result()
+    .map_err(|e| cuda_error("cuMemHostRegister", e))
+}
+
 /// `cuMemHostUnregister`.
 pub(crate) unsafe fn host_unregister(ptr: *mut u8) -> Result<(), Error> {
     // SAFETY: ptr was registered with host_register.

@@ -83,6 +83,11 @@ impl DeviceBuffer {
         self.ptr
     }
 
+    /// The allocation's base address and the buffer's offset in it (for IPC export).
+    pub(crate) fn allocation(&self) -> (u64, u64) {
+        (self.base, self.ptr - self.base)
+    }
+
     /// The CUDA context (and so the GPU) the memory belongs to.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.context
@@ -147,8 +152,13 @@ impl Drop for DeviceBuffer {
             tracing::warn!(error = ?e, "binding the CUDA context to free a GPU buffer failed");
             return;
         }
+        // Queued copies or kernels may still use the memory: let them finish first.
+        if let Err(e) = self.context.synchronize() {
+            tracing::warn!(error = ?e, "synchronising before freeing a GPU buffer failed");
+        }
         // SAFETY: base came from malloc_sync in this context; no region is registered over it
-        // any more (a MemoryRegion owns its buffer and deregisters before dropping it).
+        // any more (a MemoryRegion owns its buffer and deregisters before dropping it), and no
+        // queued work uses it (synchronised above).
         if let Err(e) = unsafe { result::free_sync(self.base) } {
             tracing::warn!(error = ?e, "cuMemFree failed");
         }

@@ -8,9 +8,11 @@
 
 mod device;
 mod host;
+mod shared;
 
 pub use device::{DEVICE_ALIGNMENT, DeviceBuffer, DmabufExport};
 pub use host::{HUGE_PAGE, HostBuffer, HugePages, Pages};
+pub use shared::SharedHostMemory;
 
 /// Memory that can be registered with an RDMA device.
 ///

@@ -17,6 +17,7 @@
 //! names exactly the granted region), and isolation on the fabric is the network's job (VLANs,
 //! partition keys).
 
+pub mod gpu;
 mod mem;
 mod slots;
 pub mod tcp;
