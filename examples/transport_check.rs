@@ -28,7 +28,9 @@ use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, Pe
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::tcp::{self, TcpConnection, TcpEndpoint};
 use nodetour_core::transport::verbs::PreparedVerbs;
-use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion, TransportKind};
+use nodetour_core::transport::{
+    self, Event, HostConnection, PairFacts, SlotGrant, SlotRegion, TransportKind,
+};
 use nodetour_core::verbs::{
     Access, EndpointDescription, MemoryRegion, Near, PathOptions, QueuePairOptions,
 };
@@ -205,6 +207,21 @@ fn run() -> anyhow::Result<()> {
         std::process::abort();
     }
 
+    // What the automatic choice would be for each pair, and why, beside what this example runs
+    // (it moves host memory over tcp or verbs; the in-host GPU transports are exercised by
+    // gpu_transport_check).
+    let me_host = HostIdentity::current();
+    for p in (0..world).filter(|p| *p != me) {
+        let peer_host = &job.peers()[p as usize].host;
+        let facts = PairFacts {
+            same_host: me_host.same_host(peer_host),
+            shares_memory: me_host.shares_memory(peer_host),
+            gpu_peer_access: false,
+            both_have_rdma: kind == TransportKind::Verbs,
+        };
+        let auto = transport::choose(&facts, transport::forced_from_env()?);
+        tracing::info!(peer = p, chosen = %auto.kind, reason = %auto.reason, running = %kind, "transport for this pair");
+    }
     let mut theirs: HashMap<u32, SlotGrant> = HashMap::new();
     let mut conns: HashMap<u32, Box<dyn HostConnection>> = HashMap::new();
     for p in (0..world).filter(|p| *p != me) {

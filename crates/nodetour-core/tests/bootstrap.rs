@@ -299,3 +299,30 @@ fn barriers_hold_every_rank_until_the_last_arrives() {
         Err(Error::Timeout { .. })
     ));
 }
+
+#[test]
+fn a_rank_that_dies_during_the_handshake_never_arrives_and_nobody_hangs() {
+    use std::io::Read;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let results = thread::scope(|s| {
+        let a = addr.clone();
+        let r0 = s.spawn(move || join(&a, 0, 3, "t", 3));
+        let a = addr.clone();
+        let r1 = s.spawn(move || join(&a, 1, 3, "t", 3));
+        thread::sleep(Duration::from_millis(200));
+        // "Rank 2" connects, reads the challenge, and dies before answering.
+        let mut dying = TcpStream::connect(&addr).unwrap();
+        let mut challenge = [0u8; 44];
+        let _ = dying.read_exact(&mut challenge);
+        drop(dying);
+        [r0.join().unwrap(), r1.join().unwrap()]
+    });
+    for r in &results {
+        match r {
+            Err(Error::Rendezvous { reason }) => {
+                assert!(reason.contains("rank(s) 2 never arrived"), "{reason}")
+            }
+            other => panic!("{:?}", other.as_ref().err()),
+        }
+    }
+}

@@ -72,3 +72,26 @@ fn bootstrap_message_corpus() {
         "the corpus holds valid messages too ({accepted})"
     );
 }
+
+#[test]
+fn transport_grants_corpus() {
+    use nodetour_core::transport::SlotGrant;
+    use nodetour_core::transport::gpu::IpcGrant;
+    use nodetour_core::transport::wire::WriteHeader;
+    let mut accepted = 0;
+    for (name, data) in corpus("transport_grants") {
+        if let Ok(g) = SlotGrant::decode(&data) {
+            assert_eq!(&g.encode()[..], &data[..], "{name}");
+            accepted += 1;
+        }
+        if let Ok(g) = IpcGrant::decode(&data) {
+            assert_eq!(&g.encode()[..], &data[..], "{name}");
+            accepted += 1;
+        }
+        if let Ok(h) = WriteHeader::decode(&data) {
+            assert_eq!(&h.encode()[..], &data[..], "{name}");
+            accepted += 1;
+        }
+    }
+    assert!(accepted >= 4, "{accepted}");
+}

@@ -1,0 +1,21 @@
+//! What peers send about their slot regions (through the bootstrap) and the tcp transport's
+//! frame headers: any bytes decode or fail with a typed error; accepted values re-encode to the
+//! same bytes.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use nodetour_core::transport::SlotGrant;
+use nodetour_core::transport::gpu::IpcGrant;
+use nodetour_core::transport::wire::WriteHeader;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(g) = SlotGrant::decode(data) {
+        assert_eq!(&g.encode()[..], data);
+    }
+    if let Ok(g) = IpcGrant::decode(data) {
+        assert_eq!(&g.encode()[..], data);
+    }
+    if let Ok(h) = WriteHeader::decode(data) {
+        assert_eq!(&h.encode()[..], data);
+    }
+});
