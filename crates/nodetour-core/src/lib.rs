@@ -39,6 +39,7 @@ pub mod cuda;
 pub mod deadline;
 pub mod error;
 pub mod memory;
+mod net;
 pub mod oob;
 pub mod registration;
 pub mod transport;

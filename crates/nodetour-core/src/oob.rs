@@ -164,19 +164,11 @@ impl OobListener {
                 }
             }
             deadline.check(|| "a peer to connect to the out-of-band listener".into())?;
-            let mut pfd = libc::pollfd {
-                fd: self.listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: pfd is a valid array of one pollfd for the duration of the call.
-            unsafe {
-                libc::poll(
-                    &mut pfd,
-                    1,
-                    deadline.poll_timeout_ms(Duration::from_millis(200)),
-                )
-            };
+            crate::net::wait_readable(
+                self.listener.as_raw_fd(),
+                deadline,
+                Duration::from_millis(200),
+            );
         }
     }
 }
@@ -191,42 +183,8 @@ impl OobChannel {
     /// Connects to `addr` ("host:port"), retrying while the peer is not listening yet, until
     /// `deadline`.
     pub fn connect(addr: &str, deadline: Deadline) -> Result<Self> {
-        let resolve_err = |source| Error::Exchange {
-            op: "resolve",
-            peer: addr.to_owned(),
-            source,
-        };
-        let targets: Vec<SocketAddr> = addr.to_socket_addrs().map_err(resolve_err)?.collect();
-        let target = *targets.first().ok_or_else(|| {
-            resolve_err(io::Error::new(
-                io::ErrorKind::NotFound,
-                "the name has no address",
-            ))
-        })?;
-        loop {
-            let left = deadline.remaining().max(Duration::from_millis(1));
-            match TcpStream::connect_timeout(&target, left) {
-                Ok(stream) => return Self::from_stream(stream, addr.to_owned()),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::ConnectionRefused
-                            | io::ErrorKind::TimedOut
-                            | io::ErrorKind::Interrupted
-                    ) =>
-                {
-                    deadline.check(|| format!("the out-of-band peer at {addr} to accept ({e})"))?;
-                    std::thread::sleep(Duration::from_millis(50).min(deadline.remaining()));
-                }
-                Err(source) => {
-                    return Err(Error::Exchange {
-                        op: "connect",
-                        peer: addr.to_owned(),
-                        source,
-                    });
-                }
-            }
-        }
+        let stream = crate::net::connect_retrying(addr, deadline, &|| Ok(()))?;
+        Self::from_stream(stream, addr.to_owned())
     }
 
     fn from_stream(stream: TcpStream, peer: String) -> Result<Self> {

@@ -5,7 +5,7 @@
 //! other rank, including ranks that never talk to it otherwise.
 
 use std::io::{self, Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -418,13 +418,8 @@ fn serve(
             }
             return Err(Error::Rendezvous { reason });
         }
-        let mut pfd = libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd; a short timeout so handshake results are collected promptly.
-        unsafe { libc::poll(&mut pfd, 1, 20) };
+        // A short wait, so that handshake results are collected promptly.
+        crate::net::wait_readable(listener.as_raw_fd(), deadline, Duration::from_millis(20));
     }
     let mut table = vec![me];
     table.extend(joined.iter().skip(1).flatten().map(|j| j.entry.clone()));
@@ -539,44 +534,8 @@ fn join(
     token: &JobToken,
     deadline: Deadline,
 ) -> Result<(Vec<PeerEntry>, Vec<(u32, TcpStream)>)> {
-    let target = addr
-        .to_socket_addrs()
-        .map_err(|source| Error::Exchange {
-            op: "resolve",
-            peer: addr.to_owned(),
-            source,
-        })?
-        .next()
-        .ok_or_else(|| Error::Exchange {
-            op: "resolve",
-            peer: addr.to_owned(),
-            source: io::Error::new(io::ErrorKind::NotFound, "no address"),
-        })?;
     let peer = format!("rank 0 at {addr}");
-    let mut s = loop {
-        match TcpStream::connect_timeout(
-            &target,
-            deadline.remaining().max(Duration::from_millis(1)),
-        ) {
-            Ok(s) => break s,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
-                ) =>
-            {
-                deadline.check(|| format!("rank 0's rendezvous at {addr} ({e})"))?;
-                std::thread::sleep(Duration::from_millis(50).min(deadline.remaining()));
-            }
-            Err(source) => {
-                return Err(Error::Exchange {
-                    op: "connect",
-                    peer,
-                    source,
-                });
-            }
-        }
-    };
+    let mut s = crate::net::connect_retrying(addr, deadline, &|| Ok(()))?;
     s.set_nodelay(true).ok();
     let challenge = match read_message(&mut s, deadline, &peer)? {
         Message::Challenge { nonce } => nonce,

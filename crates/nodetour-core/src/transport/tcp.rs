@@ -399,19 +399,11 @@ impl TcpEndpoint {
                         .copied()
                         .collect();
                     deadline.check(|| format!("tcp connections from rank(s) {missing:?}"))?;
-                    let mut pfd = libc::pollfd {
-                        fd: self.listener.as_raw_fd(),
-                        events: libc::POLLIN,
-                        revents: 0,
-                    };
-                    // SAFETY: one valid pollfd.
-                    unsafe {
-                        libc::poll(
-                            &mut pfd,
-                            1,
-                            deadline.poll_timeout_ms(Duration::from_millis(200)),
-                        )
-                    };
+                    crate::net::wait_readable(
+                        self.listener.as_raw_fd(),
+                        deadline,
+                        Duration::from_millis(200),
+                    );
                 }
                 Err(source) => {
                     return Err(Error::Exchange {
@@ -476,44 +468,7 @@ pub fn connect(
     timeout: Duration,
     deadline: Deadline,
 ) -> Result<TcpConnection> {
-    let target = addr
-        .to_socket_addrs()
-        .map_err(|source| Error::Exchange {
-            op: "resolve",
-            peer: addr.to_owned(),
-            source,
-        })?
-        .next()
-        .ok_or_else(|| Error::Exchange {
-            op: "resolve",
-            peer: addr.to_owned(),
-            source: io::Error::new(io::ErrorKind::NotFound, "no address"),
-        })?;
-    let mut s = loop {
-        match TcpStream::connect_timeout(
-            &target,
-            deadline.remaining().max(Duration::from_millis(1)),
-        ) {
-            Ok(s) => break s,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
-                ) =>
-            {
-                alive()?;
-                deadline.check(|| format!("the tcp endpoint at {addr} ({e})"))?;
-                std::thread::sleep(Duration::from_millis(50).min(deadline.remaining()));
-            }
-            Err(source) => {
-                return Err(Error::Exchange {
-                    op: "connect",
-                    peer: addr.to_owned(),
-                    source,
-                });
-            }
-        }
-    };
+    let mut s = crate::net::connect_retrying(addr, deadline, alive)?;
     let io = |source| Error::Exchange {
         op: "authenticate",
         peer: addr.to_owned(),
