@@ -468,6 +468,29 @@ pub fn connect(
     timeout: Duration,
     deadline: Deadline,
 ) -> Result<TcpConnection> {
+    // A peer that dies while we connect shows up as a reset or EOF here; the liveness mesh knows
+    // why, and its answer (the lost rank) is the useful error.
+    let attempt = connect_authenticated(
+        addr, my_rank, world_size, token, regions, alive, timeout, deadline,
+    );
+    if attempt.is_err() {
+        std::thread::sleep(Duration::from_millis(300).min(deadline.remaining()));
+        alive()?;
+    }
+    attempt
+}
+
+#[allow(clippy::too_many_arguments)]
+fn connect_authenticated(
+    addr: &str,
+    my_rank: u32,
+    world_size: u32,
+    token: &JobToken,
+    regions: &[SlotRegion],
+    alive: &dyn Fn() -> Result<()>,
+    timeout: Duration,
+    deadline: Deadline,
+) -> Result<TcpConnection> {
     let mut s = crate::net::connect_retrying(addr, deadline, alive)?;
     let io = |source| Error::Exchange {
         op: "authenticate",
