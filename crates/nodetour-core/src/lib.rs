@@ -41,6 +41,7 @@ pub mod error;
 pub mod memory;
 mod net;
 pub mod oob;
+pub mod probe;
 pub mod registration;
 pub mod transport;
 pub mod verbs;
