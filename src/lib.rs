@@ -8,6 +8,7 @@
 pub use nodetour_core as core;
 pub use nodetour_core::{Config, Deadline, Error, Result};
 
+pub mod doctor;
 pub mod link;
 pub mod logging;
 pub mod write_bw;

@@ -23,6 +23,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// For each GPU: whether the direct path (NIC writing GPU memory) works here, and if not,
+    /// why and how to fix it. Exit 0: every GPU direct; 3: some GPU stages; 2: no usable GPU.
+    Doctor {
+        /// Print one JSON document instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Skip the live checks (copies, peer access, loopback writes into GPU memory).
+        #[arg(long)]
+        no_live: bool,
+    },
     /// List RDMA devices with their ports, link layer, MTU and the GID nodetour would use.
     Devices,
     /// List GPUs with their GPUDirect attributes, try a dma-buf export, and show which
@@ -54,9 +64,30 @@ enum Command {
 fn main() -> ExitCode {
     nodetour::logging::init();
     let cli = Cli::parse();
+    if let Command::Doctor { json, no_live } = cli.command {
+        return match Config::from_env().and_then(|c| nodetour::doctor::examine(&c, !no_live)) {
+            Ok(report) => {
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&nodetour::doctor::render_json(&report))
+                            .unwrap_or_default()
+                    );
+                } else {
+                    print!("{}", nodetour::doctor::render_text(&report));
+                }
+                ExitCode::from(report.exit_code())
+            }
+            Err(e) => {
+                eprintln!("nodetour: error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let result = Config::from_env().and_then(|config| {
         tracing::debug!(settings = %config.describe(), "nodetour starting");
         match cli.command {
+            Command::Doctor { .. } => unreachable!("handled above"),
             Command::Devices => devices(&config),
             Command::Gpus => gpus(&config),
             Command::WriteBw {

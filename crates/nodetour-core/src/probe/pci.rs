@@ -115,7 +115,10 @@ pub fn parse_topology_file(text: &str) -> Result<Vec<(String, String, PciLevel)>
         }
         let f: Vec<&str> = line.split_whitespace().collect();
         if f.len() != 3 {
-            return Err(Error::Decode { what: "topology file", reason: format!("line {}: expected `<gpu bus id> <nic> <LEVEL>`", n + 1) });
+            return Err(Error::Decode {
+                what: "topology file",
+                reason: format!("line {}: expected `<gpu bus id> <nic> <LEVEL>`", n + 1),
+            });
         }
         out.push((f[0].to_lowercase(), f[1].to_owned(), PciLevel::parse(f[2])?));
     }
@@ -144,17 +147,35 @@ pub fn acs_state(config: &[u8]) -> AcsState {
     }
     let mut at = 0x100usize;
     for _ in 0..64 {
-        let Some(h) = config.get(at..at + 4) else { return AcsState::Absent };
+        let Some(h) = config.get(at..at + 4) else {
+            return AcsState::Absent;
+        };
         let header = u32::from_le_bytes(h.try_into().expect("4 bytes"));
         if header == 0 || header == 0xffff_ffff {
             return AcsState::Absent;
         }
         if header & 0xffff == 0x000d {
-            let Some(c) = config.get(at + 6..at + 8) else { return AcsState::Unreadable };
+            let Some(c) = config.get(at + 6..at + 8) else {
+                return AcsState::Unreadable;
+            };
             let control = u16::from_le_bytes(c.try_into().expect("2 bytes"));
-            let bits = [(0x01, "SV"), (0x04, "RR"), (0x08, "CR"), (0x10, "UF"), (0x40, "DT")];
-            let on: Vec<&str> = bits.iter().filter(|(b, _)| control & b != 0).map(|(_, n)| *n).collect();
-            return if control & (0x04 | 0x08) != 0 { AcsState::Redirecting(on.join("+")) } else { AcsState::Disabled };
+            let bits = [
+                (0x01, "SV"),
+                (0x04, "RR"),
+                (0x08, "CR"),
+                (0x10, "UF"),
+                (0x40, "DT"),
+            ];
+            let on: Vec<&str> = bits
+                .iter()
+                .filter(|(b, _)| control & b != 0)
+                .map(|(_, n)| *n)
+                .collect();
+            return if control & (0x04 | 0x08) != 0 {
+                AcsState::Redirecting(on.join("+"))
+            } else {
+                AcsState::Disabled
+            };
         }
         let next = (header >> 20) as usize;
         if next < 0x100 {
@@ -180,15 +201,35 @@ mod tests {
         let gpu = p("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:03:00.0");
         let nic_pix = p("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:03:00.1");
         let nic_pix2 = p("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:04:00.0");
-        let nic_pxb = p("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:14.0/0000:05:00.0/0000:06:00.0/0000:07:00.0");
+        let nic_pxb = p(
+            "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:14.0/0000:05:00.0/0000:06:00.0/0000:07:00.0",
+        );
         let nic_phb = p("pci0000:00/0000:00:03.0/0000:08:00.0");
         let nic_other_root = p("pci0000:40/0000:40:01.0/0000:41:00.0");
-        assert_eq!(classify(&gpu, &nic_pix, Some(0), Some(0)), Distance::Known(PciLevel::Pix));
-        assert_eq!(classify(&gpu, &nic_pix2, Some(0), Some(0)), Distance::Known(PciLevel::Pix));
-        assert_eq!(classify(&gpu, &nic_pxb, Some(0), Some(0)), Distance::Known(PciLevel::Pxb));
-        assert_eq!(classify(&gpu, &nic_phb, Some(0), Some(0)), Distance::Known(PciLevel::Phb));
-        assert_eq!(classify(&gpu, &nic_other_root, Some(0), Some(0)), Distance::Known(PciLevel::Node));
-        assert_eq!(classify(&gpu, &nic_other_root, Some(0), Some(1)), Distance::Known(PciLevel::Sys));
+        assert_eq!(
+            classify(&gpu, &nic_pix, Some(0), Some(0)),
+            Distance::Known(PciLevel::Pix)
+        );
+        assert_eq!(
+            classify(&gpu, &nic_pix2, Some(0), Some(0)),
+            Distance::Known(PciLevel::Pix)
+        );
+        assert_eq!(
+            classify(&gpu, &nic_pxb, Some(0), Some(0)),
+            Distance::Known(PciLevel::Pxb)
+        );
+        assert_eq!(
+            classify(&gpu, &nic_phb, Some(0), Some(0)),
+            Distance::Known(PciLevel::Phb)
+        );
+        assert_eq!(
+            classify(&gpu, &nic_other_root, Some(0), Some(0)),
+            Distance::Known(PciLevel::Node)
+        );
+        assert_eq!(
+            classify(&gpu, &nic_other_root, Some(0), Some(1)),
+            Distance::Known(PciLevel::Sys)
+        );
         assert!(PciLevel::Pix < PciLevel::Pxb && PciLevel::Phb < PciLevel::Sys);
     }
 
@@ -196,16 +237,35 @@ mod tests {
     fn flattened_and_virtual_trees_are_unknown_not_sys() {
         let gpu = p("pci0000:00/0000:00:06.0");
         let nic = p("pci0000:00/0000:00:07.0");
-        assert!(matches!(classify(&gpu, &nic, None, None), Distance::Unknown(r) if r.contains("flattened")));
-        assert!(matches!(classify(&gpu, Path::new("/sys/devices/virtual/net/veth0"), None, None), Distance::Unknown(_)));
+        assert!(
+            matches!(classify(&gpu, &nic, None, None), Distance::Unknown(r) if r.contains("flattened"))
+        );
+        assert!(matches!(
+            classify(
+                &gpu,
+                Path::new("/sys/devices/virtual/net/veth0"),
+                None,
+                None
+            ),
+            Distance::Unknown(_)
+        ));
     }
 
     #[test]
     fn levels_and_topology_files_parse() {
         assert_eq!(PciLevel::parse("pxb").unwrap(), PciLevel::Pxb);
         assert!(PciLevel::parse("far").is_err());
-        let t = parse_topology_file("# gpu nic level\n0000:00:06.0 mlx5_0 PIX\n\n0000:00:07.0 mlx5_1 sys # far\n").unwrap();
-        assert_eq!(t, [("0000:00:06.0".into(), "mlx5_0".into(), PciLevel::Pix), ("0000:00:07.0".into(), "mlx5_1".into(), PciLevel::Sys)]);
+        let t = parse_topology_file(
+            "# gpu nic level\n0000:00:06.0 mlx5_0 PIX\n\n0000:00:07.0 mlx5_1 sys # far\n",
+        )
+        .unwrap();
+        assert_eq!(
+            t,
+            [
+                ("0000:00:06.0".into(), "mlx5_0".into(), PciLevel::Pix),
+                ("0000:00:07.0".into(), "mlx5_1".into(), PciLevel::Sys)
+            ]
+        );
         assert!(parse_topology_file("0000:00:06.0 mlx5_0").is_err());
     }
 
@@ -222,7 +282,10 @@ mod tests {
     fn acs_is_read_from_config_space() {
         assert_eq!(acs_state(&[0u8; 64]), AcsState::Unreadable);
         assert_eq!(acs_state(&config_with_acs(0)), AcsState::Disabled);
-        assert_eq!(acs_state(&config_with_acs(0x1d)), AcsState::Redirecting("SV+RR+CR+UF".into()));
+        assert_eq!(
+            acs_state(&config_with_acs(0x1d)),
+            AcsState::Redirecting("SV+RR+CR+UF".into())
+        );
         let mut none = vec![0u8; 4096];
         none[0x100..0x104].copy_from_slice(&0x0001_0001u32.to_le_bytes());
         assert_eq!(acs_state(&none), AcsState::Absent);

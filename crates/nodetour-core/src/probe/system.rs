@@ -55,23 +55,36 @@ pub struct SystemFacts {
 }
 
 fn read(root: &Path, rel: &str) -> Option<String> {
-    std::fs::read_to_string(root.join(rel)).ok().map(|s| s.trim().to_owned())
+    std::fs::read_to_string(root.join(rel))
+        .ok()
+        .map(|s| s.trim().to_owned())
 }
 
 /// Reads the facts under `root` ("/" on a live system).
 pub fn read_system(root: &Path) -> SystemFacts {
     let kernel = read(root, "proc/sys/kernel/osrelease").unwrap_or_default();
     let kernel_version = {
-        let mut it = kernel.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty());
-        match (it.next().and_then(|a| a.parse().ok()), it.next().and_then(|b| b.parse().ok())) {
+        let mut it = kernel
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|s| !s.is_empty());
+        match (
+            it.next().and_then(|a| a.parse().ok()),
+            it.next().and_then(|b| b.parse().ok()),
+        ) {
             (Some(a), Some(b)) => Some((a, b)),
             _ => None,
         }
     };
     let cmdline = read(root, "proc/cmdline").unwrap_or_default();
-    let iommu_units = std::fs::read_dir(root.join("sys/class/iommu")).map(|d| d.count()).unwrap_or(0);
-    let iommu_groups = std::fs::read_dir(root.join("sys/kernel/iommu_groups")).map(|d| d.count()).unwrap_or(0);
-    let passthrough = cmdline.split_whitespace().any(|w| w == "iommu=pt" || w == "iommu.passthrough=1" || w == "amd_iommu=pt");
+    let iommu_units = std::fs::read_dir(root.join("sys/class/iommu"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    let iommu_groups = std::fs::read_dir(root.join("sys/kernel/iommu_groups"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    let passthrough = cmdline
+        .split_whitespace()
+        .any(|w| w == "iommu=pt" || w == "iommu.passthrough=1" || w == "amd_iommu=pt");
     let iommu = if iommu_units == 0 && iommu_groups == 0 {
         IommuMode::Off
     } else if passthrough {
@@ -84,9 +97,23 @@ pub fn read_system(root: &Path) -> SystemFacts {
             d.filter_map(|e| {
                 let e = e.ok()?;
                 let name = e.file_name().into_string().ok()?;
-                let size_kib = name.strip_prefix("hugepages-")?.strip_suffix("kB")?.parse().ok()?;
-                let num = |f: &str| std::fs::read_to_string(e.path().join(f)).ok()?.trim().parse().ok();
-                Some(HugepagePool { size_kib, total: num("nr_hugepages").unwrap_or(0), free: num("free_hugepages").unwrap_or(0) })
+                let size_kib = name
+                    .strip_prefix("hugepages-")?
+                    .strip_suffix("kB")?
+                    .parse()
+                    .ok()?;
+                let num = |f: &str| {
+                    std::fs::read_to_string(e.path().join(f))
+                        .ok()?
+                        .trim()
+                        .parse()
+                        .ok()
+                };
+                Some(HugepagePool {
+                    size_kib,
+                    total: num("nr_hugepages").unwrap_or(0),
+                    free: num("free_hugepages").unwrap_or(0),
+                })
             })
             .collect()
         })
@@ -99,7 +126,11 @@ pub fn read_system(root: &Path) -> SystemFacts {
                 d.filter_map(|e| {
                     let e = e.ok()?;
                     let name = e.file_name().into_string().ok()?;
-                    let ok = std::fs::OpenOptions::new().read(true).write(true).open(e.path()).is_ok();
+                    let ok = std::fs::OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .open(e.path())
+                        .is_ok();
                     Some((name, ok))
                 })
                 .collect()
@@ -114,14 +145,25 @@ pub fn read_system(root: &Path) -> SystemFacts {
         Some("/run/.containerenv exists (podman)".to_owned())
     } else {
         read(root, "proc/1/cgroup")
-            .filter(|c| ["docker", "kubepods", "containerd", "libpod"].iter().any(|k| c.contains(k)))
+            .filter(|c| {
+                ["docker", "kubepods", "containerd", "libpod"]
+                    .iter()
+                    .any(|k| c.contains(k))
+            })
             .map(|_| "/proc/1/cgroup names a container runtime".to_owned())
     };
     let nvidia_version = read(root, "proc/driver/nvidia/version");
-    let nvidia_driver = nvidia_version.as_ref().and_then(|v| v.lines().next().map(str::to_owned));
-    let nvidia_open_module = nvidia_version.as_ref().map(|v| v.contains("Open Kernel Module"));
-    let peer_mapping_override = read(root, "proc/driver/nvidia/params")
-        .and_then(|p| p.lines().find(|l| l.contains("PeerMappingOverride")).map(str::to_owned));
+    let nvidia_driver = nvidia_version
+        .as_ref()
+        .and_then(|v| v.lines().next().map(str::to_owned));
+    let nvidia_open_module = nvidia_version
+        .as_ref()
+        .map(|v| v.contains("Open Kernel Module"));
+    let peer_mapping_override = read(root, "proc/driver/nvidia/params").and_then(|p| {
+        p.lines()
+            .find(|l| l.contains("PeerMappingOverride"))
+            .map(str::to_owned)
+    });
     SystemFacts {
         kernel,
         kernel_version,
@@ -139,7 +181,9 @@ pub fn read_system(root: &Path) -> SystemFacts {
 
 /// NUMA node of a PCI device by bus id, if the kernel knows it.
 pub fn pci_numa_node(root: &Path, bus_id: &str) -> Option<i32> {
-    read(root, &format!("sys/bus/pci/devices/{bus_id}/numa_node")).and_then(|s| s.parse().ok()).filter(|n: &i32| *n >= 0)
+    read(root, &format!("sys/bus/pci/devices/{bus_id}/numa_node"))
+        .and_then(|s| s.parse().ok())
+        .filter(|n: &i32| *n >= 0)
 }
 
 /// The PCI bridges between the root complex and a device (canonical sysfs path), as bus ids.
@@ -147,7 +191,10 @@ pub fn bridges_above(device_path: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut p = device_path.parent();
     while let Some(dir) = p {
-        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         if name.starts_with("pci") || name.is_empty() {
             break;
         }
@@ -175,7 +222,10 @@ pub fn verbs_providers(root: &Path) -> Vec<String> {
 
 /// The provider a device needs, from its kernel driver name (`mlx5_0` → `mlx5`, `rxe0` → `rxe`).
 pub fn provider_for(device: &str) -> String {
-    device.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').to_owned()
+    device
+        .trim_end_matches(|c: char| c.is_ascii_digit())
+        .trim_end_matches('_')
+        .to_owned()
 }
 
 #[cfg(test)]
@@ -199,18 +249,41 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let r = d.path();
         write(r, "proc/sys/kernel/osrelease", "5.15.0-91-generic\n");
-        write(r, "proc/cmdline", "BOOT_IMAGE=/vmlinuz root=/dev/sda1 intel_iommu=on\n");
+        write(
+            r,
+            "proc/cmdline",
+            "BOOT_IMAGE=/vmlinuz root=/dev/sda1 intel_iommu=on\n",
+        );
         std::fs::create_dir_all(r.join("sys/class/iommu/dmar0")).unwrap();
         std::fs::create_dir_all(r.join("sys/kernel/iommu_groups/0")).unwrap();
-        write(r, "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages", "512\n");
-        write(r, "sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages", "0\n");
+        write(
+            r,
+            "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages",
+            "512\n",
+        );
+        write(
+            r,
+            "sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages",
+            "0\n",
+        );
         write(r, "proc/sys/vm/max_map_count", "65530\n");
-        write(r, "proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15\nGCC version: gcc 12\n");
+        write(
+            r,
+            "proc/driver/nvidia/version",
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15\nGCC version: gcc 12\n",
+        );
         write(r, "etc/libibverbs.d/mlx5.driver", "driver mlx5\n");
         let f = read_system(r);
         assert_eq!(f.kernel_version, Some((5, 15)));
         assert_eq!(f.iommu, IommuMode::Translating);
-        assert_eq!(f.hugepages, [HugepagePool { size_kib: 2048, total: 512, free: 0 }]);
+        assert_eq!(
+            f.hugepages,
+            [HugepagePool {
+                size_kib: 2048,
+                total: 512,
+                free: 0
+            }]
+        );
         assert_eq!(f.max_map_count, Some(65530));
         assert_eq!(f.nvidia_open_module, Some(true));
         assert!(f.container.is_none() && f.infiniband_nodes.is_empty());
@@ -237,8 +310,26 @@ mod tests {
         assert_eq!(provider_for("mlx5_0"), "mlx5");
         assert_eq!(provider_for("rxe1"), "rxe");
         assert_eq!(provider_for("bnxt_re0"), "bnxt_re");
-        let b = bridges_above(Path::new("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0"));
+        let b = bridges_above(Path::new(
+            "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0",
+        ));
         assert_eq!(b.len(), 2);
         assert!(b[0].ends_with("0000:01:00.0"));
+    }
+}
+
+/// The soft `RLIMIT_MEMLOCK` of this process in bytes (`None`: unlimited).
+pub fn memlock_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: r is a valid out-pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0
+        || r.rlim_cur == libc::RLIM_INFINITY
+    {
+        None
+    } else {
+        Some(r.rlim_cur)
     }
 }

@@ -114,73 +114,162 @@ impl Verdict {
         match (self.rung, &self.nic) {
             (Some(rung), Some(nic)) => format!("direct ({rung}) via {nic}, {level}"),
             _ => {
-                let why = self.problems.iter().find(|p| p.blocking).map_or("unknown".to_owned(), |p| p.what.clone());
+                let why = self
+                    .problems
+                    .iter()
+                    .find(|p| p.blocking)
+                    .map_or("unknown".to_owned(), |p| p.what.clone());
                 format!("staged: {why}")
             }
         }
     }
 }
 
-fn problem(problems: &mut Vec<Problem>, blocking: bool, what: impl Into<String>, fix: impl Into<String>) {
-    problems.push(Problem { what: what.into(), fix: fix.into(), blocking });
+fn problem(
+    problems: &mut Vec<Problem>,
+    blocking: bool,
+    what: impl Into<String>,
+    fix: impl Into<String>,
+) {
+    problems.push(Problem {
+        what: what.into(),
+        fix: fix.into(),
+        blocking,
+    });
 }
 
-/// The verdict for `gpu` given `facts`.
-pub fn verdict(gpu: &GpuFacts, facts: &Facts) -> Verdict {
+/// Host-memory RDMA (what the staged path and CPU buffers use): the NIC it would take and the
+/// problems that do not depend on a GPU. For machines without GPUs, and as the first part of
+/// every GPU verdict.
+pub fn host_verdict(facts: &Facts) -> (Option<String>, Vec<Problem>) {
     let mut problems = Vec::new();
+    let nic = host_side(facts, &mut problems)
+        .first()
+        .map(|n| n.name.clone());
+    (nic, sorted(problems))
+}
+
+/// The limits and the NIC side: returns the usable NICs.
+fn host_side<'a>(facts: &'a Facts, problems: &mut Vec<Problem>) -> Vec<&'a NicFacts> {
     let sys = &facts.system;
     let in_container = sys.container.is_some();
 
     // Limits that break any registration.
     if let Some(limit) = facts.memlock.filter(|l| *l < MIN_MEMLOCK) {
         problem(
-            &mut problems,
+            problems,
             true,
-            format!("RLIMIT_MEMLOCK is {} KiB: too small to register communication buffers", limit / 1024),
-            if in_container { "run the container with --ulimit memlock=-1 (Docker's default is 8 MiB)" } else { "ulimit -l unlimited (or raise memlock in /etc/security/limits.conf)" },
+            format!(
+                "RLIMIT_MEMLOCK is {} KiB: too small to register communication buffers",
+                limit / 1024
+            ),
+            if in_container {
+                "run the container with --ulimit memlock=-1 (Docker's default is 8 MiB)"
+            } else {
+                "ulimit -l unlimited (or raise memlock in /etc/security/limits.conf)"
+            },
         );
     }
     if sys.max_map_count.is_some_and(|m| m < 65530) {
-        problem(&mut problems, false, format!("vm.max_map_count is {}: many registrations can fail with ENOMEM", sys.max_map_count.unwrap_or(0)), "sysctl -w vm.max_map_count=1048576");
+        problem(
+            problems,
+            false,
+            format!(
+                "vm.max_map_count is {}: many registrations can fail with ENOMEM",
+                sys.max_map_count.unwrap_or(0)
+            ),
+            "sysctl -w vm.max_map_count=1048576",
+        );
     }
-    if sys.hugepages.iter().find(|h| h.size_kib == 2048).is_none_or(|h| h.free == 0) {
-        problem(&mut problems, false, "no free 2 MiB hugepages: staging buffers fall back to 4 KiB pages", "as root: echo 1024 > /proc/sys/vm/nr_hugepages");
+    if sys
+        .hugepages
+        .iter()
+        .find(|h| h.size_kib == 2048)
+        .is_none_or(|h| h.free == 0)
+    {
+        problem(
+            problems,
+            false,
+            "no free 2 MiB hugepages: staging buffers fall back to 4 KiB pages",
+            "as root: echo 1024 > /proc/sys/vm/nr_hugepages",
+        );
     }
 
     // The NIC side.
-    let mut nic_choice: Option<(&NicFacts, Distance)> = None;
     match &facts.verbs {
-        Err(why) => problem(&mut problems, true, format!("libibverbs is not usable: {why}"), "install rdma-core: libibverbs1 and ibverbs-providers"),
+        Err(why) => {
+            problem(
+                problems,
+                true,
+                format!("libibverbs is not usable: {why}"),
+                "install rdma-core: libibverbs1 and ibverbs-providers",
+            );
+            Vec::new()
+        }
         Ok(_) if facts.nics.is_empty() => {
             let fix = if in_container && sys.infiniband_nodes.is_empty() {
                 "the container has no /dev/infiniband: run it with --device=/dev/infiniband (and --cap-add=IPC_LOCK)"
-            } else if !sys.infiniband_nodes.is_empty() && sys.infiniband_nodes.iter().all(|(_, ok)| !ok) {
+            } else if !sys.infiniband_nodes.is_empty()
+                && sys.infiniband_nodes.iter().all(|(_, ok)| !ok)
+            {
                 "no permission on /dev/infiniband/*: add the user to the rdma group or run with access to the device nodes"
             } else {
                 "no RDMA NIC found: install one and load its driver (mlx5_core + mlx5_ib for ConnectX)"
             };
-            problem(&mut problems, true, "no RDMA device", fix);
+            problem(problems, true, "no RDMA device", fix);
+            Vec::new()
         }
         Ok(_) => {
-            let usable: Vec<&NicFacts> = facts.nics.iter().filter(|n| n.active != Some(false) && n.provider_installed).collect();
+            let usable: Vec<&NicFacts> = facts
+                .nics
+                .iter()
+                .filter(|n| n.active != Some(false) && n.provider_installed)
+                .collect();
             for n in facts.nics.iter().filter(|n| !n.provider_installed) {
-                problem(&mut problems, usable.is_empty(), format!("{}: its rdma-core provider ({}) is not installed", n.name, provider_for(&n.name)), "install ibverbs-providers");
+                problem(
+                    problems,
+                    usable.is_empty(),
+                    format!(
+                        "{}: its rdma-core provider ({}) is not installed",
+                        n.name,
+                        provider_for(&n.name)
+                    ),
+                    "install ibverbs-providers",
+                );
             }
             if usable.is_empty() && facts.nics.iter().all(|n| n.provider_installed) {
-                problem(&mut problems, true, "no RDMA port is ACTIVE", "check the cable and the switch; `ibv_devinfo` shows the port state");
+                problem(
+                    problems,
+                    true,
+                    "no RDMA port is ACTIVE",
+                    "check the cable and the switch; `ibv_devinfo` shows the port state",
+                );
             }
-            nic_choice = usable
-                .into_iter()
-                .map(|n| (n, distance(gpu, n, facts)))
-                .min_by_key(|(_, d)| match d {
-                    Distance::Known(l) => *l as u8,
-                    Distance::Unknown(_) => 100,
-                });
+            usable
         }
     }
+}
+
+/// The verdict for `gpu` given `facts`.
+pub fn verdict(gpu: &GpuFacts, facts: &Facts) -> Verdict {
+    let mut problems = Vec::new();
+    let sys = &facts.system;
+    let nic_choice = host_side(facts, &mut problems)
+        .into_iter()
+        .map(|n| (n, distance(gpu, n, facts)))
+        .min_by_key(|(_, d)| match d {
+            Distance::Known(l) => *l as u8,
+            Distance::Unknown(_) => 100,
+        });
 
     let Some((nic, dist)) = nic_choice else {
-        return Verdict { gpu: gpu.ordinal, nic: None, distance: None, rung: None, problems: sorted(problems) };
+        return Verdict {
+            gpu: gpu.ordinal,
+            nic: None,
+            distance: None,
+            rung: None,
+            problems: sorted(problems),
+        };
     };
 
     // Distance and what sits between.
@@ -188,8 +277,17 @@ pub fn verdict(gpu: &GpuFacts, facts: &Facts) -> Verdict {
         Distance::Known(level) if *level > facts.gdr_level => problem(
             &mut problems,
             true,
-            format!("{} is {} from the GPU: the direct path is used up to {} (a NIC across {} is slower than staging)", nic.name, level.name(), facts.gdr_level.name(), level.name()),
-            format!("use a NIC under the same PCIe switch as the GPU, or NODETOUR_GDR_LEVEL={} to use it anyway", level.name()),
+            format!(
+                "{} is {} from the GPU: the direct path is used up to {} (a NIC across {} is slower than staging)",
+                nic.name,
+                level.name(),
+                facts.gdr_level.name(),
+                level.name()
+            ),
+            format!(
+                "use a NIC under the same PCIe switch as the GPU, or NODETOUR_GDR_LEVEL={} to use it anyway",
+                level.name()
+            ),
         ),
         Distance::Known(_) => {}
         Distance::Unknown(why) => problem(
@@ -200,26 +298,52 @@ pub fn verdict(gpu: &GpuFacts, facts: &Facts) -> Verdict {
         ),
     }
     for (bridge, state) in &facts.acs {
-        let on_path = [gpu.pci_path.as_deref(), nic.pci_path.as_deref()].iter().flatten().any(|p| p.starts_with(bridge));
+        let on_path = [gpu.pci_path.as_deref(), nic.pci_path.as_deref()]
+            .iter()
+            .flatten()
+            .any(|p| p.starts_with(bridge));
         match state {
             AcsState::Redirecting(bits) if on_path => problem(
                 &mut problems,
                 true,
-                format!("ACS redirects peer-to-peer traffic at bridge {} ({bits})", bridge.display()),
-                format!("disable ACS on that bridge: setpci -s {} ECAP_ACS+0x6.w=0000 (as root, at every boot), or in the BIOS", bridge.file_name().map_or("<bridge>".into(), |n| n.to_string_lossy().into_owned())),
+                format!(
+                    "ACS redirects peer-to-peer traffic at bridge {} ({bits})",
+                    bridge.display()
+                ),
+                format!(
+                    "disable ACS on that bridge: setpci -s {} ECAP_ACS+0x6.w=0000 (as root, at every boot), or in the BIOS",
+                    bridge
+                        .file_name()
+                        .map_or("<bridge>".into(), |n| n.to_string_lossy().into_owned())
+                ),
             ),
-            AcsState::Unreadable if on_path => problem(&mut problems, false, format!("ACS state of bridge {} needs root to read", bridge.display()), "run the doctor as root to check ACS"),
+            AcsState::Unreadable if on_path => problem(
+                &mut problems,
+                false,
+                format!(
+                    "ACS state of bridge {} needs root to read",
+                    bridge.display()
+                ),
+                "run the doctor as root to check ACS",
+            ),
             _ => {}
         }
     }
     if sys.iommu == IommuMode::Translating {
-        problem(&mut problems, false, "the IOMMU translates DMA: NIC-to-GPU peer-to-peer may fail or crawl", "boot with iommu=pt (intel_iommu=on iommu=pt, or amd_iommu=pt)");
+        problem(
+            &mut problems,
+            false,
+            "the IOMMU translates DMA: NIC-to-GPU peer-to-peer may fail or crawl",
+            "boot with iommu=pt (intel_iommu=on iommu=pt, or amd_iommu=pt)",
+        );
     }
 
     // Registration: dma-buf, then peermem.
     let mut dmabuf_no = Vec::new();
     if !gpu.gdr.dma_buf {
-        dmabuf_no.push("the GPU cannot export dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0)".to_owned());
+        dmabuf_no.push(
+            "the GPU cannot export dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0)".to_owned(),
+        );
     } else if let Err(e) = &gpu.dmabuf_export {
         dmabuf_no.push(format!("exporting GPU memory as dma-buf failed: {e}"));
     }
@@ -227,7 +351,10 @@ pub fn verdict(gpu: &GpuFacts, facts: &Facts) -> Verdict {
         dmabuf_no.push("the NVIDIA driver is the proprietary kernel module (dma-buf export needs the open module)".into());
     }
     if sys.kernel_version.is_some_and(|v| v < (5, 12)) {
-        dmabuf_no.push(format!("Linux {} predates dma-buf registration (5.12)", sys.kernel));
+        dmabuf_no.push(format!(
+            "Linux {} predates dma-buf registration (5.12)",
+            sys.kernel
+        ));
     }
     if facts.verbs == Ok(false) {
         dmabuf_no.push("rdma-core predates ibv_reg_dmabuf_mr (34)".into());
@@ -240,7 +367,10 @@ pub fn verdict(gpu: &GpuFacts, facts: &Facts) -> Verdict {
         peermem_no.push("the GPU reports no GPUDirect RDMA support".to_owned());
     }
     if !facts.peermem.loaded {
-        peermem_no.push(format!("nvidia-peermem is not loaded ({})", facts.peermem.evidence));
+        peermem_no.push(format!(
+            "nvidia-peermem is not loaded ({})",
+            facts.peermem.evidence
+        ));
     }
     let rung = if dmabuf_no.is_empty() {
         Some(Rung::DmaBuf)
@@ -250,7 +380,12 @@ pub fn verdict(gpu: &GpuFacts, facts: &Facts) -> Verdict {
         problem(
             &mut problems,
             true,
-            format!("no way to register GPU memory with {}: dma-buf: {}; peermem: {}", nic.name, dmabuf_no.join(", "), peermem_no.join(", ")),
+            format!(
+                "no way to register GPU memory with {}: dma-buf: {}; peermem: {}",
+                nic.name,
+                dmabuf_no.join(", "),
+                peermem_no.join(", ")
+            ),
             "either use dma-buf (NVIDIA open kernel module 515+, Linux 5.12+, rdma-core 34+, a provider with dma-buf such as mlx5) or `modprobe nvidia-peermem`",
         );
         None
@@ -267,13 +402,20 @@ pub fn verdict(gpu: &GpuFacts, facts: &Facts) -> Verdict {
 }
 
 fn distance(gpu: &GpuFacts, nic: &NicFacts, facts: &Facts) -> Distance {
-    if let Some((_, _, level)) = facts.topology.iter().find(|(g, n, _)| *g == gpu.bus_id && *n == nic.name) {
+    if let Some((_, _, level)) = facts
+        .topology
+        .iter()
+        .find(|(g, n, _)| *g == gpu.bus_id && *n == nic.name)
+    {
         return Distance::Known(*level);
     }
     match (&gpu.pci_path, &nic.pci_path) {
         (Some(g), Some(n)) => classify(g, n, gpu.numa, nic.numa),
         (None, _) => Distance::Unknown("the GPU's PCI path is not in sysfs".into()),
-        (_, None) => Distance::Unknown(format!("{} is a software device without a PCI path", nic.name)),
+        (_, None) => Distance::Unknown(format!(
+            "{} is a software device without a PCI path",
+            nic.name
+        )),
     }
 }
 
@@ -289,22 +431,50 @@ mod tests {
     use std::path::Path;
 
     fn gdr() -> GdrAttributes {
-        GdrAttributes { gpu_direct_rdma: true, flush_writes_options: 1, writes_ordering: 100, dma_buf: true, host_register: true, gdr_with_vmm: true, stream_wait_value: true }
+        GdrAttributes {
+            gpu_direct_rdma: true,
+            flush_writes_options: 1,
+            writes_ordering: 100,
+            dma_buf: true,
+            host_register: true,
+            gdr_with_vmm: true,
+            stream_wait_value: true,
+        }
     }
 
     fn gpu(path: &str, numa: i32) -> GpuFacts {
-        GpuFacts { ordinal: 0, name: "H100".into(), bus_id: "0000:03:00.0".into(), pci_path: Some(PathBuf::from(path)), numa: Some(numa), gdr: gdr(), dmabuf_export: Ok(()) }
+        GpuFacts {
+            ordinal: 0,
+            name: "H100".into(),
+            bus_id: "0000:03:00.0".into(),
+            pci_path: Some(PathBuf::from(path)),
+            numa: Some(numa),
+            gdr: gdr(),
+            dmabuf_export: Ok(()),
+        }
     }
 
     fn nic(name: &str, path: Option<&str>, numa: i32) -> NicFacts {
-        NicFacts { name: name.into(), pci_path: path.map(PathBuf::from), numa: Some(numa), active: Some(true), link_layer: Some("Ethernet".into()), provider_installed: true, dmabuf: DmabufSupport::Supported }
+        NicFacts {
+            name: name.into(),
+            pci_path: path.map(PathBuf::from),
+            numa: Some(numa),
+            active: Some(true),
+            link_layer: Some("Ethernet".into()),
+            provider_installed: true,
+            dmabuf: DmabufSupport::Supported,
+        }
     }
 
     fn system() -> SystemFacts {
         let mut s = read_system(Path::new("/nonexistent"));
         s.kernel = "6.5.0".into();
         s.kernel_version = Some((6, 5));
-        s.hugepages = vec![HugepagePool { size_kib: 2048, total: 1024, free: 1024 }];
+        s.hugepages = vec![HugepagePool {
+            size_kib: 2048,
+            total: 1024,
+            free: 1024,
+        }];
         s.nvidia_open_module = Some(true);
         s
     }
@@ -313,7 +483,10 @@ mod tests {
         Facts {
             system: system(),
             memlock: None,
-            peermem: PeermemState { loaded: false, evidence: "fixture".into() },
+            peermem: PeermemState {
+                loaded: false,
+                evidence: "fixture".into(),
+            },
             verbs: Ok(true),
             nics,
             gdr_level: PciLevel::Pxb,
@@ -323,19 +496,26 @@ mod tests {
     }
 
     const GPU: &str = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0/0000:03:00.0";
-    const NIC_SAME_SWITCH: &str = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:04:00.0";
+    const NIC_SAME_SWITCH: &str =
+        "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:10.0/0000:04:00.0";
     const NIC_OTHER_SOCKET: &str = "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0";
 
     #[test]
     fn gpu_and_nic_under_one_switch_go_direct_with_dmabuf() {
-        let v = verdict(&gpu(GPU, 0), &facts(vec![nic("mlx5_0", Some(NIC_SAME_SWITCH), 0)]));
+        let v = verdict(
+            &gpu(GPU, 0),
+            &facts(vec![nic("mlx5_0", Some(NIC_SAME_SWITCH), 0)]),
+        );
         assert!(v.direct(), "{v:?}");
         assert_eq!(v.headline(), "direct (dma-buf) via mlx5_0, PIX");
     }
 
     #[test]
     fn the_nearest_nic_wins_and_peermem_is_the_second_rung() {
-        let mut f = facts(vec![nic("mlx5_far", Some(NIC_OTHER_SOCKET), 1), nic("mlx5_near", Some(NIC_SAME_SWITCH), 0)]);
+        let mut f = facts(vec![
+            nic("mlx5_far", Some(NIC_OTHER_SOCKET), 1),
+            nic("mlx5_near", Some(NIC_SAME_SWITCH), 0),
+        ]);
         f.nics[1].dmabuf = DmabufSupport::Unsupported("old provider".into());
         f.peermem.loaded = true;
         let v = verdict(&gpu(GPU, 0), &f);
@@ -344,22 +524,42 @@ mod tests {
 
     #[test]
     fn two_socket_server_with_the_nic_on_the_other_socket_stages() {
-        let v = verdict(&gpu(GPU, 0), &facts(vec![nic("mlx5_0", Some(NIC_OTHER_SOCKET), 1)]));
+        let v = verdict(
+            &gpu(GPU, 0),
+            &facts(vec![nic("mlx5_0", Some(NIC_OTHER_SOCKET), 1)]),
+        );
         assert!(!v.direct());
-        assert!(v.headline().starts_with("staged: mlx5_0 is SYS from the GPU"), "{}", v.headline());
+        assert!(
+            v.headline()
+                .starts_with("staged: mlx5_0 is SYS from the GPU"),
+            "{}",
+            v.headline()
+        );
         assert!(v.problems[0].fix.contains("NODETOUR_GDR_LEVEL=SYS"));
         let mut f = facts(vec![nic("mlx5_0", Some(NIC_OTHER_SOCKET), 1)]);
         f.gdr_level = PciLevel::Sys;
-        assert!(verdict(&gpu(GPU, 0), &f).direct(), "the override lifts the limit");
+        assert!(
+            verdict(&gpu(GPU, 0), &f).direct(),
+            "the override lifts the limit"
+        );
     }
 
     #[test]
     fn acs_on_a_bridge_between_them_blocks_with_the_setpci_fix() {
         let mut f = facts(vec![nic("mlx5_0", Some(NIC_SAME_SWITCH), 0)]);
-        f.acs = vec![(PathBuf::from("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0"), AcsState::Redirecting("SV+RR+CR".into()))];
+        f.acs = vec![(
+            PathBuf::from("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:08.0"),
+            AcsState::Redirecting("SV+RR+CR".into()),
+        )];
         let v = verdict(&gpu(GPU, 0), &f);
         assert!(!v.direct());
-        assert!(v.problems[0].fix.contains("setpci -s 0000:02:08.0 ECAP_ACS+0x6.w=0000"), "{:?}", v.problems[0]);
+        assert!(
+            v.problems[0]
+                .fix
+                .contains("setpci -s 0000:02:08.0 ECAP_ACS+0x6.w=0000"),
+            "{:?}",
+            v.problems[0]
+        );
     }
 
     #[test]
@@ -376,13 +576,34 @@ mod tests {
 
     #[test]
     fn a_flattened_vm_tree_is_unknown_distance_not_sys() {
-        let v = verdict(&gpu("/sys/devices/pci0000:00/0000:00:06.0", 0), &facts(vec![nic("mlx5_0", Some("/sys/devices/pci0000:00/0000:00:07.0"), 0)]));
-        assert!(v.direct(), "unknown distance warns, it does not block: {v:?}");
+        let v = verdict(
+            &gpu("/sys/devices/pci0000:00/0000:00:06.0", 0),
+            &facts(vec![nic(
+                "mlx5_0",
+                Some("/sys/devices/pci0000:00/0000:00:07.0"),
+                0,
+            )]),
+        );
+        assert!(
+            v.direct(),
+            "unknown distance warns, it does not block: {v:?}"
+        );
         assert!(v.headline().ends_with("distance unknown"));
-        assert!(v.problems.iter().any(|p| !p.blocking && p.fix.contains("NODETOUR_TOPOLOGY_FILE")));
-        let mut f = facts(vec![nic("mlx5_0", Some("/sys/devices/pci0000:00/0000:00:07.0"), 0)]);
+        assert!(
+            v.problems
+                .iter()
+                .any(|p| !p.blocking && p.fix.contains("NODETOUR_TOPOLOGY_FILE"))
+        );
+        let mut f = facts(vec![nic(
+            "mlx5_0",
+            Some("/sys/devices/pci0000:00/0000:00:07.0"),
+            0,
+        )]);
         f.topology = vec![("0000:03:00.0".into(), "mlx5_0".into(), PciLevel::Sys)];
-        assert!(!verdict(&gpu("/sys/devices/pci0000:00/0000:00:06.0", 0), &f).direct(), "the topology file overrides");
+        assert!(
+            !verdict(&gpu("/sys/devices/pci0000:00/0000:00:06.0", 0), &f).direct(),
+            "the topology file overrides"
+        );
     }
 
     #[test]
@@ -391,23 +612,39 @@ mod tests {
         assert!(v.problems[0].fix.contains("load its driver"));
         let mut f = facts(vec![]);
         f.verbs = Err("cannot load libibverbs.so.1".into());
-        assert!(verdict(&gpu(GPU, 0), &f).problems[0].fix.contains("ibverbs-providers"));
+        assert!(
+            verdict(&gpu(GPU, 0), &f).problems[0]
+                .fix
+                .contains("ibverbs-providers")
+        );
         let mut f = facts(vec![nic("mlx5_0", Some(NIC_SAME_SWITCH), 0)]);
         f.nics[0].provider_installed = false;
-        assert!(verdict(&gpu(GPU, 0), &f).headline().contains("provider (mlx5) is not installed"));
+        assert!(
+            verdict(&gpu(GPU, 0), &f)
+                .headline()
+                .contains("provider (mlx5) is not installed")
+        );
         let mut f = facts(vec![nic("mlx5_0", Some(NIC_SAME_SWITCH), 0)]);
         f.nics[0].active = Some(false);
-        assert!(verdict(&gpu(GPU, 0), &f).headline().contains("no RDMA port is ACTIVE"));
+        assert!(
+            verdict(&gpu(GPU, 0), &f)
+                .headline()
+                .contains("no RDMA port is ACTIVE")
+        );
     }
 
     #[test]
     fn soft_roce_and_no_peermem_stage_with_both_reasons() {
         let mut n = nic("rxe0", None, 0);
-        n.dmabuf = DmabufSupport::Unsupported("rxe0 refuses dma-buf registration (EOPNOTSUPP)".into());
+        n.dmabuf =
+            DmabufSupport::Unsupported("rxe0 refuses dma-buf registration (EOPNOTSUPP)".into());
         let v = verdict(&gpu(GPU, 0), &facts(vec![n]));
         assert!(!v.direct());
         let text = v.headline();
-        assert!(text.contains("rxe0 refuses dma-buf") && text.contains("nvidia-peermem is not loaded"), "{text}");
+        assert!(
+            text.contains("rxe0 refuses dma-buf") && text.contains("nvidia-peermem is not loaded"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -420,8 +657,36 @@ mod tests {
         let v = verdict(&gpu(GPU, 0), &f);
         assert!(!v.direct());
         assert!(v.problems[0].fix.contains("--ulimit memlock=-1"));
-        assert!(v.problems.iter().any(|p| !p.blocking && p.fix.contains("nr_hugepages")));
-        assert!(v.problems.iter().any(|p| !p.blocking && p.fix.contains("iommu=pt")));
+        assert!(
+            v.problems
+                .iter()
+                .any(|p| !p.blocking && p.fix.contains("nr_hugepages"))
+        );
+        assert!(
+            v.problems
+                .iter()
+                .any(|p| !p.blocking && p.fix.contains("iommu=pt"))
+        );
+    }
+
+    #[test]
+    fn without_a_gpu_the_host_verdict_still_names_the_problems() {
+        let mut f = facts(vec![]);
+        f.memlock = Some(64 << 10);
+        let (nic, problems) = host_verdict(&f);
+        assert_eq!(nic, None);
+        assert!(
+            problems.iter().filter(|p| p.blocking).count() == 2,
+            "{problems:?}"
+        );
+        assert!(problems.iter().any(|p| p.fix.contains("ulimit -l")));
+        let (nic, problems) = host_verdict(&facts(vec![nic_named("rxe0")]));
+        assert_eq!(nic.as_deref(), Some("rxe0"));
+        assert!(problems.iter().all(|p| !p.blocking));
+    }
+
+    fn nic_named(name: &str) -> NicFacts {
+        nic(name, None, 0)
     }
 
     #[test]
@@ -434,7 +699,12 @@ mod tests {
         g.dmabuf_export = Err("CUDA_ERROR_NOT_SUPPORTED".into());
         let v = verdict(&g, &f);
         let text = v.headline();
-        assert!(text.contains("5.4.0 predates") && text.contains("proprietary") && text.contains("CUDA_ERROR_NOT_SUPPORTED"), "{text}");
+        assert!(
+            text.contains("5.4.0 predates")
+                && text.contains("proprietary")
+                && text.contains("CUDA_ERROR_NOT_SUPPORTED"),
+            "{text}"
+        );
         f.peermem.loaded = true;
         assert_eq!(verdict(&g, &f).rung, Some(Rung::PeerMem));
     }
