@@ -118,6 +118,7 @@ fn gpus(root: &Path) -> std::result::Result<Vec<GpuFacts>, String> {
                 .and_then(|ctx| DeviceBuffer::new(&ctx, 64 << 10).map_err(|e| e.to_string()))
                 .and_then(|b| b.export_dmabuf().map(|_| ()).map_err(|e| e.to_string()));
             GpuFacts {
+                bar1_bytes: probe::system::pci_bar_bytes(root, &g.pci_bus_id, 1),
                 pci_path: g.pci_path(),
                 numa: probe::system::pci_numa_node(root, &g.pci_bus_id),
                 ordinal: g.ordinal,
@@ -386,7 +387,9 @@ pub fn render_text(r: &Report) -> String {
         .map(|(n, ok)| format!("{n}{}", if *ok { "" } else { " (no access)" }))
         .collect();
     line(format!(
-        "rdma-core: {} | /dev/infiniband: {}",
+        "rdma-core {}: {} | /dev/infiniband: {}",
+        probe::system::rdma_core_version(Path::new("/"))
+            .unwrap_or_else(|| "(version unknown)".into()),
         match &f.verbs {
             Ok(true) => "libibverbs loaded, ibv_reg_dmabuf_mr present".to_owned(),
             Ok(false) => "libibverbs loaded, no ibv_reg_dmabuf_mr (rdma-core < 34)".to_owned(),
@@ -504,7 +507,10 @@ pub fn render_json(r: &Report) -> Value {
             "nvidia_open_module": s.nvidia_open_module,
             "peermem_loaded": f.peermem.loaded,
         },
-        "rdma_core": match &f.verbs { Ok(d) => json!({"loaded": true, "reg_dmabuf_mr": d}), Err(e) => json!({"loaded": false, "reason": e}) },
+        "rdma_core": match &f.verbs {
+            Ok(d) => json!({"loaded": true, "reg_dmabuf_mr": d, "version": probe::system::rdma_core_version(Path::new("/"))}),
+            Err(e) => json!({"loaded": false, "reason": e}),
+        },
         "rdma_devices": f.nics.iter().map(|n| json!({
             "name": n.name,
             "active": n.active,
@@ -525,6 +531,7 @@ pub fn render_json(r: &Report) -> Value {
                 "name": gpu.name,
                 "pci_bus_id": gpu.bus_id,
                 "numa_node": gpu.numa,
+                "bar1_bytes": gpu.bar1_bytes,
                 "gpudirect": {
                     "rdma_supported": gpu.gdr.gpu_direct_rdma,
                     "flush_writes_options": gpu.gdr.flush_writes_options,

@@ -179,6 +179,46 @@ pub fn read_system(root: &Path) -> SystemFacts {
     }
 }
 
+/// Size of a PCI device's BAR `index` from sysfs's `resource` file (a GPU's BAR1 bounds how much
+/// of its memory peers and NICs can map at once).
+pub fn pci_bar_bytes(root: &Path, bus_id: &str, index: usize) -> Option<u64> {
+    let text = read(root, &format!("sys/bus/pci/devices/{bus_id}/resource"))?;
+    let line = text.lines().nth(index)?;
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|x| u64::from_str_radix(x.trim_start_matches("0x"), 16).ok())
+        .collect();
+    match f.as_slice() {
+        [start, end, ..] if end > start => Some(end - start + 1),
+        _ => None,
+    }
+}
+
+/// rdma-core's version, from the file name the `libibverbs.so.1` link resolves to
+/// (`libibverbs.so.1.14.44.0` → `44.0`).
+pub fn rdma_core_version(root: &Path) -> Option<String> {
+    for dir in [
+        "usr/lib/x86_64-linux-gnu",
+        "usr/lib/aarch64-linux-gnu",
+        "usr/lib64",
+        "usr/lib",
+        "lib/x86_64-linux-gnu",
+    ] {
+        let link = root.join(dir).join("libibverbs.so.1");
+        if let Ok(target) = std::fs::read_link(&link) {
+            let name = target.file_name()?.to_string_lossy().into_owned();
+            let parts: Vec<&str> = name
+                .trim_start_matches("libibverbs.so.1.")
+                .split('.')
+                .collect();
+            if parts.len() >= 3 {
+                return Some(parts[1..].join("."));
+            }
+        }
+    }
+    None
+}
+
 /// NUMA node of a PCI device by bus id, if the kernel knows it.
 pub fn pci_numa_node(root: &Path, bus_id: &str) -> Option<i32> {
     read(root, &format!("sys/bus/pci/devices/{bus_id}/numa_node"))
@@ -303,6 +343,28 @@ mod tests {
         let empty = read_system(Path::new("/nonexistent"));
         assert_eq!(empty.iommu, IommuMode::Off);
         assert!(empty.nvidia_driver.is_none() && empty.kernel_version.is_none());
+    }
+
+    #[test]
+    fn bars_and_rdma_core_versions() {
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        write(
+            r,
+            "sys/bus/pci/devices/0000:03:00.0/resource",
+            "0x00000000fb000000 0x00000000fbffffff 0x0000000000040200\n0x0000380000000000 0x0000381fffffffff 0x000000000014220c\n0x0000000000000000 0x0000000000000000 0x0000000000000000\n",
+        );
+        assert_eq!(pci_bar_bytes(r, "0000:03:00.0", 0), Some(16 << 20));
+        assert_eq!(pci_bar_bytes(r, "0000:03:00.0", 1), Some(128 << 30));
+        assert_eq!(pci_bar_bytes(r, "0000:03:00.0", 2), None);
+        std::fs::create_dir_all(r.join("usr/lib/x86_64-linux-gnu")).unwrap();
+        std::os::unix::fs::symlink(
+            "libibverbs.so.1.14.44.0",
+            r.join("usr/lib/x86_64-linux-gnu/libibverbs.so.1"),
+        )
+        .unwrap();
+        assert_eq!(rdma_core_version(r).as_deref(), Some("44.0"));
+        assert_eq!(rdma_core_version(Path::new("/nonexistent")), None);
     }
 
     #[test]

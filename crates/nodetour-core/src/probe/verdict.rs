@@ -30,6 +30,8 @@ pub struct GpuFacts {
     pub gdr: GdrAttributes,
     /// Whether a dma-buf export of a test buffer worked, or why not.
     pub dmabuf_export: Result<(), String>,
+    /// BAR1 size in bytes (how much GPU memory peers can map at once), if sysfs says.
+    pub bar1_bytes: Option<u64>,
 }
 
 /// One RDMA device as probed.
@@ -451,6 +453,7 @@ mod tests {
             numa: Some(numa),
             gdr: gdr(),
             dmabuf_export: Ok(()),
+            bar1_bytes: Some(128 << 30),
         }
     }
 
