@@ -53,6 +53,14 @@ starts_without_libibverbs() {
     [[ $rc == 2 && $out == *"RDMA verbs is not supported here: cannot load"* ]]
 }
 check "nodetour starts without libibverbs (typed Unsupported, exit 2)" starts_without_libibverbs
+doctor_runs() {
+    local rc=0
+    target/release/nodetour doctor || rc=$?
+    target/release/nodetour doctor --json --no-live | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["schema"] == 1 and "host_memory" in d, d' || return 1
+    # Exit status: 0 every GPU direct, 3 some GPU staged, 2 no usable GPU.
+    [[ $rc == 0 || $rc == 2 || $rc == 3 ]]
+}
+check "nodetour doctor explains this machine (text and JSON)" doctor_runs
 
 step "process tier: N processes over tcp (scripts/launch-local.sh)"
 for n in 2 4 8; do

@@ -18,6 +18,16 @@ resources() { rdma resource show 2>/dev/null | sed 's/  */ /g'; }
 before=$(resources)
 say "RDMA resources before: $(echo "$before" | tr '\n' ';')"
 
+say "nodetour doctor"
+doctor=$("$BIN_DIR/nodetour" doctor 2>&1)
+echo "$doctor"
+if grep -q "host memory: RDMA via $NODETOUR_VM_DEV0" <<<"$doctor" && grep -q "$NODETOUR_VM_DEV0: ACTIVE.*dma-buf: unsupported" <<<"$doctor"; then
+    say "doctor sees soft-RoCE, and that it refuses dma-buf ... ok"
+else
+    say "doctor verdicts in the VM ... FAILED"
+    failed=1
+fi
+
 export NODETOUR_REQUIRE_RDMA=1
 for exe in "$@"; do
     say "running $(basename "$exe") --include-ignored"
