@@ -22,14 +22,19 @@ while (($#)); do
 done
 [[ -n $n && $n -ge 1 && $# -ge 1 ]] || { echo "usage: $0 -n N [--timeout S] [--token T] -- COMMAND [ARGS...]" >&2; exit 2; }
 [[ -n $token ]] || token=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
-# A free port for torchrun's MASTER_PORT (nodetour itself listens on MASTER_PORT + 17).
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo $((20000 + RANDOM % 20000)))
+# Free ports for torchrun's MASTER_PORT and for nodetour's rendezvous (NODETOUR_PORT; its
+# default, MASTER_PORT + 17, might be taken), found while both are held so they differ.
+read -r port nport < <(python3 -c 'import socket
+a, b = socket.socket(), socket.socket()
+a.bind(("127.0.0.1", 0)); b.bind(("127.0.0.1", 0))
+print(a.getsockname()[1], b.getsockname()[1])' 2>/dev/null || echo $((20000 + RANDOM % 20000)) $((40000 + RANDOM % 20000)))
+[[ -n ${NODETOUR_PORT:-} ]] && nport=$NODETOUR_PORT
 pids=()
 for ((r = 0; r < n; r++)); do
     (
         set -o pipefail
         RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r LOCAL_WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-            NODETOUR_JOB_TOKEN=$token timeout --kill-after=5 "$timeout_s" "$@" 2>&1 | sed -u "s/^/[rank $r] /"
+            NODETOUR_PORT=$nport NODETOUR_JOB_TOKEN=$token timeout --kill-after=5 "$timeout_s" "$@" 2>&1 | sed -u "s/^/[rank $r] /"
     ) &
     pids+=($!)
 done

@@ -55,7 +55,7 @@ starts_without_libibverbs() {
 check "nodetour starts without libibverbs (typed Unsupported, exit 2)" starts_without_libibverbs
 doctor_runs() {
     local rc=0
-    target/release/nodetour doctor || rc=$?
+    target/release/nodetour doctor 2>&1 || rc=$?
     target/release/nodetour doctor --json --no-live | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["schema"] == 1 and "host_memory" in d, d' || return 1
     # Exit status: 0 every GPU direct, 3 some GPU staged, 2 no usable GPU.
     [[ $rc == 0 || $rc == 2 || $rc == 3 ]]
@@ -64,13 +64,18 @@ check "nodetour doctor explains this machine (text and JSON)" doctor_runs
 
 step "process tier: N processes over tcp (scripts/launch-local.sh)"
 for n in 2 4 8; do
-    ranks_ok() { [[ $(scripts/launch-local.sh -n "$1" --timeout 120 -- target/release/examples/transport_check 2>&1 | tee /dev/stderr | grep -c 'TRANSPORT OK') == "$1" ]]; }
+    ranks_ok() {
+        local out
+        out=$(scripts/launch-local.sh -n "$1" --timeout 120 -- target/release/examples/transport_check 2>&1)
+        grep -E 'TRANSPORT OK|error' <<<"$out"
+        [[ $(grep -c 'TRANSPORT OK' <<<"$out") == "$1" ]]
+    }
     check "$n processes connect over tcp, write, verify and exit cleanly" ranks_ok "$n"
 done
 lost_is_reported() {
     local out
     out=$(timeout 60 scripts/launch-local.sh -n 4 --timeout 60 -- target/release/examples/transport_check --kill-rank 2 2>&1)
-    echo "$out"
+    grep -E 'lost|abrupt|error' <<<"$out"
     [[ $(grep -c 'rank 2 lost' <<<"$out") == 3 ]]
 }
 check "a rank that dies after the rendezvous is reported lost by every other rank" lost_is_reported
