@@ -24,10 +24,13 @@ done
 [[ -n $token ]] || token=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
 # Free ports for torchrun's MASTER_PORT and for nodetour's rendezvous (NODETOUR_PORT; its
 # default, MASTER_PORT + 17, might be taken), found while both are held so they differ.
-read -r port nport < <(python3 -c 'import socket
+# (No process substitution: minimal systems such as the test VM have no /dev/fd.)
+ports=$(python3 -c 'import socket
 a, b = socket.socket(), socket.socket()
 a.bind(("127.0.0.1", 0)); b.bind(("127.0.0.1", 0))
 print(a.getsockname()[1], b.getsockname()[1])' 2>/dev/null || echo $((20000 + RANDOM % 20000)) $((40000 + RANDOM % 20000)))
+port=${ports% *}
+nport=${ports#* }
 [[ -n ${NODETOUR_PORT:-} ]] && nport=$NODETOUR_PORT
 pids=()
 for ((r = 0; r < n; r++)); do

@@ -56,7 +56,9 @@ check "nodetour starts without libibverbs (typed Unsupported, exit 2)" starts_wi
 doctor_runs() {
     local rc=0
     target/release/nodetour doctor 2>&1 || rc=$?
-    target/release/nodetour doctor --json --no-live | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["schema"] == 1 and "host_memory" in d, d' || return 1
+    local json
+    json=$(target/release/nodetour doctor --json --no-live) || true
+    python3 -c 'import json,sys; d=json.loads(sys.argv[1]); assert d["schema"] == 1 and "host_memory" in d, d' "$json" || return 1
     # Exit status: 0 every GPU direct, 3 some GPU staged, 2 no usable GPU.
     [[ $rc == 0 || $rc == 2 || $rc == 3 ]]
 }
