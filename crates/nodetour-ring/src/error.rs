@@ -1,0 +1,47 @@
+//! The one error type of `nodetour-ring`.
+
+use std::time::Duration;
+
+/// A `Result` whose error is [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the ring.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The layout cannot be made (zero slots, a slot smaller than one element, ...).
+    #[error("cannot plan the collective: {reason}")]
+    Plan {
+        /// Why.
+        reason: String,
+    },
+    /// A peer broke the slot protocol (a slot it was not granted, out-of-order data, a grant
+    /// of a slot that does not exist).
+    #[error("protocol violation by rank {rank}: {reason}")]
+    Protocol {
+        /// The offending rank.
+        rank: u32,
+        /// What it did.
+        reason: String,
+    },
+    /// A rank of the ring is gone.
+    #[error("rank {rank} lost during the collective")]
+    PeerLost {
+        /// The lost rank.
+        rank: u32,
+    },
+    /// Nothing moved for longer than the timeout.
+    #[error("no progress for {after:?}: waiting for {waiting_for}")]
+    Timeout {
+        /// What the schedule was waiting for.
+        waiting_for: String,
+        /// The timeout.
+        after: Duration,
+    },
+    /// The collective was aborted.
+    #[error("the collective was aborted: {reason}")]
+    Aborted {
+        /// Why.
+        reason: String,
+    },
+}

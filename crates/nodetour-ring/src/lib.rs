@@ -1,0 +1,22 @@
+//! # nodetour-ring
+//!
+//! Ring collectives for nodetour. This crate starts with the part everything else hangs on:
+//! the ring schedule as a pure state machine ([`schedule`]): no I/O, no clocks, no CUDA inside.
+//! Inputs arrive through `handle_*` methods (a grant from the next rank, a write landed from the
+//! previous one, a local completion, time passing, a lost peer); outputs come out of
+//! [`schedule::RingSchedule::poll_action`] (send this chunk into that slot, reduce or copy that
+//! chunk, grant a slot, done, failed). Executors (host buffers, GPU direct, staged) drive it
+//! over a transport. [`plan`] lays a buffer out in segments and chunks.
+//!
+//! The schedule is tested by a simulated ring with fault injection (random interleavings,
+//! reordered completions, lost peers, stale epochs, forged immediates) in `tests/`.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod plan;
+pub mod schedule;
+
+pub use error::{Error, Result};
+pub use plan::Plan;
+pub use schedule::{Action, Immediate, RingSchedule};
