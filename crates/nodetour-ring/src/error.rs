@@ -38,10 +38,27 @@ pub enum Error {
         /// The timeout.
         after: Duration,
     },
+    /// The transport under the ring failed.
+    #[error("transport failed: {reason}")]
+    Transport {
+        /// The transport's error.
+        reason: String,
+    },
     /// The collective was aborted.
     #[error("the collective was aborted: {reason}")]
     Aborted {
         /// Why.
         reason: String,
     },
+}
+
+impl From<nodetour_core::Error> for Error {
+    fn from(e: nodetour_core::Error) -> Self {
+        match e {
+            nodetour_core::Error::RankLost { rank, .. } => Error::PeerLost { rank },
+            other => Error::Transport {
+                reason: other.to_string(),
+            },
+        }
+    }
 }

@@ -14,9 +14,12 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod host;
 pub mod plan;
+pub mod reduce;
 pub mod schedule;
 
 pub use error::{Error, Result};
 pub use plan::Plan;
+pub use reduce::{DataType, ReduceOp};
 pub use schedule::{Action, Immediate, RingSchedule};

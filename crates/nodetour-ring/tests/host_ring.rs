@@ -1,0 +1,210 @@
+//! The host ring over the in-process transport: ranks in threads, every data type and
+//! operation, checked against a float64 reference (exact for integers).
+
+use std::thread;
+use std::time::Duration;
+
+use half::{bf16, f16};
+use nodetour_core::memory::HostBuffer;
+use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
+use nodetour_ring::host::{HostRing, HostRingOptions, Links};
+use nodetour_ring::{DataType, ReduceOp};
+
+const TYPES: [DataType; 7] = [
+    DataType::F32,
+    DataType::F64,
+    DataType::F16,
+    DataType::Bf16,
+    DataType::I32,
+    DataType::I64,
+    DataType::U8,
+];
+const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Avg,
+];
+
+fn value(dtype: DataType, rank: u32, i: usize) -> f64 {
+    let v = ((i as u32 + rank * 7) % 3) as f64;
+    if dtype == DataType::U8 { v } else { v - 1.0 }
+}
+
+fn encode(dtype: DataType, v: f64) -> Vec<u8> {
+    match dtype {
+        DataType::F32 => (v as f32).to_ne_bytes().to_vec(),
+        DataType::F64 => v.to_ne_bytes().to_vec(),
+        DataType::F16 => f16::from_f64(v).to_ne_bytes().to_vec(),
+        DataType::Bf16 => bf16::from_f64(v).to_ne_bytes().to_vec(),
+        DataType::I32 => (v as i32).to_ne_bytes().to_vec(),
+        DataType::I64 => (v as i64).to_ne_bytes().to_vec(),
+        DataType::U8 => vec![v as u8],
+    }
+}
+
+fn decode(dtype: DataType, b: &[u8]) -> f64 {
+    match dtype {
+        DataType::F32 => f64::from(f32::from_ne_bytes(b.try_into().unwrap())),
+        DataType::F64 => f64::from_ne_bytes(b.try_into().unwrap()),
+        DataType::F16 => f16::from_ne_bytes(b.try_into().unwrap()).to_f64(),
+        DataType::Bf16 => bf16::from_ne_bytes(b.try_into().unwrap()).to_f64(),
+        DataType::I32 => f64::from(i32::from_ne_bytes(b.try_into().unwrap())),
+        DataType::I64 => i64::from_ne_bytes(b.try_into().unwrap()) as f64,
+        DataType::U8 => f64::from(b[0]),
+    }
+}
+
+fn reference(dtype: DataType, op: ReduceOp, world: u32, i: usize) -> f64 {
+    let vals: Vec<f64> = (0..world).map(|r| value(dtype, r, i)).collect();
+    let r = match op {
+        ReduceOp::Sum | ReduceOp::Avg => vals.iter().sum(),
+        ReduceOp::Prod => vals.iter().product(),
+        ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+    };
+    if op == ReduceOp::Avg {
+        match dtype {
+            DataType::I32 | DataType::I64 | DataType::U8 => (r / f64::from(world)).trunc(),
+            _ => r / f64::from(world),
+        }
+    } else {
+        r
+    }
+}
+
+fn tolerance(dtype: DataType) -> f64 {
+    match dtype {
+        DataType::F16 => 2e-3,
+        DataType::Bf16 => 1e-2,
+        DataType::F32 => 1e-6,
+        _ => 0.0,
+    }
+}
+
+/// Runs one allreduce over `world` ranks in threads; returns every rank's result.
+fn all_reduce(
+    world: u32,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    options: HostRingOptions,
+) -> Vec<Vec<u8>> {
+    let n = world as usize;
+    let es = dtype.size();
+    // Connection r: rank r (its "next" side) ↔ rank r + 1 (its "prev" side).
+    let mut nexts = Vec::new();
+    let mut prevs: Vec<Option<MemConnection>> = (0..n).map(|_| None).collect();
+    for r in 0..n {
+        let (a, b) = MemConnection::pair();
+        nexts.push(a);
+        prevs[(r + 1) % n] = Some(b);
+    }
+    let mut prevs: Vec<MemConnection> = prevs.into_iter().map(Option::unwrap).collect();
+    let region = |len: usize| SlotRegion::host(HostBuffer::new(len.max(1)).unwrap());
+    let recv: Vec<SlotRegion> = (0..n)
+        .map(|_| region(options.slots as usize * options.slot_bytes))
+        .collect();
+    let bell: Vec<SlotRegion> = (0..n).map(|_| region(64)).collect();
+    let work: Vec<SlotRegion> = (0..n).map(|_| region(count * es)).collect();
+    // Rank r grants its slots on its prev connection, and a doorbell on its next connection.
+    let recv_grants: Vec<SlotGrant> = (0..n).map(|r| prevs[r].grant(&recv[r]).unwrap()).collect();
+    let bell_grants: Vec<SlotGrant> = (0..n).map(|r| nexts[r].grant(&bell[r]).unwrap()).collect();
+    let inputs: Vec<Vec<u8>> = (0..world)
+        .map(|r| {
+            (0..count)
+                .flat_map(|i| encode(dtype, value(dtype, r, i)))
+                .collect()
+        })
+        .collect();
+    thread::scope(|s| {
+        let handles: Vec<_> = nexts
+            .iter_mut()
+            .zip(prevs.iter_mut())
+            .enumerate()
+            .map(|(r, (next, prev))| {
+                let mut data = inputs[r].clone();
+                let (recv, work) = (recv[r].clone(), work[r].clone());
+                let next_slots = recv_grants[(r + 1) % n];
+                let prev_slots = bell_grants[(r + n - 1) % n];
+                s.spawn(move || {
+                    let mut ring = HostRing {
+                        rank: r as u32,
+                        world,
+                        links: Links::Two { next, prev },
+                        next_slots,
+                        prev_slots,
+                        recv,
+                        work,
+                        options,
+                    };
+                    ring.all_reduce(&mut data, dtype, op, 1, &|| Ok(()))
+                        .unwrap();
+                    data
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn check(world: u32, count: usize, dtype: DataType, op: ReduceOp, options: HostRingOptions) {
+    let results = all_reduce(world, count, dtype, op, options);
+    let es = dtype.size();
+    for (r, out) in results.iter().enumerate() {
+        for i in 0..count {
+            let got = decode(dtype, &out[i * es..(i + 1) * es]);
+            let want = reference(dtype, op, world, i);
+            let tol = tolerance(dtype) * want.abs().max(1.0);
+            assert!(
+                (got - want).abs() <= tol,
+                "world {world} {dtype:?} {op:?} rank {r} element {i}: got {got}, want {want}"
+            );
+        }
+    }
+}
+
+fn small_slots() -> HostRingOptions {
+    HostRingOptions {
+        slot_bytes: 256,
+        slots: 2,
+        timeout: Duration::from_secs(20),
+    }
+}
+
+#[test]
+fn every_type_and_operation_matches_the_reference() {
+    for dtype in TYPES {
+        for op in OPS {
+            check(3, 257, dtype, op, small_slots());
+        }
+    }
+}
+
+#[test]
+fn ring_sizes_counts_and_slot_shapes() {
+    for world in [1, 2, 4, 5, 8] {
+        for count in [0usize, 1, 7, 1009] {
+            check(world, count, DataType::F32, ReduceOp::Sum, small_slots());
+        }
+    }
+    check(
+        4,
+        100_000,
+        DataType::I64,
+        ReduceOp::Sum,
+        HostRingOptions {
+            slot_bytes: 4096,
+            slots: 1,
+            timeout: Duration::from_secs(20),
+        },
+    );
+    check(
+        2,
+        65_536,
+        DataType::Bf16,
+        ReduceOp::Avg,
+        HostRingOptions::default(),
+    );
+}
