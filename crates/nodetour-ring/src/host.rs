@@ -71,6 +71,17 @@ pub struct HostRing<'a> {
     pub work: SlotRegion,
     /// Sizes and limits.
     pub options: HostRingOptions,
+    /// Notifications of the next collective that arrived while this one ran (a neighbour that
+    /// finished first already granted its slots for the next epoch): kept, not dropped.
+    pub backlog: Vec<u32>,
+}
+
+fn epoch_of(v: u32) -> u32 {
+    if v & GRANT_BIT != 0 {
+        (v >> 16) & 0x7f
+    } else {
+        (v >> 24) & 0x7f
+    }
 }
 
 impl HostRing<'_> {
@@ -120,7 +131,14 @@ impl HostRing<'_> {
         self.work.write_at(0, data)?;
         let mut sched =
             RingSchedule::new(plan, self.rank, epoch, self.options.timeout, Instant::now());
-        let mut events = Vec::new();
+        let mut events: Vec<Event> = Vec::new();
+        // What neighbours already sent for this collective while the previous one ran.
+        let early: Vec<u32> = std::mem::take(&mut self.backlog);
+        let mut replay: Vec<Event> = early
+            .into_iter()
+            .filter(|v| epoch_of(*v) == u32::from(epoch))
+            .map(Event::Notified)
+            .collect();
         let mut scratch = vec![0u8; slot_bytes];
         let mut mine = vec![0u8; slot_bytes];
         loop {
@@ -203,6 +221,7 @@ impl HostRing<'_> {
             // Collect notifications: spin on polls briefly, then wait in short slices so that
             // both neighbours are served and the deadline is checked.
             events.clear();
+            events.append(&mut replay);
             match &mut self.links {
                 Links::One(c) => {
                     c.poll(&mut events)?;
@@ -222,10 +241,16 @@ impl HostRing<'_> {
             let now = Instant::now();
             for e in &events {
                 let Event::Notified(v) = *e;
-                if v & GRANT_BIT != 0 {
-                    if (v >> 16) & 0x7f == u32::from(epoch) {
-                        sched.handle_granted(v as u8, now)?;
+                let e_epoch = epoch_of(v);
+                if e_epoch != u32::from(epoch) {
+                    // The next collective's (kept for it), or a stale one's (dropped).
+                    if e_epoch == (u32::from(epoch) + 1) & 0x7f {
+                        self.backlog.push(v);
                     }
+                    continue;
+                }
+                if v & GRANT_BIT != 0 {
+                    sched.handle_granted(v as u8, now)?;
                 } else {
                     sched.handle_arrived(v, now)?;
                 }

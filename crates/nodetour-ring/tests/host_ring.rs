@@ -91,6 +91,19 @@ fn all_reduce(
     op: ReduceOp,
     options: HostRingOptions,
 ) -> Vec<Vec<u8>> {
+    all_reduce_repeated(world, count, dtype, op, options, 1)
+}
+
+/// `repeats` collectives back to back on the same rings (epochs 0, 1, ...), with ranks
+/// deliberately out of step; returns the last results.
+fn all_reduce_repeated(
+    world: u32,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    options: HostRingOptions,
+    repeats: u32,
+) -> Vec<Vec<u8>> {
     let n = world as usize;
     let es = dtype.size();
     // Connection r: rank r (its "next" side) ↔ rank r + 1 (its "prev" side).
@@ -138,9 +151,17 @@ fn all_reduce(
                         recv,
                         work,
                         options,
+                        backlog: Vec::new(),
                     };
-                    ring.all_reduce(&mut data, dtype, op, 1, &|| Ok(()))
-                        .unwrap();
+                    let input = data.clone();
+                    for epoch in 0..repeats {
+                        if r % 2 == 1 {
+                            std::thread::sleep(Duration::from_micros(200 * u64::from(epoch % 3)));
+                        }
+                        data.copy_from_slice(&input);
+                        ring.all_reduce(&mut data, dtype, op, epoch as u8, &|| Ok(()))
+                            .unwrap();
+                    }
                     data
                 })
             })
@@ -207,4 +228,24 @@ fn ring_sizes_counts_and_slot_shapes() {
         ReduceOp::Avg,
         HostRingOptions::default(),
     );
+}
+
+#[test]
+fn back_to_back_collectives_keep_the_next_epochs_early_notifications() {
+    for world in [2, 3, 5] {
+        let results = all_reduce_repeated(
+            world,
+            5000,
+            DataType::I64,
+            ReduceOp::Sum,
+            small_slots(),
+            150,
+        );
+        for out in &results {
+            for i in 0..5000 {
+                let got = i64::from_ne_bytes(out[i * 8..i * 8 + 8].try_into().unwrap()) as f64;
+                assert_eq!(got, reference(DataType::I64, ReduceOp::Sum, world, i));
+            }
+        }
+    }
 }
