@@ -74,6 +74,15 @@ for n in 2 4 8; do
     }
     check "$n processes connect over tcp, write, verify and exit cleanly" ranks_ok "$n"
 done
+for n in 2 3 8; do
+    allreduce_ok() {
+        local out
+        out=$(scripts/launch-local.sh -n "$1" --timeout 300 -- target/release/examples/allreduce_check --all --count 10007 2>&1)
+        grep -E 'ALLREDUCE OK|error' <<<"$out"
+        [[ $(grep -c 'ALLREDUCE OK' <<<"$out") == "$1" ]]
+    }
+    check "ring allreduce of host buffers, $n processes over tcp, 35 type x op cases against float64" allreduce_ok "$n"
+done
 lost_is_reported() {
     local out
     out=$(timeout 60 scripts/launch-local.sh -n 4 --timeout 60 -- target/release/examples/transport_check --kill-rank 2 2>&1)

@@ -64,6 +64,19 @@ for n in 2 4 8; do
     fi
 done
 
+for n in 2 3 4; do
+    say "allreduce_check over verbs (host buffers, 35 type x op cases): $n processes"
+    ok=$(scripts/launch-local.sh -n "$n" --timeout 300 -- "$BIN_DIR/examples/allreduce_check" --transport verbs \
+        --devices "$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" --all --count 3001 --slot-bytes 4096 2>&1 | tee /tmp/ar.log | grep -c 'ALLREDUCE OK')
+    if [[ $ok == "$n" ]]; then
+        say "allreduce_check verbs n=$n ... ok"
+    else
+        say "allreduce_check verbs n=$n ... FAILED"
+        cat /tmp/ar.log
+        failed=1
+    fi
+done
+
 if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-bw-compare.sh; then
     say "write-bw-compare ... ok"
 else
