@@ -61,6 +61,31 @@ impl HostIdentity {
     }
 }
 
+/// The local IP address this host uses to reach `host:port` (what peers should dial), found by
+/// "connecting" a UDP socket (no packet is sent). Falls back to 127.0.0.1.
+pub fn local_ip_towards(host: &str, port: u16) -> std::net::IpAddr {
+    use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs, UdpSocket};
+    let fallback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let Some(target) = (host, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+    else {
+        return fallback;
+    };
+    let bind = if target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    };
+    UdpSocket::bind(bind)
+        .and_then(|s| s.connect(target).and_then(|()| s.local_addr()))
+        .map(|a| a.ip())
+        .ok()
+        .filter(|ip| !ip.is_unspecified())
+        .unwrap_or(fallback)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,29 +117,4 @@ mod tests {
             "unreadable identities never match"
         );
     }
-}
-
-/// The local IP address this host uses to reach `host:port` (what peers should dial), found by
-/// "connecting" a UDP socket (no packet is sent). Falls back to 127.0.0.1.
-pub fn local_ip_towards(host: &str, port: u16) -> std::net::IpAddr {
-    use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs, UdpSocket};
-    let fallback = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let Some(target) = (host, port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.next())
-    else {
-        return fallback;
-    };
-    let bind = if target.is_ipv4() {
-        "0.0.0.0:0"
-    } else {
-        "[::]:0"
-    };
-    UdpSocket::bind(bind)
-        .and_then(|s| s.connect(target).and_then(|()| s.local_addr()))
-        .map(|a| a.ip())
-        .ok()
-        .filter(|ip| !ip.is_unspecified())
-        .unwrap_or(fallback)
 }

@@ -24,6 +24,9 @@ const STEP: Duration = Duration::from_secs(10);
 /// How often the liveness watcher wakes to check for shutdown.
 const WATCH_TICK: Duration = Duration::from_millis(200);
 
+/// What the rendezvous hands back: the table, and this rank's mesh links (rank, socket).
+type Formed = (Vec<PeerEntry>, Vec<(u32, TcpStream)>);
+
 /// What the watcher thread and the callers share.
 #[derive(Default)]
 struct State {
@@ -337,7 +340,7 @@ fn serve(
     me: PeerEntry,
     token: &JobToken,
     deadline: Deadline,
-) -> Result<(Vec<PeerEntry>, Vec<(u32, TcpStream)>)> {
+) -> Result<Formed> {
     let port = addr.rsplit(':').next().unwrap_or("0");
     let bind = format!("0.0.0.0:{port}");
     let listener = TcpListener::bind(&bind).map_err(|source| Error::Exchange {
@@ -533,7 +536,7 @@ fn join(
     me: PeerEntry,
     token: &JobToken,
     deadline: Deadline,
-) -> Result<(Vec<PeerEntry>, Vec<(u32, TcpStream)>)> {
+) -> Result<Formed> {
     let peer = format!("rank 0 at {addr}");
     let mut s = crate::net::connect_retrying(addr, deadline, &|| Ok(()))?;
     s.set_nodelay(true).ok();

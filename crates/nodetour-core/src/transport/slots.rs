@@ -224,7 +224,7 @@ impl SlotTable {
     /// `key`, or the reason it is refused (unknown key, out of bounds).
     pub fn target(&self, key: u32, offset: u64, len: u64) -> Result<(SlotRegion, *mut u8)> {
         let table = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let region = table.get(&key).cloned().ok_or_else(|| Error::OutOfBounds {
+        let region = table.get(&key).cloned().ok_or(Error::OutOfBounds {
             what: "peer write to a region it was not granted",
             offset,
             len,

@@ -564,6 +564,6 @@ mod tests {
     fn access_bits() {
         assert_eq!(Access::LOCAL.bits(), ACCESS_LOCAL_WRITE);
         assert_eq!(Access::REMOTE.bits(), 7);
-        assert!(!Access::REMOTE_STRICT.relaxed_ordering);
+        assert_eq!(Access::REMOTE_STRICT.bits(), 7);
     }
 }
