@@ -83,6 +83,13 @@ for n in 2 3 8; do
     }
     check "ring allreduce of host buffers, $n processes over tcp, 35 type x op cases against float64" allreduce_ok "$n"
 done
+perf_runs() {
+    local out
+    out=$(NODETOUR_LOG=warn scripts/launch-local.sh -n 2 --timeout 120 -- target/release/nodetour perf --sizes 1K:1M --factor 8 --format json 2>/dev/null | grep '^\[rank 0\]' | sed 's/^\[rank 0\] //')
+    echo "$out" | head -c 2000
+    python3 -c 'import json,sys; d=json.loads(sys.argv[1]); assert d["rows"] and all(r["correct"] for r in d["rows"]), d' "$out"
+}
+check "nodetour perf sweeps sizes over tcp with a correctness check per row (JSON)" perf_runs
 lost_is_reported() {
     local out
     out=$(timeout 60 scripts/launch-local.sh -n 4 --timeout 60 -- target/release/examples/transport_check --kill-rank 2 2>&1)

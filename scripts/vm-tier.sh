@@ -77,6 +77,10 @@ for n in 2 3 4; do
     fi
 done
 
+say "nodetour perf over verbs, 2 ranks on $NODETOUR_VM_DEV0 and $NODETOUR_VM_DEV1"
+scripts/launch-local.sh -n 2 --timeout 300 -- "$BIN_DIR/nodetour" perf --transport verbs \
+    --devices "$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" --sizes 4K:4M --factor 8 --iters 3 2>&1 | grep '^\[rank 0\]' || failed=1
+
 if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-bw-compare.sh; then
     say "write-bw-compare ... ok"
 else

@@ -11,4 +11,6 @@ pub use nodetour_core::{Config, Deadline, Error, Result};
 pub mod doctor;
 pub mod link;
 pub mod logging;
+pub mod perf;
+pub mod ring_job;
 pub mod write_bw;

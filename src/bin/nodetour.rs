@@ -33,6 +33,41 @@ enum Command {
         #[arg(long)]
         no_live: bool,
     },
+    /// Allreduce sweeps like NCCL's all_reduce_perf (size, time, algbw, busbw, check), one
+    /// process per rank under a launcher (scripts/launch-local.sh, torchrun, Slurm, Open MPI).
+    /// This version moves host buffers over tcp or verbs.
+    Perf {
+        /// MIN:MAX bytes per rank (K, M, G suffixes).
+        #[arg(long, default_value = "8:64M")]
+        sizes: String,
+        /// Size multiplier between rows.
+        #[arg(long, default_value_t = 2)]
+        factor: usize,
+        /// f32, f64, f16, bf16, i32, i64, u8.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// sum, prod, min, max, avg.
+        #[arg(long, default_value = "sum")]
+        op: String,
+        /// tcp or verbs.
+        #[arg(long, default_value = "tcp")]
+        transport: String,
+        /// RDMA devices to spread the ranks over (verbs).
+        #[arg(long, value_delimiter = ',')]
+        devices: Vec<String>,
+        /// Untimed iterations per size.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Timed iterations per size (the median is reported).
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        /// Bytes per slot.
+        #[arg(long, default_value_t = 1 << 20)]
+        slot_bytes: usize,
+        /// text, csv or json.
+        #[arg(long, default_value = "text")]
+        format: String,
+    },
     /// List RDMA devices with their ports, link layer, MTU and the GID nodetour would use.
     Devices,
     /// List GPUs with their GPUDirect attributes, try a dma-buf export, and show which
@@ -64,6 +99,44 @@ enum Command {
 fn main() -> ExitCode {
     nodetour::logging::init();
     let cli = Cli::parse();
+    if let Command::Perf {
+        sizes,
+        factor,
+        dtype,
+        op,
+        transport,
+        devices,
+        warmup,
+        iters,
+        slot_bytes,
+        format,
+    } = &cli.command
+    {
+        return match perf(
+            sizes,
+            *factor,
+            dtype,
+            op,
+            transport,
+            devices,
+            *warmup,
+            *iters,
+            *slot_bytes,
+            format,
+        ) {
+            Ok(ok) => {
+                if ok {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                }
+            }
+            Err(e) => {
+                eprintln!("nodetour: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Command::Doctor { json, no_live } = cli.command {
         return match Config::from_env().and_then(|c| nodetour::doctor::examine(&c, !no_live)) {
             Ok(report) => {
@@ -87,7 +160,7 @@ fn main() -> ExitCode {
     let result = Config::from_env().and_then(|config| {
         tracing::debug!(settings = %config.describe(), "nodetour starting");
         match cli.command {
-            Command::Doctor { .. } => unreachable!("handled above"),
+            Command::Doctor { .. } | Command::Perf { .. } => unreachable!("handled above"),
             Command::Devices => devices(&config),
             Command::Gpus => gpus(&config),
             Command::WriteBw {
@@ -272,4 +345,55 @@ fn gpus(config: &Config) -> Result<(), Error> {
         println!("  registration: staged; {}", reasons.join("; "));
     }
     Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn perf(
+    sizes: &str,
+    factor: usize,
+    dtype: &str,
+    op: &str,
+    transport: &str,
+    devices: &[String],
+    warmup: usize,
+    iters: usize,
+    slot_bytes: usize,
+    format: &str,
+) -> anyhow::Result<bool> {
+    use nodetour::perf::{parse_dtype, parse_op, parse_sizes, render, sweep};
+    use nodetour::ring_job::{RingJob, RingTransport};
+    let config = Config::from_env()?;
+    let (sizes, dtype, op) = (
+        parse_sizes(sizes, factor)?,
+        parse_dtype(dtype)?,
+        parse_op(op)?,
+    );
+    let kind = match transport {
+        "tcp" => RingTransport::Tcp,
+        "verbs" => RingTransport::Verbs {
+            devices: devices.to_vec(),
+        },
+        other => anyhow::bail!("perf runs host buffers over tcp or verbs, not {other}"),
+    };
+    let options = nodetour_ring::host::HostRingOptions {
+        slot_bytes,
+        slots: 4,
+        timeout: config.timeout,
+    };
+    let mut ring = RingJob::form(
+        &config,
+        &kind,
+        sizes.iter().copied().max().unwrap_or(8),
+        options,
+    )?;
+    let rows = sweep(&mut ring, &sizes, dtype, op, warmup, iters)?;
+    if ring.rank == 0 {
+        print!(
+            "{}",
+            render(&rows, format, ring.world, transport, dtype, op)
+        );
+    }
+    ring.job
+        .barrier(nodetour_core::Deadline::after(config.timeout))?;
+    Ok(rows.iter().all(|r| r.correct))
 }

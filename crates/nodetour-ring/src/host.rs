@@ -230,11 +230,18 @@ impl HostRing<'_> {
                     }
                 }
                 Links::Two { next, prev } => {
+                    // Grants come from next, data from prev: wait on each in turn, briefly, so
+                    // neither waits behind the other for long. (A progress engine blocking on
+                    // both at once comes with the GPU executors.)
                     next.poll(&mut events)?;
                     prev.poll(&mut events)?;
                     if events.is_empty() {
                         wait_slice(&mut **prev, &mut events)?;
                         next.poll(&mut events)?;
+                    }
+                    if events.is_empty() {
+                        wait_slice(&mut **next, &mut events)?;
+                        prev.poll(&mut events)?;
                     }
                 }
             }
@@ -260,9 +267,9 @@ impl HostRing<'_> {
     }
 }
 
-/// Waits up to a millisecond for an event (the caller loops, checking deadlines and liveness).
+/// Waits up to 200 µs for an event (the caller loops, checking deadlines and liveness).
 fn wait_slice(c: &mut dyn HostConnection, events: &mut Vec<Event>) -> Result<()> {
-    match c.wait(events, Deadline::after(Duration::from_millis(1))) {
+    match c.wait(events, Deadline::after(Duration::from_micros(200))) {
         Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => Ok(()),
         Err(e) => Err(e.into()),
     }

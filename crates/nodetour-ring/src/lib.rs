@@ -15,6 +15,7 @@
 
 pub mod error;
 pub mod host;
+pub mod order;
 pub mod plan;
 pub mod reduce;
 pub mod schedule;

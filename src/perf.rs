@@ -1,0 +1,285 @@
+//! `nodetour perf`: allreduce sweeps in the manner of NCCL's `all_reduce_perf`: for each size,
+//! the time of one collective (median of the timed iterations after warm-ups, on rank 0), algbw
+//! (bytes / time), busbw (algbw × 2(n−1)/n, comparable across ring sizes) and a correctness
+//! check of the result against a float64 reference. This first version runs the ring over host
+//! buffers (tcp or verbs); the GPU paths and `--compare nccl` come with the GPU executors.
+
+use std::time::Instant;
+
+use anyhow::bail;
+use half::{bf16, f16};
+use nodetour_ring::{DataType, ReduceOp};
+use serde_json::json;
+
+use crate::ring_job::RingJob;
+
+/// One measured size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// Bytes per rank.
+    pub bytes: usize,
+    /// Elements.
+    pub count: usize,
+    /// Median time of one collective, seconds.
+    pub seconds: f64,
+    /// bytes / time, GB/s.
+    pub algbw: f64,
+    /// algbw × 2(n−1)/n, GB/s.
+    pub busbw: f64,
+    /// Whether the result matched the reference on this rank.
+    pub correct: bool,
+}
+
+/// Parses `--sizes MIN:MAX` with K/M/G suffixes (powers of two).
+pub fn parse_sizes(spec: &str, factor: usize) -> anyhow::Result<Vec<usize>> {
+    let parse = |s: &str| -> anyhow::Result<usize> {
+        let s = s.trim();
+        let (num, mult) = match s.chars().last() {
+            Some('K' | 'k') => (&s[..s.len() - 1], 1usize << 10),
+            Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+            Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+            _ => (s, 1),
+        };
+        Ok(num
+            .parse::<usize>()
+            .map_err(|_| anyhow::anyhow!("bad size {s:?}"))?
+            * mult)
+    };
+    let (lo, hi) = match spec.split_once(':') {
+        Some((a, b)) => (parse(a)?, parse(b)?),
+        None => (parse(spec)?, parse(spec)?),
+    };
+    if lo == 0 || hi < lo || factor < 2 {
+        bail!("--sizes must be MIN:MAX with 0 < MIN <= MAX, and --factor at least 2");
+    }
+    let mut out = vec![];
+    let mut s = lo;
+    while s <= hi {
+        out.push(s);
+        s = s.saturating_mul(factor);
+    }
+    Ok(out)
+}
+
+/// Parses a data type name.
+pub fn parse_dtype(s: &str) -> anyhow::Result<DataType> {
+    Ok(match s {
+        "f32" | "float" => DataType::F32,
+        "f64" | "double" => DataType::F64,
+        "f16" | "half" => DataType::F16,
+        "bf16" => DataType::Bf16,
+        "i32" | "int" => DataType::I32,
+        "i64" => DataType::I64,
+        "u8" | "uint8" => DataType::U8,
+        _ => bail!("unknown data type {s:?} (f32, f64, f16, bf16, i32, i64, u8)"),
+    })
+}
+
+/// Parses an operation name.
+pub fn parse_op(s: &str) -> anyhow::Result<ReduceOp> {
+    Ok(match s {
+        "sum" => ReduceOp::Sum,
+        "prod" => ReduceOp::Prod,
+        "min" => ReduceOp::Min,
+        "max" => ReduceOp::Max,
+        "avg" => ReduceOp::Avg,
+        _ => bail!("unknown operation {s:?} (sum, prod, min, max, avg)"),
+    })
+}
+
+fn value(dtype: DataType, rank: u32, i: usize) -> f64 {
+    let v = ((i as u32).wrapping_add(rank * 7) % 3) as f64;
+    if dtype == DataType::U8 { v } else { v - 1.0 }
+}
+
+fn encode(dtype: DataType, v: f64, out: &mut Vec<u8>) {
+    match dtype {
+        DataType::F32 => out.extend_from_slice(&(v as f32).to_ne_bytes()),
+        DataType::F64 => out.extend_from_slice(&v.to_ne_bytes()),
+        DataType::F16 => out.extend_from_slice(&f16::from_f64(v).to_ne_bytes()),
+        DataType::Bf16 => out.extend_from_slice(&bf16::from_f64(v).to_ne_bytes()),
+        DataType::I32 => out.extend_from_slice(&(v as i32).to_ne_bytes()),
+        DataType::I64 => out.extend_from_slice(&(v as i64).to_ne_bytes()),
+        DataType::U8 => out.push(v as u8),
+    }
+}
+
+fn decode(dtype: DataType, b: &[u8]) -> f64 {
+    match dtype {
+        DataType::F32 => f64::from(f32::from_ne_bytes(b.try_into().expect("4 bytes"))),
+        DataType::F64 => f64::from_ne_bytes(b.try_into().expect("8 bytes")),
+        DataType::F16 => f16::from_ne_bytes(b.try_into().expect("2 bytes")).to_f64(),
+        DataType::Bf16 => bf16::from_ne_bytes(b.try_into().expect("2 bytes")).to_f64(),
+        DataType::I32 => f64::from(i32::from_ne_bytes(b.try_into().expect("4 bytes"))),
+        DataType::I64 => i64::from_ne_bytes(b.try_into().expect("8 bytes")) as f64,
+        DataType::U8 => f64::from(b[0]),
+    }
+}
+
+/// The expected element `i` of an allreduce of the test pattern over `world` ranks.
+pub fn reference(dtype: DataType, op: ReduceOp, world: u32, i: usize) -> f64 {
+    let vals = (0..world).map(|r| value(dtype, r, i));
+    let r = match op {
+        ReduceOp::Sum | ReduceOp::Avg => vals.sum(),
+        ReduceOp::Prod => vals.product(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    };
+    match (op, dtype) {
+        (ReduceOp::Avg, DataType::I32 | DataType::I64 | DataType::U8) => {
+            (r / f64::from(world)).trunc()
+        }
+        (ReduceOp::Avg, _) => r / f64::from(world),
+        _ => r,
+    }
+}
+
+fn tolerance(dtype: DataType) -> f64 {
+    match dtype {
+        DataType::F16 => 2e-3,
+        DataType::Bf16 => 1e-2,
+        DataType::F32 => 1e-6,
+        _ => 0.0,
+    }
+}
+
+/// The test pattern of `rank`, `count` elements.
+pub fn pattern(dtype: DataType, rank: u32, count: usize) -> Vec<u8> {
+    let mut data = Vec::with_capacity(count * dtype.size());
+    for i in 0..count {
+        encode(dtype, value(dtype, rank, i), &mut data);
+    }
+    data
+}
+
+/// Whether `data` is the allreduce of the pattern; the first wrong element otherwise.
+pub fn verify(dtype: DataType, op: ReduceOp, world: u32, data: &[u8]) -> Result<(), String> {
+    let es = dtype.size();
+    for i in 0..data.len() / es {
+        let (got, want) = (
+            decode(dtype, &data[i * es..(i + 1) * es]),
+            reference(dtype, op, world, i),
+        );
+        if (got - want).abs() > tolerance(dtype) * want.abs().max(1.0) {
+            return Err(format!(
+                "{dtype:?} {op:?}: element {i} is {got}, want {want}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Measures every size on `ring`.
+pub fn sweep(
+    ring: &mut RingJob,
+    sizes: &[usize],
+    dtype: DataType,
+    op: ReduceOp,
+    warmup: usize,
+    iters: usize,
+) -> anyhow::Result<Vec<Row>> {
+    let es = dtype.size();
+    let n = f64::from(ring.world);
+    let mut rows = Vec::new();
+    for &size in sizes {
+        let count = size / es;
+        let bytes = count * es;
+        let input = pattern(dtype, ring.rank, count);
+        let mut data = input.clone();
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..warmup + iters.max(1) {
+            data.copy_from_slice(&input);
+            let t = Instant::now();
+            ring.all_reduce(&mut data, dtype, op)?;
+            if i >= warmup {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+        let seconds = times[times.len() / 2];
+        let algbw = bytes as f64 / seconds / 1e9;
+        let correct = verify(dtype, op, ring.world, &data).is_ok();
+        rows.push(Row {
+            bytes,
+            count,
+            seconds,
+            algbw,
+            busbw: algbw * 2.0 * (n - 1.0) / n,
+            correct,
+        });
+    }
+    Ok(rows)
+}
+
+/// The rows as text (the all_reduce_perf layout), CSV or JSON.
+pub fn render(
+    rows: &[Row],
+    format: &str,
+    world: u32,
+    transport: &str,
+    dtype: DataType,
+    op: ReduceOp,
+) -> String {
+    match format {
+        "json" => serde_json::to_string_pretty(&json!({
+            "collective": "all_reduce", "ranks": world, "transport": transport, "path": "host",
+            "dtype": format!("{dtype:?}").to_lowercase(), "op": format!("{op:?}").to_lowercase(),
+            "rows": rows.iter().map(|r| json!({"bytes": r.bytes, "count": r.count, "time_us": r.seconds * 1e6,
+                "algbw_GBps": r.algbw, "busbw_GBps": r.busbw, "correct": r.correct})).collect::<Vec<_>>(),
+        }))
+        .unwrap_or_default(),
+        "csv" => {
+            let mut s = "bytes,count,time_us,algbw_GBps,busbw_GBps,correct,path,transport\n".to_owned();
+            for r in rows {
+                s.push_str(&format!("{},{},{:.1},{:.4},{:.4},{},host,{transport}\n", r.bytes, r.count, r.seconds * 1e6, r.algbw, r.busbw, r.correct));
+            }
+            s
+        }
+        _ => {
+            let mut s = format!("# nodetour perf: all_reduce, {world} ranks, {transport}, host buffers, {dtype:?} {op:?}\n");
+            s.push_str(&format!("{:>12} {:>12} {:>12} {:>10} {:>10} {:>7}\n", "size(B)", "count", "time(us)", "algbw", "busbw", "check"));
+            for r in rows {
+                s.push_str(&format!(
+                    "{:>12} {:>12} {:>12.1} {:>10.3} {:>10.3} {:>7}\n",
+                    r.bytes,
+                    r.count,
+                    r.seconds * 1e6,
+                    r.algbw,
+                    r.busbw,
+                    if r.correct { "ok" } else { "WRONG" }
+                ));
+            }
+            s
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_like_all_reduce_perf() {
+        assert_eq!(parse_sizes("8:64", 2).unwrap(), [8, 16, 32, 64]);
+        assert_eq!(parse_sizes("1K:4K", 4).unwrap(), [1024, 4096]);
+        assert_eq!(parse_sizes("1M", 2).unwrap(), [1 << 20]);
+        assert!(
+            parse_sizes("0:8", 2).is_err()
+                && parse_sizes("8:4", 2).is_err()
+                && parse_sizes("8:64", 1).is_err()
+                && parse_sizes("x", 2).is_err()
+        );
+        assert_eq!(parse_dtype("bf16").unwrap(), DataType::Bf16);
+        assert!(parse_dtype("f8").is_err());
+        assert_eq!(parse_op("avg").unwrap(), ReduceOp::Avg);
+    }
+
+    #[test]
+    fn patterns_verify_for_one_rank() {
+        let d = pattern(DataType::F16, 0, 100);
+        assert!(verify(DataType::F16, ReduceOp::Sum, 1, &d).is_ok());
+        let mut bad = d.clone();
+        bad[10] ^= 0x40;
+        assert!(verify(DataType::F16, ReduceOp::Sum, 1, &bad).is_err());
+    }
+}

@@ -1,0 +1,313 @@
+//! A job of processes joined in a ring for host-buffer collectives: the bootstrap (from the
+//! launcher environment), the ring order by host, the connections to the two neighbours over tcp
+//! or verbs, and the registered slot, doorbell and work regions. `all_reduce` runs one
+//! collective; the job carries the epoch and the early notifications from one to the next.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
+use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
+use nodetour_core::memory::HostBuffer;
+use nodetour_core::transport::tcp::{self, TcpConnection, TcpEndpoint};
+use nodetour_core::transport::verbs::PreparedVerbs;
+use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion};
+use nodetour_core::verbs::{
+    Access, EndpointDescription, MemoryRegion, Near, PathOptions, QueuePairOptions,
+};
+use nodetour_core::{Config, Deadline};
+use nodetour_ring::host::{HostRing, HostRingOptions, Links};
+use nodetour_ring::order::{neighbours, ring_order};
+use nodetour_ring::{DataType, ReduceOp};
+
+use crate::link::LocalSide;
+
+/// The transport between neighbours.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RingTransport {
+    /// TCP.
+    Tcp,
+    /// RDMA verbs; rank r uses `devices[r mod len]` (all devices' default choice if empty).
+    Verbs {
+        /// Devices to spread the ranks over.
+        devices: Vec<String>,
+    },
+}
+
+/// A formed ring.
+pub struct RingJob {
+    // Drop order: connections (queue pairs drained and destroyed) before the regions they may
+    // write, regions before the device, the bootstrap last.
+    conns: HashMap<u32, Box<dyn HostConnection>>,
+    recv: SlotRegion,
+    work: SlotRegion,
+    _bell: SlotRegion,
+    next_slots: SlotGrant,
+    prev_slots: SlotGrant,
+    options: HostRingOptions,
+    backlog: Vec<u32>,
+    epoch: u8,
+    _local: Option<LocalSide>,
+    /// This rank.
+    pub rank: u32,
+    /// Ranks in the job.
+    pub world: u32,
+    /// (previous, next) in the ring.
+    pub neighbours: (u32, u32),
+    /// The ring order (ranks of one host next to each other).
+    pub order: Vec<u32>,
+    /// The bootstrap (liveness, barriers).
+    pub job: Bootstrap,
+}
+
+const SLOT_GRANT: usize = SlotGrant::ENCODED_LEN;
+
+impl RingJob {
+    /// Forms the job from the launcher environment, for buffers up to `max_bytes`.
+    pub fn form(
+        config: &Config,
+        transport: &RingTransport,
+        max_bytes: usize,
+        options: HostRingOptions,
+    ) -> anyhow::Result<RingJob> {
+        let info = LaunchInfo::from_env()?;
+        let token = JobToken::from_env();
+        let (me, world) = (info.rank, info.world_size);
+        let local = match transport {
+            RingTransport::Tcp => None,
+            RingTransport::Verbs { devices } => {
+                let mut cfg = config.clone();
+                if !devices.is_empty() {
+                    cfg.ib_device = Some(devices[me as usize % devices.len()].clone());
+                }
+                Some(LocalSide::open(&cfg, Near::Host)?)
+            }
+        };
+        let region = |len: usize| -> anyhow::Result<SlotRegion> {
+            let buf = HostBuffer::new(len.max(4096))?;
+            Ok(match &local {
+                Some(l) => SlotRegion::registered(Arc::new(MemoryRegion::register(
+                    &l.pd,
+                    buf,
+                    Access::REMOTE,
+                )?)),
+                None => SlotRegion::host(buf),
+            })
+        };
+        let recv = region(options.slots as usize * options.slot_bytes)?;
+        let bell = region(4096)?;
+        let work = region(max_bytes)?;
+        let grant = |r: &SlotRegion| SlotGrant {
+            key: r.key(),
+            len: r.len() as u64,
+            remote: r.memory_region().map(|m| m.remote()),
+        };
+        // Verbs: a queue pair for every other rank would not scale; the neighbours are known only
+        // after the table (ring order by host), so queue pairs are made for all and only the two
+        // neighbours' are connected. (Host-buffer rings are small; the GPU paths will differ.)
+        let mut prepared: HashMap<u32, PreparedVerbs> = HashMap::new();
+        let mut blob = Vec::new();
+        blob.extend_from_slice(&grant(&recv).encode());
+        blob.extend_from_slice(&grant(&bell).encode());
+        if let Some(l) = &local {
+            for p in (0..world).filter(|p| *p != me) {
+                let q = PreparedVerbs::new(
+                    &l.pd,
+                    l.port.port,
+                    QueuePairOptions {
+                        send_depth: 64,
+                        recv_depth: 16,
+                        max_inline: 0,
+                    },
+                )?;
+                let e = EndpointDescription {
+                    endpoint: q.endpoint(&l.gid),
+                    regions: vec![],
+                }
+                .encode()?;
+                blob.extend_from_slice(&p.to_be_bytes());
+                blob.extend_from_slice(&(e.len() as u16).to_be_bytes());
+                blob.extend_from_slice(&e);
+                prepared.insert(p, q);
+            }
+        }
+        let endpoint = TcpEndpoint::bind("0.0.0.0:0", token.clone(), config.timeout)?;
+        let ip = nodetour_core::bootstrap::host::local_ip_towards(&info.master_addr, info.port);
+        let host = HostIdentity::current();
+        let entry = PeerEntry {
+            rank: me,
+            host,
+            address: format!("{ip}:{}", endpoint.local_addr()?.port()),
+            blob,
+        };
+        let deadline = Deadline::after(config.timeout);
+        let job =
+            Bootstrap::rendezvous(&info.rendezvous_addr(), me, world, entry, &token, deadline)?;
+        let keys: Vec<&str> = job
+            .peers()
+            .iter()
+            .map(|p| p.host.boot_id.as_str())
+            .collect();
+        let order = ring_order(&keys);
+        let (prev, next) = neighbours(&order, me).context("this rank is not in the ring order")?;
+        let blob_of = |r: u32| job.peers()[r as usize].blob.clone();
+        let next_slots = SlotGrant::decode(&blob_of(next)[..SLOT_GRANT])?;
+        let prev_slots = SlotGrant::decode(&blob_of(prev)[SLOT_GRANT..2 * SLOT_GRANT])?;
+        let linked: Vec<u32> = if world == 1 {
+            vec![]
+        } else if next == prev {
+            vec![next]
+        } else {
+            vec![next, prev]
+        };
+        let mut conns: HashMap<u32, Box<dyn HostConnection>> = HashMap::new();
+        if let Some(l) = &local {
+            for p in linked.iter().copied() {
+                let q = prepared.remove(&p).context("queue pair")?;
+                let theirs = blob_of(p);
+                let mut at = 2 * SLOT_GRANT;
+                let mut remote = None;
+                while at + 6 <= theirs.len() {
+                    let owner = u32::from_be_bytes(theirs[at..at + 4].try_into()?);
+                    let len = u16::from_be_bytes(theirs[at + 4..at + 6].try_into()?) as usize;
+                    if owner == me {
+                        remote = Some(
+                            EndpointDescription::decode(
+                                theirs.get(at + 6..at + 6 + len).context("short blob")?,
+                            )?
+                            .endpoint,
+                        );
+                    }
+                    at += 6 + len;
+                }
+                let remote =
+                    remote.with_context(|| format!("rank {p} made no queue pair for us"))?;
+                let path = PathOptions::new(l.port.port, &l.gid, config);
+                conns.insert(
+                    p,
+                    Box::new(q.connect(&remote, &path, format!("rank {p}"), config.timeout)?),
+                );
+            }
+            job.barrier(deadline)?;
+        } else if world > 1 {
+            let grants_for = |p: u32| {
+                let mut g = Vec::new();
+                if p == prev {
+                    g.push(recv.clone());
+                }
+                if p == next {
+                    g.push(bell.clone());
+                }
+                g
+            };
+            let alive = || job.check();
+            let lower: Vec<u32> = linked.iter().copied().filter(|p| *p < me).collect();
+            let higher: Vec<u32> = linked.iter().copied().filter(|p| *p > me).collect();
+            let tcp_conns: HashMap<u32, TcpConnection> =
+                std::thread::scope(|s| -> anyhow::Result<_> {
+                    let accepting =
+                        s.spawn(|| endpoint.accept(&higher, world, &grants_for, &alive, deadline));
+                    let mut out = HashMap::new();
+                    for &p in &lower {
+                        let addr = &job.peers()[p as usize].address;
+                        out.insert(
+                            p,
+                            tcp::connect(
+                                addr,
+                                me,
+                                world,
+                                &token,
+                                &grants_for(p),
+                                &alive,
+                                config.timeout,
+                                deadline,
+                            )?,
+                        );
+                    }
+                    out.extend(accepting.join().expect("accept thread")?);
+                    Ok(out)
+                })?;
+            conns.extend(
+                tcp_conns
+                    .into_iter()
+                    .map(|(p, c)| (p, Box::new(c) as Box<dyn HostConnection>)),
+            );
+        }
+        tracing::info!(rank = me, prev, next, order = ?order, "ring formed");
+        Ok(RingJob {
+            conns,
+            recv,
+            work,
+            _bell: bell,
+            next_slots,
+            prev_slots,
+            options,
+            backlog: Vec::new(),
+            epoch: 0,
+            _local: local,
+            rank: me,
+            world,
+            neighbours: (prev, next),
+            order,
+            job,
+        })
+    }
+
+    /// Allreduces `data` across the job.
+    pub fn all_reduce(
+        &mut self,
+        data: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> anyhow::Result<()> {
+        if data.len() > self.work.len() {
+            bail!(
+                "{} bytes exceed the {} the job was formed for",
+                data.len(),
+                self.work.len()
+            );
+        }
+        let (prev, next) = self.neighbours;
+        let epoch = self.epoch;
+        self.epoch = (self.epoch + 1) & 0x7f;
+        if self.world == 1 {
+            return Ok(());
+        }
+        let links = if next == prev {
+            Links::One(self.conns.get_mut(&next).context("connection")?.as_mut())
+        } else {
+            let (mut n, mut p) = (None, None);
+            for (r, c) in self.conns.iter_mut() {
+                if *r == next {
+                    n = Some(c.as_mut());
+                } else if *r == prev {
+                    p = Some(c.as_mut());
+                }
+            }
+            Links::Two {
+                next: n.context("next")?,
+                prev: p.context("prev")?,
+            }
+        };
+        let mut ring = HostRing {
+            rank: position(&self.order, self.rank),
+            world: self.world,
+            links,
+            next_slots: self.next_slots,
+            prev_slots: self.prev_slots,
+            recv: self.recv.clone(),
+            work: self.work.clone(),
+            options: self.options,
+            backlog: std::mem::take(&mut self.backlog),
+        };
+        let job = &self.job;
+        let result = ring.all_reduce(data, dtype, op, epoch, &|| job.check());
+        self.backlog = std::mem::take(&mut ring.backlog);
+        result.map_err(Into::into)
+    }
+}
+
+/// The ring position of `rank` (the schedule numbers ranks by position in the ring order).
+fn position(order: &[u32], rank: u32) -> u32 {
+    order.iter().position(|r| *r == rank).unwrap_or(0) as u32
+}
