@@ -16,6 +16,8 @@ failed=0
 {
     echo "== gpu tests"
     ./gpu_tests --include-ignored --test-threads 1 --nocapture || failed=1
+    echo "== GPU reduction kernels against the host reducer (every type x op)"
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_reduce_tests --include-ignored --test-threads 1 --nocapture || failed=1
     echo "== nodetour gpus"
     ./nodetour gpus || failed=1
     echo "== nodetour devices (exit 2 = no RDMA device here)"

@@ -37,6 +37,7 @@ pub mod bootstrap;
 pub mod config;
 pub mod cuda;
 pub mod deadline;
+pub mod dtype;
 pub mod error;
 pub mod memory;
 mod net;

@@ -5,51 +5,7 @@ use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 
-/// Element types.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DataType {
-    /// 32-bit float.
-    F32,
-    /// 64-bit float.
-    F64,
-    /// IEEE half.
-    F16,
-    /// bfloat16.
-    Bf16,
-    /// 32-bit signed integer.
-    I32,
-    /// 64-bit signed integer.
-    I64,
-    /// Byte.
-    U8,
-}
-
-impl DataType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DataType::F64 | DataType::I64 => 8,
-            DataType::F32 | DataType::I32 => 4,
-            DataType::F16 | DataType::Bf16 => 2,
-            DataType::U8 => 1,
-        }
-    }
-}
-
-/// Reduction operations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    /// Sum (integers wrap).
-    Sum,
-    /// Product (integers wrap).
-    Prod,
-    /// Minimum.
-    Min,
-    /// Maximum.
-    Max,
-    /// Mean: the sum divided by the number of ranks (integers truncate).
-    Avg,
-}
+pub use nodetour_core::dtype::{DataType, ReduceOp};
 
 macro_rules! apply {
     ($acc:expr, $other:expr, $t:ty, $op:expr, $from:expr, $to:expr, $sum:expr, $prod:expr) => {{

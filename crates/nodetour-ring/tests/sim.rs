@@ -111,9 +111,8 @@ fn run(world: u32, count: u64, slot_elems: u64, slots: u32, seed: u64, fault: Fa
     let mut now = t0;
     loop {
         // Turn every rank's new actions into simulated state.
-        for r in 0..n {
-            while let Some(a) = ranks[r].sched.poll_action() {
-                let rank = &mut ranks[r];
+        for rank in ranks.iter_mut() {
+            while let Some(a) = rank.sched.poll_action() {
                 match a {
                     Action::Send {
                         unit,

@@ -9,6 +9,7 @@
 
 pub mod driver;
 pub mod nvrtc;
+pub mod reduce;
 pub(crate) mod result;
 pub mod stream;
 

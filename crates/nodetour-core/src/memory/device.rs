@@ -110,7 +110,8 @@ impl DeviceBuffer {
         })
     }
 
-    /// Copies `src` into the buffer at `offset` (synchronously).
+    /// Copies `src` into the buffer at `offset`. Synchronous: on return the bytes are in GPU
+    /// memory, visible to work queued afterwards on any stream.
     pub fn copy_from_host(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check("copy to GPU", offset, src.len())?;
         self.context
@@ -118,7 +119,13 @@ impl DeviceBuffer {
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
         // SAFETY: the destination range is inside the allocation (checked); src is host memory.
         unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
-            .map_err(|e| cuda_error("cuMemcpyHtoD", e))
+            .map_err(|e| cuda_error("cuMemcpyHtoD", e))?;
+        // From pageable memory cuMemcpyHtoD returns once `src` is staged, before the DMA into
+        // the GPU lands, and non-blocking streams are not ordered after it: wait for the
+        // context, so that work queued on any stream afterwards sees the new bytes.
+        self.context
+            .synchronize()
+            .map_err(|e| cuda_error("cuCtxSynchronize", e))
     }
 
     /// Copies `dst.len()` bytes at `offset` out of the buffer (synchronously).

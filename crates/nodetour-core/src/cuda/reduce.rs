@@ -1,0 +1,320 @@
+//! Reduction kernels for every data type × operation, compiled once with NVRTC to a CUBIN for
+//! the GPU's architecture (all instantiations in one module), cached on disk keyed by the NVRTC
+//! version, the driver version, the architecture and the source, and loaded per context.
+//!
+//! The arithmetic matches the host reducer bit for bit: halves and bfloat16 are widened to f32,
+//! combined, and rounded back to nearest-even; integers wrap.
+
+use std::collections::hash_map::DefaultHasher;
+use std::ffi::{CString, c_void};
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, result, sys};
+
+use super::GpuStream;
+use super::result::cuda_error;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::memory::{DeviceBuffer, RdmaBuffer};
+
+/// The kernels' CUDA C source. Self-contained (no headers), so NVRTC needs no include paths.
+pub const SOURCE: &str = r#"
+typedef unsigned long long u64;
+struct h16 { unsigned short x; };
+struct b16 { unsigned short x; };
+__device__ __forceinline__ float wide(h16 v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x)); return f; }
+__device__ __forceinline__ h16 narrow_h(float f) { h16 v; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v.x) : "f"(f)); return v; }
+__device__ __forceinline__ float wide(b16 v) { return __uint_as_float(((unsigned)v.x) << 16); }
+__device__ __forceinline__ b16 narrow_b(float f) {
+    unsigned u = __float_as_uint(f); b16 v;
+    if ((u & 0x7fffffffu) > 0x7f800000u) { v.x = (unsigned short)((u >> 16) | 0x40); return v; }
+    u += 0x7fffu + ((u >> 16) & 1u); v.x = (unsigned short)(u >> 16); return v;
+}
+struct Sum { template<class T> __device__ static T f(T a, T b) { return a + b; } };
+struct Prod { template<class T> __device__ static T f(T a, T b) { return a * b; } };
+struct Min { template<class T> __device__ static T f(T a, T b) { return b < a ? b : a; } };
+struct Max { template<class T> __device__ static T f(T a, T b) { return b > a ? b : a; } };
+// Integers wrap: compute in the unsigned type of the same width.
+template<class Op> __device__ int combine(int a, int b) { return (int)Op::f((unsigned)a, (unsigned)b); }
+template<> __device__ int combine<Min>(int a, int b) { return Min::f(a, b); }
+template<> __device__ int combine<Max>(int a, int b) { return Max::f(a, b); }
+template<class Op> __device__ long long combine(long long a, long long b) { return (long long)Op::f((u64)a, (u64)b); }
+template<> __device__ long long combine<Min>(long long a, long long b) { return Min::f(a, b); }
+template<> __device__ long long combine<Max>(long long a, long long b) { return Max::f(a, b); }
+template<class Op> __device__ unsigned char combine(unsigned char a, unsigned char b) { return (unsigned char)Op::f((unsigned)a, (unsigned)b); }
+template<class Op> __device__ float combine(float a, float b) { return Op::f(a, b); }
+template<class Op> __device__ double combine(double a, double b) { return Op::f(a, b); }
+template<class Op> __device__ h16 combine(h16 a, h16 b) { return narrow_h(Op::f(wide(a), wide(b))); }
+template<class Op> __device__ b16 combine(b16 a, b16 b) { return narrow_b(Op::f(wide(a), wide(b))); }
+template<class T, class Op> __device__ void reduce(T* __restrict__ d, const T* __restrict__ s, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        d[i] = combine<Op>(d[i], s[i]);
+}
+__device__ float divide(float x, unsigned n) { return x / (float)n; }
+__device__ double divide(double x, unsigned n) { return x / (double)n; }
+__device__ h16 divide(h16 x, unsigned n) { return narrow_h(wide(x) / (float)n); }
+__device__ b16 divide(b16 x, unsigned n) { return narrow_b(wide(x) / (float)n); }
+__device__ int divide(int x, unsigned n) { return x / (int)n; }
+__device__ long long divide(long long x, unsigned n) { return x / (long long)n; }
+__device__ unsigned char divide(unsigned char x, unsigned n) { return (unsigned char)((unsigned)x / n); }
+template<class T> __device__ void average(T* d, u64 n, unsigned ranks) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        d[i] = divide(d[i], ranks);
+}
+#define KERNELS(T, N) \
+extern "C" __global__ void nt_reduce_##N##_sum(T* d, const T* s, u64 n) { reduce<T, Sum>(d, s, n); } \
+extern "C" __global__ void nt_reduce_##N##_prod(T* d, const T* s, u64 n) { reduce<T, Prod>(d, s, n); } \
+extern "C" __global__ void nt_reduce_##N##_min(T* d, const T* s, u64 n) { reduce<T, Min>(d, s, n); } \
+extern "C" __global__ void nt_reduce_##N##_max(T* d, const T* s, u64 n) { reduce<T, Max>(d, s, n); } \
+extern "C" __global__ void nt_average_##N(T* d, u64 n, unsigned ranks) { average<T>(d, n, ranks); }
+KERNELS(float, f32)
+KERNELS(double, f64)
+KERNELS(h16, f16)
+KERNELS(b16, bf16)
+KERNELS(int, i32)
+KERNELS(long long, i64)
+KERNELS(unsigned char, u8)
+"#;
+
+/// The loaded kernels of one GPU.
+pub struct ReduceKernels {
+    module: sys::CUmodule,
+    reduce: Vec<((DataType, ReduceOp), sys::CUfunction)>,
+    average: Vec<(DataType, sys::CUfunction)>,
+    blocks: u32,
+    context: Arc<CudaContext>,
+    /// Whether the CUBIN came from the disk cache.
+    pub from_cache: bool,
+    /// Where the CUBIN is cached.
+    pub cache_path: Option<PathBuf>,
+}
+
+// SAFETY: module and function handles are usable from any thread that binds the context.
+unsafe impl Send for ReduceKernels {}
+// SAFETY: as above; launches bind the context first.
+unsafe impl Sync for ReduceKernels {}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Ok(d) = std::env::var("NODETOUR_CACHE_DIR") {
+        return (!d.is_empty()).then(|| PathBuf::from(d));
+    }
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .map(|c| c.join("nodetour").join("kernels"))
+}
+
+impl ReduceKernels {
+    /// Loads the kernels for `context`'s GPU: from the disk cache, or compiled with NVRTC (and
+    /// cached). Without NVRTC (and no cached CUBIN) this is [`Error::Unsupported`].
+    pub fn load(context: &Arc<CudaContext>) -> Result<ReduceKernels> {
+        let driver = super::availability()?;
+        let major = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(|e| cuda_error("cuDeviceGetAttribute", e))?;
+        let minor = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .map_err(|e| cuda_error("cuDeviceGetAttribute", e))?;
+        let sms = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap_or(80)
+            .max(1) as u32;
+        let nvrtc = super::nvrtc::version().ok();
+        let mut h = DefaultHasher::new();
+        SOURCE.hash(&mut h);
+        let key = format!(
+            "reduce-sm{major}{minor}-driver{driver}-nvrtc{}-{:016x}.cubin",
+            nvrtc.map_or("none".into(), |(a, b)| format!("{a}.{b}")),
+            h.finish()
+        );
+        let cache_path = cache_dir().map(|d| d.join(&key));
+        let cached = cache_path
+            .as_ref()
+            .and_then(|p| std::fs::read(p).ok())
+            .filter(|c| c.starts_with(b"\x7fELF"));
+        let from_cache = cached.is_some();
+        let cubin = match cached {
+            Some(c) => c,
+            None => {
+                let c = super::nvrtc::compile_cubin(
+                    SOURCE,
+                    "nodetour_reduce.cu",
+                    (major, minor),
+                    &["--std=c++14"],
+                )?;
+                if let Some(p) = &cache_path {
+                    // Best effort: a read-only home only costs the next start a compile.
+                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                    if std::fs::create_dir_all(p.parent().unwrap_or(p))
+                        .and_then(|()| std::fs::write(&tmp, &c))
+                        .and_then(|()| std::fs::rename(&tmp, p))
+                        .is_err()
+                    {
+                        let _ = std::fs::remove_file(&tmp);
+                    }
+                }
+                c
+            }
+        };
+        context
+            .bind_to_thread()
+            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        // SAFETY: cubin is a complete ELF image compiled for this GPU's architecture.
+        let module = unsafe { result::module::load_data(cubin.as_ptr().cast()) }
+            .map_err(|e| cuda_error("cuModuleLoadData", e))?;
+        let get = |name: String| -> Result<sys::CUfunction> {
+            let c = CString::new(name.clone()).expect("kernel names have no NUL");
+            // SAFETY: module is loaded in the current context.
+            unsafe { result::module::get_function(module, c) }.map_err(|e| Error::CompileKernels {
+                arch: format!("sm_{major}{minor}"),
+                log: format!("{name}: {e:?}"),
+            })
+        };
+        let mut reduce = Vec::new();
+        let mut average = Vec::new();
+        for dtype in DataType::ALL {
+            for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+                reduce.push((
+                    (dtype, op),
+                    get(format!("nt_reduce_{}_{}", dtype.name(), op.name()))?,
+                ));
+            }
+            average.push((dtype, get(format!("nt_average_{}", dtype.name()))?));
+        }
+        Ok(ReduceKernels {
+            module,
+            reduce,
+            average,
+            blocks: sms * 4,
+            context: context.clone(),
+            from_cache,
+            cache_path,
+        })
+    }
+
+    /// Queues on `stream`: `dst[dst_offset..] = op(dst, src[src_offset..])` over `count`
+    /// elements of `dtype` (`Avg` sums; finish with [`Self::average`]). `src` may live on
+    /// another GPU that this one has peer access to.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce(
+        &self,
+        stream: &GpuStream,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        count: usize,
+    ) -> Result<()> {
+        check(dst, dst_offset, count, dtype)?;
+        check(src, src_offset, count, dtype)?;
+        let op = if op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            op
+        };
+        let f = self
+            .reduce
+            .iter()
+            .find(|(k, _)| *k == (dtype, op))
+            .map(|(_, f)| *f)
+            .expect("every pair is loaded");
+        let (mut d, mut s, mut n) = (
+            dst.device_ptr() + dst_offset as u64,
+            src.device_ptr() + src_offset as u64,
+            count as u64,
+        );
+        let mut params = [
+            (&mut d as *mut u64).cast::<c_void>(),
+            (&mut s as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast::<c_void>(),
+        ];
+        self.launch(stream, f, &mut params, count)
+    }
+
+    /// Queues on `stream`: divide `count` elements at `offset` by `ranks` (the end of `Avg`).
+    pub fn average(
+        &self,
+        stream: &GpuStream,
+        dtype: DataType,
+        dst: &DeviceBuffer,
+        offset: usize,
+        count: usize,
+        ranks: u32,
+    ) -> Result<()> {
+        check(dst, offset, count, dtype)?;
+        let f = self
+            .average
+            .iter()
+            .find(|(k, _)| *k == dtype)
+            .map(|(_, f)| *f)
+            .expect("every type is loaded");
+        let (mut d, mut n, mut r) = (dst.device_ptr() + offset as u64, count as u64, ranks.max(1));
+        let mut params = [
+            (&mut d as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast::<c_void>(),
+            (&mut r as *mut u32).cast::<c_void>(),
+        ];
+        self.launch(stream, f, &mut params, count)
+    }
+
+    fn launch(
+        &self,
+        stream: &GpuStream,
+        f: sys::CUfunction,
+        params: &mut [*mut c_void],
+        count: usize,
+    ) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        if !Arc::ptr_eq(stream.context(), &self.context) {
+            return Err(Error::InvalidArgument {
+                reason: "the stream belongs to another GPU than the kernels".into(),
+            });
+        }
+        let s = stream.bind()?;
+        let blocks = (count.div_ceil(512) as u32).clamp(1, self.blocks);
+        // SAFETY: f takes exactly the parameters given (checked by the callers above: device
+        // pointers to in-bounds ranges of live buffers, a count, and a rank count); DeviceBuffer
+        // waits for the GPU before freeing, so queued work never outlives its memory.
+        unsafe { result::launch_kernel(f, (blocks, 1, 1), (512, 1, 1), 0, s, params) }
+            .map_err(|e| cuda_error("cuLaunchKernel", e))
+    }
+}
+
+/// `count` elements of `dtype` at byte `offset` are aligned and inside `b`.
+fn check(b: &DeviceBuffer, offset: usize, count: usize, dtype: DataType) -> Result<()> {
+    let bytes = count
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::InvalidArgument {
+            reason: format!("{count} elements of {dtype:?} overflow the address space"),
+        })?;
+    if offset % dtype.size() != 0 {
+        return Err(Error::InvalidArgument {
+            reason: format!("offset {offset} is not aligned to {dtype:?}"),
+        });
+    }
+    match offset.checked_add(bytes) {
+        Some(end) if end <= b.len() => Ok(()),
+        _ => Err(Error::OutOfBounds {
+            what: "GPU reduction",
+            offset: offset as u64,
+            len: bytes as u64,
+            region_len: b.len() as u64,
+        }),
+    }
+}
+
+impl Drop for ReduceKernels {
+    fn drop(&mut self) {
+        if self.context.bind_to_thread().is_ok() {
+            let _ = self.context.synchronize();
+            // SAFETY: the module is loaded in this context and no queued launch uses it any more.
+            let _ = unsafe { result::module::unload(self.module) };
+        }
+    }
+}

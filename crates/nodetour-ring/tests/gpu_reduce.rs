@@ -1,0 +1,147 @@
+//! The GPU reduction kernels against the host reducer, bit for bit, for every data type and
+//! operation, and the on-disk CUBIN cache. Needs a GPU: `#[ignore]`d elsewhere (counted as
+//! skipped); run by `scripts/gpu-tier.sh` on the GPU machines (`NODETOUR_REQUIRE_GPU=1` makes a
+//! missing GPU a failure).
+
+use std::time::Instant;
+
+use cudarc::driver::CudaContext;
+use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::cuda::{self, GpuStream};
+use nodetour_core::memory::DeviceBuffer;
+use nodetour_ring::reduce::{finish_avg, reduce_into};
+use nodetour_ring::{DataType, ReduceOp};
+
+fn gpu() -> Option<std::sync::Arc<CudaContext>> {
+    match cuda::gpus() {
+        Ok(g) if !g.is_empty() => Some(CudaContext::new(0).unwrap()),
+        other => {
+            let why = other.err().map_or("no GPU".to_owned(), |e| e.to_string());
+            assert!(
+                std::env::var("NODETOUR_REQUIRE_GPU").as_deref() != Ok("1"),
+                "NODETOUR_REQUIRE_GPU=1 but {why}"
+            );
+            println!("SKIP {why}");
+            None
+        }
+    }
+}
+
+/// Deterministic bytes that are valid, finite values of every type.
+fn values(dtype: DataType, seed: u64, count: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let v = (x % 2001) as f64 / 100.0 - 10.0; // -10.00 .. 10.00
+        match dtype {
+            DataType::F32 => out.extend_from_slice(&(v as f32).to_ne_bytes()),
+            DataType::F64 => out.extend_from_slice(&v.to_ne_bytes()),
+            DataType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_ne_bytes()),
+            DataType::Bf16 => out.extend_from_slice(&half::bf16::from_f64(v).to_ne_bytes()),
+            DataType::I32 => out.extend_from_slice(&((x as i32) >> 3).to_ne_bytes()),
+            DataType::I64 => out.extend_from_slice(&((x as i64) >> 5).to_ne_bytes()),
+            DataType::U8 => out.push(x as u8),
+        }
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn the_kernels_match_the_host_reducer_bit_for_bit() {
+    let Some(ctx) = gpu() else { return };
+    let t = Instant::now();
+    let kernels = ReduceKernels::load(&ctx).unwrap();
+    println!(
+        "kernels loaded in {:.1} ms (from cache: {}, {:?})",
+        t.elapsed().as_secs_f64() * 1e3,
+        kernels.from_cache,
+        kernels.cache_path
+    );
+    let stream = GpuStream::new(&ctx).unwrap();
+    let count = 100_003;
+    let mut failures = Vec::new();
+    for dtype in DataType::ALL {
+        let bytes = count * dtype.size();
+        let (a, b) = (values(dtype, 11, count), values(dtype, 29, count));
+        let (da, db) = (
+            DeviceBuffer::new(&ctx, bytes).unwrap(),
+            DeviceBuffer::new(&ctx, bytes).unwrap(),
+        );
+        for op in ReduceOp::ALL {
+            da.copy_from_host(0, &a).unwrap();
+            db.copy_from_host(0, &b).unwrap();
+            kernels
+                .reduce(&stream, dtype, op, &da, 0, &db, 0, count)
+                .unwrap();
+            if op == ReduceOp::Avg {
+                kernels.average(&stream, dtype, &da, 0, count, 2).unwrap();
+            }
+            stream.synchronize().unwrap();
+            let mut got = vec![0u8; bytes];
+            da.copy_to_host(0, &mut got).unwrap();
+            let mut want = a.clone();
+            reduce_into(dtype, op, &mut want, &b).unwrap();
+            if op == ReduceOp::Avg {
+                finish_avg(dtype, &mut want, 2);
+            }
+            if let Some(i) = (0..count).find(|&i| {
+                let r = i * dtype.size()..(i + 1) * dtype.size();
+                got[r.clone()] != want[r]
+            }) {
+                let r = i * dtype.size()..(i + 1) * dtype.size();
+                failures.push(format!(
+                    "{dtype:?} {op:?}: element {i}: inputs {:?} {:?}, GPU {:?}, host {:?}",
+                    &a[r.clone()],
+                    &b[r.clone()],
+                    &got[r.clone()],
+                    &want[r]
+                ));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "GPU and host reducers differ:\n{}",
+        failures.join("\n")
+    );
+    // A second load finds the cached CUBIN.
+    let t = Instant::now();
+    let again = ReduceKernels::load(&ctx).unwrap();
+    println!(
+        "second load {:.2} ms (from cache: {})",
+        t.elapsed().as_secs_f64() * 1e3,
+        again.from_cache
+    );
+    assert!(again.from_cache || again.cache_path.is_none());
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn kernel_arguments_are_checked() {
+    let Some(ctx) = gpu() else { return };
+    let kernels = ReduceKernels::load(&ctx).unwrap();
+    let stream = GpuStream::new(&ctx).unwrap();
+    let d = DeviceBuffer::new(&ctx, 4096).unwrap();
+    assert!(
+        kernels
+            .reduce(&stream, DataType::F32, ReduceOp::Sum, &d, 0, &d, 0, 100_000)
+            .is_err(),
+        "out of bounds"
+    );
+    assert!(
+        kernels
+            .reduce(&stream, DataType::F32, ReduceOp::Sum, &d, 2, &d, 0, 4)
+            .is_err(),
+        "misaligned"
+    );
+    assert!(
+        kernels
+            .reduce(&stream, DataType::F32, ReduceOp::Sum, &d, 0, &d, 2048, 0)
+            .is_ok(),
+        "zero elements is a no-op"
+    );
+}
