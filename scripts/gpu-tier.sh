@@ -5,7 +5,8 @@
 # 2. `nodetour gpus`: attributes, dma-buf export, the registration path GPU memory gets here;
 # 3. `two_node_smoke --gpu`: on a machine without RDMA it reports the ladder and exits 2;
 # 4. with 2+ GPUs, cuda-ipc and shm between two processes (gpu_transport_check);
-# 5. transport_check over tcp with 4 processes.
+# 5. the direct GPU ring (GpuGroup) tests; `nodetour perf --gpus` (with 2+ GPUs against NCCL);
+# 6. transport_check over tcp with 4 processes.
 # Needs hugepages for the 1 GiB shm test at full speed: echo 2200 > /proc/sys/vm/nr_hugepages.
 # NCCL_NVLS_ENABLE=0 is exported for anything that starts NCCL on shared GPU hosts.
 set -uo pipefail
@@ -18,6 +19,8 @@ failed=0
     ./gpu_tests --include-ignored --test-threads 1 --nocapture || failed=1
     echo "== GPU reduction kernels against the host reducer (every type x op)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_reduce_tests --include-ignored --test-threads 1 --nocapture || failed=1
+    echo "== the direct GPU ring (GpuGroup) against the host reducer: 1-5 ranks over the GPUs present"
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_group_tests --include-ignored --test-threads 1 --nocapture || failed=1
     echo "== nodetour gpus"
     ./nodetour gpus || failed=1
     echo "== nodetour devices (exit 2 = no RDMA device here)"
@@ -30,6 +33,16 @@ failed=0
         ./launch-local.sh -n 2 --timeout 300 -- ./gpu_transport_check || failed=1
     else
         echo "SKIP gpu_transport_check: needs 2 GPUs, this machine has $gpus"
+    fi
+    if [[ $gpus -ge 2 ]]; then
+        echo "== nodetour perf: direct GPU ring on GPUs 0,1 against NCCL (same buffers, same run)"
+        for dt in f32 bf16; do
+            NODETOUR_CACHE_DIR=$PWD/kernel-cache ./nodetour perf --gpus 0,1 --compare nccl --dtype $dt --sizes 1M:1G --factor 4 --iters 20 --format json >"$out/perf-gpu-$dt.json" || failed=1
+            NODETOUR_CACHE_DIR=$PWD/kernel-cache ./nodetour perf --gpus 0,1 --compare nccl --dtype $dt --sizes 8:1G --factor 8 --iters 20 || failed=1
+        done
+    else
+        echo "== nodetour perf: direct GPU ring, 2 ranks on one GPU (NCCL cannot put two ranks on one GPU)"
+        NODETOUR_CACHE_DIR=$PWD/kernel-cache ./nodetour perf --gpus 0,0 --sizes 1M:256M --factor 4 --iters 10 || failed=1
     fi
     echo "== transport_check over tcp, 4 processes"
     ./launch-local.sh -n 4 --timeout 120 -- ./transport_check || failed=1

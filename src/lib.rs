@@ -12,5 +12,6 @@ pub mod doctor;
 pub mod link;
 pub mod logging;
 pub mod perf;
+pub mod perf_gpu;
 pub mod ring_job;
 pub mod write_bw;

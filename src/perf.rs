@@ -1,8 +1,8 @@
 //! `nodetour perf`: allreduce sweeps in the manner of NCCL's `all_reduce_perf`: for each size,
 //! the time of one collective (median of the timed iterations after warm-ups, on rank 0), algbw
 //! (bytes / time), busbw (algbw × 2(n−1)/n, comparable across ring sizes) and a correctness
-//! check of the result against a float64 reference. This first version runs the ring over host
-//! buffers (tcp or verbs); the GPU paths and `--compare nccl` come with the GPU executors.
+//! check of the result against a float64 reference. This module runs the ring over host buffers
+//! across processes (tcp or verbs); `--gpus` runs the GPUs of one process ([`crate::perf_gpu`]).
 
 use std::time::Instant;
 

@@ -67,6 +67,17 @@ enum Command {
         /// text, csv or json.
         #[arg(long, default_value = "text")]
         format: String,
+        /// Run the direct GPU ring over these GPUs of this process instead (one rank each,
+        /// e.g. `0,1`; repeating a GPU puts several ranks on it).
+        #[arg(long, value_delimiter = ',')]
+        gpus: Vec<usize>,
+        /// With --gpus: also run this reference on the same buffers, alternating (nccl).
+        #[arg(long)]
+        compare: Option<String>,
+        /// With --gpus: the largest all-gather segment copied by a kernel instead of the copy
+        /// engine (tuning; 0 = always the copy engine).
+        #[arg(long)]
+        kernel_copy_max: Option<usize>,
     },
     /// List RDMA devices with their ports, link layer, MTU and the GID nodetour would use.
     Devices,
@@ -110,8 +121,38 @@ fn main() -> ExitCode {
         iters,
         slot_bytes,
         format,
+        gpus,
+        compare,
+        kernel_copy_max,
     } = &cli.command
     {
+        if !gpus.is_empty() {
+            return match perf_gpus(
+                sizes,
+                *factor,
+                dtype,
+                op,
+                gpus,
+                compare.as_deref(),
+                *kernel_copy_max,
+                *warmup,
+                *iters,
+                format,
+            ) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(e) => {
+                    eprintln!("nodetour: error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        if compare.is_some() {
+            eprintln!(
+                "nodetour: error: --compare needs --gpus (the NCCL reference runs on GPU buffers)"
+            );
+            return ExitCode::FAILURE;
+        }
         return match perf(
             sizes,
             *factor,
@@ -345,6 +386,47 @@ fn gpus(config: &Config) -> Result<(), Error> {
         println!("  registration: staged; {}", reasons.join("; "));
     }
     Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn perf_gpus(
+    sizes: &str,
+    factor: usize,
+    dtype: &str,
+    op: &str,
+    gpus: &[usize],
+    compare: Option<&str>,
+    kernel_copy_max: Option<usize>,
+    warmup: usize,
+    iters: usize,
+    format: &str,
+) -> anyhow::Result<bool> {
+    use nodetour::perf::{parse_dtype, parse_op, parse_sizes};
+    use nodetour::perf_gpu::{render, sweep};
+    let compare_nccl = match compare {
+        None => false,
+        Some("nccl") => true,
+        Some(other) => anyhow::bail!("--compare {other}: the reference is nccl"),
+    };
+    let (sizes, dtype, op) = (
+        parse_sizes(sizes, factor)?,
+        parse_dtype(dtype)?,
+        parse_op(op)?,
+    );
+    let (path, rows) = sweep(
+        gpus,
+        &sizes,
+        dtype,
+        op,
+        warmup,
+        iters,
+        compare_nccl,
+        kernel_copy_max,
+    )?;
+    print!("{}", render(&rows, format, gpus, &path, dtype, op));
+    Ok(rows
+        .iter()
+        .all(|r| r.nodetour.2 && r.nccl.is_none_or(|x| x.2)))
 }
 
 #[allow(clippy::too_many_arguments)]

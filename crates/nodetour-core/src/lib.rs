@@ -40,6 +40,7 @@ pub mod deadline;
 pub mod dtype;
 pub mod error;
 pub mod memory;
+pub mod nccl;
 mod net;
 pub mod oob;
 pub mod probe;

@@ -44,6 +44,25 @@ pub enum Error {
         /// The transport's error.
         reason: String,
     },
+    /// The arguments cannot make a collective (buffer counts, sizes, devices); nothing was
+    /// queued or sent.
+    #[error("invalid collective arguments: {reason}")]
+    InvalidArgument {
+        /// What is wrong.
+        reason: String,
+    },
+    /// This machine or configuration cannot run the requested path.
+    #[error("unsupported: {reason}")]
+    Unsupported {
+        /// Why.
+        reason: String,
+    },
+    /// A CUDA operation of a GPU collective failed.
+    #[error("GPU operation failed: {reason}")]
+    Gpu {
+        /// The operation and the driver's error.
+        reason: String,
+    },
     /// The collective was aborted.
     #[error("the collective was aborted: {reason}")]
     Aborted {

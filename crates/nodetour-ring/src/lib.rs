@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod gpu;
 pub mod host;
 pub mod order;
 pub mod plan;
@@ -21,6 +22,7 @@ pub mod reduce;
 pub mod schedule;
 
 pub use error::{Error, Result};
+pub use gpu::GpuGroup;
 pub use plan::Plan;
 pub use reduce::{DataType, ReduceOp};
 pub use schedule::{Action, Immediate, RingSchedule};

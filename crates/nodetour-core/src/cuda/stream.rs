@@ -94,6 +94,56 @@ impl GpuStream {
         })
     }
 
+    /// Whether the stream is being captured into a CUDA graph right now.
+    pub fn is_capturing(&self) -> Result<bool> {
+        let s = self.bind()?;
+        // SAFETY: a live stream.
+        let status = unsafe { result::stream::is_capturing(s) }
+            .map_err(|e| cuda_error("cuStreamIsCapturing", e))?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Creates an ordering marker: an event without timing, recorded on this stream with
+    /// [`Self::record_marker`] and waited on by other streams (of any GPU) with
+    /// [`Self::wait_marker`].
+    pub fn marker(&self) -> Result<GpuEvent> {
+        self.bind()?;
+        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| cuda_error("cuEventCreate", e))?;
+        Ok(GpuEvent {
+            raw,
+            context: self.context.clone(),
+        })
+    }
+
+    /// Records `marker` at this point of the stream (re-recording moves it here; waits queued
+    /// earlier keep the point they captured).
+    pub fn record_marker(&self, marker: &GpuEvent) -> Result<()> {
+        if !Arc::ptr_eq(&marker.context, &self.context) {
+            return Err(Error::InvalidArgument {
+                reason: "a marker is recorded on a stream of the GPU it was made for".into(),
+            });
+        }
+        let s = self.bind()?;
+        // SAFETY: live event and stream of the same (current) context.
+        unsafe { result::event::record(marker.raw, s) }.map_err(|e| cuda_error("cuEventRecord", e))
+    }
+
+    /// Queues a wait: work queued on this stream afterwards starts only after the point where
+    /// `marker` was last recorded (on a stream of any GPU) has run.
+    pub fn wait_marker(&self, marker: &GpuEvent) -> Result<()> {
+        let s = self.bind()?;
+        // SAFETY: live stream and event; cross-context waits are allowed by the driver.
+        unsafe {
+            result::stream::wait_event(
+                s,
+                marker.raw,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| cuda_error("cuStreamWaitEvent", e))
+    }
+
     /// Queues a 32-bit write of `value` to `address` (device-accessible memory: pinned host
     /// memory or GPU memory), after all earlier work of the stream and with a memory barrier:
     /// whoever sees the value sees the stream's earlier writes.
