@@ -85,6 +85,7 @@ pub fn sweep(
     iters: usize,
     compare_nccl: bool,
     kernel_copy_max: Option<usize>,
+    one_step_max: Option<usize>,
 ) -> anyhow::Result<(String, Vec<GpuRow>)> {
     let contexts = ordinals
         .iter()
@@ -93,6 +94,9 @@ pub fn sweep(
     let mut group = GpuGroup::new(&contexts)?;
     if let Some(b) = kernel_copy_max {
         group.set_kernel_copy_max(b);
+    }
+    if let Some(b) = one_step_max {
+        group.set_one_step_max(b);
     }
     let path = group.path().to_owned();
     tracing::info!(ranks = contexts.len(), path = %path, "GPU group ready");

@@ -78,6 +78,10 @@ enum Command {
         /// engine (tuning; 0 = always the copy engine).
         #[arg(long)]
         kernel_copy_max: Option<usize>,
+        /// With --gpus: the largest two-rank collective run in one step instead of the ring
+        /// (tuning; 0 = always the ring).
+        #[arg(long)]
+        one_step_max: Option<usize>,
     },
     /// List RDMA devices with their ports, link layer, MTU and the GID nodetour would use.
     Devices,
@@ -124,6 +128,7 @@ fn main() -> ExitCode {
         gpus,
         compare,
         kernel_copy_max,
+        one_step_max,
     } = &cli.command
     {
         if !gpus.is_empty() {
@@ -135,6 +140,7 @@ fn main() -> ExitCode {
                 gpus,
                 compare.as_deref(),
                 *kernel_copy_max,
+                *one_step_max,
                 *warmup,
                 *iters,
                 format,
@@ -397,6 +403,7 @@ fn perf_gpus(
     gpus: &[usize],
     compare: Option<&str>,
     kernel_copy_max: Option<usize>,
+    one_step_max: Option<usize>,
     warmup: usize,
     iters: usize,
     format: &str,
@@ -422,6 +429,7 @@ fn perf_gpus(
         iters,
         compare_nccl,
         kernel_copy_max,
+        one_step_max,
     )?;
     print!("{}", render(&rows, format, gpus, &path, dtype, op));
     Ok(rows

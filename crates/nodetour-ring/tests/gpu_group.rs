@@ -94,10 +94,24 @@ fn rings_over_the_gpus_match_the_host_reducer() {
     let Some(gpus) = gpus() else { return };
     println!("{} GPU(s)", gpus.len());
     let mut failures = Vec::new();
-    for ranks in 1..=5usize {
+    // Two ranks twice: in one step (the default at these sizes) and through the ring.
+    for (ranks, one_step) in [
+        (1, true),
+        (2, true),
+        (2, false),
+        (3, true),
+        (4, true),
+        (5, true),
+    ] {
         let contexts: Vec<_> = (0..ranks).map(|r| gpus[r % gpus.len()].clone()).collect();
         let mut group = GpuGroup::new(&contexts).unwrap();
-        println!("{ranks} ranks: {}", group.path());
+        if !one_step {
+            group.set_one_step_max(0);
+        }
+        println!(
+            "{ranks} ranks (one step allowed: {one_step}): {}",
+            group.path()
+        );
         let streams: Vec<_> = contexts
             .iter()
             .map(|c| GpuStream::new(c).unwrap())
@@ -140,8 +154,8 @@ fn rings_over_the_gpus_match_the_host_reducer() {
                         if let Some(i) = first_difference(dtype, op, ranks, &got, &want) {
                             let e = i * dtype.size()..(i + 1) * dtype.size();
                             failures.push(format!(
-                                "{ranks} ranks, {count} x {dtype:?} {op:?}: rank {r} element \
-                                 {i} is {:?}, want {:?}",
+                                "{ranks} ranks (one step: {one_step}), {count} x {dtype:?} \
+                                 {op:?}: rank {r} element {i} is {:?}, want {:?}",
                                 &got[e.clone()],
                                 &want[e]
                             ));

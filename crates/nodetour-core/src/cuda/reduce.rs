@@ -48,9 +48,24 @@ template<class Op> __device__ float combine(float a, float b) { return Op::f(a, 
 template<class Op> __device__ double combine(double a, double b) { return Op::f(a, b); }
 template<class Op> __device__ h16 combine(h16 a, h16 b) { return narrow_h(Op::f(wide(a), wide(b))); }
 template<class Op> __device__ b16 combine(b16 a, b16 b) { return narrow_b(Op::f(wide(a), wide(b))); }
+struct alignas(16) v16 { u64 a, b; };
+// 16 bytes per thread where both pointers allow it, then the tail one element at a time.
 template<class T, class Op> __device__ void reduce(T* __restrict__ d, const T* __restrict__ s, u64 n) {
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        d[i] = combine<Op>(d[i], s[i]);
+    const unsigned per = 16 / sizeof(T);
+    union Lanes { v16 v; T t[16 / sizeof(T)]; };
+    u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
+    if ((((u64)d | (u64)s) & 15) == 0) {
+        for (u64 v = i0; v < n / per; v += stride) {
+            Lanes a, b;
+            a.v = ((const v16*)d)[v];
+            b.v = ((const v16*)s)[v];
+#pragma unroll
+            for (unsigned k = 0; k < per; k++) a.t[k] = combine<Op>(a.t[k], b.t[k]);
+            ((v16*)d)[v] = a.v;
+        }
+        done = n / per * per;
+    }
+    for (u64 i = done + i0; i < n; i += stride) d[i] = combine<Op>(d[i], s[i]);
 }
 __device__ float divide(float x, unsigned n) { return x / (float)n; }
 __device__ double divide(double x, unsigned n) { return x / (double)n; }
@@ -63,7 +78,19 @@ template<class T> __device__ void average(T* d, u64 n, unsigned ranks) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         d[i] = divide(d[i], ranks);
 }
+// Two ranks in one step: combine both, write the result to both (each rank does one half).
+template<class T, class Op> __device__ void both(T* __restrict__ a, T* __restrict__ b, u64 n, unsigned avg) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        T r = combine<Op>(a[i], b[i]);
+        if (avg) r = divide(r, avg);
+        a[i] = r; b[i] = r;
+    }
+}
 #define KERNELS(T, N) \
+extern "C" __global__ void nt_both_##N##_sum(T* a, T* b, u64 n, unsigned avg) { both<T, Sum>(a, b, n, avg); } \
+extern "C" __global__ void nt_both_##N##_prod(T* a, T* b, u64 n, unsigned avg) { both<T, Prod>(a, b, n, avg); } \
+extern "C" __global__ void nt_both_##N##_min(T* a, T* b, u64 n, unsigned avg) { both<T, Min>(a, b, n, avg); } \
+extern "C" __global__ void nt_both_##N##_max(T* a, T* b, u64 n, unsigned avg) { both<T, Max>(a, b, n, avg); } \
 extern "C" __global__ void nt_reduce_##N##_sum(T* d, const T* s, u64 n) { reduce<T, Sum>(d, s, n); } \
 extern "C" __global__ void nt_reduce_##N##_prod(T* d, const T* s, u64 n) { reduce<T, Prod>(d, s, n); } \
 extern "C" __global__ void nt_reduce_##N##_min(T* d, const T* s, u64 n) { reduce<T, Min>(d, s, n); } \
@@ -76,7 +103,6 @@ KERNELS(b16, bf16)
 KERNELS(int, i32)
 KERNELS(long long, i64)
 KERNELS(unsigned char, u8)
-struct alignas(16) v16 { u64 a, b; };
 extern "C" __global__ void nt_copy(unsigned char* d, const unsigned char* s, u64 n) {
     u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
     if ((((u64)d | (u64)s) & 15) == 0) {
@@ -91,6 +117,7 @@ extern "C" __global__ void nt_copy(unsigned char* d, const unsigned char* s, u64
 pub struct ReduceKernels {
     module: sys::CUmodule,
     reduce: Vec<((DataType, ReduceOp), sys::CUfunction)>,
+    both: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     average: Vec<(DataType, sys::CUfunction)>,
     copy: sys::CUfunction,
     blocks: u32,
@@ -183,12 +210,17 @@ impl ReduceKernels {
             })
         };
         let mut reduce = Vec::new();
+        let mut both = Vec::new();
         let mut average = Vec::new();
         for dtype in DataType::ALL {
             for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
                 reduce.push((
                     (dtype, op),
                     get(format!("nt_reduce_{}_{}", dtype.name(), op.name()))?,
+                ));
+                both.push((
+                    (dtype, op),
+                    get(format!("nt_both_{}_{}", dtype.name(), op.name()))?,
                 ));
             }
             average.push((dtype, get(format!("nt_average_{}", dtype.name()))?));
@@ -197,6 +229,7 @@ impl ReduceKernels {
         Ok(ReduceKernels {
             module,
             reduce,
+            both,
             average,
             copy,
             blocks: sms * 4,
@@ -243,6 +276,51 @@ impl ReduceKernels {
             (&mut d as *mut u64).cast::<c_void>(),
             (&mut s as *mut u64).cast::<c_void>(),
             (&mut n as *mut u64).cast::<c_void>(),
+        ];
+        // 16 bytes per thread (see SOURCE).
+        self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
+    }
+
+    /// Queues on `stream`: `a[a_offset..] = b[b_offset..] = op(a, b)` over `count` elements
+    /// (`Avg`: the result divided by `avg_ranks`). With `a` and `b` on two GPUs and each GPU
+    /// doing one half, this is a whole two-rank allreduce in one step. `b` may live on another
+    /// GPU that this one has peer access to.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_both(
+        &self,
+        stream: &GpuStream,
+        dtype: DataType,
+        op: ReduceOp,
+        a: &DeviceBuffer,
+        a_offset: usize,
+        b: &DeviceBuffer,
+        b_offset: usize,
+        count: usize,
+        avg_ranks: u32,
+    ) -> Result<()> {
+        check(a, a_offset, count, dtype)?;
+        check(b, b_offset, count, dtype)?;
+        let (op, mut avg) = if op == ReduceOp::Avg {
+            (ReduceOp::Sum, avg_ranks.max(1))
+        } else {
+            (op, 0)
+        };
+        let f = self
+            .both
+            .iter()
+            .find(|(k, _)| *k == (dtype, op))
+            .map(|(_, f)| *f)
+            .expect("every pair is loaded");
+        let (mut x, mut y, mut n) = (
+            a.device_ptr() + a_offset as u64,
+            b.device_ptr() + b_offset as u64,
+            count as u64,
+        );
+        let mut params = [
+            (&mut x as *mut u64).cast::<c_void>(),
+            (&mut y as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast::<c_void>(),
+            (&mut avg as *mut u32).cast::<c_void>(),
         ];
         self.launch(stream, f, &mut params, count)
     }
