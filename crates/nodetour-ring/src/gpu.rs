@@ -190,19 +190,96 @@ impl GpuGroup {
             return Ok(());
         }
         let size = dtype.size();
-        let seg = |i: usize| -> (usize, usize) {
-            let i = i % n;
-            let (a, b) = (i * count / n, (i + 1) * count / n);
-            (a * size, b - a)
-        };
-        let g = |e| gpu_error("queueing the allreduce", e);
-        for (r, m) in self.members.iter().enumerate() {
-            streams[r].record_marker(&m.markers[0]).map_err(g)?;
-        }
         if n == 2 && count * size <= self.one_step_max {
+            self.record_start(streams)?;
             return self.one_step(buffers, streams, count, dtype, op);
         }
-        let steps = 2 * (n - 1);
+        let seg = |i: usize| (i * count / n, (i + 1) * count / n - i * count / n);
+        self.ring(buffers, streams, dtype, Some((op, 1)), true, &seg)
+    }
+
+    /// Queues an in-place reduce-scatter in NCCL's in-place layout: each buffer holds
+    /// `n × recv_count` elements (rank `i`'s contribution to block `i` at `i × recv_count`);
+    /// afterwards block `r` of rank `r` holds the reduction of every rank's block `r` (the
+    /// other blocks hold partial results).
+    pub fn reduce_scatter(
+        &mut self,
+        buffers: &[&DeviceBuffer],
+        streams: &[&GpuStream],
+        recv_count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.members.len();
+        let total = recv_count
+            .checked_mul(n)
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!("{recv_count} elements × {n} ranks overflow"),
+            })?;
+        self.check(buffers, streams, total, dtype)?;
+        if recv_count == 0 || n == 1 {
+            return Ok(());
+        }
+        let seg = |i: usize| (i * recv_count, recv_count);
+        self.ring(buffers, streams, dtype, Some((op, 2)), false, &seg)
+    }
+
+    /// Queues an in-place all-gather in NCCL's in-place layout: each buffer holds
+    /// `n × count` elements, rank `r` contributing block `r`; afterwards every buffer holds
+    /// every rank's block.
+    pub fn all_gather(
+        &mut self,
+        buffers: &[&DeviceBuffer],
+        streams: &[&GpuStream],
+        count: usize,
+        dtype: DataType,
+    ) -> Result<()> {
+        let n = self.members.len();
+        let total = count.checked_mul(n).ok_or_else(|| Error::InvalidArgument {
+            reason: format!("{count} elements × {n} ranks overflow"),
+        })?;
+        self.check(buffers, streams, total, dtype)?;
+        if count == 0 || n == 1 {
+            return Ok(());
+        }
+        let seg = |i: usize| (i * count, count);
+        self.ring(buffers, streams, dtype, None, true, &seg)
+    }
+
+    fn record_start(&self, streams: &[&GpuStream]) -> Result<()> {
+        for (m, s) in self.members.iter().zip(streams) {
+            s.record_marker(&m.markers[0])
+                .map_err(|e| gpu_error("queueing the collective", e))?;
+        }
+        Ok(())
+    }
+
+    /// Queues the ring: with `reduce = Some((op, a))`, `n − 1` reduce-scatter steps in which
+    /// rank `r` combines segment `r − a − k` of its previous rank into its own, ending with the
+    /// final segment `r + 2 − a`; with `gather`, `n − 1` all-gather steps in which it copies
+    /// segment `r − b − t` from its previous rank, where every rank starts owning segment
+    /// `r + 1 − b` (`b = a − 1` after a reduce-scatter, 1 for a bare all-gather). `seg(i)` is
+    /// segment `i`'s (first element, element count).
+    fn ring(
+        &self,
+        buffers: &[&DeviceBuffer],
+        streams: &[&GpuStream],
+        dtype: DataType,
+        reduce: Option<(ReduceOp, usize)>,
+        gather: bool,
+        seg: &dyn Fn(usize) -> (usize, usize),
+    ) -> Result<()> {
+        let n = self.members.len();
+        let size = dtype.size();
+        let bytes = |i: usize| {
+            let (first, len) = seg(i % n);
+            (first * size, len)
+        };
+        let g = |e| gpu_error("queueing the collective", e);
+        self.record_start(streams)?;
+        let reduce_steps = if reduce.is_some() { n - 1 } else { 0 };
+        let steps = reduce_steps + if gather { n - 1 } else { 0 };
+        let b = reduce.map_or(1, |(_, a)| a - 1);
         for k in 0..steps {
             for r in 0..n {
                 let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
@@ -212,26 +289,30 @@ impl GpuGroup {
                     s.wait_marker(&self.members[next].markers[k]).map_err(g)?;
                 }
                 let kernels = &self.members[r].kernels;
-                if k < n - 1 {
-                    let (off, len) = seg(r + n - 1 - k + n);
-                    kernels
-                        .reduce(s, dtype, op, buffers[r], off, buffers[prev], off, len)
-                        .map_err(g)?;
-                    if k == n - 2 && op == ReduceOp::Avg {
-                        let (off, len) = seg(r + 1);
+                match reduce {
+                    Some((op, a)) if k < reduce_steps => {
+                        let (off, len) = bytes(r + 2 * n - a - k);
                         kernels
-                            .average(s, dtype, buffers[r], off, len, n as u32)
+                            .reduce(s, dtype, op, buffers[r], off, buffers[prev], off, len)
                             .map_err(g)?;
+                        if k + 1 == reduce_steps && op == ReduceOp::Avg {
+                            let (off, len) = bytes(r + n + 2 - a);
+                            kernels
+                                .average(s, dtype, buffers[r], off, len, n as u32)
+                                .map_err(g)?;
+                        }
                     }
-                } else {
-                    let (off, len) = seg(r + n - (k - (n - 1)));
-                    if len * size <= self.kernel_copy_max {
-                        kernels
-                            .copy(s, buffers[r], off, buffers[prev], off, len * size)
-                            .map_err(g)?;
-                    } else {
-                        s.copy(buffers[r], off, buffers[prev], off, len * size)
-                            .map_err(g)?;
+                    _ => {
+                        let t = k - reduce_steps;
+                        let (off, len) = bytes(r + 2 * n - b - t);
+                        if len * size <= self.kernel_copy_max {
+                            kernels
+                                .copy(s, buffers[r], off, buffers[prev], off, len * size)
+                                .map_err(g)?;
+                        } else {
+                            s.copy(buffers[r], off, buffers[prev], off, len * size)
+                                .map_err(g)?;
+                        }
                     }
                 }
                 s.record_marker(&self.members[r].markers[k + 1])

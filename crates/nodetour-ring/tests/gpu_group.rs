@@ -222,3 +222,83 @@ fn bad_arguments_are_typed_errors_before_anything_is_queued() {
     s0.synchronize().unwrap();
     s1.synchronize().unwrap();
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn reduce_scatter_and_all_gather_match_the_host_reducer() {
+    let Some(gpus) = gpus() else { return };
+    let mut failures = Vec::new();
+    for ranks in 1..=5usize {
+        let contexts: Vec<_> = (0..ranks).map(|r| gpus[r % gpus.len()].clone()).collect();
+        let mut group = GpuGroup::new(&contexts).unwrap();
+        let streams: Vec<_> = contexts
+            .iter()
+            .map(|c| GpuStream::new(c).unwrap())
+            .collect();
+        let s: Vec<&GpuStream> = streams.iter().collect();
+        for block in [1usize, 7, 4099] {
+            for dtype in DataType::ALL {
+                let size = dtype.size();
+                let bytes = block * ranks * size;
+                let bufs: Vec<_> = contexts
+                    .iter()
+                    .map(|c| DeviceBuffer::new(c, bytes).unwrap())
+                    .collect();
+                let b: Vec<&DeviceBuffer> = bufs.iter().collect();
+                let inputs: Vec<_> = (0..ranks)
+                    .map(|r| values(dtype, (r * 7919 + block) as u64, block * ranks))
+                    .collect();
+                for op in ReduceOp::ALL {
+                    for (buf, input) in bufs.iter().zip(&inputs) {
+                        buf.copy_from_host(0, input).unwrap();
+                    }
+                    group.reduce_scatter(&b, &s, block, dtype, op).unwrap();
+                    let mut want = inputs[0].clone();
+                    for input in &inputs[1..] {
+                        reduce_into(dtype, op, &mut want, input).unwrap();
+                    }
+                    if op == ReduceOp::Avg {
+                        finish_avg(dtype, &mut want, ranks as u32);
+                    }
+                    for r in 0..ranks {
+                        streams[r].synchronize().unwrap();
+                        let mut got = vec![0u8; block * size];
+                        bufs[r].copy_to_host(r * block * size, &mut got).unwrap();
+                        let want = &want[r * block * size..][..block * size];
+                        if let Some(i) = first_difference(dtype, op, ranks, &got, want) {
+                            failures.push(format!(
+                                "reduce-scatter, {ranks} ranks, {block} x {dtype:?} {op:?}: \
+                                 rank {r} element {i}"
+                            ));
+                        }
+                    }
+                }
+                // All-gather: rank r contributes block r of its own input.
+                for (buf, input) in bufs.iter().zip(&inputs) {
+                    buf.copy_from_host(0, input).unwrap();
+                }
+                group.all_gather(&b, &s, block, dtype).unwrap();
+                let mut want = Vec::with_capacity(bytes);
+                for (r, input) in inputs.iter().enumerate() {
+                    want.extend_from_slice(&input[r * block * size..][..block * size]);
+                }
+                for r in 0..ranks {
+                    streams[r].synchronize().unwrap();
+                    let mut got = vec![0u8; bytes];
+                    bufs[r].copy_to_host(0, &mut got).unwrap();
+                    if got != want {
+                        failures.push(format!(
+                            "all-gather, {ranks} ranks, {block} x {dtype:?}: rank {r} differs"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures[..failures.len().min(20)].join("\n")
+    );
+}
