@@ -302,3 +302,56 @@ fn reduce_scatter_and_all_gather_match_the_host_reducer() {
         failures[..failures.len().min(20)].join("\n")
     );
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn broadcast_reaches_every_rank_from_every_root() {
+    let Some(gpus) = gpus() else { return };
+    for ranks in 1..=5usize {
+        let contexts: Vec<_> = (0..ranks).map(|r| gpus[r % gpus.len()].clone()).collect();
+        let mut group = GpuGroup::new(&contexts).unwrap();
+        let streams: Vec<_> = contexts
+            .iter()
+            .map(|c| GpuStream::new(c).unwrap())
+            .collect();
+        let s: Vec<&GpuStream> = streams.iter().collect();
+        // One chunk, an uneven split into several, and the most chunks.
+        for bytes in [1usize, 5_000_003, 40 << 20] {
+            let bufs: Vec<_> = contexts
+                .iter()
+                .map(|c| DeviceBuffer::new(c, bytes).unwrap())
+                .collect();
+            let b: Vec<&DeviceBuffer> = bufs.iter().collect();
+            for root in 0..ranks {
+                let inputs: Vec<_> = (0..ranks)
+                    .map(|r| values(DataType::U8, (r * 31 + root * 7 + bytes) as u64, bytes))
+                    .collect();
+                for (buf, input) in bufs.iter().zip(&inputs) {
+                    buf.copy_from_host(0, input).unwrap();
+                }
+                group.broadcast(&b, &s, bytes, root).unwrap();
+                for r in 0..ranks {
+                    streams[r].synchronize().unwrap();
+                    let mut got = vec![0u8; bytes];
+                    bufs[r].copy_to_host(0, &mut got).unwrap();
+                    assert!(
+                        got == inputs[root],
+                        "{ranks} ranks, {bytes} bytes from root {root}: rank {r} differs"
+                    );
+                }
+            }
+        }
+    }
+    let ctx = &gpus[0];
+    let mut group = GpuGroup::new(&[ctx.clone(), ctx.clone()]).unwrap();
+    let (a, b) = (
+        DeviceBuffer::new(ctx, 4096).unwrap(),
+        DeviceBuffer::new(ctx, 4096).unwrap(),
+    );
+    let (s0, s1) = (GpuStream::new(ctx).unwrap(), GpuStream::new(ctx).unwrap());
+    let bad_root = group.broadcast(&[&a, &b], &[&s0, &s1], 16, 2);
+    assert!(
+        matches!(bad_root, Err(Error::InvalidArgument { .. })),
+        "{bad_root:?}"
+    );
+}
