@@ -21,6 +21,9 @@ failed=0
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_reduce_tests --include-ignored --test-threads 1 --nocapture || failed=1
     echo "== the direct GPU ring (GpuGroup) against the host reducer: 1-5 ranks over the GPUs present"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_group_tests --include-ignored --test-threads 1 --nocapture || failed=1
+    echo "== examples/gpu_allreduce: one rank per GPU, then 4 ranks"
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_allreduce || failed=1
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_allreduce --ranks 4 || failed=1
     echo "== nodetour gpus"
     ./nodetour gpus || failed=1
     echo "== nodetour devices (exit 2 = no RDMA device here)"
