@@ -331,6 +331,7 @@ fn gpus(config: &Config) -> Result<(), Error> {
     let version = nodetour_core::cuda::availability()?;
     let mode = GdrMode::from_env()?;
     println!("CUDA driver: {}.{}", version / 1000, (version % 1000) / 10);
+    let mut contexts = Vec::new();
     for gpu in nodetour_core::cuda::gpus()? {
         println!(
             "gpu {}: {} pci {} sm_{}{} memory {} GiB",
@@ -347,6 +348,7 @@ fn gpus(config: &Config) -> Result<(), Error> {
             code: format!("{e:?}"),
             hint: "",
         })?;
+        contexts.push(context.clone());
         let buffer = nodetour_core::memory::DeviceBuffer::new(&context, 64 << 20)?;
         match buffer.export_dmabuf() {
             Ok(x) => println!(
@@ -390,6 +392,24 @@ fn gpus(config: &Config) -> Result<(), Error> {
             .map(|r| format!("{}: {}", r.rung, r.reason))
             .collect();
         println!("  registration: staged; {}", reasons.join("; "));
+    }
+    if contexts.len() > 1 {
+        println!(
+            "GPU to GPU (the direct GPU ring in one process needs peer access between ring neighbours):"
+        );
+        for (i, a) in contexts.iter().enumerate() {
+            for (j, b) in contexts.iter().enumerate().filter(|(j, _)| *j != i) {
+                let can = nodetour_core::cuda::can_access_peer(a, b)?;
+                println!(
+                    "  gpu {i} -> gpu {j}: {}",
+                    if can {
+                        "peer access (direct)"
+                    } else {
+                        "no peer access: no NVLink or PCIe peer-to-peer between them"
+                    }
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -226,15 +226,21 @@ impl Drop for GpuEvent {
     }
 }
 
-/// Lets `from`'s GPU access `to`'s memory directly (NVLink or PCIe peer-to-peer). Returns
-/// whether the hardware allows it; enabling twice is fine.
-pub fn enable_peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<bool> {
+/// Whether `from`'s GPU can read and write `to`'s memory directly (NVLink or PCIe
+/// peer-to-peer), without enabling anything.
+pub fn can_access_peer(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<bool> {
     let mut can = 0;
     // SAFETY: valid out-pointer and device handles.
     unsafe { sys::cuDeviceCanAccessPeer(&mut can, from.cu_device(), to.cu_device()) }
         .result()
         .map_err(|e| cuda_error("cuDeviceCanAccessPeer", e))?;
-    if can == 0 {
+    Ok(can != 0)
+}
+
+/// Lets `from`'s GPU access `to`'s memory directly (NVLink or PCIe peer-to-peer). Returns
+/// whether the hardware allows it; enabling twice is fine.
+pub fn enable_peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<bool> {
+    if !can_access_peer(from, to)? {
         return Ok(false);
     }
     from.bind_to_thread()
