@@ -284,34 +284,21 @@ impl GpuGroup {
         // At step k the rank d hops after the root copies chunk k − (d − 1).
         let steps = chunks + n - 2;
         for k in 0..steps {
-            for r in 0..n {
+            for (r, &s) in streams.iter().enumerate() {
                 let prev = (r + n - 1) % n;
-                let s = streams[r];
                 let d = (r + n - root) % n;
                 if d != 0 {
                     s.wait_marker(&self.members[prev].markers[k]).map_err(g)?;
                     if let Some(c) = (k + 1).checked_sub(d).filter(|&c| c < chunks) {
                         let (off, len) = chunk(c);
-                        if len <= self.kernel_copy_max {
-                            self.members[r]
-                                .kernels
-                                .copy(s, buffers[r], off, buffers[prev], off, len)
-                                .map_err(g)?;
-                        } else {
-                            s.copy(buffers[r], off, buffers[prev], off, len)
-                                .map_err(g)?;
-                        }
+                        self.pull(r, s, buffers, off, len)?;
                     }
                 }
                 s.record_marker(&self.members[r].markers[k + 1])
                     .map_err(g)?;
             }
         }
-        for (r, stream) in streams.iter().enumerate() {
-            let next = &self.members[(r + 1) % n];
-            stream.wait_marker(&next.markers[steps]).map_err(g)?;
-        }
-        Ok(())
+        self.finish(streams, steps)
     }
 
     fn record_start(&self, streams: &[&GpuStream]) -> Result<()> {
@@ -373,25 +360,46 @@ impl GpuGroup {
                     _ => {
                         let t = k - reduce_steps;
                         let (off, len) = bytes(r + 2 * n - b - t);
-                        if len * size <= self.kernel_copy_max {
-                            kernels
-                                .copy(s, buffers[r], off, buffers[prev], off, len * size)
-                                .map_err(g)?;
-                        } else {
-                            s.copy(buffers[r], off, buffers[prev], off, len * size)
-                                .map_err(g)?;
-                        }
+                        self.pull(r, s, buffers, off, len * size)?;
                     }
                 }
                 s.record_marker(&self.members[r].markers[k + 1])
                     .map_err(g)?;
             }
         }
-        // The next rank read this rank's buffer in the last step: the collective ends on this
-        // stream only once that read is done.
+        self.finish(streams, steps)
+    }
+
+    /// Queues on rank `r`'s stream `s` a copy of `len` bytes at `off` from its previous rank's
+    /// buffer into its own: a kernel up to `kernel_copy_max`, the copy engine above.
+    fn pull(
+        &self,
+        r: usize,
+        s: &GpuStream,
+        buffers: &[&DeviceBuffer],
+        off: usize,
+        len: usize,
+    ) -> Result<()> {
+        let prev = (r + buffers.len() - 1) % buffers.len();
+        let queued = if len <= self.kernel_copy_max {
+            self.members[r]
+                .kernels
+                .copy(s, buffers[r], off, buffers[prev], off, len)
+        } else {
+            s.copy(buffers[r], off, buffers[prev], off, len)
+        };
+        queued.map_err(|e| gpu_error("queueing a copy from the previous rank", e))
+    }
+
+    /// The next rank read this rank's buffer up to the last step: the collective ends on each
+    /// stream only once that read is done.
+    fn finish(&self, streams: &[&GpuStream], steps: usize) -> Result<()> {
+        let n = self.members.len();
         for (r, stream) in streams.iter().enumerate() {
             let next = &self.members[(r + 1) % n];
-            stream.wait_marker(&next.markers[steps]).map_err(g)?;
+            stream
+                .wait_marker(&next.markers[steps])
+                .map_err(|e| gpu_error("queueing the end of the collective", e))?;
         }
         Ok(())
     }
