@@ -17,7 +17,7 @@ use super::GpuStream;
 use super::result::cuda_error;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, RdmaBuffer};
+use crate::memory::DeviceBuffer;
 
 /// The kernels' CUDA C source. Self-contained (no headers), so NVRTC needs no include paths.
 pub const SOURCE: &str = r#"
@@ -417,15 +417,7 @@ fn check(b: &DeviceBuffer, offset: usize, count: usize, dtype: DataType) -> Resu
             reason: format!("offset {offset} is not aligned to {dtype:?}"),
         });
     }
-    match offset.checked_add(bytes) {
-        Some(end) if end <= b.len() => Ok(()),
-        _ => Err(Error::OutOfBounds {
-            what: "GPU reduction",
-            offset: offset as u64,
-            len: bytes as u64,
-            region_len: b.len() as u64,
-        }),
-    }
+    b.check("GPU reduction", offset, bytes)
 }
 
 impl Drop for ReduceKernels {

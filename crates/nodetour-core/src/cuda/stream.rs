@@ -57,8 +57,8 @@ impl GpuStream {
         src_offset: usize,
         len: usize,
     ) -> Result<()> {
-        check(dst, dst_offset, len)?;
-        check(src, src_offset, len)?;
+        dst.check("GPU copy", dst_offset, len)?;
+        src.check("GPU copy", src_offset, len)?;
         let s = self.bind()?;
         // SAFETY: both ranges are inside live allocations (checked); DeviceBuffer's Drop waits for
         // the GPU before freeing, so queued work never outlives them.
@@ -164,18 +164,6 @@ impl GpuStream {
         unsafe { sys::cuStreamWaitValue32_v2(s, address, value, 0) }
             .result()
             .map_err(|e| cuda_error("cuStreamWaitValue32", e))
-    }
-}
-
-fn check(b: &DeviceBuffer, offset: usize, len: usize) -> Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= crate::memory::RdmaBuffer::len(b) => Ok(()),
-        _ => Err(Error::OutOfBounds {
-            what: "GPU copy",
-            offset: offset as u64,
-            len: len as u64,
-            region_len: crate::memory::RdmaBuffer::len(b) as u64,
-        }),
     }
 }
 

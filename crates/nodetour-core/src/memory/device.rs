@@ -139,7 +139,8 @@ impl DeviceBuffer {
             .map_err(|e| cuda_error("cuMemcpyDtoH", e))
     }
 
-    fn check(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
+    /// `len` bytes at `offset` lie inside the buffer; `OutOfBounds` naming `what` otherwise.
+    pub(crate) fn check(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
             _ => Err(Error::OutOfBounds {

@@ -238,7 +238,7 @@ impl CudaIpcSender {
         len: usize,
         notify: Option<u32>,
     ) -> Result<()> {
-        check_src(src, src_offset, len)?;
+        src.check("GPU write source", src_offset, len)?;
         if dst_offset
             .checked_add(len as u64)
             .is_none_or(|e| e > self.len)
@@ -280,18 +280,6 @@ impl Drop for CudaIpcSender {
     }
 }
 
-fn check_src(src: &DeviceBuffer, offset: usize, len: usize) -> Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= src.len() => Ok(()),
-        _ => Err(Error::OutOfBounds {
-            what: "GPU write source",
-            offset: offset as u64,
-            len: len as u64,
-            region_len: src.len() as u64,
-        }),
-    }
-}
-
 /// A receiver's staging slot in shared host memory (the shm transport).
 pub struct ShmSlot {
     mem: SharedHostMemory,
@@ -330,7 +318,7 @@ impl ShmSlot {
         slot_offset: usize,
         len: usize,
     ) -> Result<()> {
-        check_src(dst, dst_offset, len)?;
+        dst.check("GPU copy destination", dst_offset, len)?;
         let from = self.mem.device_address(slot_offset, len)?;
         let s = stream.bind()?;
         // SAFETY: both ranges are in bounds of live memory (checked); the slot outlives queued
@@ -379,7 +367,7 @@ impl ShmSender {
         len: usize,
         notify: Option<u32>,
     ) -> Result<()> {
-        check_src(src, src_offset, len)?;
+        src.check("GPU write source", src_offset, len)?;
         let to = self.mem.device_address(slot_offset, len)?;
         let s = stream.bind()?;
         // SAFETY: both ranges are in bounds of live memory (checked).
