@@ -26,7 +26,7 @@ use std::sync::Arc;
 use nodetour::link::LocalSide;
 use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 use nodetour_core::memory::HostBuffer;
-use nodetour_core::transport::tcp::{self, TcpConnection, TcpEndpoint};
+use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{
     self, Event, HostConnection, PairFacts, SlotGrant, SlotRegion, TransportKind,
@@ -242,34 +242,12 @@ fn run() -> anyhow::Result<()> {
     } else {
         // Every pair connects once: the higher rank dials the lower. Connections start with the
         // peer's region granted (it learned the grant from the bootstrap and may write at once).
-        let lower: Vec<u32> = (0..me).collect();
-        let higher: Vec<u32> = (me + 1..world).collect();
         let grants = |p: u32| vec![recv[p as usize].clone()];
         let alive = || job.check();
-        let tcp_conns: HashMap<u32, TcpConnection> =
-            std::thread::scope(|s| -> anyhow::Result<_> {
-                let accepting =
-                    s.spawn(|| endpoint.accept(&higher, world, &grants, &alive, deadline));
-                let mut out = HashMap::new();
-                for &p in &lower {
-                    let addr = &job.peers()[p as usize].address;
-                    out.insert(
-                        p,
-                        tcp::connect(
-                            addr,
-                            me,
-                            world,
-                            &token,
-                            &grants(p),
-                            &alive,
-                            config.timeout,
-                            deadline,
-                        )?,
-                    );
-                }
-                out.extend(accepting.join().expect("accept thread")?);
-                Ok(out)
-            })?;
+        let peers: Vec<u32> = (0..world).filter(|p| *p != me).collect();
+        let address = |p: u32| job.peers()[p as usize].address.clone();
+        let tcp_conns =
+            endpoint.connect_mesh(&peers, me, world, &address, &grants, &alive, deadline)?;
         conns.extend(
             tcp_conns
                 .into_iter()

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{Context as _, bail};
 use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 use nodetour_core::memory::HostBuffer;
-use nodetour_core::transport::tcp::{self, TcpConnection, TcpEndpoint};
+use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion};
 use nodetour_core::verbs::{
@@ -201,32 +201,16 @@ impl RingJob {
                 g
             };
             let alive = || job.check();
-            let lower: Vec<u32> = linked.iter().copied().filter(|p| *p < me).collect();
-            let higher: Vec<u32> = linked.iter().copied().filter(|p| *p > me).collect();
-            let tcp_conns: HashMap<u32, TcpConnection> =
-                std::thread::scope(|s| -> anyhow::Result<_> {
-                    let accepting =
-                        s.spawn(|| endpoint.accept(&higher, world, &grants_for, &alive, deadline));
-                    let mut out = HashMap::new();
-                    for &p in &lower {
-                        let addr = &job.peers()[p as usize].address;
-                        out.insert(
-                            p,
-                            tcp::connect(
-                                addr,
-                                me,
-                                world,
-                                &token,
-                                &grants_for(p),
-                                &alive,
-                                config.timeout,
-                                deadline,
-                            )?,
-                        );
-                    }
-                    out.extend(accepting.join().expect("accept thread")?);
-                    Ok(out)
-                })?;
+            let address = |p: u32| job.peers()[p as usize].address.clone();
+            let tcp_conns = endpoint.connect_mesh(
+                &linked,
+                me,
+                world,
+                &address,
+                &grants_for,
+                &alive,
+                deadline,
+            )?;
             conns.extend(
                 tcp_conns
                     .into_iter()

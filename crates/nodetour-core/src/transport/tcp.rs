@@ -356,6 +356,47 @@ impl TcpEndpoint {
             })
     }
 
+    /// Connects this rank to every rank in `peers` once: dials the lower ranks (at
+    /// `address(rank)`) while accepting the higher ones here, so every pair has one connection
+    /// whoever starts first. Each connection starts with `grants(rank)` granted; `alive` is
+    /// asked while waiting, as in [`Self::accept`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn connect_mesh(
+        &self,
+        peers: &[u32],
+        my_rank: u32,
+        world_size: u32,
+        address: &dyn Fn(u32) -> String,
+        grants: &(dyn Fn(u32) -> Vec<SlotRegion> + Sync),
+        alive: &(dyn Fn() -> Result<()> + Sync),
+        deadline: Deadline,
+    ) -> Result<HashMap<u32, TcpConnection>> {
+        let higher: Vec<u32> = peers.iter().copied().filter(|p| *p > my_rank).collect();
+        std::thread::scope(|s| {
+            let accepting = s.spawn(|| self.accept(&higher, world_size, grants, alive, deadline));
+            let mut out = HashMap::new();
+            let dialled = peers.iter().filter(|p| **p < my_rank).try_for_each(|&p| {
+                let c = connect(
+                    &address(p),
+                    my_rank,
+                    world_size,
+                    &self.token,
+                    &grants(p),
+                    alive,
+                    self.timeout,
+                    deadline,
+                )?;
+                out.insert(p, c);
+                Ok(())
+            });
+            // The accepting side ends by itself (all accepted, `alive` failed, or the deadline).
+            let accepted = accepting.join().expect("the accept thread does not panic");
+            dialled?;
+            out.extend(accepted?);
+            Ok(out)
+        })
+    }
+
     /// Accepts connections until every rank in `expected` has connected and proved itself;
     /// strangers and wrong tokens are refused and logged. Each connection starts with
     /// `grants(rank)` granted. `alive` is asked while waiting (the bootstrap's liveness check):
