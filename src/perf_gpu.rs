@@ -169,7 +169,7 @@ pub fn sweep(
             count,
             nodetour: (t_ours, busbw(t_ours), ours_ok),
             nccl: nccl_ok.map(|ok| {
-                let t = median(theirs.clone());
+                let t = median(theirs);
                 (t, busbw(t), ok)
             }),
         });

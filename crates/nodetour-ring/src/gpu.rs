@@ -121,11 +121,8 @@ impl GpuGroup {
                 .find(|(c, _)| Arc::ptr_eq(c, ctx))
                 .map(|(_, k)| k.clone())
                 .expect("loaded above");
-            // Markers are made on a scratch stream of the rank's GPU (they belong to the GPU,
-            // not to a stream).
-            let scratch = GpuStream::new(ctx).map_err(|e| gpu_error("creating a stream", e))?;
             let markers = (0..=steps)
-                .map(|_| scratch.marker())
+                .map(|_| GpuEvent::marker(ctx))
                 .collect::<nodetour_core::Result<Vec<_>>>()
                 .map_err(|e| gpu_error("creating markers", e))?;
             members.push(Member {

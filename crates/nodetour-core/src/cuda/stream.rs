@@ -103,19 +103,6 @@ impl GpuStream {
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    /// Creates an ordering marker: an event without timing, recorded on this stream with
-    /// [`Self::record_marker`] and waited on by other streams (of any GPU) with
-    /// [`Self::wait_marker`].
-    pub fn marker(&self) -> Result<GpuEvent> {
-        self.bind()?;
-        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| cuda_error("cuEventCreate", e))?;
-        Ok(GpuEvent {
-            raw,
-            context: self.context.clone(),
-        })
-    }
-
     /// Records `marker` at this point of the stream (re-recording moves it here; waits queued
     /// earlier keep the point they captured).
     pub fn record_marker(&self, marker: &GpuEvent) -> Result<()> {
@@ -190,6 +177,21 @@ pub struct GpuEvent {
 unsafe impl Send for GpuEvent {}
 
 impl GpuEvent {
+    /// Creates an ordering marker of `context`'s GPU: an event without timing, recorded on one
+    /// of its streams with [`GpuStream::record_marker`] and waited on by streams of any GPU
+    /// with [`GpuStream::wait_marker`].
+    pub fn marker(context: &Arc<CudaContext>) -> Result<GpuEvent> {
+        context
+            .bind_to_thread()
+            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| cuda_error("cuEventCreate", e))?;
+        Ok(GpuEvent {
+            raw,
+            context: context.clone(),
+        })
+    }
+
     /// Milliseconds from this event to `later` (both completed: synchronises on `later`).
     pub fn elapsed_ms(&self, later: &GpuEvent) -> Result<f32> {
         self.context
