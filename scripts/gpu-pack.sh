@@ -4,6 +4,8 @@
 # The binaries load libcuda, NVRTC and libibverbs at run time, so one build runs everywhere.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# The scripts name binaries under ./target: build there even where CARGO_TARGET_DIR points elsewhere.
+export CARGO_TARGET_DIR="$PWD/target"
 out=${1:-.device}
 mkdir -p "$out"
 cargo build --release --bins --examples

@@ -10,6 +10,8 @@
 # Env: NODETOUR_SKIP_INSTALL=1; any NODETOUR_* knob (README) is passed through.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# The scripts name binaries under ./target: build there even where CARGO_TARGET_DIR points elsewhere.
+export CARGO_TARGET_DIR="$PWD/target"
 [[ ${NODETOUR_SKIP_INSTALL:-0} == 1 ]] || scripts/install-deps.sh
 cargo build --release --bins --examples
 if compgen -G '/sys/class/infiniband/*' >/dev/null; then

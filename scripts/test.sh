@@ -11,6 +11,8 @@
 # Env: NODETOUR_SKIP_INSTALL=1 (do not touch packages), NODETOUR_SKIP_VM=1.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# The scripts name binaries under ./target: build there even where CARGO_TARGET_DIR points elsewhere.
+export CARGO_TARGET_DIR="$PWD/target"
 T0=$(date +%s)
 step() { echo "== test.sh [$(($(date +%s) - T0))s] $*"; }
 passed=0 failed=0 skipped=0
