@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::bail;
 use clap::Parser;
-use nodetour::perf::{pattern, verify};
+use nodetour::perf::{cases, pattern, verify};
 use nodetour::ring_job::{RingJob, RingTransport};
 use nodetour_core::{Config, Deadline};
 use nodetour_ring::host::HostRingOptions;
@@ -39,23 +39,6 @@ struct Args {
     #[arg(long)]
     all: bool,
 }
-
-const TYPES: [DataType; 7] = [
-    DataType::F32,
-    DataType::F64,
-    DataType::F16,
-    DataType::Bf16,
-    DataType::I32,
-    DataType::I64,
-    DataType::U8,
-];
-const OPS: [ReduceOp; 5] = [
-    ReduceOp::Sum,
-    ReduceOp::Prod,
-    ReduceOp::Min,
-    ReduceOp::Max,
-    ReduceOp::Avg,
-];
 
 fn main() -> ExitCode {
     nodetour::logging::init();
@@ -84,17 +67,13 @@ fn run() -> anyhow::Result<()> {
         timeout: config.timeout,
     };
     let mut ring = RingJob::form(&config, &transport, args.count * 8, options)?;
-    let cases: Vec<(DataType, ReduceOp)> = if args.all {
-        TYPES
-            .iter()
-            .flat_map(|t| OPS.iter().map(move |o| (*t, *o)))
-            .collect()
-    } else {
-        vec![
+    let cases = cases(
+        args.all,
+        &[
             (DataType::F32, ReduceOp::Sum),
             (DataType::I64, ReduceOp::Max),
-        ]
-    };
+        ],
+    );
     let start = Instant::now();
     for &(dtype, op) in &cases {
         let mut data = pattern(dtype, ring.rank, args.count);

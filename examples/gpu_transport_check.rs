@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
-use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
+use nodetour::blob::{put, rendezvous, take};
+use nodetour_core::bootstrap::{HostIdentity, LaunchInfo};
 use nodetour_core::cuda::{GpuStream, enable_peer_access};
 use nodetour_core::memory::{DeviceBuffer, HostBuffer};
 use nodetour_core::transport::gpu::{CudaIpcSender, Flags, GpuSlot, IpcGrant, ShmSender, ShmSlot};
@@ -48,18 +49,6 @@ fn pattern(rank: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn put(b: &mut Vec<u8>, s: &[u8]) {
-    b.extend_from_slice(&(s.len() as u32).to_be_bytes());
-    b.extend_from_slice(s);
-}
-
-fn take<'a>(b: &'a [u8], at: &mut usize) -> anyhow::Result<&'a [u8]> {
-    let n = u32::from_be_bytes(b.get(*at..*at + 4).context("short blob")?.try_into()?) as usize;
-    let s = b.get(*at + 4..*at + 4 + n).context("short blob")?;
-    *at += 4 + n;
-    Ok(s)
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
     v[v.len() / 2]
@@ -87,15 +76,8 @@ fn run() -> anyhow::Result<()> {
     put(&mut blob, flags.path().to_string_lossy().as_bytes());
     put(&mut blob, shm_path.to_string_lossy().as_bytes());
     blob.extend_from_slice(&(shm_len as u64).to_be_bytes());
-    let token = JobToken::from_env();
     let deadline = Deadline::after(config.timeout);
-    let entry = PeerEntry {
-        rank: me,
-        host: HostIdentity::current(),
-        address: String::new(),
-        blob,
-    };
-    let job = Bootstrap::rendezvous(&info.rendezvous_addr(), me, world, entry, &token, deadline)?;
+    let job = rendezvous(&info, &config, blob)?;
     let theirs = &job.peers()[peer as usize];
     if !theirs.host.same_host(&HostIdentity::current()) {
         bail!("the peer is on another host: the in-host transports do not apply");

@@ -5,7 +5,8 @@
 # 2. `nodetour gpus`: attributes, dma-buf export, the registration path GPU memory gets here;
 # 3. `two_node_smoke --gpu`: on a machine without RDMA it reports the ladder and exits 2;
 # 4. with 2+ GPUs, cuda-ipc and shm between two processes (gpu_transport_check);
-# 5. the direct GPU ring (GpuGroup) tests; `nodetour perf --gpus` (with 2+ GPUs against NCCL);
+# 5. the GPU ring across processes (gpu_ring_check: direct and staged, checked, against NCCL and
+#    the concurrent-copy ceiling); the direct GPU ring (GpuGroup) tests; `nodetour perf --gpus` (with 2+ GPUs against NCCL);
 # 6. transport_check over tcp with 4 processes.
 # Needs hugepages for the 1 GiB shm test at full speed: echo 2200 > /proc/sys/vm/nr_hugepages.
 # NCCL_NVLS_ENABLE=0 is exported for anything that starts NCCL on shared GPU hosts.
@@ -37,6 +38,14 @@ failed=0
     else
         echo "SKIP gpu_transport_check: needs 2 GPUs, this machine has $gpus"
     fi
+    echo "== gpu_ring_check: the GPU ring across processes (one GPU each), direct then staged"
+    export NODETOUR_CACHE_DIR=$PWD/kernel-cache
+    if [[ $gpus -ge 2 ]]; then
+        ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all --perf --compare-nccl || failed=1
+        NODETOUR_TRANSPORT=shm ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all --perf --ceiling --compare-nccl || failed=1
+    fi
+    ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all || failed=1
+    NODETOUR_TRANSPORT=shm ./launch-local.sh -n 4 --timeout 300 -- ./gpu_ring_check || failed=1
     if [[ $gpus -ge 2 ]]; then
         echo "== nodetour perf: direct GPU ring on GPUs 0,1 against NCCL (same buffers, same run)"
         for dt in f32 bf16; do

@@ -8,7 +8,9 @@
 pub use nodetour_core as core;
 pub use nodetour_core::{Config, Deadline, Error, Result};
 
+pub mod blob;
 pub mod doctor;
+pub mod gpu_job;
 pub mod link;
 pub mod logging;
 pub mod perf;

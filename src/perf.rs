@@ -152,6 +152,18 @@ pub fn pattern(dtype: DataType, rank: u32, count: usize) -> Vec<u8> {
     data
 }
 
+/// Every type × operation when `all`, else `few`.
+pub fn cases(all: bool, few: &[(DataType, ReduceOp)]) -> Vec<(DataType, ReduceOp)> {
+    if all {
+        DataType::ALL
+            .iter()
+            .flat_map(|t| ReduceOp::ALL.iter().map(move |o| (*t, *o)))
+            .collect()
+    } else {
+        few.to_vec()
+    }
+}
+
 /// Whether `data` is the allreduce of the pattern; the first wrong element otherwise.
 pub fn verify(dtype: DataType, op: ReduceOp, world: u32, data: &[u8]) -> Result<(), String> {
     let es = dtype.size();

@@ -43,17 +43,53 @@ pub fn version() -> Result<(i32, i32, i32)> {
     Ok((v / 10000, (v / 100) % 100, v % 100))
 }
 
+/// Libnccl is loadable and `NCCL_NVLS_ENABLE=0` is set.
+fn ready() -> Result<()> {
+    version()?;
+    if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
+        return Err(Error::InvalidArgument {
+            reason: "export NCCL_NVLS_ENABLE=0 before starting NCCL on these machines \
+                     (NVLink multicast can take a shared host's GPUs out of service)"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// A new NCCL unique id (`ncclGetUniqueId`), to hand to every rank of a job of processes
+/// through the bootstrap.
+pub fn unique_id() -> Result<[u8; 128]> {
+    ready()?;
+    let id = result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
 impl LocalNccl {
+    /// This process's one rank of a job of processes (`ncclCommInitRank` on GPU `ordinal`):
+    /// `id` from [`unique_id`] on one rank, shared by all. Blocks until every rank has joined.
+    pub fn join(id: &[u8; 128], world: u32, rank: u32, ordinal: i32) -> Result<LocalNccl> {
+        ready()?;
+        let context = cudarc::driver::CudaContext::new(ordinal as usize)
+            .map_err(|e| crate::cuda::result::cuda_error("cuDevicePrimaryCtxRetain", e))?;
+        context
+            .bind_to_thread()
+            .map_err(|e| crate::cuda::result::cuda_error("cuCtxSetCurrent", e))?;
+        let mut comm = std::ptr::null_mut();
+        let id = sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        // SAFETY: a valid out-pointer; the id came from ncclGetUniqueId on one rank.
+        unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
+            .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+        Ok(LocalNccl {
+            comms: vec![comm],
+            ordinals: vec![ordinal],
+        })
+    }
+
     /// One communicator per entry of `ordinals` (CUDA device ordinals), rank = position.
     pub fn new(ordinals: &[i32]) -> Result<LocalNccl> {
-        version()?;
-        if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
-            return Err(Error::InvalidArgument {
-                reason: "export NCCL_NVLS_ENABLE=0 before starting NCCL on these machines \
-                         (NVLink multicast can take a shared host's GPUs out of service)"
-                    .into(),
-            });
-        }
+        ready()?;
         if ordinals.is_empty() {
             return Err(Error::InvalidArgument {
                 reason: "NCCL needs at least one GPU".into(),

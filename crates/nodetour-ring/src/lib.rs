@@ -8,6 +8,11 @@
 //! chunk, grant a slot, done, failed). Executors (host buffers, GPU direct, staged) drive it
 //! over a transport. [`plan`] lays a buffer out in segments and chunks.
 //!
+//! GPU collectives: [`gpu::GpuGroup`] rings the GPUs of one process (each GPU reads its
+//! neighbour over NVLink/PCIe peer access); [`gpu_ring::GpuRing`] rings processes of one host,
+//! one GPU each, over cuda-ipc (direct) or shared host memory (staged), queued on CUDA streams
+//! from the pure program of [`stream_plan`].
+//!
 //! The schedule is tested by a simulated ring with fault injection (random interleavings,
 //! reordered completions, lost peers, stale epochs, forged immediates) in `tests/`.
 #![forbid(unsafe_code)]
@@ -15,11 +20,13 @@
 
 pub mod error;
 pub mod gpu;
+pub mod gpu_ring;
 pub mod host;
 pub mod order;
 pub mod plan;
 pub mod reduce;
 pub mod schedule;
+pub mod stream_plan;
 
 pub use error::{Error, Result};
 pub use gpu::GpuGroup;

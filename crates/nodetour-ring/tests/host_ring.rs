@@ -10,23 +10,6 @@ use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotReg
 use nodetour_ring::host::{HostRing, HostRingOptions, Links};
 use nodetour_ring::{DataType, ReduceOp};
 
-const TYPES: [DataType; 7] = [
-    DataType::F32,
-    DataType::F64,
-    DataType::F16,
-    DataType::Bf16,
-    DataType::I32,
-    DataType::I64,
-    DataType::U8,
-];
-const OPS: [ReduceOp; 5] = [
-    ReduceOp::Sum,
-    ReduceOp::Prod,
-    ReduceOp::Min,
-    ReduceOp::Max,
-    ReduceOp::Avg,
-];
-
 fn value(dtype: DataType, rank: u32, i: usize) -> f64 {
     let v = ((i as u32 + rank * 7) % 3) as f64;
     if dtype == DataType::U8 { v } else { v - 1.0 }
@@ -196,8 +179,8 @@ fn small_slots() -> HostRingOptions {
 
 #[test]
 fn every_type_and_operation_matches_the_reference() {
-    for dtype in TYPES {
-        for op in OPS {
+    for dtype in DataType::ALL {
+        for op in ReduceOp::ALL {
             check(3, 257, dtype, op, small_slots());
         }
     }

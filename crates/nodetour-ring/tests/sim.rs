@@ -10,20 +10,8 @@ use nodetour_ring::schedule::Arrival;
 use nodetour_ring::{Action, Error, Immediate, Plan, RingSchedule};
 use proptest::prelude::*;
 
-/// A small deterministic generator (xorshift), seeded per case.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+mod common;
+use common::Rng;
 
 struct Write {
     imm: u32,

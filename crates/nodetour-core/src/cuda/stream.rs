@@ -192,6 +192,20 @@ impl GpuEvent {
         })
     }
 
+    /// Whether the work before the point where this event was last recorded has finished
+    /// (`cuEventQuery`; an event never recorded counts as finished). Never blocks.
+    pub fn is_complete(&self) -> Result<bool> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        // SAFETY: a live event of the bound context.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(cuda_error("cuEventQuery", result::DriverError(e))),
+        }
+    }
+
     /// Milliseconds from this event to `later` (both completed: synchronises on `later`).
     pub fn elapsed_ms(&self, later: &GpuEvent) -> Result<f32> {
         self.context

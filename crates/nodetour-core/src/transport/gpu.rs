@@ -89,8 +89,16 @@ impl Flags {
         stream.wait_value(self.mem.device_address(self.offset(rank)?, 4)?, value)
     }
 
-    fn enqueue_set(&self, stream: &GpuStream, rank: u32, value: u32) -> Result<()> {
+    /// Queues on `stream`: set word `rank` to `value`, after the stream's earlier work and with
+    /// a memory barrier (whoever sees the value sees what the stream wrote before).
+    pub fn enqueue_set(&self, stream: &GpuStream, rank: u32, value: u32) -> Result<()> {
         stream.write_value(self.mem.device_address(self.offset(rank)?, 4)?, value)
+    }
+
+    /// Sets word `rank` to `value` from the host, now (announcements at setup, and releasing
+    /// the waits of a collective being aborted).
+    pub fn store(&self, rank: u32, value: u32) -> Result<()> {
+        self.mem.write_at(self.offset(rank)?, &value.to_ne_bytes())
     }
 }
 

@@ -1,0 +1,558 @@
+//! Ring allreduce with one GPU per process, over the in-host stream-ordered transports:
+//! **direct** (cuda-ipc: the previous rank's copy engine writes into this rank's GPU slots, this
+//! rank's reduce kernel reads them) or **staged** (shm: the previous rank's GPU copies into host
+//! slots shared by both processes, this rank's GPU copies them in). The whole collective is
+//! queued at once from [`crate::stream_plan::program`]; nothing waits on the host.
+//!
+//! Each rank uses two streams of its own (a send stream and a receive stream, so that a copy
+//! out and a copy in run at once on the two copy engines); the collective starts after the work
+//! already queued on the caller's stream, and the caller's stream waits for its end.
+//!
+//! Memory: slot memory is `slots × slot_bytes` on the receiving side, whatever the buffer size
+//! (GPU memory for cuda-ipc, shared host memory plus one GPU scratch chunk for shm). Nothing of
+//! the user's buffer is exported: senders copy out of it into the peer's slots.
+//!
+//! Failure: a peer that stops leaves this rank's streams waiting on a flag. [`GpuRing::wait`]
+//! has a deadline; on expiry, or on [`GpuRing::abort`], the ring stores values in its own flags
+//! that release every queued wait (the data of that collective is garbage), lets the streams
+//! drain, and refuses further collectives.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaContext;
+use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::cuda::{GpuEvent, GpuStream};
+use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
+use nodetour_core::transport::TransportKind;
+use nodetour_core::transport::gpu::{CudaIpcSender, Flags, GpuSlot, ShmSender, ShmSlot};
+
+use crate::error::{Error, Result};
+use crate::plan::Plan;
+use crate::reduce::{DataType, ReduceOp};
+use crate::stream_plan::{LinkCounters, RecvKind, RecvOp, StreamProgram, program};
+
+/// Words of each rank's flag page.
+pub mod flag {
+    /// Chunks that have landed in this rank's slots (written by the previous rank's stream).
+    pub const READY: u32 = 0;
+    /// Chunks of the next rank's slots this rank may overwrite again (written by the next
+    /// rank's stream once it has read them).
+    pub const RELEASED: u32 = 1;
+    /// The transport the previous rank chose for writing to this rank (written once at setup:
+    /// 1 = cuda-ipc, 2 = shm).
+    pub const MODE: u32 = 2;
+    /// Words in the page.
+    pub const WORDS: u32 = 3;
+}
+
+/// Default slot size for cuda-ipc: 16 MiB chunks keep the per-chunk hand-off (~8.5 µs,
+/// docs/gpu-design-spike.md) small beside a chunk's transfer at NVLink speed.
+pub const IPC_SLOT_BYTES: usize = 16 << 20;
+/// Default slot size for shm (host memory is slower: 8 MiB is ~200 µs of PCIe).
+pub const SHM_SLOT_BYTES: usize = 8 << 20;
+/// Default slots per link.
+pub const SLOTS: u32 = 4;
+/// The bound on slot memory per communicator (GPU and host each), by default.
+pub const SLOT_MEMORY_MAX: usize = 64 << 20;
+
+/// How this rank writes to the next one.
+pub enum Outgoing {
+    /// Into the next rank's GPU slots.
+    CudaIpc(CudaIpcSender),
+    /// Into host slots shared with the next rank.
+    Shm(ShmSender),
+}
+
+/// Where the previous rank's chunks land.
+pub enum Incoming {
+    /// This rank's GPU slots.
+    CudaIpc(GpuSlot),
+    /// Host slots shared with the previous rank, and one chunk of GPU scratch to reduce from.
+    Shm {
+        /// The slots.
+        slots: ShmSlot,
+        /// Scratch of one slot's size on this rank's GPU.
+        scratch: DeviceBuffer,
+    },
+}
+
+/// This rank's two links, set up by whoever formed the ring (the bootstrap exchange).
+pub struct StreamLinks {
+    /// This rank's flag page ([`flag`]).
+    pub flags: Flags,
+    /// The previous rank's flag page (to write [`flag::RELEASED`]).
+    pub prev_flags: Flags,
+    /// To the next rank.
+    pub outgoing: Outgoing,
+    /// From the previous rank.
+    pub incoming: Incoming,
+    /// Slots per link (the same on every rank).
+    pub slots: u32,
+    /// Bytes per slot (the same on every rank).
+    pub slot_bytes: usize,
+}
+
+impl StreamLinks {
+    fn describe(&self) -> String {
+        let out = match self.outgoing {
+            Outgoing::CudaIpc(_) => TransportKind::CudaIpc,
+            Outgoing::Shm(_) => TransportKind::Shm,
+        };
+        let inc = match self.incoming {
+            Incoming::CudaIpc(_) => TransportKind::CudaIpc,
+            Incoming::Shm { .. } => TransportKind::Shm,
+        };
+        let path = |k| {
+            if k == TransportKind::CudaIpc {
+                "direct"
+            } else {
+                "staged"
+            }
+        };
+        format!(
+            "to next: {} ({out}), from previous: {} ({inc}); {} slots of {} MiB",
+            path(out),
+            path(inc),
+            self.slots,
+            self.slot_bytes >> 20
+        )
+    }
+}
+
+fn gpu_error(what: &str, e: nodetour_core::Error) -> Error {
+    Error::Gpu {
+        reason: format!("{what}: {e}"),
+    }
+}
+
+/// One rank of a ring of processes, one GPU each.
+pub struct GpuRing {
+    // Drop order: the streams first (GpuStream synchronises on drop, so no queued work is
+    // left), then markers, links (closing IPC mappings and shared memory), kernels, context.
+    send: GpuStream,
+    recv: GpuStream,
+    start: GpuEvent,
+    send_marks: Vec<GpuEvent>,
+    recv_marks: Vec<GpuEvent>,
+    end: [GpuEvent; 2],
+    links: Option<StreamLinks>,
+    kernels: ReduceKernels,
+    context: Arc<CudaContext>,
+    rank: u32,
+    world: u32,
+    counters: LinkCounters,
+    failed: Option<String>,
+    path: String,
+}
+
+impl GpuRing {
+    /// This rank (`rank` of `world`) on `context`'s GPU, with its links (`None` only for a
+    /// ring of one). Compiles or loads the reduction kernels.
+    pub fn new(
+        context: &Arc<CudaContext>,
+        rank: u32,
+        world: u32,
+        links: Option<StreamLinks>,
+    ) -> Result<GpuRing> {
+        if rank >= world || (world > 1) != links.is_some() {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "rank {rank} of {world} with{} links",
+                    if links.is_some() { "" } else { "out" }
+                ),
+            });
+        }
+        if let Some(l) = &links {
+            let bytes = l.slot_bytes.saturating_mul(l.slots as usize);
+            if l.slots == 0 || l.slot_bytes == 0 || l.slots > 256 {
+                return Err(Error::InvalidArgument {
+                    reason: format!("{} slots of {} bytes", l.slots, l.slot_bytes),
+                });
+            }
+            let have = match &l.incoming {
+                Incoming::CudaIpc(s) => s.buffer().len(),
+                Incoming::Shm { slots, scratch } => {
+                    if scratch.len() < l.slot_bytes {
+                        return Err(Error::InvalidArgument {
+                            reason: "the GPU scratch is smaller than a slot".into(),
+                        });
+                    }
+                    slots.grant().1
+                }
+            };
+            if have < bytes {
+                return Err(Error::InvalidArgument {
+                    reason: format!("slot memory of {have} bytes for {bytes}"),
+                });
+            }
+        }
+        let g = |e| gpu_error("setting up the GPU ring", e);
+        let path = match &links {
+            None => "a ring of one: nothing moves".to_owned(),
+            Some(l) => l.describe(),
+        };
+        Ok(GpuRing {
+            send: GpuStream::new(context).map_err(g)?,
+            recv: GpuStream::new(context).map_err(g)?,
+            start: GpuEvent::marker(context).map_err(g)?,
+            send_marks: Vec::new(),
+            recv_marks: Vec::new(),
+            end: [
+                GpuEvent::marker(context).map_err(g)?,
+                GpuEvent::marker(context).map_err(g)?,
+            ],
+            links,
+            kernels: ReduceKernels::load(context).map_err(g)?,
+            context: context.clone(),
+            rank,
+            world,
+            counters: LinkCounters::default(),
+            failed: None,
+            path,
+        })
+    }
+
+    /// Which path each link takes and why it is shaped so (for the log).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Queues an in-place allreduce of the first `count` elements of `buffer` after the work
+    /// already queued on `stream`; work queued on `stream` afterwards sees the result. Every
+    /// rank must queue the same collectives in the same order with the same count and type.
+    /// Keep `buffer` alive until `stream` has passed the collective (dropping a
+    /// [`DeviceBuffer`] waits for its GPU's queued work).
+    pub fn all_reduce(
+        &mut self,
+        buffer: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(Error::Aborted {
+                reason: why.clone(),
+            });
+        }
+        self.check(buffer, count, dtype, stream)?;
+        let Some(links) = &self.links else {
+            return Ok(()); // one rank: the sum, min, max, product and average of one value
+        };
+        let plan = Plan::new(
+            self.world,
+            count as u64,
+            dtype.size() as u32,
+            links.slot_bytes as u64,
+            links.slots,
+        )?;
+        let prog = program(&plan, self.rank, op == ReduceOp::Avg, &mut self.counters);
+        // From here the peers count these chunks: a failure to queue breaks the ring.
+        let queued = self.queue(buffer, dtype, op, stream, plan.steps(), &prog);
+        if let Err(e) = &queued {
+            self.failed = Some(format!("queueing a collective failed: {e}"));
+        }
+        queued
+    }
+
+    fn queue(
+        &mut self,
+        buffer: &DeviceBuffer,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+        steps: u32,
+        prog: &StreamProgram,
+    ) -> Result<()> {
+        let (sends, recvs) = (&prog.sends, &prog.recvs);
+        let g = |e| gpu_error("queueing the collective", e);
+        while self.send_marks.len() < sends.len() {
+            self.send_marks
+                .push(GpuEvent::marker(&self.context).map_err(g)?);
+        }
+        while self.recv_marks.len() < recvs.len() {
+            self.recv_marks
+                .push(GpuEvent::marker(&self.context).map_err(g)?);
+        }
+        let links = self.links.as_ref().expect("checked by the caller");
+        stream.record_marker(&self.start).map_err(g)?;
+        self.send.wait_marker(&self.start).map_err(g)?;
+        self.recv.wait_marker(&self.start).map_err(g)?;
+        let size = dtype.size();
+        let slot_at = |slot: u32| slot as usize * links.slot_bytes;
+        // Step by step, so that every marker wait is queued after the record it refers to.
+        let (mut si, mut ri) = (0, 0);
+        for step in 0..steps {
+            while let Some(s) = sends.get(si).filter(|s| s.step == step) {
+                if let Some(j) = s.after_recv {
+                    self.send.wait_marker(&self.recv_marks[j]).map_err(g)?;
+                }
+                if let Some(v) = s.wait_released {
+                    links
+                        .flags
+                        .enqueue_wait(&self.send, flag::RELEASED, v)
+                        .map_err(g)?;
+                }
+                let off = s.elements.start as usize * size;
+                let len = (s.elements.end - s.elements.start) as usize * size;
+                let ready = Some(s.ready);
+                match &links.outgoing {
+                    Outgoing::CudaIpc(o) => {
+                        o.enqueue_write(&self.send, buffer, off, slot_at(s.slot) as u64, len, ready)
+                    }
+                    Outgoing::Shm(o) => {
+                        o.enqueue_write(&self.send, buffer, off, slot_at(s.slot), len, ready)
+                    }
+                }
+                .map_err(g)?;
+                self.send.record_marker(&self.send_marks[si]).map_err(g)?;
+                si += 1;
+            }
+            while let Some(r) = recvs.get(ri).filter(|r| r.step == step) {
+                self.queue_recv(links, r, buffer, dtype, op)?;
+                self.recv.record_marker(&self.recv_marks[ri]).map_err(g)?;
+                ri += 1;
+            }
+        }
+        self.send.record_marker(&self.end[0]).map_err(g)?;
+        self.recv.record_marker(&self.end[1]).map_err(g)?;
+        stream.wait_marker(&self.end[0]).map_err(g)?;
+        stream.wait_marker(&self.end[1]).map_err(g)
+    }
+
+    fn queue_recv(
+        &self,
+        links: &StreamLinks,
+        r: &RecvOp,
+        buffer: &DeviceBuffer,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let g = |e| gpu_error("queueing the collective", e);
+        let s = &self.recv;
+        let size = dtype.size();
+        if let Some(i) = r.after_send {
+            s.wait_marker(&self.send_marks[i]).map_err(g)?;
+        }
+        links
+            .flags
+            .enqueue_wait(s, flag::READY, r.wait_ready)
+            .map_err(g)?;
+        let off = r.elements.start as usize * size;
+        let n = (r.elements.end - r.elements.start) as usize;
+        let at = r.slot as usize * links.slot_bytes;
+        let release = |s: &GpuStream| {
+            links
+                .prev_flags
+                .enqueue_set(s, flag::RELEASED, r.released)
+                .map_err(g)
+        };
+        match (&links.incoming, r.kind) {
+            (Incoming::CudaIpc(slot), RecvKind::Reduce { average }) => {
+                self.kernels
+                    .reduce(s, dtype, op, buffer, off, slot.buffer(), at, n)
+                    .map_err(g)?;
+                release(s)?;
+                if average {
+                    self.kernels
+                        .average(s, dtype, buffer, off, n, self.world)
+                        .map_err(g)?;
+                }
+            }
+            (Incoming::CudaIpc(slot), RecvKind::Copy) => {
+                s.copy(buffer, off, slot.buffer(), at, n * size)
+                    .map_err(g)?;
+                release(s)?;
+            }
+            (Incoming::Shm { slots, scratch }, RecvKind::Reduce { average }) => {
+                slots
+                    .enqueue_copy_out(s, scratch, 0, at, n * size)
+                    .map_err(g)?;
+                release(s)?;
+                self.kernels
+                    .reduce(s, dtype, op, buffer, off, scratch, 0, n)
+                    .map_err(g)?;
+                if average {
+                    self.kernels
+                        .average(s, dtype, buffer, off, n, self.world)
+                        .map_err(g)?;
+                }
+            }
+            (Incoming::Shm { slots, .. }, RecvKind::Copy) => {
+                slots
+                    .enqueue_copy_out(s, buffer, off, at, n * size)
+                    .map_err(g)?;
+                release(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The non-blocking form of [`GpuRing::all_reduce`]: queues the collective and returns a
+    /// handle that owns `buffer` until [`InFlight::wait`] gives it back. While the handle lives
+    /// the ring is borrowed (one collective at a time through this form) and the buffer cannot
+    /// be touched; dropping the handle waits for the collective (aborting the ring after
+    /// `timeout`) before the buffer is freed, and forgetting it leaks the buffer rather than
+    /// freeing memory a peer may still write. A collective that cannot be queued hands the
+    /// buffer back with the error.
+    #[allow(clippy::result_large_err)]
+    pub fn start_all_reduce(
+        &mut self,
+        buffer: DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+        timeout: Duration,
+    ) -> std::result::Result<InFlight<'_>, Failed> {
+        match self.all_reduce(&buffer, count, dtype, op, stream) {
+            Ok(()) => Ok(InFlight {
+                ring: self,
+                buffer: Some(buffer),
+                timeout,
+            }),
+            Err(error) => Err(Failed { error, buffer }),
+        }
+    }
+
+    /// Waits until every collective queued so far has finished on this rank, at most `timeout`:
+    /// spins briefly, then sleeps in growing steps (≤ 1 ms). On expiry the ring is aborted (see
+    /// [`GpuRing::abort`]) and the error says so.
+    pub fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let g = |e| gpu_error("waiting for the collective", e);
+        let spin_until = Instant::now() + Duration::from_micros(50);
+        let mut nap = Duration::from_micros(10);
+        loop {
+            if self.end[0].is_complete().map_err(g)? && self.end[1].is_complete().map_err(g)? {
+                return match &self.failed {
+                    Some(why) => Err(Error::Aborted {
+                        reason: why.clone(),
+                    }),
+                    None => Ok(()),
+                };
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                self.abort("a collective did not finish before its deadline");
+                return Err(Error::Timeout {
+                    waiting_for: "the GPU ring's streams (aborted: a peer stopped?)".into(),
+                    after: timeout,
+                });
+            }
+            if now >= spin_until {
+                std::thread::sleep(nap.min(deadline - now));
+                nap = (nap * 2).min(Duration::from_millis(1));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Gives up on every collective in flight: stores values in this rank's flags that satisfy
+    /// every queued wait (data of those collectives is garbage), so the streams drain, and
+    /// refuses further collectives. Peers must abort too (they learn of it from the bootstrap's
+    /// liveness mesh or their own deadline).
+    pub fn abort(&mut self, reason: &str) {
+        self.failed.get_or_insert_with(|| reason.to_owned());
+        if let Some(l) = &self.links {
+            // Far ahead of anything queued, within the cyclic comparison's half range.
+            let ready = (self.counters.received as u32).wrapping_add(1 << 30);
+            let released = (self.counters.sent as u32).wrapping_add(1 << 30);
+            let _ = l.flags.store(flag::READY, ready);
+            let _ = l.flags.store(flag::RELEASED, released);
+        }
+    }
+
+    fn check(
+        &self,
+        buffer: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        stream: &GpuStream,
+    ) -> Result<()> {
+        let bytes = count
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!("{count} elements of {dtype:?} overflow the address space"),
+            })?;
+        if buffer.len() < bytes {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "the buffer holds {} bytes, the collective needs {bytes}",
+                    buffer.len()
+                ),
+            });
+        }
+        if !Arc::ptr_eq(buffer.context(), &self.context) {
+            return Err(Error::InvalidArgument {
+                reason: format!("the buffer is not on rank {}'s GPU", self.rank),
+            });
+        }
+        if !Arc::ptr_eq(stream.context(), &self.context) {
+            return Err(Error::InvalidArgument {
+                reason: format!("the stream is not on rank {}'s GPU", self.rank),
+            });
+        }
+        if stream
+            .is_capturing()
+            .map_err(|e| gpu_error("asking about stream capture", e))?
+        {
+            return Err(Error::Unsupported {
+                reason: "the stream is being captured into a CUDA graph; nodetour's \
+                         collectives do not support graph capture yet"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A collective queued by [`GpuRing::start_all_reduce`]; it owns the buffer.
+#[must_use = "dropping the handle waits for the collective"]
+pub struct InFlight<'r> {
+    ring: &'r mut GpuRing,
+    buffer: Option<DeviceBuffer>,
+    timeout: Duration,
+}
+
+/// A collective that failed, and the buffer it owned (its contents are undefined).
+#[derive(Debug)]
+pub struct Failed {
+    /// Why.
+    pub error: Error,
+    /// The buffer, given back.
+    pub buffer: DeviceBuffer,
+}
+
+impl InFlight<'_> {
+    /// Whether the collective has finished (never blocks).
+    pub fn is_done(&self) -> Result<bool> {
+        let g = |e| gpu_error("asking about the collective", e);
+        Ok(self.ring.end[0].is_complete().map_err(g)?
+            && self.ring.end[1].is_complete().map_err(g)?)
+    }
+
+    /// Waits for the collective (at most the timeout given at the start) and gives the buffer
+    /// back.
+    #[allow(clippy::result_large_err)]
+    pub fn wait(mut self) -> std::result::Result<DeviceBuffer, Failed> {
+        let buffer = self.buffer.take().expect("taken only here or in drop");
+        match self.ring.wait(self.timeout) {
+            Ok(()) => Ok(buffer),
+            Err(error) => Err(Failed { error, buffer }),
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.buffer.is_some() {
+            // Not waited for: finish (or abort) before the buffer is freed.
+            if let Err(e) = self.ring.wait(self.timeout) {
+                tracing::warn!(error = %e, "a dropped GPU collective failed");
+            }
+        }
+    }
+}

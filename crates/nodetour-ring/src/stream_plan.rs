@@ -1,0 +1,201 @@
+//! The ring allreduce of one rank on a stream-ordered transport (cuda-ipc, shm), planned once
+//! when the collective is queued. Pure: no I/O, no clocks, no CUDA.
+//!
+//! Each rank runs two CUDA streams: a **send** stream that writes chunks into the next rank's
+//! slots, and a **receive** stream that takes chunks out of its own slots (reduce or copy), so a
+//! transfer out and a transfer in overlap (the staged path needs both copy engines busy). The
+//! two ranks of a link meet through two counters in shared host memory, both growing by one per
+//! chunk:
+//! - **ready** (written by the sender's stream after a chunk's bytes, with a memory barrier):
+//!   the receiver's stream waits for `ready ≥ seq + 1` before it reads the slot;
+//! - **released** (written by the receiver's stream after it has finished reading a slot: after
+//!   the reduce, or after the copy out of host memory): the sender waits for
+//!   `released ≥ seq + 1 − slots` before it overwrites the slot `seq mod slots`.
+//!
+//! Inside a rank two dependencies cross between the streams: a send of step `s ≥ 1` carries
+//! what the receive of step `s − 1` produced (same segment, same chunk), and an all-gather
+//! receive at step `s` overwrites the range the reduce-scatter sent at step `s − (n − 1)`, so it
+//! waits for that send (write after read).
+//!
+//! Sequence numbers run on across collectives ([`LinkCounters`]), so slots are reused without a
+//! handshake between collectives; flag values are those numbers mod 2^32 and the transports
+//! compare them cyclically.
+
+use std::ops::Range;
+
+use crate::plan::Plan;
+
+/// One chunk written into the next rank's slot (send stream).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SendOp {
+    /// Ring step.
+    pub step: u32,
+    /// Element range of the local buffer.
+    pub elements: Range<u64>,
+    /// The next rank's slot.
+    pub slot: u32,
+    /// Before writing, wait until the next rank's `released` counter is at least this
+    /// (`None` while the slot has never been used).
+    pub wait_released: Option<u32>,
+    /// After writing, set the next rank's `ready` counter to this.
+    pub ready: u32,
+    /// Wait for this receive (index into [`StreamProgram::recvs`]) first: it produced the data.
+    pub after_recv: Option<usize>,
+}
+
+/// What a receive does with the chunk in its slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvKind {
+    /// `local[elements] = op(local[elements], slot)` (reduce-scatter).
+    Reduce {
+        /// Divide by the ring size afterwards (the last reduce-scatter step of an average).
+        average: bool,
+    },
+    /// `local[elements] = slot` (all-gather).
+    Copy,
+}
+
+/// One chunk taken out of this rank's slot (receive stream).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecvOp {
+    /// Ring step.
+    pub step: u32,
+    /// Element range of the local buffer.
+    pub elements: Range<u64>,
+    /// Our slot the previous rank wrote.
+    pub slot: u32,
+    /// Wait until our `ready` counter is at least this before reading the slot.
+    pub wait_ready: u32,
+    /// Reduce or copy.
+    pub kind: RecvKind,
+    /// Wait for this send (index into [`StreamProgram::sends`]) first: it reads the range this
+    /// receive overwrites.
+    pub after_send: Option<usize>,
+    /// When the slot has been read, set the previous rank's `released` counter to this.
+    pub released: u32,
+}
+
+/// The queued work of one rank for one allreduce.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StreamProgram {
+    /// In send-stream order.
+    pub sends: Vec<SendOp>,
+    /// In receive-stream order.
+    pub recvs: Vec<RecvOp>,
+}
+
+/// Chunks moved so far on this rank's two links, carried from one collective to the next.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkCounters {
+    /// Chunks this rank has written to the next rank.
+    pub sent: u64,
+    /// Chunks this rank has received from the previous rank.
+    pub received: u64,
+}
+
+/// The chunks of `segment`, as element ranges.
+fn chunks(plan: &Plan, segment: u32) -> impl Iterator<Item = Range<u64>> + '_ {
+    (0..plan.chunks_in(segment)).map(move |c| plan.chunk(segment, c))
+}
+
+/// Plans one allreduce of `plan` for `rank` and advances `counters` past it.
+///
+/// Every rank of the ring must plan the same collectives in the same order with the same plan
+/// (then the sequence numbers of both ends of each link agree without messages).
+pub fn program(
+    plan: &Plan,
+    rank: u32,
+    average: bool,
+    counters: &mut LinkCounters,
+) -> StreamProgram {
+    let n = plan.world;
+    let mut p = StreamProgram::default();
+    if n < 2 {
+        return p;
+    }
+    let slots = u64::from(plan.slots);
+    let reduce_steps = n - 1;
+    // First receive / send index of each step, for the cross-stream dependencies.
+    let mut recv_start = Vec::with_capacity(plan.steps() as usize);
+    let mut send_start = Vec::with_capacity(plan.steps() as usize);
+    for step in 0..plan.steps() {
+        send_start.push(p.sends.len());
+        for (c, elements) in chunks(plan, plan.send_segment(rank, step)).enumerate() {
+            let seq = counters.sent;
+            counters.sent += 1;
+            p.sends.push(SendOp {
+                step,
+                elements,
+                slot: (seq % slots) as u32,
+                wait_released: (seq >= slots).then(|| (seq + 1 - slots) as u32),
+                ready: (seq + 1) as u32,
+                after_recv: (step > 0).then(|| recv_start[step as usize - 1] + c),
+            });
+        }
+        recv_start.push(p.recvs.len());
+        for (c, elements) in chunks(plan, plan.recv_segment(rank, step)).enumerate() {
+            let seq = counters.received;
+            counters.received += 1;
+            let kind = if step < reduce_steps {
+                RecvKind::Reduce {
+                    average: average && step + 1 == reduce_steps,
+                }
+            } else {
+                RecvKind::Copy
+            };
+            p.recvs.push(RecvOp {
+                step,
+                elements,
+                slot: (seq % slots) as u32,
+                wait_ready: (seq + 1) as u32,
+                kind,
+                after_send: (step >= reduce_steps)
+                    .then(|| send_start[(step - reduce_steps) as usize] + c),
+                released: (seq + 1) as u32,
+            });
+        }
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_ranks_two_chunks_each() {
+        // 8 elements, 2 ranks: segments of 4, chunks of 2 elements, 2 slots.
+        let plan = Plan::new(2, 8, 4, 8, 2).unwrap();
+        let mut c = LinkCounters::default();
+        let p = program(&plan, 0, false, &mut c);
+        assert_eq!(
+            c,
+            LinkCounters {
+                sent: 4,
+                received: 4
+            }
+        );
+        // Rank 0 sends segment 0 (reduce-scatter), then its final segment 1 (all-gather).
+        let sent: Vec<_> = p.sends.iter().map(|s| s.elements.clone()).collect();
+        assert_eq!(sent, vec![0..2, 2..4, 4..6, 6..8]);
+        assert_eq!(p.sends[0].wait_released, None);
+        assert_eq!(p.sends[2].wait_released, Some(1));
+        assert_eq!(p.sends[2].after_recv, Some(0));
+        assert_eq!(p.recvs[0].kind, RecvKind::Reduce { average: false });
+        assert_eq!(p.recvs[2].kind, RecvKind::Copy);
+        // The all-gather overwrites segment 0, which the first step sent.
+        assert_eq!(p.recvs[2].after_send, Some(0));
+        // The next collective goes on counting.
+        let q = program(&plan, 0, true, &mut c);
+        assert_eq!(q.sends[0].ready, 5);
+        assert_eq!(q.sends[0].wait_released, Some(3));
+        assert_eq!(q.recvs[1].kind, RecvKind::Reduce { average: true });
+    }
+
+    #[test]
+    fn one_rank_has_nothing_to_move() {
+        let plan = Plan::new(1, 100, 4, 64, 2).unwrap();
+        let mut c = LinkCounters::default();
+        assert_eq!(program(&plan, 0, true, &mut c), StreamProgram::default());
+    }
+}
