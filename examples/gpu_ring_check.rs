@@ -56,6 +56,15 @@ struct Args {
     /// Bytes per slot (both paths).
     #[arg(long)]
     slot_bytes: Option<usize>,
+    /// Direct path: flags in shared host memory instead of GPU memory.
+    #[arg(long)]
+    host_flags: bool,
+    /// cuda-ipc chunks up to this many bytes are written by a kernel (else the copy engine).
+    #[arg(long)]
+    kernel_send_max: Option<usize>,
+    /// Two ranks: also sweep the two-step ring beside the default one-step exchange.
+    #[arg(long)]
+    also_ring: bool,
 }
 
 const BATCHES: usize = 5;
@@ -87,7 +96,9 @@ fn run() -> anyhow::Result<()> {
     let mut options = GpuRingOptions::default();
     if let Some(s) = args.slots {
         options.slots = s;
+        options.ipc_slots = s;
     }
+    options.device_flags = !args.host_flags;
     if let Some(b) = args.slot_bytes {
         options.ipc_slot_bytes = b;
         options.shm_slot_bytes = b;
@@ -99,6 +110,9 @@ fn run() -> anyhow::Result<()> {
         Vec::new()
     };
     let mut g = GpuRingJob::form(&config, options, &nccl_id)?;
+    if let Some(b) = args.kernel_send_max {
+        g.ring.set_kernel_send_max(b);
+    }
     let deadline = || Deadline::after(config.timeout);
     println!(
         "rank {} of {}: GPU {}, {}; {}",
@@ -227,79 +241,87 @@ fn perf(
     };
     let buf = DeviceBuffer::new(&g.context, args.max_bytes)?;
     let n = f64::from(g.world);
-    let mut bytes = 1 << 20;
-    while bytes <= args.max_bytes {
-        let count = bytes / dtype.size();
-        let iters = (((4u64 << 30) / bytes as u64).clamp(2, 50)) as usize;
-        // Checked first: ours, then NCCL's.
-        buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
-        g.ring.all_reduce(&buf, count, dtype, op, stream)?;
-        g.ring.wait(TIMEOUT)?;
-        stream.synchronize()?;
-        let mut got = vec![0u8; bytes];
-        buf.copy_to_host(0, &mut got)?;
-        let ours_ok = verify(dtype, op, g.world, &got).is_ok();
-        let nccl_ok = match nccl.as_mut() {
-            Some(c) => {
-                buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
-                c.all_reduce(&[&buf], &[stream], count, dtype, op)?;
-                stream.synchronize()?;
-                buf.copy_to_host(0, &mut got)?;
-                Some(verify(dtype, op, g.world, &got).is_ok())
-            }
-            None => None,
-        };
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-        for batch in 0..=BATCHES {
-            let start = stream.record()?;
-            for _ in 0..iters {
-                g.ring.all_reduce(&buf, count, dtype, op, stream)?;
-            }
-            let end = stream.record()?;
+    let algos: &[bool] = if args.also_ring && g.world == 2 {
+        &[true, false]
+    } else {
+        &[true]
+    };
+    for &exchange in algos {
+        g.ring.set_two_rank_exchange(exchange);
+        let mut bytes = 1 << 20;
+        while bytes <= args.max_bytes {
+            let count = bytes / dtype.size();
+            let iters = (((4u64 << 30) / bytes as u64).clamp(2, 50)) as usize;
+            // Checked first: ours, then NCCL's.
+            buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+            g.ring.all_reduce(&buf, count, dtype, op, stream)?;
             g.ring.wait(TIMEOUT)?;
-            let t = f64::from(start.elapsed_ms(&end)?) / 1e3 / iters as f64;
-            if batch > 0 {
-                ours.push(t); // batch 0 warms up
-            }
-            if let Some(c) = nccl.as_mut() {
+            stream.synchronize()?;
+            let mut got = vec![0u8; bytes];
+            buf.copy_to_host(0, &mut got)?;
+            let ours_ok = verify(dtype, op, g.world, &got).is_ok();
+            let nccl_ok = match nccl.as_mut() {
+                Some(c) => {
+                    buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+                    c.all_reduce(&[&buf], &[stream], count, dtype, op)?;
+                    stream.synchronize()?;
+                    buf.copy_to_host(0, &mut got)?;
+                    Some(verify(dtype, op, g.world, &got).is_ok())
+                }
+                None => None,
+            };
+            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+            for batch in 0..=BATCHES {
                 let start = stream.record()?;
                 for _ in 0..iters {
-                    c.all_reduce(&[&buf], &[stream], count, dtype, op)?;
+                    g.ring.all_reduce(&buf, count, dtype, op, stream)?;
                 }
                 let end = stream.record()?;
+                g.ring.wait(TIMEOUT)?;
                 let t = f64::from(start.elapsed_ms(&end)?) / 1e3 / iters as f64;
                 if batch > 0 {
-                    theirs.push(t);
+                    ours.push(t); // batch 0 warms up
+                }
+                if let Some(c) = nccl.as_mut() {
+                    let start = stream.record()?;
+                    for _ in 0..iters {
+                        c.all_reduce(&[&buf], &[stream], count, dtype, op)?;
+                    }
+                    let end = stream.record()?;
+                    let t = f64::from(start.elapsed_ms(&end)?) / 1e3 / iters as f64;
+                    if batch > 0 {
+                        theirs.push(t);
+                    }
                 }
             }
-        }
-        let t = median(ours);
-        let busbw = bytes as f64 / t / 1e9 * 2.0 * (n - 1.0) / n;
-        let mut row = format!(
-            "GPU_RING_PERF rank={} world={} bytes={bytes} time_us={:.1} busbw_GBps={busbw:.1} check={}",
-            g.rank,
-            g.world,
-            t * 1e6,
-            if ours_ok { "ok" } else { "WRONG" }
-        );
-        if let Some(c) = ceiling {
-            row += &format!(" vs_ceiling={:.2}", busbw / c);
-        }
-        if !theirs.is_empty() {
-            let tn = median(theirs);
-            let nb = bytes as f64 / tn / 1e9 * 2.0 * (n - 1.0) / n;
-            row += &format!(
-                " nccl_time_us={:.1} nccl_busbw_GBps={nb:.1} nccl_check={} vs_nccl={:.2}",
-                tn * 1e6,
-                if nccl_ok == Some(true) { "ok" } else { "WRONG" },
-                busbw / nb
+            let t = median(ours);
+            let busbw = bytes as f64 / t / 1e9 * 2.0 * (n - 1.0) / n;
+            let mut row = format!(
+                "GPU_RING_PERF rank={} world={} bytes={bytes} time_us={:.1} busbw_GBps={busbw:.1} check={}",
+                g.rank,
+                g.world,
+                t * 1e6,
+                if ours_ok { "ok" } else { "WRONG" }
             );
+            if let Some(c) = ceiling {
+                row += &format!(" vs_ceiling={:.2}", busbw / c);
+            }
+            if !theirs.is_empty() {
+                let tn = median(theirs);
+                let nb = bytes as f64 / tn / 1e9 * 2.0 * (n - 1.0) / n;
+                row += &format!(
+                    " nccl_time_us={:.1} nccl_busbw_GBps={nb:.1} nccl_check={} vs_nccl={:.2}",
+                    tn * 1e6,
+                    if nccl_ok == Some(true) { "ok" } else { "WRONG" },
+                    busbw / nb
+                );
+            }
+            println!("{row} path=\"{}\"", g.ring.path());
+            if !ours_ok || nccl_ok == Some(false) {
+                bail!("a wrong result at {bytes} bytes");
+            }
+            bytes *= 4;
         }
-        println!("{row} path=\"{}\"", g.ring.path());
-        if !ours_ok || nccl_ok == Some(false) {
-            bail!("a wrong result at {bytes} bytes");
-        }
-        bytes *= 4;
     }
     g.job.barrier(Deadline::after(config.timeout))?;
     Ok(())

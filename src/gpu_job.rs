@@ -14,11 +14,14 @@ use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
 use nodetour_core::bootstrap::{Bootstrap, HostIdentity, LaunchInfo};
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_core::transport::gpu::{CudaIpcSender, Flags, GpuSlot, IpcGrant, ShmSender, ShmSlot};
+use nodetour_core::transport::gpu::{
+    CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, IpcGrant, PeerDeviceFlags, ShmSender,
+    ShmSlot,
+};
 use nodetour_core::transport::{TransportKind, forced_from_env};
 use nodetour_core::{Config, Deadline};
 use nodetour_ring::gpu_ring::{
-    GpuRing, IPC_SLOT_BYTES, Incoming, Outgoing, SHM_SLOT_BYTES, SLOT_MEMORY_MAX, SLOTS,
+    GpuRing, IPC_SLOT_BYTES, IPC_SLOTS, Incoming, Outgoing, SHM_SLOT_BYTES, SLOT_MEMORY_MAX, SLOTS,
     StreamLinks, flag,
 };
 use nodetour_ring::order::{neighbours, ring_order};
@@ -31,12 +34,17 @@ const MODE_SHM: u32 = 2;
 /// Slot shapes of a GPU ring.
 #[derive(Clone, Copy, Debug)]
 pub struct GpuRingOptions {
-    /// Slots per link.
+    /// Slots per link on the staged path.
     pub slots: u32,
     /// Bytes per slot on the direct path.
     pub ipc_slot_bytes: usize,
     /// Bytes per slot on the staged path.
     pub shm_slot_bytes: usize,
+    /// Slots per link on the direct path.
+    pub ipc_slots: u32,
+    /// Direct path: flags in GPU memory (polled locally, set over NVLink/PCIe) rather than in
+    /// shared host memory.
+    pub device_flags: bool,
 }
 
 impl Default for GpuRingOptions {
@@ -45,6 +53,8 @@ impl Default for GpuRingOptions {
             slots: SLOTS,
             ipc_slot_bytes: IPC_SLOT_BYTES,
             shm_slot_bytes: SHM_SLOT_BYTES,
+            ipc_slots: IPC_SLOTS,
+            device_flags: true,
         }
     }
 }
@@ -79,15 +89,14 @@ impl GpuRingJob {
     ) -> anyhow::Result<GpuRingJob> {
         let info = LaunchInfo::from_env()?;
         let (me, world) = (info.rank, info.world_size);
-        for (what, bytes) in [
-            ("cuda-ipc", options.ipc_slot_bytes),
-            ("shm", options.shm_slot_bytes),
+        for (what, slots, bytes) in [
+            ("cuda-ipc", options.ipc_slots, options.ipc_slot_bytes),
+            ("shm", options.slots, options.shm_slot_bytes),
         ] {
-            let total = bytes.saturating_mul(options.slots as usize);
-            if total > SLOT_MEMORY_MAX || options.slots == 0 || bytes == 0 {
+            let total = bytes.saturating_mul(slots as usize);
+            if total > SLOT_MEMORY_MAX || slots == 0 || bytes == 0 {
                 bail!(
-                    "{what}: {} slots of {bytes} bytes: slot memory is bounded by {} MiB",
-                    options.slots,
+                    "{what}: {slots} slots of {bytes} bytes: slot memory is bounded by {} MiB",
                     SLOT_MEMORY_MAX >> 20
                 );
             }
@@ -108,7 +117,11 @@ impl GpuRingJob {
         // What this rank receives into, announced before the rendezvous; the unused one is
         // freed once the previous rank has said which it chose.
         let flags = Flags::create(flag::WORDS)?;
-        let gpu_slots = GpuSlot::new(&context, options.slots as usize * options.ipc_slot_bytes)?;
+        let device_flags = DeviceFlags::create(&context, flag::WORDS)?;
+        let gpu_slots = GpuSlot::new(
+            &context,
+            options.ipc_slots as usize * options.ipc_slot_bytes,
+        )?;
         let shm_slots = ShmSlot::create(options.slots as usize * options.shm_slot_bytes)?;
         let (shm_path, shm_len) = shm_slots.grant();
         let mut blob = Vec::new();
@@ -116,6 +129,7 @@ impl GpuRingJob {
         put(&mut blob, flags.path().to_string_lossy().as_bytes());
         put(&mut blob, shm_path.to_string_lossy().as_bytes());
         put(&mut blob, &(shm_len as u64).to_be_bytes());
+        put(&mut blob, &device_flags.ipc_grant()?.encode());
         put(&mut blob, extra);
         let deadline = Deadline::after(config.timeout);
         let job = rendezvous(&info, config, blob)?;
@@ -129,7 +143,7 @@ impl GpuRingJob {
         let mut extras = Vec::new();
         for p in job.peers() {
             let mut at = 0;
-            for _ in 0..4 {
+            for _ in 0..5 {
                 take(&p.blob, &mut at)?;
             }
             extras.push(take(&p.blob, &mut at)?.to_vec());
@@ -161,12 +175,16 @@ impl GpuRingJob {
         let next_flags = PathBuf::from(String::from_utf8(take(theirs, &mut at)?.to_vec())?);
         let next_shm = PathBuf::from(String::from_utf8(take(theirs, &mut at)?.to_vec())?);
         let next_shm_len = u64::from_be_bytes(take(theirs, &mut at)?.try_into()?) as usize;
-        let prev_flags = {
+        let next_device_flags = IpcGrant::decode(take(theirs, &mut at)?)?;
+        let (prev_flags, prev_device_flags) = {
             let b = &job.peers()[prev as usize].blob;
             let mut at = 0;
             take(b, &mut at)?;
             let path = PathBuf::from(String::from_utf8(take(b, &mut at)?.to_vec())?);
-            Flags::open(&path, flag::WORDS)?
+            take(b, &mut at)?;
+            take(b, &mut at)?;
+            let device = IpcGrant::decode(take(b, &mut at)?)?;
+            (Flags::open(&path, flag::WORDS)?, device)
         };
 
         let open_flags = || Flags::open(&next_flags, flag::WORDS);
@@ -194,7 +212,9 @@ impl GpuRingJob {
             Outgoing::CudaIpc(_) => MODE_IPC,
             Outgoing::Shm(_) => MODE_SHM,
         };
-        open_flags()?.store(flag::MODE, mode)?;
+        // Opened now: the name goes away after the barrier.
+        let next_host_flags = open_flags()?;
+        next_host_flags.store(flag::MODE, mode)?;
         job.barrier(deadline)?;
         // Every peer has mapped our files and announced its choice: remove the names (nothing
         // is left behind on a crash).
@@ -231,12 +251,49 @@ impl GpuRingJob {
                 flags.read(flag::MODE)?
             );
         }
+        let slots = match incoming {
+            Incoming::CudaIpc(_) => options.ipc_slots,
+            Incoming::Shm { .. } => options.slots,
+        };
+        // Direct links keep their flags in GPU memory (each GPU polls its own memory); the
+        // pages of both neighbours are mapped before anyone's names go away.
+        let on_gpu = matches!(incoming, Incoming::CudaIpc(_)) && options.device_flags;
+        let choice = format!(
+            "{choice}; flags in {}",
+            if on_gpu {
+                "GPU memory"
+            } else {
+                "shared host memory"
+            }
+        );
+        let pages: [Box<dyn FlagPage>; 3] = match on_gpu {
+            true => [
+                Box::new(device_flags),
+                Box::new(PeerDeviceFlags::open(
+                    &context,
+                    &next_device_flags,
+                    flag::WORDS,
+                )?),
+                Box::new(PeerDeviceFlags::open(
+                    &context,
+                    &prev_device_flags,
+                    flag::WORDS,
+                )?),
+            ],
+            _ => [
+                Box::new(flags),
+                Box::new(next_host_flags),
+                Box::new(prev_flags),
+            ],
+        };
+        let [flags, next_flags, prev_flags] = pages;
         let links = StreamLinks {
             flags,
+            next_flags,
             prev_flags,
             outgoing,
             incoming,
-            slots: options.slots,
+            slots,
             slot_bytes,
         };
         job.barrier(deadline)?;

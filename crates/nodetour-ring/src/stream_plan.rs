@@ -158,6 +158,46 @@ pub fn program(
     p
 }
 
+/// Plans one allreduce of two ranks as an **exchange** and advances `counters` past it: each
+/// rank writes its whole buffer, chunk by chunk, into the other's slots and combines every
+/// chunk into its own (`local = op(local, peer)`; the operations are commutative, so both ranks
+/// compute the same values). The same bytes cross the link as in the two-rank ring (the whole
+/// buffer each way) in one step instead of two, with no all-gather copy: lower latency, and
+/// the copy engines stream without a phase change. The receive of a chunk waits for the send
+/// that reads the same range (write after read). `plan.world` must be 2.
+pub fn program_exchange(plan: &Plan, average: bool, counters: &mut LinkCounters) -> StreamProgram {
+    debug_assert_eq!(plan.world, 2);
+    let slots = u64::from(plan.slots);
+    let mut p = StreamProgram::default();
+    let mut start = 0;
+    while start < plan.count {
+        let elements = start..(start + plan.chunk_elems).min(plan.count);
+        start = elements.end;
+        let seq = counters.sent;
+        counters.sent += 1;
+        p.sends.push(SendOp {
+            step: 0,
+            elements: elements.clone(),
+            slot: (seq % slots) as u32,
+            wait_released: (seq >= slots).then(|| (seq + 1 - slots) as u32),
+            ready: (seq + 1) as u32,
+            after_recv: None,
+        });
+        let seq = counters.received;
+        counters.received += 1;
+        p.recvs.push(RecvOp {
+            step: 0,
+            elements,
+            slot: (seq % slots) as u32,
+            wait_ready: (seq + 1) as u32,
+            kind: RecvKind::Reduce { average },
+            after_send: Some(p.sends.len() - 1),
+            released: (seq + 1) as u32,
+        });
+    }
+    p
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,6 +230,30 @@ mod tests {
         assert_eq!(q.sends[0].ready, 5);
         assert_eq!(q.sends[0].wait_released, Some(3));
         assert_eq!(q.recvs[1].kind, RecvKind::Reduce { average: true });
+    }
+
+    #[test]
+    fn the_exchange_sends_everything_once_and_reduces_after_sending() {
+        let plan = Plan::new(2, 5, 4, 8, 2).unwrap();
+        let mut c = LinkCounters::default();
+        let p = program_exchange(&plan, true, &mut c);
+        assert_eq!(
+            c,
+            LinkCounters {
+                sent: 3,
+                received: 3
+            }
+        );
+        let sent: Vec<_> = p.sends.iter().map(|s| s.elements.clone()).collect();
+        assert_eq!(sent, vec![0..2, 2..4, 4..5]);
+        assert!(
+            p.recvs
+                .iter()
+                .enumerate()
+                .all(|(i, r)| r.after_send == Some(i)
+                    && r.kind == RecvKind::Reduce { average: true })
+        );
+        assert_eq!(p.sends[2].wait_released, Some(1));
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! the result), which shows the simulator sees the hazards the dependencies prevent.
 
 use nodetour_ring::Plan;
-use nodetour_ring::stream_plan::{LinkCounters, RecvKind, RecvOp, SendOp, program};
+use nodetour_ring::stream_plan::{
+    LinkCounters, RecvKind, RecvOp, SendOp, program, program_exchange,
+};
 use proptest::prelude::*;
 
 mod common;
@@ -23,6 +25,8 @@ struct Drop_ {
     released: bool,
     after_send: bool,
     after_recv: bool,
+    /// Two ranks: the exchange program instead of the ring.
+    exchange: bool,
 }
 
 struct Rank {
@@ -89,7 +93,11 @@ fn run(
     for input in &inputs {
         for r in 0..n {
             ranks[r].data = input[r].clone();
-            let mut p = program(&plan, r as u32, avg, &mut counters[r]);
+            let mut p = if drop.exchange {
+                program_exchange(&plan, avg, &mut counters[r])
+            } else {
+                program(&plan, r as u32, avg, &mut counters[r])
+            };
             if drop.released {
                 p.sends.iter_mut().for_each(|s| s.wait_released = None);
             }
@@ -192,6 +200,39 @@ proptest! {
     ) {
         prop_assert!(run(world, count, slot_elems, slots, 3, avg, seed, Drop_::default()));
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    #[test]
+    fn the_two_rank_exchange_gives_the_exact_result(
+        count in prop::sample::select(vec![0u64, 1, 2, 7, 13, 64, 97]),
+        slot_elems in 1u64..9,
+        slots in 1u32..5,
+        avg in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let exchange = Drop_ { exchange: true, ..Drop_::default() };
+        prop_assert!(run(2, count, slot_elems, slots, 3, avg, seed, exchange));
+    }
+}
+
+/// In the exchange, the write-after-read wait is what keeps a rank from combining into a range
+/// before its send has read it.
+#[test]
+fn the_exchange_needs_its_write_after_read_wait() {
+    let drop = Drop_ {
+        exchange: true,
+        after_send: true,
+        ..Drop_::default()
+    };
+    assert!((0..400u64).any(|seed| !run(2, 31, 2, 2, 2, false, seed * 7919 + 1, drop)));
+    let drop = Drop_ {
+        exchange: true,
+        released: true,
+        ..Drop_::default()
+    };
+    assert!((0..400u64).any(|seed| !run(2, 31, 2, 2, 2, false, seed * 7919 + 1, drop)));
 }
 
 /// The slot-reuse and data dependencies are necessary: without either, some interleaving

@@ -102,6 +102,186 @@ impl Flags {
     }
 }
 
+/// A page of 32-bit flags that streams wait on and set: in shared host memory ([`Flags`], any
+/// two processes of a host) or in GPU memory ([`DeviceFlags`] / [`PeerDeviceFlags`], for GPUs
+/// that reach each other: the waiting GPU polls its own memory instead of host memory across
+/// PCIe, which shortens every hand-off).
+pub trait FlagPage: Send + Sync {
+    /// Queues on `stream`: wait until word `index` is at least `value` (cyclic comparison).
+    fn enqueue_wait(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()>;
+    /// Queues on `stream`: set word `index` to `value`, after the stream's earlier work and
+    /// with a memory barrier.
+    fn enqueue_set(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()>;
+    /// Sets word `index` from the host, now.
+    fn store(&self, index: u32, value: u32) -> Result<()>;
+}
+
+impl FlagPage for Flags {
+    fn enqueue_wait(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
+        Flags::enqueue_wait(self, stream, index, value)
+    }
+    fn enqueue_set(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
+        Flags::enqueue_set(self, stream, index, value)
+    }
+    fn store(&self, index: u32, value: u32) -> Result<()> {
+        Flags::store(self, index, value)
+    }
+}
+
+/// A flag page in this rank's GPU memory, exported to peers through cuda-ipc.
+pub struct DeviceFlags {
+    slot: GpuSlot,
+    words: u32,
+}
+
+impl DeviceFlags {
+    /// Allocates (zeroed) a page of `words` flags on `context`'s GPU.
+    pub fn create(context: &Arc<CudaContext>, words: u32) -> Result<DeviceFlags> {
+        Ok(DeviceFlags {
+            slot: GpuSlot::new(context, FLAG_STRIDE * words.max(1) as usize)?,
+            words,
+        })
+    }
+
+    /// What a peer needs to map the page.
+    pub fn ipc_grant(&self) -> Result<IpcGrant> {
+        self.slot.ipc_grant()
+    }
+
+    fn address(&self, index: u32) -> Result<u64> {
+        flag_address(self.slot.buffer.device_ptr(), index, self.words)
+    }
+}
+
+fn flag_address(base: u64, index: u32, words: u32) -> Result<u64> {
+    if index >= words {
+        return Err(Error::InvalidArgument {
+            reason: format!("flag {index} of a page of {words}"),
+        });
+    }
+    Ok(base + (FLAG_STRIDE * index as usize) as u64)
+}
+
+/// Stores `value` at the device address `address` from the host (a synchronous copy, which
+/// does not wait for the non-blocking streams that may be waiting on the flag).
+fn store_device_word(context: &Arc<CudaContext>, address: u64, value: u32) -> Result<()> {
+    context
+        .bind_to_thread()
+        .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+    // SAFETY: address is a flag word inside a live allocation (checked by the callers); the
+    // source is 4 readable bytes.
+    unsafe {
+        sys::cuMemcpyHtoD_v2(
+            address,
+            (&value as *const u32).cast::<std::ffi::c_void>(),
+            4,
+        )
+    }
+    .result()
+    .map_err(|e| cuda_error("cuMemcpyHtoD", e))
+}
+
+impl FlagPage for DeviceFlags {
+    fn enqueue_wait(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
+        stream.wait_value(self.address(index)?, value)
+    }
+    fn enqueue_set(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
+        stream.write_value(self.address(index)?, value)
+    }
+    fn store(&self, index: u32, value: u32) -> Result<()> {
+        store_device_word(self.slot.buffer.context(), self.address(index)?, value)
+    }
+}
+
+/// A peer's [`DeviceFlags`], mapped into this rank's GPU (to set its words).
+pub struct PeerDeviceFlags {
+    mapping: IpcMapping,
+    words: u32,
+}
+
+impl PeerDeviceFlags {
+    /// Maps the peer's page; fails where the GPUs cannot reach each other.
+    pub fn open(
+        context: &Arc<CudaContext>,
+        grant: &IpcGrant,
+        words: u32,
+    ) -> Result<PeerDeviceFlags> {
+        if grant.len < (FLAG_STRIDE * words as usize) as u64 {
+            return Err(Error::InvalidArgument {
+                reason: format!("a flag page of {} bytes for {words} flags", grant.len),
+            });
+        }
+        Ok(PeerDeviceFlags {
+            mapping: IpcMapping::open(context, grant)?,
+            words,
+        })
+    }
+
+    fn address(&self, index: u32) -> Result<u64> {
+        flag_address(self.mapping.dst, index, self.words)
+    }
+}
+
+impl FlagPage for PeerDeviceFlags {
+    fn enqueue_wait(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
+        stream.wait_value(self.address(index)?, value)
+    }
+    fn enqueue_set(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
+        stream.write_value(self.address(index)?, value)
+    }
+    fn store(&self, index: u32, value: u32) -> Result<()> {
+        store_device_word(&self.mapping.context, self.address(index)?, value)
+    }
+}
+
+/// A peer's GPU allocation mapped into this process (`cuIpcOpenMemHandle`), closed on drop.
+struct IpcMapping {
+    base: u64,
+    dst: u64,
+    len: u64,
+    context: Arc<CudaContext>,
+}
+
+// SAFETY: the mapping is usable from any thread that binds the context (every user does).
+unsafe impl Send for IpcMapping {}
+// SAFETY: as above; nothing in it changes after creation.
+unsafe impl Sync for IpcMapping {}
+
+impl IpcMapping {
+    fn open(context: &Arc<CudaContext>, grant: &IpcGrant) -> Result<IpcMapping> {
+        context
+            .bind_to_thread()
+            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        let handle = sys::CUipcMemHandle {
+            reserved: grant.handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: a valid out-pointer; the handle came from the peer's cuIpcGetMemHandle.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, handle, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32) }
+            .result()
+            .map_err(|e| Error::Unsupported {
+                what: "cuda-ipc",
+                reason: format!("mapping the peer's GPU memory failed ({}): not the same host, or no peer access between the GPUs", crate::cuda::result::error_name(e)),
+            })?;
+        Ok(IpcMapping {
+            base,
+            dst: base + grant.offset,
+            len: grant.len,
+            context: context.clone(),
+        })
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.context.bind_to_thread().is_ok() {
+            let _ = self.context.synchronize();
+            // SAFETY: base came from cuIpcOpenMemHandle; no queued work uses it (synchronised).
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+        }
+    }
+}
+
 /// What a sender needs to map a receiver's GPU slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IpcGrant {
@@ -191,16 +371,10 @@ impl GpuSlot {
 
 /// A sender's mapping of one peer's GPU slot, and the peer's flags.
 pub struct CudaIpcSender {
-    base: u64,
-    dst: u64,
-    len: u64,
+    mapping: IpcMapping,
     flags: Flags,
     rank: u32,
-    context: Arc<CudaContext>,
 }
-
-// SAFETY: the mapping is usable from any thread that binds the context (every method does).
-unsafe impl Send for CudaIpcSender {}
 
 impl CudaIpcSender {
     /// Maps the peer's slot into `context` (this rank's GPU). Failing here means the two are not
@@ -211,32 +385,38 @@ impl CudaIpcSender {
         peer_flags: Flags,
         my_rank: u32,
     ) -> Result<CudaIpcSender> {
-        context
-            .bind_to_thread()
-            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        let handle = sys::CUipcMemHandle {
-            reserved: grant.handle.map(|b| b as std::ffi::c_char),
-        };
-        let mut base: sys::CUdeviceptr = 0;
-        // SAFETY: a valid out-pointer; the handle came from the peer's cuIpcGetMemHandle.
-        unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, handle, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32) }
-            .result()
-            .map_err(|e| Error::Unsupported {
-                what: "cuda-ipc",
-                reason: format!("mapping the peer's GPU memory failed ({}): not the same host, or no peer access between the GPUs", crate::cuda::result::error_name(e)),
-            })?;
         Ok(CudaIpcSender {
-            base,
-            dst: base + grant.offset,
-            len: grant.len,
+            mapping: IpcMapping::open(context, grant)?,
             flags: peer_flags,
             rank: my_rank,
-            context: context.clone(),
         })
     }
 
+    fn check(
+        &self,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst_offset: u64,
+        len: usize,
+    ) -> Result<()> {
+        src.check("GPU write source", src_offset, len)?;
+        if dst_offset
+            .checked_add(len as u64)
+            .is_none_or(|e| e > self.mapping.len)
+        {
+            return Err(Error::OutOfBounds {
+                what: "cuda-ipc write",
+                offset: dst_offset,
+                len: len as u64,
+                region_len: self.mapping.len,
+            });
+        }
+        Ok(())
+    }
+
     /// Queues on `stream`: copy `len` bytes of `src` at `src_offset` into the peer's slot at
-    /// `dst_offset`, then (if given) set this rank's flag at the peer to `notify`.
+    /// `dst_offset` with the copy engine, then (if given) set this rank's flag at the peer to
+    /// `notify`.
     pub fn enqueue_write(
         &self,
         stream: &GpuStream,
@@ -246,24 +426,13 @@ impl CudaIpcSender {
         len: usize,
         notify: Option<u32>,
     ) -> Result<()> {
-        src.check("GPU write source", src_offset, len)?;
-        if dst_offset
-            .checked_add(len as u64)
-            .is_none_or(|e| e > self.len)
-        {
-            return Err(Error::OutOfBounds {
-                what: "cuda-ipc write",
-                offset: dst_offset,
-                len: len as u64,
-                region_len: self.len,
-            });
-        }
+        self.check(src, src_offset, dst_offset, len)?;
         let s = stream.bind()?;
         // SAFETY: the destination lies in the mapped slot (checked), the source in a live buffer
         // (checked); the mapping stays open until Drop, which synchronises first.
         unsafe {
             sys::cuMemcpyAsync(
-                self.dst + dst_offset,
+                self.mapping.dst + dst_offset,
                 src.device_ptr() + src_offset as u64,
                 len,
                 s,
@@ -276,15 +445,21 @@ impl CudaIpcSender {
         }
         Ok(())
     }
-}
 
-impl Drop for CudaIpcSender {
-    fn drop(&mut self) {
-        if self.context.bind_to_thread().is_ok() {
-            let _ = self.context.synchronize();
-            // SAFETY: base came from cuIpcOpenMemHandle; no queued work uses it (synchronised).
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
-        }
+    /// Like [`CudaIpcSender::enqueue_write`] without a flag, but the copy is a kernel of
+    /// `kernels` (this GPU's) that writes the peer's memory: it starts sooner than the copy
+    /// engine, which pays off for small chunks.
+    pub fn enqueue_kernel_write(
+        &self,
+        stream: &GpuStream,
+        kernels: &crate::cuda::reduce::ReduceKernels,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst_offset: u64,
+        len: usize,
+    ) -> Result<()> {
+        self.check(src, src_offset, dst_offset, len)?;
+        kernels.copy_to_address(stream, self.mapping.dst + dst_offset, src, src_offset, len)
     }
 }
 
