@@ -13,12 +13,13 @@ cargo build --release -p nodetour-core --example gpu_spike
 exe=$(cargo test --release -p nodetour-core --test gpu --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp target/release/nodetour target/release/examples/two_node_smoke target/release/examples/gpu_spike \
     target/release/examples/gpu_transport_check target/release/examples/transport_check \
-    target/release/examples/gpu_allreduce target/release/examples/gpu_ring_check "$out/"
+    target/release/examples/gpu_allreduce target/release/examples/gpu_ring_check \
+    target/release/examples/allreduce_check "$out/"
 cp "$exe" "$out/gpu_tests"
 exe=$(cargo test --release -p nodetour-ring --test gpu_reduce --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp "$exe" "$out/gpu_reduce_tests"
 exe=$(cargo test --release -p nodetour-ring --test gpu_group --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp "$exe" "$out/gpu_group_tests"
 cp scripts/gpu-tier.sh scripts/launch-local.sh "$out/"
-strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/gpu_group_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check"
+strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/gpu_group_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check"
 du -sh "$out"

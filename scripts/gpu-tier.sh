@@ -46,6 +46,9 @@ failed=0
     fi
     ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all || failed=1
     NODETOUR_TRANSPORT=shm ./launch-local.sh -n 4 --timeout 300 -- ./gpu_ring_check || failed=1
+    echo "== allreduce_check --gpu: GPU buffers staged through host slots over tcp (the cross-host path)"
+    ./launch-local.sh -n 2 --timeout 300 -- ./allreduce_check --gpu --all --count 3000017 || failed=1
+    ./launch-local.sh -n 3 --timeout 300 -- ./allreduce_check --gpu --all || failed=1
     if [[ $gpus -ge 2 ]]; then
         echo "== nodetour perf: direct GPU ring on GPUs 0,1 against NCCL (same buffers, same run)"
         for dt in f32 bf16; do

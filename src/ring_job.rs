@@ -8,6 +8,9 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
+use nodetour_core::cuda::GpuStream;
+use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_core::transport::verbs::PreparedVerbs;
@@ -16,7 +19,7 @@ use nodetour_core::verbs::{
     Access, EndpointDescription, MemoryRegion, Near, PathOptions, QueuePairOptions,
 };
 use nodetour_core::{Config, Deadline};
-use nodetour_ring::host::{HostRing, HostRingOptions, Links};
+use nodetour_ring::host::{GpuStaging, HostRing, HostRingOptions, Links};
 use nodetour_ring::order::{neighbours, ring_order};
 use nodetour_ring::{DataType, ReduceOp};
 
@@ -48,6 +51,7 @@ pub struct RingJob {
     backlog: Vec<u32>,
     epoch: u8,
     _local: Option<LocalSide>,
+    gpu: Option<GpuSide>,
     /// This rank.
     pub rank: u32,
     /// Ranks in the job.
@@ -70,6 +74,27 @@ impl RingJob {
         max_bytes: usize,
         options: HostRingOptions,
     ) -> anyhow::Result<RingJob> {
+        Self::form_with(config, transport, max_bytes, options, false)
+    }
+
+    /// Like [`RingJob::form`], with the slot and work regions pinned for GPU copies where CUDA
+    /// is present (for [`RingJob::all_reduce_gpu`]).
+    pub fn form_for_gpu(
+        config: &Config,
+        transport: &RingTransport,
+        max_bytes: usize,
+        options: HostRingOptions,
+    ) -> anyhow::Result<RingJob> {
+        Self::form_with(config, transport, max_bytes, options, true)
+    }
+
+    fn form_with(
+        config: &Config,
+        transport: &RingTransport,
+        max_bytes: usize,
+        options: HostRingOptions,
+        pin_for_gpu: bool,
+    ) -> anyhow::Result<RingJob> {
         let info = LaunchInfo::from_env()?;
         let token = JobToken::from_env();
         let (me, world) = (info.rank, info.world_size);
@@ -83,8 +108,13 @@ impl RingJob {
                 Some(LocalSide::open(&cfg, Near::Host)?)
             }
         };
+        let pin = pin_for_gpu && nodetour_core::cuda::availability().is_ok();
         let region = |len: usize| -> anyhow::Result<SlotRegion> {
-            let buf = HostBuffer::new(len.max(4096))?;
+            let mut buf = HostBuffer::new(len.max(4096))?;
+            if pin {
+                // Pinned for fast GPU copies (the staged GPU path copies in and out of it).
+                buf.register_with_cuda()?;
+            }
             Ok(match &local {
                 Some(l) => SlotRegion::registered(Arc::new(MemoryRegion::register(
                     &l.pd,
@@ -229,6 +259,7 @@ impl RingJob {
             backlog: Vec::new(),
             epoch: 0,
             _local: local,
+            gpu: None,
             rank: me,
             world,
             neighbours: (prev, next),
@@ -251,6 +282,49 @@ impl RingJob {
                 self.work.len()
             );
         }
+        self.with_ring(|ring, epoch, alive| ring.all_reduce(data, dtype, op, epoch, alive))
+    }
+
+    /// Allreduces the first `count` elements of GPU memory `buffer` in place, staged through
+    /// this job's host slots (the path for GPUs whose transport cannot reach GPU memory:
+    /// tcp, or verbs without GPUDirect). Synchronous.
+    pub fn all_reduce_gpu(
+        &mut self,
+        buffer: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> anyhow::Result<()> {
+        let same = |g: &GpuSide| Arc::ptr_eq(g.stream.context(), buffer.context());
+        if !self.gpu.as_ref().is_some_and(same) {
+            let ctx = buffer.context();
+            self.gpu = Some(GpuSide {
+                scratch: DeviceBuffer::new(ctx, self.options.slot_bytes)?,
+                stream: GpuStream::new(ctx)?,
+                kernels: ReduceKernels::load(ctx)?,
+            });
+        }
+        let gpu = self.gpu.take().expect("set above");
+        let staging = GpuStaging {
+            kernels: &gpu.kernels,
+            stream: &gpu.stream,
+            scratch: &gpu.scratch,
+        };
+        let result = self.with_ring(|ring, epoch, alive| {
+            ring.all_reduce_gpu(buffer, count, dtype, op, epoch, &staging, alive)
+        });
+        self.gpu = Some(gpu);
+        result
+    }
+
+    fn with_ring(
+        &mut self,
+        f: impl FnOnce(
+            &mut HostRing<'_>,
+            u8,
+            &dyn Fn() -> nodetour_core::Result<()>,
+        ) -> nodetour_ring::Result<()>,
+    ) -> anyhow::Result<()> {
         let (prev, next) = self.neighbours;
         let epoch = self.epoch;
         self.epoch = (self.epoch + 1) & 0x7f;
@@ -285,10 +359,17 @@ impl RingJob {
             backlog: std::mem::take(&mut self.backlog),
         };
         let job = &self.job;
-        let result = ring.all_reduce(data, dtype, op, epoch, &|| job.check());
+        let result = f(&mut ring, epoch, &|| job.check());
         self.backlog = std::mem::take(&mut ring.backlog);
         result.map_err(Into::into)
     }
+}
+
+/// The GPU side of the staged path: kernels, a stream and one slot of scratch.
+struct GpuSide {
+    scratch: DeviceBuffer,
+    stream: GpuStream,
+    kernels: ReduceKernels,
 }
 
 /// The ring position of `rank` (the schedule numbers ranks by position in the ring order).

@@ -10,6 +10,9 @@
 use std::time::{Duration, Instant};
 
 use nodetour_core::Deadline;
+use nodetour_core::cuda::GpuStream;
+use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
 
 use crate::error::{Error, Result};
@@ -84,6 +87,137 @@ fn epoch_of(v: u32) -> u32 {
     }
 }
 
+/// What a rank does with a chunk that landed in its slot; the work region always holds the
+/// values this rank sends on.
+trait ChunkOps {
+    /// `local[at..at + n] = op(local[at..at + n], recv[slot..slot + n])` (byte offsets).
+    fn reduce(
+        &mut self,
+        work: &SlotRegion,
+        recv: &SlotRegion,
+        slot: usize,
+        at: usize,
+        n: usize,
+    ) -> Result<()>;
+    /// `local[at..at + n] = recv[slot..slot + n]`.
+    fn copy(
+        &mut self,
+        work: &SlotRegion,
+        recv: &SlotRegion,
+        slot: usize,
+        at: usize,
+        n: usize,
+    ) -> Result<()>;
+}
+
+/// Host buffers: the work region is the local buffer, reduced by the CPU.
+struct HostOps {
+    dtype: DataType,
+    op: ReduceOp,
+    scratch: Vec<u8>,
+    mine: Vec<u8>,
+}
+
+impl ChunkOps for HostOps {
+    fn reduce(
+        &mut self,
+        work: &SlotRegion,
+        recv: &SlotRegion,
+        slot: usize,
+        at: usize,
+        n: usize,
+    ) -> Result<()> {
+        recv.read_at(slot, &mut self.scratch[..n])?;
+        work.read_at(at, &mut self.mine[..n])?;
+        reduce_into(self.dtype, self.op, &mut self.mine[..n], &self.scratch[..n])?;
+        work.write_at(at, &self.mine[..n])?;
+        Ok(())
+    }
+
+    fn copy(
+        &mut self,
+        work: &SlotRegion,
+        recv: &SlotRegion,
+        slot: usize,
+        at: usize,
+        n: usize,
+    ) -> Result<()> {
+        recv.read_at(slot, &mut self.scratch[..n])?;
+        work.write_at(at, &self.scratch[..n])?;
+        Ok(())
+    }
+}
+
+/// What the staged GPU path needs on this rank's GPU: its reduction kernels, a stream, and a
+/// scratch buffer of at least one slot.
+pub struct GpuStaging<'a> {
+    /// The kernels of the buffer's GPU.
+    pub kernels: &'a ReduceKernels,
+    /// A stream of the buffer's GPU.
+    pub stream: &'a GpuStream,
+    /// At least `slot_bytes` of GPU memory.
+    pub scratch: &'a DeviceBuffer,
+}
+
+/// GPU buffers staged through host slots: chunks land in host memory, are copied to the GPU and
+/// reduced there; the reduced chunk is copied back to the work region, from which it is sent on.
+struct GpuOps<'a> {
+    staging: &'a GpuStaging<'a>,
+    buffer: &'a DeviceBuffer,
+    dtype: DataType,
+    op: ReduceOp,
+    bounce: Vec<u8>,
+}
+
+fn gpu(e: nodetour_core::Error) -> Error {
+    Error::Gpu {
+        reason: e.to_string(),
+    }
+}
+
+impl ChunkOps for GpuOps<'_> {
+    fn reduce(
+        &mut self,
+        work: &SlotRegion,
+        recv: &SlotRegion,
+        slot: usize,
+        at: usize,
+        n: usize,
+    ) -> Result<()> {
+        let st = self.staging;
+        recv.copy_to_gpu(slot, st.scratch, 0, n).map_err(gpu)?;
+        let count = n / self.dtype.size();
+        st.kernels
+            .reduce(
+                st.stream,
+                self.dtype,
+                self.op,
+                self.buffer,
+                at,
+                st.scratch,
+                0,
+                count,
+            )
+            .map_err(gpu)?;
+        // Waits for the reduce (the copy synchronises the GPU first).
+        work.copy_from_gpu(at, self.buffer, at, n).map_err(gpu)
+    }
+
+    fn copy(
+        &mut self,
+        work: &SlotRegion,
+        recv: &SlotRegion,
+        slot: usize,
+        at: usize,
+        n: usize,
+    ) -> Result<()> {
+        recv.copy_to_gpu(slot, self.buffer, at, n).map_err(gpu)?;
+        recv.read_at(slot, &mut self.bounce[..n])?;
+        work.write_at(at, &self.bounce[..n])?;
+        Ok(())
+    }
+}
+
 impl HostRing<'_> {
     /// Allreduces `data` (elements of `dtype`) with `op` across the ring, in collective
     /// generation `epoch`. `alive` is the job's liveness check (the bootstrap's); a lost rank
@@ -105,12 +239,83 @@ impl HostRing<'_> {
                 ),
             });
         }
-        if self.work.len() < data.len() {
+        let plan = self.plan(data.len(), dtype)?;
+        self.work.write_at(0, data)?;
+        let slot_bytes = self.options.slot_bytes;
+        let mut ops = HostOps {
+            dtype,
+            op,
+            scratch: vec![0u8; slot_bytes],
+            mine: vec![0u8; slot_bytes],
+        };
+        self.run(plan, epoch, alive, &mut ops)?;
+        self.work.read_at(0, data)?;
+        if op == ReduceOp::Avg {
+            finish_avg(dtype, data, self.world);
+        }
+        Ok(())
+    }
+
+    /// Allreduces the first `count` elements of GPU memory `buffer` in place, staged through
+    /// host slots: the buffer is copied to the work region, every chunk that lands is copied to
+    /// the GPU and reduced there by `staging`'s kernels, and reduced chunks go back to the work
+    /// region to be sent on. Synchronous: starts after all work queued on the buffer's GPU and
+    /// returns with the result in `buffer`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_gpu(
+        &mut self,
+        buffer: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        epoch: u8,
+        staging: &GpuStaging<'_>,
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+    ) -> Result<()> {
+        let bytes = count
+            .checked_mul(dtype.size())
+            .filter(|b| *b <= buffer.len())
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!(
+                    "{count} elements of {dtype:?} in a buffer of {} bytes",
+                    buffer.len()
+                ),
+            })?;
+        if staging.scratch.len() < self.options.slot_bytes
+            || !std::sync::Arc::ptr_eq(staging.scratch.context(), buffer.context())
+            || !std::sync::Arc::ptr_eq(staging.stream.context(), buffer.context())
+        {
+            return Err(Error::InvalidArgument {
+                reason: "the staging scratch (at least one slot) and stream must be on the \
+                         buffer's GPU"
+                    .into(),
+            });
+        }
+        let plan = self.plan(bytes, dtype)?;
+        self.work.copy_from_gpu(0, buffer, 0, bytes).map_err(gpu)?;
+        let mut ops = GpuOps {
+            staging,
+            buffer,
+            dtype,
+            op,
+            bounce: vec![0u8; self.options.slot_bytes],
+        };
+        self.run(plan, epoch, alive, &mut ops)?;
+        if op == ReduceOp::Avg {
+            staging
+                .kernels
+                .average(staging.stream, dtype, buffer, 0, count, self.world)
+                .map_err(gpu)?;
+        }
+        staging.stream.synchronize().map_err(gpu)
+    }
+
+    fn plan(&self, bytes: usize, dtype: DataType) -> Result<Plan> {
+        if self.work.len() < bytes {
             return Err(Error::Plan {
                 reason: format!(
-                    "the work region holds {} bytes, the buffer has {}",
-                    self.work.len(),
-                    data.len()
+                    "the work region holds {} bytes, the buffer has {bytes}",
+                    self.work.len()
                 ),
             });
         }
@@ -120,15 +325,26 @@ impl HostRing<'_> {
                 reason: "the slot region is smaller than slots × slot_bytes".into(),
             });
         }
-        let plan = Plan::new(
+        let es = dtype.size();
+        Plan::new(
             self.world,
-            (data.len() / es) as u64,
+            (bytes / es) as u64,
             es as u32,
             slot_bytes as u64,
             slots,
-        )?;
+        )
+    }
+
+    fn run(
+        &mut self,
+        plan: Plan,
+        epoch: u8,
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+        ops: &mut dyn ChunkOps,
+    ) -> Result<()> {
+        let es = plan.elem_size as usize;
+        let slot_bytes = self.options.slot_bytes;
         let epoch = epoch & 0x7f;
-        self.work.write_at(0, data)?;
         let mut sched =
             RingSchedule::new(plan, self.rank, epoch, self.options.timeout, Instant::now());
         let mut events: Vec<Event> = Vec::new();
@@ -139,16 +355,9 @@ impl HostRing<'_> {
             .filter(|v| epoch_of(*v) == u32::from(epoch))
             .map(Event::Notified)
             .collect();
-        let mut scratch = vec![0u8; slot_bytes];
-        let mut mine = vec![0u8; slot_bytes];
         loop {
             while let Some(action) = sched.poll_action() {
                 let now = Instant::now();
-                let action_kind = if matches!(action, Action::Reduce { .. }) {
-                    Kind::Reduce
-                } else {
-                    Kind::Other
-                };
                 match action {
                     Action::Send {
                         unit,
@@ -174,24 +383,20 @@ impl HostRing<'_> {
                         unit,
                         elements,
                         slot,
+                    } => {
+                        let n = (elements.end - elements.start) as usize * es;
+                        let at = elements.start as usize * es;
+                        ops.reduce(&self.work, &self.recv, slot as usize * slot_bytes, at, n)?;
+                        sched.handle_processed(unit, now)?;
                     }
-                    | Action::Copy {
+                    Action::Copy {
                         unit,
                         elements,
                         slot,
                     } => {
-                        let reduce = matches!(action_kind, Kind::Reduce);
                         let n = (elements.end - elements.start) as usize * es;
                         let at = elements.start as usize * es;
-                        self.recv
-                            .read_at(slot as usize * slot_bytes, &mut scratch[..n])?;
-                        if reduce {
-                            self.work.read_at(at, &mut mine[..n])?;
-                            reduce_into(dtype, op, &mut mine[..n], &scratch[..n])?;
-                            self.work.write_at(at, &mine[..n])?;
-                        } else {
-                            self.work.write_at(at, &scratch[..n])?;
-                        }
+                        ops.copy(&self.work, &self.recv, slot as usize * slot_bytes, at, n)?;
                         sched.handle_processed(unit, now)?;
                     }
                     Action::Grant { slot } => {
@@ -202,13 +407,7 @@ impl HostRing<'_> {
                         };
                         prev.write(&self.work, 0..0, &self.prev_slots, 0, Some(value))?;
                     }
-                    Action::Done => {
-                        self.work.read_at(0, data)?;
-                        if op == ReduceOp::Avg {
-                            finish_avg(dtype, data, self.world);
-                        }
-                        return Ok(());
-                    }
+                    Action::Done => return Ok(()),
                     Action::Failed(e) => return Err(e),
                 }
             }
@@ -273,9 +472,4 @@ fn wait_slice(c: &mut dyn HostConnection, events: &mut Vec<Event>) -> Result<()>
         Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => Ok(()),
         Err(e) => Err(e.into()),
     }
-}
-
-enum Kind {
-    Reduce,
-    Other,
 }

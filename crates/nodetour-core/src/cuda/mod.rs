@@ -7,6 +7,7 @@
 //! points newer than CUDA 11.0 are resolved with `cuGetProcAddress`, so an old driver is a typed
 //! error, not a panic.
 
+pub(crate) mod copy;
 pub mod driver;
 pub mod nvrtc;
 pub mod reduce;

@@ -40,6 +40,8 @@ pub struct HostBuffer {
     len: usize,
     pages: Pages,
     cuda_registered: bool,
+    // The context the range was registered under (bound again to unregister it).
+    cuda_context: Option<std::sync::Arc<cudarc::driver::CudaContext>>,
     // Dropped last, after Drop::drop has unregistered the range from CUDA.
     map: MmapMut,
 }
@@ -87,6 +89,7 @@ impl HostBuffer {
                             len,
                             pages: Pages::Huge2M,
                             cuda_registered: false,
+                            cuda_context: None,
                             map,
                         });
                     }
@@ -109,6 +112,7 @@ impl HostBuffer {
             len,
             pages: Pages::Base(reason),
             cuda_registered: false,
+            cuda_context: None,
             map,
         })
     }
@@ -146,10 +150,12 @@ impl HostBuffer {
             return Ok(());
         }
         crate::cuda::availability()?;
-        // SAFETY: CUDA is initialised; the range is this buffer's live mapping, which outlives
-        // the registration (unregistered in Drop before the unmap).
+        let context = crate::cuda::result::registration_context()?;
+        // SAFETY: CUDA is initialised and a context is current; the range is this buffer's live
+        // mapping, which outlives the registration (unregistered in Drop before the unmap).
         unsafe { crate::cuda::result::host_register(self.ptr, self.map.len())? };
         self.cuda_registered = true;
+        self.cuda_context = Some(context);
         Ok(())
     }
 
@@ -162,6 +168,9 @@ impl HostBuffer {
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         if self.cuda_registered {
+            if let Some(c) = &self.cuda_context {
+                let _ = c.bind_to_thread();
+            }
             // Failure policy: log; the unmap that follows releases the pages either way.
             // SAFETY: the range was registered by register_with_cuda and is still mapped.
             if let Err(e) = unsafe { crate::cuda::result::host_unregister(self.ptr) } {

@@ -19,6 +19,8 @@ pub struct SharedHostMemory {
     pages: Pages,
     owner: bool,
     cuda_registered: bool,
+    // The context the range was registered under (bound again to unregister it).
+    cuda_context: Option<std::sync::Arc<cudarc::driver::CudaContext>>,
     // Owns the mapping behind `ptr`; unmapped last, after Drop::drop has unregistered the range
     // from CUDA.
     #[allow(dead_code)]
@@ -93,6 +95,7 @@ impl SharedHostMemory {
                     pages,
                     owner: true,
                     cuda_registered: false,
+                    cuda_context: None,
                     map,
                 })
             }
@@ -141,6 +144,7 @@ impl SharedHostMemory {
             pages,
             owner: false,
             cuda_registered: false,
+            cuda_context: None,
             map,
         })
     }
@@ -183,10 +187,12 @@ impl SharedHostMemory {
     pub fn register_with_cuda(&mut self) -> Result<()> {
         if !self.cuda_registered {
             crate::cuda::availability()?;
-            // SAFETY: CUDA is initialised; the range is this live mapping, unregistered in Drop
-            // before the unmap.
+            let context = crate::cuda::result::registration_context()?;
+            // SAFETY: CUDA is initialised and a context is current; the range is this live
+            // mapping, unregistered in Drop before the unmap.
             unsafe { crate::cuda::result::host_register_mapped(self.ptr, self.len)? };
             self.cuda_registered = true;
+            self.cuda_context = Some(context);
         }
         Ok(())
     }
@@ -248,6 +254,9 @@ impl SharedHostMemory {
 impl Drop for SharedHostMemory {
     fn drop(&mut self) {
         if self.cuda_registered {
+            if let Some(c) = &self.cuda_context {
+                let _ = c.bind_to_thread();
+            }
             // Failure policy: log; the unmap releases the pages either way.
             // SAFETY: registered by register_with_cuda and still mapped.
             if let Err(e) = unsafe { crate::cuda::result::host_unregister(self.ptr) } {
