@@ -87,27 +87,22 @@ fn epoch_of(v: u32) -> u32 {
     }
 }
 
+/// A landed chunk: byte offset `slot` in the slot region, `n` bytes, for byte offset `at` of
+/// the buffer.
+#[derive(Clone, Copy)]
+struct Chunk {
+    slot: usize,
+    at: usize,
+    n: usize,
+}
+
 /// What a rank does with a chunk that landed in its slot; the work region always holds the
 /// values this rank sends on.
 trait ChunkOps {
-    /// `local[at..at + n] = op(local[at..at + n], recv[slot..slot + n])` (byte offsets).
-    fn reduce(
-        &mut self,
-        work: &SlotRegion,
-        recv: &SlotRegion,
-        slot: usize,
-        at: usize,
-        n: usize,
-    ) -> Result<()>;
+    /// `local[at..at + n] = op(local[at..at + n], recv[slot..slot + n])`.
+    fn reduce(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()>;
     /// `local[at..at + n] = recv[slot..slot + n]`.
-    fn copy(
-        &mut self,
-        work: &SlotRegion,
-        recv: &SlotRegion,
-        slot: usize,
-        at: usize,
-        n: usize,
-    ) -> Result<()>;
+    fn copy(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()>;
 }
 
 /// Host buffers: the work region is the local buffer, reduced by the CPU.
@@ -119,14 +114,8 @@ struct HostOps {
 }
 
 impl ChunkOps for HostOps {
-    fn reduce(
-        &mut self,
-        work: &SlotRegion,
-        recv: &SlotRegion,
-        slot: usize,
-        at: usize,
-        n: usize,
-    ) -> Result<()> {
+    fn reduce(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()> {
+        let Chunk { slot, at, n } = c;
         recv.read_at(slot, &mut self.scratch[..n])?;
         work.read_at(at, &mut self.mine[..n])?;
         reduce_into(self.dtype, self.op, &mut self.mine[..n], &self.scratch[..n])?;
@@ -134,14 +123,8 @@ impl ChunkOps for HostOps {
         Ok(())
     }
 
-    fn copy(
-        &mut self,
-        work: &SlotRegion,
-        recv: &SlotRegion,
-        slot: usize,
-        at: usize,
-        n: usize,
-    ) -> Result<()> {
+    fn copy(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()> {
+        let Chunk { slot, at, n } = c;
         recv.read_at(slot, &mut self.scratch[..n])?;
         work.write_at(at, &self.scratch[..n])?;
         Ok(())
@@ -176,14 +159,8 @@ fn gpu(e: nodetour_core::Error) -> Error {
 }
 
 impl ChunkOps for GpuOps<'_> {
-    fn reduce(
-        &mut self,
-        work: &SlotRegion,
-        recv: &SlotRegion,
-        slot: usize,
-        at: usize,
-        n: usize,
-    ) -> Result<()> {
+    fn reduce(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()> {
+        let Chunk { slot, at, n } = c;
         let st = self.staging;
         recv.copy_to_gpu(slot, st.scratch, 0, n).map_err(gpu)?;
         let count = n / self.dtype.size();
@@ -203,14 +180,8 @@ impl ChunkOps for GpuOps<'_> {
         work.copy_from_gpu(at, self.buffer, at, n).map_err(gpu)
     }
 
-    fn copy(
-        &mut self,
-        work: &SlotRegion,
-        recv: &SlotRegion,
-        slot: usize,
-        at: usize,
-        n: usize,
-    ) -> Result<()> {
+    fn copy(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()> {
+        let Chunk { slot, at, n } = c;
         recv.copy_to_gpu(slot, self.buffer, at, n).map_err(gpu)?;
         recv.read_at(slot, &mut self.bounce[..n])?;
         work.write_at(at, &self.bounce[..n])?;
@@ -358,6 +329,7 @@ impl HostRing<'_> {
         loop {
             while let Some(action) = sched.poll_action() {
                 let now = Instant::now();
+                let reduce = matches!(action, Action::Reduce { .. });
                 match action {
                     Action::Send {
                         unit,
@@ -383,20 +355,22 @@ impl HostRing<'_> {
                         unit,
                         elements,
                         slot,
-                    } => {
-                        let n = (elements.end - elements.start) as usize * es;
-                        let at = elements.start as usize * es;
-                        ops.reduce(&self.work, &self.recv, slot as usize * slot_bytes, at, n)?;
-                        sched.handle_processed(unit, now)?;
                     }
-                    Action::Copy {
+                    | Action::Copy {
                         unit,
                         elements,
                         slot,
                     } => {
-                        let n = (elements.end - elements.start) as usize * es;
-                        let at = elements.start as usize * es;
-                        ops.copy(&self.work, &self.recv, slot as usize * slot_bytes, at, n)?;
+                        let c = Chunk {
+                            slot: slot as usize * slot_bytes,
+                            at: elements.start as usize * es,
+                            n: (elements.end - elements.start) as usize * es,
+                        };
+                        if reduce {
+                            ops.reduce(&self.work, &self.recv, c)?;
+                        } else {
+                            ops.copy(&self.work, &self.recv, c)?;
+                        }
                         sched.handle_processed(unit, now)?;
                     }
                     Action::Grant { slot } => {
