@@ -25,10 +25,9 @@ use anyhow::bail;
 use clap::Parser;
 use nodetour::gpu_job::{GpuRingJob, GpuRingOptions};
 use nodetour::perf::{cases, pattern, verify};
+use nodetour::perf_gpu::{SweepSpec, render, ring_sweep};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_core::nccl::LocalNccl;
-use nodetour_core::transport::gpu::{Flags, ShmSender, ShmSlot};
 use nodetour_core::{Config, Deadline};
 use nodetour_ring::{DataType, ReduceOp};
 
@@ -67,7 +66,6 @@ struct Args {
     also_ring: bool,
 }
 
-const BATCHES: usize = 5;
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn main() -> ExitCode {
@@ -83,11 +81,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn run() -> anyhow::Result<()> {
@@ -172,157 +165,48 @@ fn run() -> anyhow::Result<()> {
     );
     g.job.barrier(deadline())?;
 
-    let ceiling = if args.ceiling {
-        Some(copy_ceiling(&g, &stream, &config)?)
-    } else {
-        None
-    };
     if args.perf {
-        perf(&mut g, &stream, &args, ceiling, &config)?;
-    }
-    g.job.barrier(deadline())?;
-    Ok(())
-}
-
-/// Every rank's GPU copies `BYTES` to pinned shared host memory and `BYTES` back at once
-/// (two streams), after a barrier so that all ranks overlap; GB/s of each direction, median of
-/// 3. The staged ring moves the same bytes the same way, so this is its ceiling.
-fn copy_ceiling(g: &GpuRingJob, stream: &GpuStream, config: &Config) -> anyhow::Result<f64> {
-    const BYTES: usize = 512 << 20;
-    let host = ShmSlot::create(2 * BYTES)?;
-    let (path, len) = host.grant();
-    let out = ShmSender::open(&path, len, Flags::create(1)?, 0)?;
-    host.unlink()?;
-    let src = DeviceBuffer::new(&g.context, BYTES)?;
-    let dst = DeviceBuffer::new(&g.context, BYTES)?;
-    let other = GpuStream::new(&g.context)?;
-    let (mut d2h, mut h2d) = (Vec::new(), Vec::new());
-    for _ in 0..3 {
-        g.job.barrier(Deadline::after(config.timeout))?;
-        let start = stream.record()?;
-        other.wait_marker(&start)?;
-        out.enqueue_write(stream, &src, 0, 0, BYTES, None)?;
-        host.enqueue_copy_out(&other, &dst, 0, BYTES, BYTES)?;
-        let (a, b) = (stream.record()?, other.record()?);
-        d2h.push(BYTES as f64 / (f64::from(start.elapsed_ms(&a)?) / 1e3) / 1e9);
-        h2d.push(BYTES as f64 / (f64::from(start.elapsed_ms(&b)?) / 1e3) / 1e9);
-    }
-    let (d, h) = (median(d2h), median(h2d));
-    println!(
-        "GPU_RING_CEILING rank={} bytes={BYTES} concurrent_d2h_GBps={d:.1} concurrent_h2d_GBps={h:.1} ceiling_GBps={:.1} pages={:?}",
-        g.rank,
-        d.min(h),
-        host.pages()
-    );
-    Ok(d.min(h))
-}
-
-fn perf(
-    g: &mut GpuRingJob,
-    stream: &GpuStream,
-    args: &Args,
-    ceiling: Option<f64>,
-    config: &Config,
-) -> anyhow::Result<()> {
-    let (dtype, op) = (DataType::F32, ReduceOp::Sum);
-    let mut nccl = if args.compare_nccl {
-        let id: [u8; 128] = g.extras[0]
-            .as_slice()
-            .try_into()
-            .map_err(|_| anyhow::anyhow!("rank 0 sent no NCCL id"))?;
-        Some(LocalNccl::join(
-            &id,
-            g.world,
-            g.rank,
-            g.context.ordinal() as i32,
-        )?)
-    } else {
-        None
-    };
-    let buf = DeviceBuffer::new(&g.context, args.max_bytes)?;
-    let n = f64::from(g.world);
-    let algos: &[bool] = if args.also_ring && g.world == 2 {
-        &[true, false]
-    } else {
-        &[true]
-    };
-    for &exchange in algos {
-        g.ring.set_two_rank_exchange(exchange);
-        let mut bytes = 1 << 20;
-        while bytes <= args.max_bytes {
-            let count = bytes / dtype.size();
-            let iters = (((4u64 << 30) / bytes as u64).clamp(2, 50)) as usize;
-            // Checked first: ours, then NCCL's.
-            buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
-            g.ring.all_reduce(&buf, count, dtype, op, stream)?;
-            g.ring.wait(TIMEOUT)?;
-            stream.synchronize()?;
-            let mut got = vec![0u8; bytes];
-            buf.copy_to_host(0, &mut got)?;
-            let ours_ok = verify(dtype, op, g.world, &got).is_ok();
-            let nccl_ok = match nccl.as_mut() {
-                Some(c) => {
-                    buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
-                    c.all_reduce(&[&buf], &[stream], count, dtype, op)?;
-                    stream.synchronize()?;
-                    buf.copy_to_host(0, &mut got)?;
-                    Some(verify(dtype, op, g.world, &got).is_ok())
-                }
-                None => None,
+        let sizes = nodetour::perf::parse_sizes(&format!("1M:{}", args.max_bytes), 4)?;
+        let algos: &[bool] = if args.also_ring && g.world == 2 {
+            &[true, false]
+        } else {
+            &[true]
+        };
+        for (k, &exchange) in algos.iter().enumerate() {
+            g.ring.set_two_rank_exchange(exchange);
+            if let Some(s) = g.staged.as_mut() {
+                s.set_two_rank_exchange(exchange);
+            }
+            let spec = SweepSpec {
+                sizes: sizes.clone(),
+                dtype: DataType::F32,
+                op: ReduceOp::Sum,
+                warmup: 2,
+                iters: 0,
+                compare_nccl: args.compare_nccl,
+                ceiling: args.ceiling && k == 0,
             };
-            let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-            for batch in 0..=BATCHES {
-                let start = stream.record()?;
-                for _ in 0..iters {
-                    g.ring.all_reduce(&buf, count, dtype, op, stream)?;
-                }
-                let end = stream.record()?;
-                g.ring.wait(TIMEOUT)?;
-                let t = f64::from(start.elapsed_ms(&end)?) / 1e3 / iters as f64;
-                if batch > 0 {
-                    ours.push(t); // batch 0 warms up
-                }
-                if let Some(c) = nccl.as_mut() {
-                    let start = stream.record()?;
-                    for _ in 0..iters {
-                        c.all_reduce(&[&buf], &[stream], count, dtype, op)?;
-                    }
-                    let end = stream.record()?;
-                    let t = f64::from(start.elapsed_ms(&end)?) / 1e3 / iters as f64;
-                    if batch > 0 {
-                        theirs.push(t);
-                    }
-                }
-            }
-            let t = median(ours);
-            let busbw = bytes as f64 / t / 1e9 * 2.0 * (n - 1.0) / n;
-            let mut row = format!(
-                "GPU_RING_PERF rank={} world={} bytes={bytes} time_us={:.1} busbw_GBps={busbw:.1} check={}",
-                g.rank,
-                g.world,
-                t * 1e6,
-                if ours_ok { "ok" } else { "WRONG" }
+            let rows = ring_sweep(&mut g, &spec, TIMEOUT)?;
+            let what = format!("{} processes, one GPU each", g.world);
+            print!(
+                "{}",
+                render(
+                    &rows,
+                    "text",
+                    &what,
+                    &g.ring.path(),
+                    DataType::F32,
+                    ReduceOp::Sum
+                )
             );
-            if let Some(c) = ceiling {
-                row += &format!(" vs_ceiling={:.2}", busbw / c);
+            if rows
+                .iter()
+                .any(|r| !r.nodetour.2 || r.nccl.is_some_and(|x| !x.2))
+            {
+                bail!("a wrong result in the sweep");
             }
-            if !theirs.is_empty() {
-                let tn = median(theirs);
-                let nb = bytes as f64 / tn / 1e9 * 2.0 * (n - 1.0) / n;
-                row += &format!(
-                    " nccl_time_us={:.1} nccl_busbw_GBps={nb:.1} nccl_check={} vs_nccl={:.2}",
-                    tn * 1e6,
-                    if nccl_ok == Some(true) { "ok" } else { "WRONG" },
-                    busbw / nb
-                );
-            }
-            println!("{row} path=\"{}\"", g.ring.path());
-            if !ours_ok || nccl_ok == Some(false) {
-                bail!("a wrong result at {bytes} bytes");
-            }
-            bytes *= 4;
         }
     }
-    g.job.barrier(Deadline::after(config.timeout))?;
+    g.job.barrier(deadline())?;
     Ok(())
 }

@@ -42,7 +42,9 @@ failed=0
     export NODETOUR_CACHE_DIR=$PWD/kernel-cache
     if [[ $gpus -ge 2 ]]; then
         ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all --perf --compare-nccl || failed=1
-        NODETOUR_TRANSPORT=shm ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all --perf --ceiling --compare-nccl || failed=1
+        NODETOUR_TRANSPORT=shm ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all || failed=1
+        echo "== nodetour perf --gpu: both paths side by side, against NCCL and the copy ceilings"
+        ./launch-local.sh -n 2 --timeout 400 -- ./nodetour perf --gpu --path both --compare nccl,ceiling --sizes 1M:1G --factor 4 --plot "$out/perf-ring.svg" || failed=1
     fi
     ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all || failed=1
     NODETOUR_TRANSPORT=shm ./launch-local.sh -n 4 --timeout 300 -- ./gpu_ring_check || failed=1
@@ -59,6 +61,8 @@ failed=0
         echo "== nodetour perf: direct GPU ring, 2 ranks on one GPU (NCCL cannot put two ranks on one GPU)"
         NODETOUR_CACHE_DIR=$PWD/kernel-cache ./nodetour perf --gpus 0,0 --sizes 1M:256M --factor 4 --iters 10 || failed=1
     fi
+    echo "== cargo bench's allreduce bench (direct and staged on the GPUs, host over mem)"
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache ./bench_allreduce --bench 2>&1 | grep -E '^(allreduce|SKIP)|time:|thrpt:' || failed=1
     echo "== transport_check over tcp, 4 processes"
     ./launch-local.sh -n 4 --timeout 120 -- ./transport_check || failed=1
     echo "gpu-tier: failed=$failed"

@@ -103,6 +103,12 @@ tcp_bench() {
     scripts/launch-local.sh -n 2 --timeout 120 -- target/release/examples/transport_check --bench 268435456 2>&1 | grep TCP_BENCH
 }
 check "tcp large writes against a plain TCP stream (ratio printed, not asserted)" tcp_bench
+benches_run() { # each criterion bench once (criterion's --test mode); SKIP lines where hardware lacks
+    local out
+    out=$(cargo bench --color never -- --test 2>&1) || { echo "$out" | tail -n 20; return 1; }
+    echo "$out" | grep -E '^(SKIP|Testing|Success)' | sed 's/^/  /' | head -n 40
+}
+check "cargo bench: every bench runs (once each, criterion --test); SKIP where hardware lacks" benches_run
 
 if [[ ${NODETOUR_SKIP_VM:-0} == 1 ]]; then
     echo "SKIP vm tier: NODETOUR_SKIP_VM=1"; skipped=$((skipped + 1))

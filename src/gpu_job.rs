@@ -31,6 +31,19 @@ use crate::blob::{put, rendezvous, take};
 const MODE_IPC: u32 = 1;
 const MODE_SHM: u32 = 2;
 
+/// Which paths a GPU ring builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuPaths {
+    /// Direct where the next GPU's memory can be mapped, else staged (the default).
+    Auto,
+    /// Direct only (an error where cuda-ipc cannot map the peer's memory).
+    Direct,
+    /// Staged only.
+    Staged,
+    /// Both: a direct ring and a staged ring side by side (benchmarks).
+    Both,
+}
+
 /// Slot shapes of a GPU ring.
 #[derive(Clone, Copy, Debug)]
 pub struct GpuRingOptions {
@@ -45,6 +58,8 @@ pub struct GpuRingOptions {
     /// Direct path: flags in GPU memory (polled locally, set over NVLink/PCIe) rather than in
     /// shared host memory.
     pub device_flags: bool,
+    /// Which paths to build (`NODETOUR_TRANSPORT=cuda-ipc|shm` overrides it).
+    pub paths: GpuPaths,
 }
 
 impl Default for GpuRingOptions {
@@ -55,14 +70,17 @@ impl Default for GpuRingOptions {
             shm_slot_bytes: SHM_SLOT_BYTES,
             ipc_slots: IPC_SLOTS,
             device_flags: true,
+            paths: GpuPaths::Auto,
         }
     }
 }
 
 /// A formed GPU ring.
 pub struct GpuRingJob {
-    /// This rank's ring (drops before the bootstrap).
+    /// This rank's ring (drops before the bootstrap): the direct one where cuda-ipc works.
     pub ring: GpuRing,
+    /// With [`GpuPaths::Both`]: the staged ring beside the direct one (for comparisons).
+    pub staged: Option<GpuRing>,
     /// This rank's GPU.
     pub context: Arc<CudaContext>,
     /// This rank.
@@ -77,6 +95,8 @@ pub struct GpuRingJob {
     pub job: Bootstrap,
     /// Every rank's extra setup bytes (e.g. an NCCL unique id), by rank.
     pub extras: Vec<Vec<u8>>,
+    /// The GPU (ordinal on this host) of the next rank, if it is another rank.
+    pub next_gpu: Option<usize>,
 }
 
 impl GpuRingJob {
@@ -130,6 +150,7 @@ impl GpuRingJob {
         put(&mut blob, shm_path.to_string_lossy().as_bytes());
         put(&mut blob, &(shm_len as u64).to_be_bytes());
         put(&mut blob, &device_flags.ipc_grant()?.encode());
+        put(&mut blob, &(gpu as u32).to_be_bytes());
         put(&mut blob, extra);
         let deadline = Deadline::after(config.timeout);
         let job = rendezvous(&info, config, blob)?;
@@ -143,15 +164,25 @@ impl GpuRingJob {
         let mut extras = Vec::new();
         for p in job.peers() {
             let mut at = 0;
-            for _ in 0..5 {
+            for _ in 0..6 {
                 take(&p.blob, &mut at)?;
             }
             extras.push(take(&p.blob, &mut at)?.to_vec());
         }
+        let next_gpu = {
+            let b = &job.peers()[next as usize].blob;
+            let mut at = 0;
+            for _ in 0..5 {
+                take(b, &mut at)?;
+            }
+            let o = u32::from_be_bytes(take(b, &mut at)?.try_into()?) as usize;
+            (world > 1).then_some(o)
+        };
         if world == 1 {
             let ring = GpuRing::new(&context, 0, 1, None)?;
             return Ok(GpuRingJob {
                 ring,
+                staged: None,
                 context,
                 rank: me,
                 world,
@@ -159,6 +190,7 @@ impl GpuRingJob {
                 choice: "a ring of one".into(),
                 job,
                 extras,
+                next_gpu,
             });
         }
         if !hosts[next as usize].same_host(&HostIdentity::current())
@@ -176,7 +208,7 @@ impl GpuRingJob {
         let next_shm = PathBuf::from(String::from_utf8(take(theirs, &mut at)?.to_vec())?);
         let next_shm_len = u64::from_be_bytes(take(theirs, &mut at)?.try_into()?) as usize;
         let next_device_flags = IpcGrant::decode(take(theirs, &mut at)?)?;
-        let (prev_flags, prev_device_flags) = {
+        let (prev_flags, _prev_flags_path, prev_device_flags) = {
             let b = &job.peers()[prev as usize].blob;
             let mut at = 0;
             take(b, &mut at)?;
@@ -184,34 +216,57 @@ impl GpuRingJob {
             take(b, &mut at)?;
             take(b, &mut at)?;
             let device = IpcGrant::decode(take(b, &mut at)?)?;
-            (Flags::open(&path, flag::WORDS)?, device)
+            (Flags::open(&path, flag::WORDS)?, path, device)
         };
 
         let open_flags = || Flags::open(&next_flags, flag::WORDS);
-        let (outgoing, choice) = if forced == Some(TransportKind::Shm) {
-            let s = ShmSender::open(&next_shm, next_shm_len, open_flags()?, flag::READY)?;
-            (
-                Outgoing::Shm(s),
-                "staged (shm): NODETOUR_TRANSPORT=shm".to_owned(),
-            )
-        } else {
+        // Which paths to build: Auto tries direct and falls back to staged.
+        let env_path = match forced {
+            Some(TransportKind::Shm) => Some(GpuPaths::Staged),
+            Some(TransportKind::CudaIpc) => Some(GpuPaths::Direct),
+            _ => None,
+        };
+        let paths = env_path.unwrap_or(options.paths);
+        if paths == GpuPaths::Both && !options.device_flags {
+            bail!("both paths at once need the direct ring's flags in GPU memory");
+        }
+        let mut choice = Vec::new();
+        let mut out_ipc = None;
+        if paths != GpuPaths::Staged {
             match CudaIpcSender::open(&context, &grant, open_flags()?, flag::READY) {
-                Ok(s) => (
-                    Outgoing::CudaIpc(s),
-                    "direct (cuda-ipc): the next rank's GPU slots are mapped into this GPU"
-                        .to_owned(),
-                ),
-                Err(e) if forced.is_none() => {
-                    let s = ShmSender::open(&next_shm, next_shm_len, open_flags()?, flag::READY)?;
-                    (Outgoing::Shm(s), format!("staged (shm): {e}"))
+                Ok(s) => {
+                    out_ipc = Some(s);
+                    choice.push(
+                        "direct (cuda-ipc): the next rank's GPU slots are mapped into this GPU"
+                            .to_owned(),
+                    );
+                }
+                Err(e) if paths == GpuPaths::Auto => {
+                    choice.push(format!("staged (shm): {e}"));
                 }
                 Err(e) => return Err(e.into()),
             }
+        }
+        let out_shm = if paths == GpuPaths::Staged || paths == GpuPaths::Both || out_ipc.is_none() {
+            if paths == GpuPaths::Staged {
+                choice.push(match env_path {
+                    Some(_) => "staged (shm): NODETOUR_TRANSPORT=shm".to_owned(),
+                    None => "staged (shm): requested".to_owned(),
+                });
+            } else if paths == GpuPaths::Both {
+                choice.push("staged (shm) beside it, for comparison".to_owned());
+            }
+            Some(ShmSender::open(
+                &next_shm,
+                next_shm_len,
+                open_flags()?,
+                flag::READY,
+            )?)
+        } else {
+            None
         };
-        let mode = match outgoing {
-            Outgoing::CudaIpc(_) => MODE_IPC,
-            Outgoing::Shm(_) => MODE_SHM,
-        };
+        let mode =
+            u32::from(out_ipc.is_some()) * MODE_IPC + u32::from(out_shm.is_some()) * MODE_SHM;
         // Opened now: the name goes away after the barrier.
         let next_host_flags = open_flags()?;
         next_host_flags.store(flag::MODE, mode)?;
@@ -220,87 +275,81 @@ impl GpuRingJob {
         // is left behind on a crash).
         flags.unlink()?;
         shm_slots.unlink()?;
-        let incoming = match flags.read(flag::MODE)? {
-            MODE_IPC => {
-                drop(shm_slots);
-                Incoming::CudaIpc(gpu_slots)
-            }
-            MODE_SHM => {
-                drop(gpu_slots);
-                Incoming::Shm {
-                    slots: shm_slots,
-                    scratch: DeviceBuffer::new(&context, options.shm_slot_bytes)?,
-                }
-            }
-            other => bail!("rank {prev} announced transport {other}"),
-        };
-        let slot_bytes = match incoming {
-            Incoming::CudaIpc(_) => options.ipc_slot_bytes,
-            Incoming::Shm { .. } => options.shm_slot_bytes,
-        };
-        let out_bytes = match outgoing {
-            Outgoing::CudaIpc(_) => options.ipc_slot_bytes,
-            Outgoing::Shm(_) => options.shm_slot_bytes,
-        };
-        if slot_bytes != out_bytes {
-            // One slot size per link would do; the plan uses one per ring, so both links of a
-            // rank must agree (they do whenever every link takes the same path).
+        let incoming_mode = flags.read(flag::MODE)?;
+        if incoming_mode != mode {
             bail!(
-                "mixed paths in one ring (to next: {choice}; from previous: mode {}): \
-                 set NODETOUR_TRANSPORT=shm",
-                flags.read(flag::MODE)?
+                "mixed paths in one ring (to next: {}; from previous: mode {incoming_mode}): set \
+                 NODETOUR_TRANSPORT=shm",
+                choice.join("; ")
             );
         }
-        let slots = match incoming {
-            Incoming::CudaIpc(_) => options.ipc_slots,
-            Incoming::Shm { .. } => options.slots,
-        };
-        // Direct links keep their flags in GPU memory (each GPU polls its own memory); the
-        // pages of both neighbours are mapped before anyone's names go away.
-        let on_gpu = matches!(incoming, Incoming::CudaIpc(_)) && options.device_flags;
-        let choice = format!(
-            "{choice}; flags in {}",
-            if on_gpu {
-                "GPU memory"
+        let mut host_pages = Some((flags, next_host_flags, prev_flags));
+        let mut rings = Vec::new();
+        if let Some(out) = out_ipc {
+            // Direct links keep their flags in GPU memory (each GPU polls its own memory); the
+            // pages of both neighbours are mapped before anyone's names go away.
+            let pages: [Box<dyn FlagPage>; 3] = if options.device_flags {
+                [
+                    Box::new(device_flags),
+                    Box::new(PeerDeviceFlags::open(
+                        &context,
+                        &next_device_flags,
+                        flag::WORDS,
+                    )?),
+                    Box::new(PeerDeviceFlags::open(
+                        &context,
+                        &prev_device_flags,
+                        flag::WORDS,
+                    )?),
+                ]
             } else {
-                "shared host memory"
-            }
-        );
-        let pages: [Box<dyn FlagPage>; 3] = match on_gpu {
-            true => [
-                Box::new(device_flags),
-                Box::new(PeerDeviceFlags::open(
-                    &context,
-                    &next_device_flags,
-                    flag::WORDS,
-                )?),
-                Box::new(PeerDeviceFlags::open(
-                    &context,
-                    &prev_device_flags,
-                    flag::WORDS,
-                )?),
-            ],
-            _ => [
-                Box::new(flags),
-                Box::new(next_host_flags),
-                Box::new(prev_flags),
-            ],
+                let (a, b, c) = host_pages.take().context("host flag pages")?;
+                [Box::new(a), Box::new(b), Box::new(c)]
+            };
+            let [mine, next_page, prev_page] = pages;
+            rings.push(StreamLinks {
+                flags: mine,
+                next_flags: next_page,
+                prev_flags: prev_page,
+                outgoing: Outgoing::CudaIpc(out),
+                incoming: Incoming::CudaIpc(gpu_slots),
+                slots: options.ipc_slots,
+                slot_bytes: options.ipc_slot_bytes,
+            });
+        }
+        if let Some(out) = out_shm {
+            // Both paths at once only with the direct ring's flags in GPU memory (checked).
+            let (a, b, c) = host_pages.take().context("host flag pages")?;
+            rings.push(StreamLinks {
+                flags: Box::new(a),
+                next_flags: Box::new(b),
+                prev_flags: Box::new(c),
+                outgoing: Outgoing::Shm(out),
+                incoming: Incoming::Shm {
+                    slots: shm_slots,
+                    scratch: DeviceBuffer::new(&context, options.shm_slot_bytes)?,
+                },
+                slots: options.slots,
+                slot_bytes: options.shm_slot_bytes,
+            });
+        }
+        let flags_where = if options.device_flags {
+            "flags in GPU memory (direct), shared host memory (staged)"
+        } else {
+            "flags in shared host memory"
         };
-        let [flags, next_flags, prev_flags] = pages;
-        let links = StreamLinks {
-            flags,
-            next_flags,
-            prev_flags,
-            outgoing,
-            incoming,
-            slots,
-            slot_bytes,
-        };
+        let choice = format!("{}; {flags_where}", choice.join("; "));
         job.barrier(deadline)?;
-        let ring = GpuRing::new(&context, position, world, Some(links))?;
+        let mut rings = rings
+            .into_iter()
+            .map(|links| GpuRing::new(&context, position, world, Some(links)))
+            .collect::<nodetour_ring::Result<Vec<_>>>()?;
+        let staged = if rings.len() == 2 { rings.pop() } else { None };
+        let ring = rings.pop().context("no path was built")?;
         tracing::info!(rank = me, gpu, path = ring.path(), reason = %choice, "GPU ring formed");
         Ok(GpuRingJob {
             ring,
+            staged,
             context,
             rank: me,
             world,
@@ -308,6 +357,7 @@ impl GpuRingJob {
             choice,
             job,
             extras,
+            next_gpu,
         })
     }
 }

@@ -9,11 +9,13 @@ pub use nodetour_core as core;
 pub use nodetour_core::{Config, Deadline, Error, Result};
 
 pub mod blob;
+pub mod ceiling;
 pub mod doctor;
 pub mod gpu_job;
 pub mod link;
 pub mod logging;
 pub mod perf;
 pub mod perf_gpu;
+pub mod plot;
 pub mod ring_job;
 pub mod write_bw;

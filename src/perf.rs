@@ -152,6 +152,16 @@ pub fn pattern(dtype: DataType, rank: u32, count: usize) -> Vec<u8> {
     data
 }
 
+/// `1048576` → `1 MiB` (exact binary units, else bytes).
+pub fn human_size(b: usize) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
 /// Every type × operation when `all`, else `few`.
 pub fn cases(all: bool, few: &[(DataType, ReduceOp)]) -> Vec<(DataType, ReduceOp)> {
     if all {

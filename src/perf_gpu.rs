@@ -1,32 +1,45 @@
-//! `nodetour perf --gpus 0,1 [--compare nccl]`: the direct GPU ring ([`GpuGroup`]) over the GPUs
-//! of this process, measured like `all_reduce_perf`, with NCCL's allreduce on the same buffers
-//! and streams in the same run as the reference: the two alternate, batch by batch, and each
-//! reports the median of its batches. Every row checks both results against the float64
-//! reference first.
+//! GPU allreduce sweeps measured like `all_reduce_perf`, with the references in the same run:
+//! NCCL's allreduce on the same buffers and streams (the two alternate, batch by batch, and each
+//! reports the median of its batches) and the machine's copy ceilings ([`crate::ceiling`]).
+//! Every row checks the results against the float64 reference first.
+//!
+//! - `nodetour perf --gpus 0,1`: the direct GPU ring ([`GpuGroup`]) over the GPUs of this process;
+//! - `nodetour perf --gpu` under a launcher: one GPU per process ([`crate::gpu_job`]), the
+//!   direct path (cuda-ipc), the staged path (shm) or both side by side.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use cudarc::driver::CudaContext;
+use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::nccl::LocalNccl;
+use nodetour_core::transport::TransportKind;
+use nodetour_ring::gpu_ring::GpuRing;
 use nodetour_ring::{DataType, GpuGroup, ReduceOp};
 use serde_json::json;
 
+use crate::ceiling::{CEILING_BYTES, Ceilings, measure};
+use crate::gpu_job::GpuRingJob;
 use crate::perf::{pattern, verify};
+use crate::plot::Series;
 
 /// Batches per size and implementation (the median is reported).
 const BATCHES: usize = 5;
 
-/// One measured size.
+/// One measured size of one path.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GpuRow {
     /// Bytes per rank.
     pub bytes: usize,
     /// Elements.
     pub count: usize,
+    /// `direct` or `staged`.
+    pub path: &'static str,
+    /// The copy ceiling this path is bounded by, GB/s (when measured).
+    pub ceiling: Option<f64>,
     /// nodetour: seconds per collective, busbw GB/s, result correct.
     pub nodetour: (f64, f64, bool),
     /// NCCL, when compared: seconds per collective, busbw GB/s, result correct.
@@ -74,23 +87,66 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// What a GPU sweep measures.
+#[derive(Clone, Debug)]
+pub struct SweepSpec {
+    /// Bytes per rank, one row each.
+    pub sizes: Vec<usize>,
+    /// Element type.
+    pub dtype: DataType,
+    /// Operation.
+    pub op: ReduceOp,
+    /// Untimed collectives per size.
+    pub warmup: usize,
+    /// Collectives per timed batch.
+    pub iters: usize,
+    /// NCCL alongside.
+    pub compare_nccl: bool,
+    /// The copy ceilings.
+    pub ceiling: bool,
+}
+
 /// Runs the sweep on the GPUs `ordinals` (one rank each, in that order).
-#[allow(clippy::too_many_arguments)]
 pub fn sweep(
     ordinals: &[usize],
-    sizes: &[usize],
-    dtype: DataType,
-    op: ReduceOp,
-    warmup: usize,
-    iters: usize,
-    compare_nccl: bool,
+    spec: &SweepSpec,
     kernel_copy_max: Option<usize>,
     one_step_max: Option<usize>,
 ) -> anyhow::Result<(String, Vec<GpuRow>)> {
+    let SweepSpec {
+        ref sizes,
+        dtype,
+        op,
+        warmup,
+        iters,
+        compare_nccl,
+        ceiling,
+    } = *spec;
     let contexts = ordinals
         .iter()
         .map(|&o| CudaContext::new(o).with_context(|| format!("opening GPU {o}")))
         .collect::<anyhow::Result<Vec<Arc<CudaContext>>>>()?;
+    let peer_ceiling = if ceiling {
+        let n = contexts.len();
+        let pairs: Vec<_> = (0..n)
+            .map(|i| {
+                (
+                    contexts[i].clone(),
+                    (n > 1).then(|| contexts[(i + 1) % n].clone()),
+                )
+            })
+            .collect();
+        let c = Ceilings::min_of(&measure(&pairs, CEILING_BYTES, &|| Ok(()))?);
+        eprintln!(
+            "ceilings: peer copy {} GB/s per direction, D2H {:.1} / H2D {:.1} GB/s (all GPUs at once)",
+            c.peer.map_or("-".into(), |p| format!("{p:.1}")),
+            c.d2h,
+            c.h2d
+        );
+        c.peer
+    } else {
+        None
+    };
     let mut group = GpuGroup::new(&contexts)?;
     if let Some(b) = kernel_copy_max {
         group.set_kernel_copy_max(b);
@@ -167,6 +223,8 @@ pub fn sweep(
         rows.push(GpuRow {
             bytes,
             count,
+            path: "direct",
+            ceiling: peer_ceiling,
             nodetour: (t_ours, busbw(t_ours), ours_ok),
             nccl: nccl_ok.map(|ok| {
                 let t = median(theirs);
@@ -177,58 +235,87 @@ pub fn sweep(
     Ok((path, rows))
 }
 
-/// The rows as text, CSV or JSON.
+/// The rows as text, CSV, JSON or a markdown table. `what` names the ranks (GPUs, or processes) in the header.
 pub fn render(
     rows: &[GpuRow],
     format: &str,
-    ordinals: &[usize],
+    what: &str,
     path: &str,
     dtype: DataType,
     op: ReduceOp,
 ) -> String {
     let ratio = |r: &GpuRow| r.nccl.map(|(t, _, _)| t / r.nodetour.0);
+    let frac = |r: &GpuRow| r.ceiling.map(|c| r.nodetour.1 / c);
+    let opt = |v: Option<f64>, prec: usize| v.map_or(String::new(), |x| format!("{x:.prec$}"));
     match format {
         "json" => serde_json::to_string_pretty(&json!({
-            "collective": "all_reduce", "gpus": ordinals, "path": path,
+            "collective": "all_reduce", "ranks": what, "path": path,
             "dtype": dtype.name(), "op": format!("{op:?}").to_lowercase(),
             "rows": rows.iter().map(|r| json!({
-                "bytes": r.bytes, "count": r.count,
+                "bytes": r.bytes, "count": r.count, "path": r.path,
                 "time_us": r.nodetour.0 * 1e6, "busbw_GBps": r.nodetour.1, "correct": r.nodetour.2,
+                "ceiling_GBps": r.ceiling, "busbw_vs_ceiling": frac(r),
                 "nccl_time_us": r.nccl.map(|x| x.0 * 1e6), "nccl_busbw_GBps": r.nccl.map(|x| x.1),
                 "nccl_correct": r.nccl.map(|x| x.2), "busbw_vs_nccl": ratio(r),
             })).collect::<Vec<_>>(),
         }))
         .unwrap_or_default(),
-        "csv" => {
-            let mut s = "bytes,count,time_us,busbw_GBps,correct,nccl_time_us,nccl_busbw_GBps,nccl_correct,busbw_vs_nccl\n".to_owned();
+        "markdown" => {
+            let mut s = format!(
+                "all_reduce on {what}, {dtype:?} {op:?}; path: {path}\n\n| size | path | time (µs) | busbw (GB/s) | vs ceiling | NCCL time (µs) | NCCL busbw (GB/s) | vs NCCL | check |\n|---|---|---|---|---|---|---|---|---|\n"
+            );
             for r in rows {
-                let (nt, nb, nc) = r.nccl.map_or(
-                    (String::new(), String::new(), String::new()),
-                    |(t, b, c)| (format!("{:.1}", t * 1e6), format!("{b:.3}"), c.to_string()),
-                );
+                let dash = |v: String| if v.is_empty() { "-".to_owned() } else { v };
+                let ok = r.nodetour.2 && r.nccl.is_none_or(|x| x.2);
                 s.push_str(&format!(
-                    "{},{},{:.1},{:.3},{},{nt},{nb},{nc},{}\n",
+                    "| {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} |\n",
+                    crate::perf::human_size(r.bytes),
+                    r.path,
+                    r.nodetour.0 * 1e6,
+                    r.nodetour.1,
+                    dash(opt(frac(r), 2)),
+                    dash(opt(r.nccl.map(|x| x.0 * 1e6), 1)),
+                    dash(opt(r.nccl.map(|x| x.1), 1)),
+                    dash(opt(ratio(r), 2)),
+                    if ok { "ok" } else { "WRONG" }
+                ));
+            }
+            s
+        }
+        "csv" => {
+            let mut s = "bytes,count,path,time_us,busbw_GBps,correct,ceiling_GBps,busbw_vs_ceiling,nccl_time_us,nccl_busbw_GBps,nccl_correct,busbw_vs_nccl\n".to_owned();
+            for r in rows {
+                s.push_str(&format!(
+                    "{},{},{},{:.1},{:.3},{},{},{},{},{},{},{}\n",
                     r.bytes,
                     r.count,
+                    r.path,
                     r.nodetour.0 * 1e6,
                     r.nodetour.1,
                     r.nodetour.2,
-                    ratio(r).map_or(String::new(), |x| format!("{x:.3}"))
+                    opt(r.ceiling, 3),
+                    opt(frac(r), 3),
+                    opt(r.nccl.map(|x| x.0 * 1e6), 1),
+                    opt(r.nccl.map(|x| x.1), 3),
+                    r.nccl.map_or(String::new(), |x| x.2.to_string()),
+                    opt(ratio(r), 3)
                 ));
             }
             s
         }
         _ => {
             let mut s = format!(
-                "# nodetour perf: all_reduce on GPUs {ordinals:?}, {dtype:?} {op:?}\n# path: {path}\n"
+                "# nodetour perf: all_reduce on {what}, {dtype:?} {op:?}\n# path: {path}\n"
             );
             s.push_str(&format!(
-                "{:>12} {:>12} {:>10} {:>9} {:>6} {:>10} {:>9} {:>6} {:>8}\n",
+                "{:>12} {:>12} {:>7} {:>10} {:>9} {:>6} {:>8} {:>10} {:>9} {:>6} {:>8}\n",
                 "size(B)",
                 "count",
+                "path",
                 "time(us)",
                 "busbw",
                 "check",
+                "vs ceil",
                 "nccl(us)",
                 "busbw",
                 "check",
@@ -239,20 +326,192 @@ pub fn render(
                 let (nt, nb, nc) = r.nccl.map_or(("-".into(), "-".into(), "-"), |(t, b, c)| {
                     (format!("{:.1}", t * 1e6), format!("{b:.2}"), ok(c))
                 });
+                let dash = |v: String| if v.is_empty() { "-".to_owned() } else { v };
                 s.push_str(&format!(
-                    "{:>12} {:>12} {:>10.1} {:>9.2} {:>6} {:>10} {:>9} {:>6} {:>8}\n",
+                    "{:>12} {:>12} {:>7} {:>10.1} {:>9.2} {:>6} {:>8} {:>10} {:>9} {:>6} {:>8}\n",
                     r.bytes,
                     r.count,
+                    r.path,
                     r.nodetour.0 * 1e6,
                     r.nodetour.1,
                     ok(r.nodetour.2),
+                    dash(opt(frac(r), 3)),
                     nt,
                     nb,
                     nc,
-                    ratio(r).map_or("-".into(), |x| format!("{x:.3}"))
+                    dash(opt(ratio(r), 3))
                 ));
             }
             s
         }
     }
+}
+
+/// The plot's lines: busbw of each path, and NCCL's where measured.
+pub fn series(rows: &[GpuRow]) -> Vec<Series> {
+    let mut out: Vec<Series> = Vec::new();
+    let mut add = |name: String, point: (usize, f64)| match out.iter_mut().find(|s| s.name == name)
+    {
+        Some(s) => s.points.push(point),
+        None => out.push(Series {
+            name,
+            points: vec![point],
+        }),
+    };
+    for r in rows {
+        add(format!("nodetour {}", r.path), (r.bytes, r.nodetour.1));
+        if let Some((_, b, _)) = r.nccl {
+            add("NCCL".into(), (r.bytes, b));
+        }
+    }
+    for s in &mut out {
+        s.points.sort_by_key(|p| p.0);
+        s.points.dedup_by_key(|p| p.0);
+    }
+    out
+}
+
+/// A one-line progress report on stderr for long sweeps (only when stderr is a terminal).
+pub fn progress(done: usize, total: usize, what: &str) {
+    use std::io::IsTerminal as _;
+    if std::io::stderr().is_terminal() {
+        eprint!("\r[{done}/{total}] {what}\x1b[K");
+        if done == total {
+            eprintln!();
+        }
+    }
+}
+
+/// Sweeps a GPU ring of processes (one GPU each): every path the job built (`ring`, and
+/// `staged` beside it), NCCL's allreduce (one rank per process, `ncclCommInitRank` with the id
+/// rank 0 put in `extras[0]`) when `compare_nccl`, and the copy ceilings when `ceiling`. Every
+/// rank returns the same rows (its own timings). `iters` collectives per timed batch (0: as
+/// many as make about 4 GiB, 2 to 50).
+pub fn ring_sweep(
+    g: &mut GpuRingJob,
+    spec: &SweepSpec,
+    timeout: Duration,
+) -> anyhow::Result<Vec<GpuRow>> {
+    let (sizes, dtype, op, warmup, iters) =
+        (&spec.sizes, spec.dtype, spec.op, spec.warmup, spec.iters);
+    let (compare_nccl, ceiling) = (spec.compare_nccl, spec.ceiling);
+    let ceilings = if ceiling {
+        let next = match g.next_gpu {
+            Some(o) => Some(CudaContext::new(o).with_context(|| format!("opening GPU {o}"))?),
+            None => None,
+        };
+        let job = &g.job;
+        let c = measure(&[(g.context.clone(), next)], CEILING_BYTES, &|| {
+            Ok(job.barrier(Deadline::after(timeout))?)
+        })?[0];
+        eprintln!(
+            "rank {}: ceilings: peer copy {} GB/s per direction, D2H {:.1} / H2D {:.1} GB/s (all GPUs at once)",
+            g.rank,
+            c.peer.map_or("-".into(), |p| format!("{p:.1}")),
+            c.d2h,
+            c.h2d
+        );
+        Some(c)
+    } else {
+        None
+    };
+    let mut nccl = if compare_nccl {
+        let id: [u8; 128] = g.extras[0]
+            .as_slice()
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("rank 0 sent no NCCL id"))?;
+        let ordinal = g.context.ordinal() as i32;
+        Some(
+            LocalNccl::join(&id, g.world, g.rank, ordinal)
+                .context("starting NCCL (the reference)")?,
+        )
+    } else {
+        None
+    };
+    let es = dtype.size();
+    let largest = sizes.iter().max().copied().unwrap_or(0).max(es);
+    let buf = DeviceBuffer::new(&g.context, largest)?;
+    let stream = GpuStream::new(&g.context)?;
+    let n = f64::from(g.world);
+    let mut rows = Vec::new();
+    for (k, &size) in sizes.iter().enumerate() {
+        progress(k, sizes.len(), &format!("{size} bytes"));
+        let count = size / es;
+        let bytes = count * es;
+        let busbw = |secs: f64| bytes as f64 / secs / 1e9 * 2.0 * (n - 1.0) / n;
+        let check = |ok: &mut bool| -> anyhow::Result<()> {
+            stream.synchronize()?;
+            let mut got = vec![0u8; bytes];
+            buf.copy_to_host(0, &mut got)?;
+            *ok = verify(dtype, op, g.world, &got).is_ok();
+            Ok(())
+        };
+        let mut nccl_ok = None;
+        if let Some(c) = nccl.as_mut() {
+            buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+            c.all_reduce(&[&buf], &[&stream], count, dtype, op)?;
+            let mut ok = false;
+            check(&mut ok)?;
+            nccl_ok = Some(ok);
+        }
+        let mut rings: Vec<&mut GpuRing> = vec![&mut g.ring];
+        if let Some(s) = g.staged.as_mut() {
+            rings.push(s);
+        }
+        let mut theirs = Vec::new();
+        let mut per_ring = Vec::new();
+        for ring in rings {
+            buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+            ring.all_reduce(&buf, count, dtype, op, &stream)?;
+            ring.wait(timeout)?;
+            let mut ok = false;
+            check(&mut ok)?;
+            let mut ours = Vec::new();
+            for round in 0..=BATCHES {
+                let reps = if round == 0 {
+                    warmup.max(1)
+                } else {
+                    iters.max(1)
+                };
+                let start = stream.record()?;
+                for _ in 0..reps {
+                    ring.all_reduce(&buf, count, dtype, op, &stream)?;
+                }
+                let end = stream.record()?;
+                ring.wait(timeout)?;
+                if round > 0 {
+                    ours.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / reps as f64);
+                }
+                // NCCL alternates with the first path's batches.
+                if let (Some(c), true) = (nccl.as_mut(), per_ring.is_empty()) {
+                    let start = stream.record()?;
+                    for _ in 0..reps {
+                        c.all_reduce(&[&buf], &[&stream], count, dtype, op)?;
+                    }
+                    let end = stream.record()?;
+                    if round > 0 {
+                        theirs.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / reps as f64);
+                    }
+                }
+            }
+            let direct = ring.kind() == Some(TransportKind::CudaIpc);
+            per_ring.push((direct, median(ours), ok));
+        }
+        let nccl_row = nccl_ok.map(|ok| {
+            let t = median(theirs.clone());
+            (t, busbw(t), ok)
+        });
+        for (direct, t, ok) in per_ring {
+            rows.push(GpuRow {
+                bytes,
+                count,
+                path: if direct { "direct" } else { "staged" },
+                ceiling: ceilings.and_then(|c| if direct { c.peer } else { Some(c.staged()) }),
+                nodetour: (t, busbw(t), ok),
+                nccl: nccl_row,
+            });
+        }
+    }
+    progress(sizes.len(), sizes.len(), "done");
+    Ok(rows)
 }

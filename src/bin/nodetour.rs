@@ -22,6 +22,7 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// For each GPU: whether the direct path (NIC writing GPU memory) works here, and if not,
     /// why and how to fix it. Exit 0: every GPU direct; 3: some GPU stages; 2: no usable GPU.
@@ -34,54 +35,23 @@ enum Command {
         no_live: bool,
     },
     /// Allreduce sweeps like NCCL's all_reduce_perf (size, time, algbw, busbw, check), one
-    /// process per rank under a launcher (scripts/launch-local.sh, torchrun, Slurm, Open MPI).
-    /// This version moves host buffers over tcp or verbs.
+    /// process per rank under a launcher (scripts/launch-local.sh, torchrun, Slurm, Open MPI):
+    /// host buffers over tcp or verbs; `--gpu`: GPU buffers, one GPU per process (direct
+    /// cuda-ipc, staged shm, or both); `--gpus 0,1`: the GPUs of this one process (direct).
     Perf {
-        /// MIN:MAX bytes per rank (K, M, G suffixes).
-        #[arg(long, default_value = "8:64M")]
-        sizes: String,
-        /// Size multiplier between rows.
-        #[arg(long, default_value_t = 2)]
-        factor: usize,
-        /// f32, f64, f16, bf16, i32, i64, u8.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
-        /// sum, prod, min, max, avg.
-        #[arg(long, default_value = "sum")]
-        op: String,
-        /// tcp or verbs.
+        #[command(flatten)]
+        sweep: SweepArgs,
+        /// tcp or verbs (host buffers).
         #[arg(long, default_value = "tcp")]
         transport: String,
         /// RDMA devices to spread the ranks over (verbs).
         #[arg(long, value_delimiter = ',')]
         devices: Vec<String>,
-        /// Untimed iterations per size.
-        #[arg(long, default_value_t = 2)]
-        warmup: usize,
-        /// Timed iterations per size (the median is reported).
-        #[arg(long, default_value_t = 10)]
-        iters: usize,
-        /// Bytes per slot.
+        /// Bytes per slot (host buffers).
         #[arg(long, default_value_t = 1 << 20)]
         slot_bytes: usize,
-        /// text, csv or json.
-        #[arg(long, default_value = "text")]
-        format: String,
-        /// Run the direct GPU ring over these GPUs of this process instead (one rank each,
-        /// e.g. `0,1`; repeating a GPU puts several ranks on it).
-        #[arg(long, value_delimiter = ',')]
-        gpus: Vec<usize>,
-        /// With --gpus: also run this reference on the same buffers, alternating (nccl).
-        #[arg(long)]
-        compare: Option<String>,
-        /// With --gpus: the largest all-gather segment copied by a kernel instead of the copy
-        /// engine (tuning; 0 = always the copy engine).
-        #[arg(long)]
-        kernel_copy_max: Option<usize>,
-        /// With --gpus: the largest two-rank collective run in one step instead of the ring
-        /// (tuning; 0 = always the ring).
-        #[arg(long)]
-        one_step_max: Option<usize>,
+        #[command(flatten)]
+        gpu: GpuArgs,
     },
     /// List RDMA devices with their ports, link layer, MTU and the GID nodetour would use.
     Devices,
@@ -111,78 +81,127 @@ enum Command {
     },
 }
 
+/// What every sweep takes.
+#[derive(clap::Args)]
+struct SweepArgs {
+    /// MIN:MAX bytes per rank (K, M, G suffixes).
+    #[arg(long, default_value = "8:64M")]
+    sizes: String,
+    /// Size multiplier between rows.
+    #[arg(long, default_value_t = 2)]
+    factor: usize,
+    /// f32, f64, f16, bf16, i32, i64, u8.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// sum, prod, min, max, avg.
+    #[arg(long, default_value = "sum")]
+    op: String,
+    /// Untimed iterations per size.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Timed iterations per batch (the median batch is reported).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// text, csv, json (markdown too for GPU sweeps).
+    #[arg(long, default_value = "text")]
+    format: String,
+    /// Also draw busbw against size (each path, and NCCL) into this SVG file (GPU sweeps).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+}
+
+/// The GPU sweeps' options.
+#[derive(clap::Args)]
+struct GpuArgs {
+    /// GPU buffers, one GPU per process (rank r on GPU local_rank mod GPUs), under a launcher.
+    #[arg(long, conflicts_with = "gpus")]
+    gpu: bool,
+    /// The direct GPU ring over these GPUs of this one process (one rank each, e.g. `0,1`;
+    /// repeating a GPU puts several ranks on it).
+    #[arg(long, value_delimiter = ',')]
+    gpus: Vec<usize>,
+    /// With --gpu: direct (cuda-ipc), staged (shm), both side by side, or auto.
+    #[arg(long, default_value = "auto")]
+    path: String,
+    /// References measured in the same run: nccl (same buffers and streams, alternating) and
+    /// ceiling (the copy ceilings: peer copies and concurrent D2H+H2D on all GPUs at once).
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
+    /// With --gpus: the largest all-gather segment copied by a kernel instead of the copy
+    /// engine (tuning; 0 = always the copy engine).
+    #[arg(long)]
+    kernel_copy_max: Option<usize>,
+    /// With --gpus: the largest two-rank collective run in one step instead of the ring
+    /// (tuning; 0 = always the ring).
+    #[arg(long)]
+    one_step_max: Option<usize>,
+}
+
+impl GpuArgs {
+    /// The sweep these arguments ask for.
+    fn spec(&self, sweep: &SweepArgs) -> anyhow::Result<nodetour::perf_gpu::SweepSpec> {
+        use nodetour::perf::{parse_dtype, parse_op, parse_sizes};
+        let (compare_nccl, ceiling) = self.compares()?;
+        Ok(nodetour::perf_gpu::SweepSpec {
+            sizes: parse_sizes(&sweep.sizes, sweep.factor)?,
+            dtype: parse_dtype(&sweep.dtype)?,
+            op: parse_op(&sweep.op)?,
+            warmup: sweep.warmup,
+            iters: sweep.iters,
+            compare_nccl,
+            ceiling,
+        })
+    }
+
+    fn compares(&self) -> anyhow::Result<(bool, bool)> {
+        let (mut nccl, mut ceiling) = (false, false);
+        for c in &self.compare {
+            match c.as_str() {
+                "nccl" => nccl = true,
+                "ceiling" => ceiling = true,
+                other => anyhow::bail!("--compare {other}: the references are nccl and ceiling"),
+            }
+        }
+        Ok((nccl, ceiling))
+    }
+}
+
+fn exit(result: anyhow::Result<bool>) -> ExitCode {
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("nodetour: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     nodetour::logging::init();
     let cli = Cli::parse();
     if let Command::Perf {
-        sizes,
-        factor,
-        dtype,
-        op,
+        sweep,
         transport,
         devices,
-        warmup,
-        iters,
         slot_bytes,
-        format,
-        gpus,
-        compare,
-        kernel_copy_max,
-        one_step_max,
+        gpu,
     } = &cli.command
     {
-        if !gpus.is_empty() {
-            return match perf_gpus(
-                sizes,
-                *factor,
-                dtype,
-                op,
-                gpus,
-                compare.as_deref(),
-                *kernel_copy_max,
-                *one_step_max,
-                *warmup,
-                *iters,
-                format,
-            ) {
-                Ok(true) => ExitCode::SUCCESS,
-                Ok(false) => ExitCode::FAILURE,
-                Err(e) => {
-                    eprintln!("nodetour: error: {e:#}");
-                    ExitCode::FAILURE
-                }
-            };
+        if !gpu.gpus.is_empty() {
+            return exit(perf_gpus(sweep, gpu));
         }
-        if compare.is_some() {
+        if gpu.gpu {
+            return exit(perf_ring(sweep, gpu));
+        }
+        if !gpu.compare.is_empty() || sweep.plot.is_some() {
             eprintln!(
-                "nodetour: error: --compare needs --gpus (the NCCL reference runs on GPU buffers)"
+                "nodetour: error: --compare and --plot need GPU buffers (--gpu or --gpus): the \
+                 references run on GPUs"
             );
             return ExitCode::FAILURE;
         }
-        return match perf(
-            sizes,
-            *factor,
-            dtype,
-            op,
-            transport,
-            devices,
-            *warmup,
-            *iters,
-            *slot_bytes,
-            format,
-        ) {
-            Ok(ok) => {
-                if ok {
-                    ExitCode::SUCCESS
-                } else {
-                    ExitCode::FAILURE
-                }
-            }
-            Err(e) => {
-                eprintln!("nodetour: error: {e:#}");
-                ExitCode::FAILURE
-            }
-        };
+        return exit(perf(sweep, transport, devices, *slot_bytes));
     }
     if let Command::Doctor { json, no_live } = cli.command {
         return match Config::from_env().and_then(|c| nodetour::doctor::examine(&c, !no_live)) {
@@ -414,69 +433,94 @@ fn gpus(config: &Config) -> Result<(), Error> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn perf_gpus(
-    sizes: &str,
-    factor: usize,
-    dtype: &str,
-    op: &str,
-    gpus: &[usize],
-    compare: Option<&str>,
-    kernel_copy_max: Option<usize>,
-    one_step_max: Option<usize>,
-    warmup: usize,
-    iters: usize,
-    format: &str,
-) -> anyhow::Result<bool> {
-    use nodetour::perf::{parse_dtype, parse_op, parse_sizes};
-    use nodetour::perf_gpu::{render, sweep};
-    let compare_nccl = match compare {
-        None => false,
-        Some("nccl") => true,
-        Some(other) => anyhow::bail!("--compare {other}: the reference is nccl"),
-    };
-    let (sizes, dtype, op) = (
-        parse_sizes(sizes, factor)?,
-        parse_dtype(dtype)?,
-        parse_op(op)?,
-    );
-    let (path, rows) = sweep(
-        gpus,
-        &sizes,
-        dtype,
-        op,
-        warmup,
-        iters,
-        compare_nccl,
-        kernel_copy_max,
-        one_step_max,
-    )?;
-    print!("{}", render(&rows, format, gpus, &path, dtype, op));
+/// Prints the rows and draws the plot when asked.
+fn report(
+    sweep: &SweepArgs,
+    spec: &nodetour::perf_gpu::SweepSpec,
+    rows: &[nodetour::perf_gpu::GpuRow],
+    what: &str,
+    path: &str,
+) -> anyhow::Result<()> {
+    use nodetour::perf_gpu::{render, series};
+    let (dtype, op) = (spec.dtype, spec.op);
+    print!("{}", render(rows, &sweep.format, what, path, dtype, op));
+    if let Some(file) = &sweep.plot {
+        let title = format!("all_reduce {dtype:?} {op:?}, {what}");
+        std::fs::write(file, nodetour::plot::svg(&title, &series(rows)))?;
+        eprintln!("plot: {}", file.display());
+    }
+    Ok(())
+}
+
+fn perf_gpus(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
+    use nodetour::perf_gpu::sweep as run;
+    if gpu.path == "staged" || gpu.path == "both" {
+        anyhow::bail!(
+            "--gpus runs the direct ring of one process; the staged path runs one GPU per \
+             process: use --gpu under a launcher"
+        );
+    }
+    let spec = gpu.spec(sweep)?;
+    let (path, rows) = run(&gpu.gpus, &spec, gpu.kernel_copy_max, gpu.one_step_max)?;
+    let what = format!("GPUs {:?} (one process)", gpu.gpus);
+    report(sweep, &spec, &rows, &what, &path)?;
     Ok(rows
         .iter()
         .all(|r| r.nodetour.2 && r.nccl.is_none_or(|x| x.2)))
 }
 
-#[allow(clippy::too_many_arguments)]
+fn perf_ring(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
+    use nodetour::gpu_job::{GpuPaths, GpuRingJob, GpuRingOptions};
+    use nodetour::perf_gpu::ring_sweep;
+    let config = Config::from_env()?;
+    let paths = match gpu.path.as_str() {
+        "auto" => GpuPaths::Auto,
+        "direct" => GpuPaths::Direct,
+        "staged" => GpuPaths::Staged,
+        "both" => GpuPaths::Both,
+        other => anyhow::bail!("--path {other}: direct, staged, both or auto"),
+    };
+    let spec = gpu.spec(sweep)?;
+    let info = nodetour_core::bootstrap::LaunchInfo::from_env()?;
+    let nccl_id = if spec.compare_nccl && info.rank == 0 {
+        nodetour_core::nccl::unique_id()?.to_vec()
+    } else {
+        Vec::new()
+    };
+    let options = GpuRingOptions {
+        paths,
+        ..GpuRingOptions::default()
+    };
+    let mut g = GpuRingJob::form(&config, options, &nccl_id)?;
+    let rows = ring_sweep(&mut g, &spec, config.timeout)?;
+    if g.rank == 0 {
+        let what = format!("{} processes, one GPU each", g.world);
+        let path = match &g.staged {
+            Some(s) => format!("{} | {}", g.ring.path(), s.path()),
+            None => g.ring.path(),
+        };
+        report(sweep, &spec, &rows, &what, &path)?;
+    }
+    g.job
+        .barrier(nodetour_core::Deadline::after(config.timeout))?;
+    Ok(rows
+        .iter()
+        .all(|r| r.nodetour.2 && r.nccl.is_none_or(|x| x.2)))
+}
+
 fn perf(
-    sizes: &str,
-    factor: usize,
-    dtype: &str,
-    op: &str,
+    sweep: &SweepArgs,
     transport: &str,
     devices: &[String],
-    warmup: usize,
-    iters: usize,
     slot_bytes: usize,
-    format: &str,
 ) -> anyhow::Result<bool> {
-    use nodetour::perf::{parse_dtype, parse_op, parse_sizes, render, sweep};
+    use nodetour::perf::{parse_dtype, parse_op, parse_sizes, render, sweep as run};
     use nodetour::ring_job::{RingJob, RingTransport};
     let config = Config::from_env()?;
     let (sizes, dtype, op) = (
-        parse_sizes(sizes, factor)?,
-        parse_dtype(dtype)?,
-        parse_op(op)?,
+        parse_sizes(&sweep.sizes, sweep.factor)?,
+        parse_dtype(&sweep.dtype)?,
+        parse_op(&sweep.op)?,
     );
     let kind = match transport {
         "tcp" => RingTransport::Tcp,
@@ -496,11 +540,11 @@ fn perf(
         sizes.iter().copied().max().unwrap_or(8),
         options,
     )?;
-    let rows = sweep(&mut ring, &sizes, dtype, op, warmup, iters)?;
+    let rows = run(&mut ring, &sizes, dtype, op, sweep.warmup, sweep.iters)?;
     if ring.rank == 0 {
         print!(
             "{}",
-            render(&rows, format, ring.world, transport, dtype, op)
+            render(&rows, &sweep.format, ring.world, transport, dtype, op)
         );
     }
     ring.job

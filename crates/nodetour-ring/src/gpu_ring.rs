@@ -240,6 +240,14 @@ impl GpuRing {
         self.exchange = on;
     }
 
+    /// The transport of the link to the next rank (`None` for a ring of one).
+    pub fn kind(&self) -> Option<TransportKind> {
+        self.links.as_ref().map(|l| match l.outgoing {
+            Outgoing::CudaIpc(_) => TransportKind::CudaIpc,
+            Outgoing::Shm(_) => TransportKind::Shm,
+        })
+    }
+
     /// Which path each link takes and why it is shaped so (for the log).
     pub fn path(&self) -> String {
         let algo = match (self.world, self.exchange) {

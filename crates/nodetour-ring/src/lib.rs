@@ -22,6 +22,7 @@ pub mod error;
 pub mod gpu;
 pub mod gpu_ring;
 pub mod host;
+pub mod local;
 pub mod order;
 pub mod plan;
 pub mod reduce;

@@ -554,41 +554,55 @@ fn connect_authenticated(
     TcpConnection::start(s, addr.to_owned(), timeout, regions)
 }
 
+/// Two connected ends on the loopback interface, in this process (rank 0 accepting, rank 1
+/// connecting), for benches and tests: the accepting end is returned first.
+pub fn loopback_pair(token: &JobToken) -> Result<(TcpConnection, TcpConnection)> {
+    loopback_pair_tokens(token.clone(), token.clone())
+}
+
+fn loopback_pair_tokens(
+    accept: JobToken,
+    dial: JobToken,
+) -> Result<(TcpConnection, TcpConnection)> {
+    let timeout = Duration::from_secs(5);
+    let ep = TcpEndpoint::bind("127.0.0.1:0", accept, timeout)?;
+    let addr = ep.local_addr()?.to_string();
+    let t = std::thread::spawn(move || {
+        connect(
+            &addr,
+            1,
+            2,
+            &dial,
+            &[],
+            &|| Ok(()),
+            timeout,
+            Deadline::after(timeout),
+        )
+    });
+    let accepted = ep.accept(
+        &[1],
+        2,
+        &|_| Vec::new(),
+        &|| Ok(()),
+        Deadline::after(timeout),
+    );
+    let connected = t.join().map_err(|_| Error::InvalidArgument {
+        reason: "the connecting thread panicked".into(),
+    })?;
+    let mut accepted = accepted?;
+    let a = accepted.remove(&1).ok_or_else(|| Error::InvalidArgument {
+        reason: "rank 1 did not connect".into(),
+    })?;
+    Ok((a, connected?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::memory::HostBuffer;
 
     fn pair(token_a: &str, token_b: &str) -> Result<(TcpConnection, TcpConnection)> {
-        let ep = TcpEndpoint::bind(
-            "127.0.0.1:0",
-            JobToken::new(token_a),
-            Duration::from_secs(5),
-        )?;
-        let addr = ep.local_addr()?.to_string();
-        let tb = JobToken::new(token_b);
-        let t = std::thread::spawn(move || {
-            connect(
-                &addr,
-                1,
-                2,
-                &tb,
-                &[],
-                &|| Ok(()),
-                Duration::from_secs(5),
-                Deadline::after(Duration::from_secs(5)),
-            )
-        });
-        let accepted = ep.accept(
-            &[1],
-            2,
-            &|_| Vec::new(),
-            &|| Ok(()),
-            Deadline::after(Duration::from_secs(2)),
-        );
-        let connected = t.join().unwrap();
-        let mut accepted = accepted?;
-        Ok((accepted.remove(&1).unwrap(), connected?))
+        loopback_pair_tokens(JobToken::new(token_a), JobToken::new(token_b))
     }
 
     #[test]

@@ -1,0 +1,201 @@
+//! A ring of ranks inside one process over the in-memory transport, one thread per rank per
+//! collective: the same `HostRing` code path as a job of processes, without sockets or NICs.
+//! For benches, tests and examples (on GPU buffers it runs the staged path, each rank's chunks
+//! staged through its host slots and reduced on its GPU).
+
+use std::thread;
+
+use nodetour_core::memory::{DeviceBuffer, HostBuffer};
+use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
+
+use crate::error::{Error, Result};
+use crate::host::{GpuStaging, HostRing, HostRingOptions, Links};
+use crate::reduce::{DataType, ReduceOp};
+
+/// One rank's connections and regions.
+struct Rank {
+    next: MemConnection,
+    prev: MemConnection,
+    recv: SlotRegion,
+    work: SlotRegion,
+    next_slots: SlotGrant,
+    prev_slots: SlotGrant,
+    backlog: Vec<u32>,
+}
+
+/// `world` ranks in this process, joined in a ring over [`MemConnection`]s.
+pub struct LocalRing {
+    ranks: Vec<Rank>,
+    _bells: Vec<SlotRegion>,
+    options: HostRingOptions,
+    epoch: u8,
+}
+
+/// What one rank's thread runs for one collective.
+type RankFn<'a> = dyn Fn(usize, &mut HostRing<'_>, u8) -> Result<()> + Sync + 'a;
+
+impl LocalRing {
+    /// A ring of `world` ranks for buffers of up to `max_bytes` (pinned for GPU copies where
+    /// CUDA is present, so the staged GPU path runs at pinned speed).
+    pub fn new(world: u32, max_bytes: usize, options: HostRingOptions) -> Result<LocalRing> {
+        if world == 0 {
+            return Err(Error::InvalidArgument {
+                reason: "a ring of zero ranks".into(),
+            });
+        }
+        let n = world as usize;
+        let region = |len: usize| -> Result<SlotRegion> {
+            let mut b = HostBuffer::new(len.max(64))?;
+            if nodetour_core::cuda::availability().is_ok() {
+                b.register_with_cuda()?;
+            }
+            Ok(SlotRegion::host(b))
+        };
+        // Connection r joins rank r (its next side) and rank r + 1 (its prev side).
+        let mut nexts = Vec::with_capacity(n);
+        let mut prevs: Vec<Option<MemConnection>> = (0..n).map(|_| None).collect();
+        for r in 0..n {
+            let (a, b) = MemConnection::pair();
+            nexts.push(a);
+            prevs[(r + 1) % n] = Some(b);
+        }
+        let mut prevs: Vec<MemConnection> = prevs.into_iter().flatten().collect();
+        let slot_memory = options.slots as usize * options.slot_bytes;
+        let recv = (0..n)
+            .map(|_| region(slot_memory))
+            .collect::<Result<Vec<_>>>()?;
+        let bells = (0..n).map(|_| region(64)).collect::<Result<Vec<_>>>()?;
+        let work = (0..n)
+            .map(|_| region(max_bytes))
+            .collect::<Result<Vec<_>>>()?;
+        // Rank r grants its slots on its prev connection, a doorbell on its next connection.
+        let mut recv_grants = Vec::with_capacity(n);
+        let mut bell_grants = Vec::with_capacity(n);
+        for r in 0..n {
+            recv_grants.push(prevs[r].grant(&recv[r])?);
+            bell_grants.push(nexts[r].grant(&bells[r])?);
+        }
+        let ranks = nexts
+            .into_iter()
+            .zip(prevs)
+            .enumerate()
+            .map(|(r, (next, prev))| Rank {
+                next,
+                prev,
+                recv: recv[r].clone(),
+                work: work[r].clone(),
+                next_slots: recv_grants[(r + 1) % n],
+                prev_slots: bell_grants[(r + n - 1) % n],
+                backlog: Vec::new(),
+            })
+            .collect();
+        Ok(LocalRing {
+            ranks,
+            _bells: bells,
+            options,
+            epoch: 0,
+        })
+    }
+
+    /// Ranks in the ring.
+    pub fn world(&self) -> u32 {
+        self.ranks.len() as u32
+    }
+
+    /// Allreduces `data[r]` (rank r's elements of `dtype`) in place, all ranks at once.
+    pub fn all_reduce(
+        &mut self,
+        data: &mut [Vec<u8>],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.check_count(data.len())?;
+        let cells: Vec<std::sync::Mutex<&mut Vec<u8>>> =
+            data.iter_mut().map(std::sync::Mutex::new).collect();
+        self.run(&|r, ring, epoch| {
+            let mut d = cells[r].lock().map_err(|_| Error::Aborted {
+                reason: "a rank's thread panicked".into(),
+            })?;
+            ring.all_reduce(&mut d, dtype, op, epoch, &|| Ok(()))
+        })
+    }
+
+    /// Allreduces the first `count` elements of every rank's GPU buffer in place, staged
+    /// through the host slots and reduced on each rank's GPU (`staging[r]`).
+    pub fn all_reduce_gpu(
+        &mut self,
+        buffers: &[&DeviceBuffer],
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        staging: &[GpuStaging<'_>],
+    ) -> Result<()> {
+        self.check_count(buffers.len())?;
+        self.check_count(staging.len())?;
+        self.run(&|r, ring, epoch| {
+            ring.all_reduce_gpu(buffers[r], count, dtype, op, epoch, &staging[r], &|| Ok(()))
+        })
+    }
+
+    fn check_count(&self, got: usize) -> Result<()> {
+        if got != self.ranks.len() {
+            return Err(Error::InvalidArgument {
+                reason: format!("{got} buffers for a ring of {} ranks", self.ranks.len()),
+            });
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, f: &RankFn<'_>) -> Result<()> {
+        let world = self.world();
+        let (options, epoch) = (self.options, self.epoch);
+        self.epoch = (self.epoch + 1) & 0x7f;
+        thread::scope(|s| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .enumerate()
+                .map(|(r, rank)| {
+                    s.spawn(move || {
+                        let links = if world == 1 {
+                            None
+                        } else {
+                            Some(Links::Two {
+                                next: &mut rank.next as &mut dyn HostConnection,
+                                prev: &mut rank.prev as &mut dyn HostConnection,
+                            })
+                        };
+                        let Some(links) = links else {
+                            return Ok(());
+                        };
+                        let mut ring = HostRing {
+                            rank: r as u32,
+                            world,
+                            links,
+                            next_slots: rank.next_slots,
+                            prev_slots: rank.prev_slots,
+                            recv: rank.recv.clone(),
+                            work: rank.work.clone(),
+                            options,
+                            backlog: std::mem::take(&mut rank.backlog),
+                        };
+                        let result = f(r, &mut ring, epoch);
+                        rank.backlog = std::mem::take(&mut ring.backlog);
+                        result
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Aborted {
+                            reason: "a rank's thread panicked".into(),
+                        })
+                    })
+                })
+                .collect::<Result<Vec<()>>>()
+                .map(|_| ())
+        })
+    }
+}
