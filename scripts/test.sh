@@ -116,6 +116,10 @@ elif ! reason=$(scripts/rdma-vm.sh --check 2>&1); then
     echo "$reason"; skipped=$((skipped + 1))
 else
     step "vm tier: real verbs between rxe0 and rxe1 in a soft-RoCE VM"
+    # The criterion transport bench, to run its verbs part where a device exists.
+    NODETOUR_BENCH_TRANSPORT=$(cargo bench --bench transport --no-run --color never 2>&1 |
+        sed -n 's/.*Executable .*(\(.*\))$/\1/p' | head -n 1)
+    export NODETOUR_BENCH_TRANSPORT
     mapfile -t exes < <(cargo test -p nodetour-core --test verbs_rxe --no-run --color never 2>&1 |
         sed -n 's/.*Executable .*(\(.*\))$/\1/p')
     if [[ ${#exes[@]} == 0 ]]; then

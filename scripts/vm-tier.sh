@@ -4,7 +4,8 @@
 # 1. the hardware tests (TEST_EXE... --include-ignored; a missing device fails them),
 # 2. two_node_smoke between rxe0 and rxe1 (two processes, verified data),
 # 3. 2, 4 and 8 processes connected pairwise over the verbs transport (transport_check),
-# 4. our write loop against ib_write_bw (scripts/write-bw-compare.sh),
+# 4. our write loop against ib_write_bw (scripts/write-bw-compare.sh), our ping-pong against
+#    ib_write_lat (scripts/write-lat-compare.sh), cargo bench's verbs write bench once,
 # and checks that the kernel's RDMA resource counts return to where they started (no leaked
 # queue pair, completion queue, region or protection domain).
 # Env: NODETOUR_BIN_DIR (default target/release), COMPARE_RUNS (default 5).
@@ -86,6 +87,23 @@ if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-bw-compa
 else
     say "write-bw-compare ... FAILED"
     failed=1
+fi
+
+if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-lat-compare.sh; then
+    say "write-lat-compare ... ok"
+else
+    say "write-lat-compare ... FAILED"
+    failed=1
+fi
+
+if [[ -n ${NODETOUR_BENCH_TRANSPORT:-} && -x $NODETOUR_BENCH_TRANSPORT ]]; then
+    say "cargo bench's verbs write bench (criterion --test: each size once) on $NODETOUR_VM_DEV0"
+    if NODETOUR_IB_DEVICE=$NODETOUR_VM_DEV0 NODETOUR_IB_GID_INDEX=${NODETOUR_VM_GID_INDEX:-1} \
+        "$NODETOUR_BENCH_TRANSPORT" --bench --test write_verbs 2>&1 | tee /tmp/bench.log | grep -E '^(Testing|Success|SKIP)'; then
+        grep -q Success /tmp/bench.log && say "verbs write bench ... ok" || { say "verbs write bench ... FAILED"; cat /tmp/bench.log; failed=1; }
+    else
+        say "verbs write bench ... FAILED"; cat /tmp/bench.log; failed=1
+    fi
 fi
 
 after=$(resources)

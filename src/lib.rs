@@ -19,3 +19,4 @@ pub mod perf_gpu;
 pub mod plot;
 pub mod ring_job;
 pub mod write_bw;
+pub mod write_lat;

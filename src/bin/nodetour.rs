@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use nodetour::write_bw::{self, WriteBwOptions};
+use nodetour::write_lat;
 use nodetour_core::verbs::{self, Context, library};
 use nodetour_core::{Config, Error};
 
@@ -78,6 +79,22 @@ enum Command {
         /// Skip the server-side data check.
         #[arg(long)]
         no_verify: bool,
+    },
+    /// RDMA WRITE latency between two processes, measured like perftest's ib_write_lat (a
+    /// ping-pong of writes with immediates; half a round trip, median and mean).
+    WriteLat {
+        /// Listen for the client on this address (server side).
+        #[arg(long, conflicts_with = "connect", required_unless_present = "connect")]
+        listen: Option<String>,
+        /// Connect to the server at this address and measure (client side).
+        #[arg(long)]
+        connect: Option<String>,
+        /// Bytes per write.
+        #[arg(long, short = 's', default_value_t = 8)]
+        size: usize,
+        /// Round trips.
+        #[arg(long, short = 'n', default_value_t = 1000)]
+        iters: u64,
     },
 }
 
@@ -246,6 +263,21 @@ fn main() -> ExitCode {
                 let report = match (listen, connect) {
                     (Some(addr), _) => write_bw::run_server(&config, &addr, opts)?,
                     (None, Some(addr)) => write_bw::run_client(&config, &addr, opts)?,
+                    (None, None) => unreachable!("clap requires one of them"),
+                };
+                println!("{}", report.line());
+                Ok(())
+            }
+            Command::WriteLat {
+                listen,
+                connect,
+                size,
+                iters,
+            } => {
+                let opts = write_lat::WriteLatOptions { size, iters };
+                let report = match (listen, connect) {
+                    (Some(addr), _) => write_lat::run_server(&config, &addr, opts)?,
+                    (None, Some(addr)) => write_lat::run_client(&config, &addr, opts)?,
                     (None, None) => unreachable!("clap requires one of them"),
                 };
                 println!("{}", report.line());

@@ -38,8 +38,9 @@ impl Context {
 
     /// Opens the device the configuration and the memory's location call for
     /// (`NODETOUR_IB_DEVICE`, else the nearest NIC to a GPU, else the first active device), and
-    /// says why it was chosen.
+    /// says why it was chosen. Applies the configuration's spin time to every waiter.
     pub fn open_chosen(config: &Config, near: Near<'_>) -> Result<(Arc<Context>, DeviceChoice)> {
+        super::set_spin(config.spin);
         let devices = device::devices()?;
         let choice = device::choose_device(&devices, config.ib_device.as_deref(), near)?;
         tracing::info!(device = %choice.device.name, reason = %choice.reason, "RDMA device chosen");

@@ -12,10 +12,25 @@ use super::result;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 
-/// How long a waiter polls before it arms the channel and sleeps. Long enough to catch a
-/// completion that is microseconds away without a system call, short enough not to starve the
-/// soft-RoCE kernel threads or other ranks on a 2-core machine.
-pub const SPIN: Duration = Duration::from_micros(50);
+/// How long a waiter polls before it arms the channel and sleeps, by default. Long enough to
+/// catch a completion that is microseconds away without a system call, short enough not to
+/// starve the soft-RoCE kernel threads or other ranks on a 2-core machine.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
+static SPIN_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(50);
+
+/// Sets how long waiters poll before they block, for the whole process (`NODETOUR_SPIN_US`,
+/// applied when a device is opened through the configuration).
+pub fn set_spin(spin: Duration) {
+    SPIN_US.store(
+        spin.as_micros().min(1_000_000) as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+fn spin() -> Duration {
+    Duration::from_micros(SPIN_US.load(std::sync::atomic::Ordering::Relaxed))
+}
 
 /// The longest a waiter sleeps before re-checking its deadline and conditions.
 const SLEEP_CAP: Duration = Duration::from_millis(100);
@@ -94,7 +109,7 @@ impl CompletionQueue {
             .map_err(|source| Error::PollCompletionQueue { source })
     }
 
-    /// Polls until something completes or `deadline` passes: spins for [`SPIN`], then arms the
+    /// Polls until something completes or `deadline` passes: spins (see [`set_spin`]), then arms the
     /// channel and sleeps on it. `what` names the awaited event in the timeout error.
     pub(crate) fn wait(
         &self,
@@ -102,7 +117,7 @@ impl CompletionQueue {
         deadline: Deadline,
         what: &dyn Fn() -> String,
     ) -> Result<usize> {
-        let spin_until = Instant::now() + SPIN;
+        let spin_until = Instant::now() + spin();
         loop {
             let n = self.poll(wc)?;
             if n > 0 {

@@ -10,6 +10,7 @@
 pub mod completion;
 pub mod context;
 mod cq;
+pub use cq::{DEFAULT_SPIN, set_spin};
 pub mod device;
 pub mod endpoint;
 pub mod gid;
