@@ -9,27 +9,10 @@
 # Under software emulation rxe moves 10-30 MB/s: the ratio checks that nothing is grossly wrong
 # with our loop; it says nothing about real NICs.
 set -euo pipefail
-: "${NODETOUR_VM_DEV0:?run inside scripts/rdma-vm.sh}"
-BIN=${NODETOUR_BIN:-target/release/nodetour}
+. "$(dirname "${BASH_SOURCE[0]}")/compare-common.sh"
 SIZES=${SIZES:-"65536 1048576"}
-RUNS=${RUNS:-3}
 VOLUME=${VOLUME:-$((64 << 20))}
-GID=${NODETOUR_VM_GID_INDEX:-1}
-SRV_DEV=$NODETOUR_VM_DEV1 CLI_DEV=$NODETOUR_VM_DEV0 SRV_IP=$NODETOUR_VM_IP1
 port=19000
-results=$(mktemp)
-
-# Waits until something listens on TCP port $1 (up to 60 s): a fixed sleep races a slow start.
-wait_listen() {
-  local i
-  for i in $(seq 600); do
-    ss -ltn 2>/dev/null | grep -q ":$1 " && return 0
-    sleep 0.1
-  done
-  echo "nothing listens on port $1 after 60 s" >&2; return 1
-}
-
-median() { sort -g | awk '{v[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
 
 run_ours() { # size iters -> MB/s
   port=$((port + 1))
@@ -62,7 +45,7 @@ for size in $SIZES; do
 done
 echo "== medians (MB/s, MB = 2^20 bytes)"
 for size in $SIZES; do
-  o=$(awk -v s="$size" '$1==s && $2=="ours" {print $3}' "$results" | median)
-  p=$(awk -v s="$size" '$1==s && $2=="perftest" {print $3}' "$results" | median)
-  echo "WRITE_BW_COMPARE size=$size nodetour_MBps=$o ib_write_bw_MBps=$p ratio=$(awk -v o="$o" -v p="$p" 'BEGIN{printf "%.2f", (p>0)?o/p:0}')"
+  o=$(median_of "$size" ours)
+  p=$(median_of "$size" perftest)
+  echo "WRITE_BW_COMPARE size=$size nodetour_MBps=$o ib_write_bw_MBps=$p ratio=$(ratio "$o" "$p")"
 done

@@ -10,26 +10,10 @@
 # Under emulation a round trip costs tens of microseconds of CPU: the ratio checks our
 # notification path against perftest's memory polling, not real NIC latency.
 set -euo pipefail
-: "${NODETOUR_VM_DEV0:?run inside scripts/rdma-vm.sh}"
-BIN=${NODETOUR_BIN:-target/release/nodetour}
+. "$(dirname "${BASH_SOURCE[0]}")/compare-common.sh"
 SIZES=${SIZES:-"8 4096"}
-RUNS=${RUNS:-3}
 ITERS=${ITERS:-1000}
-GID=${NODETOUR_VM_GID_INDEX:-1}
-SRV_DEV=$NODETOUR_VM_DEV1 CLI_DEV=$NODETOUR_VM_DEV0 SRV_IP=$NODETOUR_VM_IP1
 port=19500
-results=$(mktemp)
-
-wait_listen() {
-  local i
-  for i in $(seq 600); do
-    ss -ltn 2>/dev/null | grep -q ":$1 " && return 0
-    sleep 0.1
-  done
-  echo "nothing listens on port $1 after 60 s" >&2; return 1
-}
-
-median() { sort -g | awk '{v[NR]=$1} END {if (NR==0) print "nan"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
 
 run_ours() { # size [spin µs] -> t_typical µs
   port=$((port + 1))
@@ -63,9 +47,8 @@ for size in $SIZES; do
 done
 echo "== medians (t_typical, half a round trip, µs)"
 for size in $SIZES; do
-  o=$(awk -v s="$size" '$1==s && $2=="ours" {print $3}' "$results" | median)
-  b=$(awk -v s="$size" '$1==s && $2=="busy" {print $3}' "$results" | median)
-  p=$(awk -v s="$size" '$1==s && $2=="perftest" {print $3}' "$results" | median)
-  ratio() { awk -v o="$1" -v p="$2" 'BEGIN{printf "%.2f", (p>0)?o/p:0}'; }
+  o=$(median_of "$size" ours)
+  b=$(median_of "$size" busy)
+  p=$(median_of "$size" perftest)
   echo "WRITE_LAT_COMPARE size=$size nodetour_us=$o nodetour_busy_poll_us=$b ib_write_lat_us=$p ratio=$(ratio "$o" "$p") busy_poll_ratio=$(ratio "$b" "$p")"
 done
