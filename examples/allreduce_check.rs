@@ -47,6 +47,31 @@ struct Args {
     /// CUDA.
     #[arg(long)]
     gpu: bool,
+    /// Soak: run the cases round-robin this many collectives in all (each checked exactly),
+    /// and report memory and descriptor counts before and after.
+    #[arg(long)]
+    repeat: Option<u64>,
+    /// Load: run the cases round-robin for this many seconds (each checked exactly).
+    #[arg(long)]
+    seconds: Option<u64>,
+    /// Failure drill (with --repeat): this rank kills itself (SIGKILL) after 50 collectives;
+    /// every other rank must fail naming it within 2x NODETOUR_TIMEOUT_MS.
+    #[arg(long)]
+    kill_rank: Option<u32>,
+}
+
+/// Resident memory (KiB) and open file descriptors of this process.
+fn footprint() -> (u64, usize) {
+    let rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0);
+    let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+    (rss, fds)
 }
 
 fn main() -> ExitCode {
@@ -104,7 +129,9 @@ fn run() -> anyhow::Result<()> {
         ],
     );
     let start = Instant::now();
-    for &(dtype, op) in &cases {
+    let me = ring.rank;
+    let run_case = |ring: &mut RingJob, k: usize| -> anyhow::Result<()> {
+        let (dtype, op) = cases[k % cases.len()];
         let mut data = pattern(dtype, ring.rank, args.count);
         match &gpu {
             None => ring.all_reduce(&mut data, dtype, op)?,
@@ -116,8 +143,69 @@ fn run() -> anyhow::Result<()> {
             }
         }
         if let Err(mismatch) = verify(dtype, op, ring.world, &data) {
-            bail!("{mismatch}");
+            bail!("collective {k}: {mismatch}");
         }
+        Ok(())
+    };
+    for k in 0..cases.len() {
+        run_case(&mut ring, k)?;
+    }
+    if args.repeat.is_some() || args.seconds.is_some() {
+        // Counted after the first round: buffers, connections and kernels exist by then.
+        let (rss0, fds0) = footprint();
+        let t = Instant::now();
+        let (mut k, mut slowest) = (0u64, 0f64);
+        let until = args.seconds.map(std::time::Duration::from_secs);
+        let mut stop = false;
+        while !stop && args.repeat.is_none_or(|n| k < n) {
+            if args.kill_rank == Some(me) && k == 50 {
+                println!(
+                    "HOST_RING_DRILL rank={me}: killing myself (SIGKILL) after {k} collectives"
+                );
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &std::process::id().to_string()])
+                    .status();
+                std::thread::sleep(std::time::Duration::from_secs(60));
+            }
+            let c = Instant::now();
+            if let Err(e) = run_case(&mut ring, k as usize) {
+                let Some(victim) = args.kill_rank else {
+                    return Err(e);
+                };
+                let waited = c.elapsed();
+                println!(
+                    "HOST_RING_DRILL rank={me} failed_at_collective={k} detected_after_ms={} bound_ms={} error=\"{e:#}\"",
+                    waited.as_millis(),
+                    2 * config.timeout.as_millis()
+                );
+                if waited > 2 * config.timeout
+                    || !format!("{e:#}").contains(&format!("rank {victim}"))
+                {
+                    bail!("rank {me}: the loss of rank {victim} was not reported in time");
+                }
+                return Ok(());
+            }
+            slowest = slowest.max(c.elapsed().as_secs_f64());
+            k += 1;
+            // With a time limit every rank must stop after the same collective: agree on it
+            // every 64 collectives with one more (a max of everyone's "time is up").
+            if let Some(u) = until.filter(|_| k % 64 == 0) {
+                let mut up = vec![u8::from(t.elapsed() >= u)];
+                ring.all_reduce(&mut up, DataType::U8, ReduceOp::Max)?;
+                stop = up[0] == 1;
+            }
+        }
+        let (rss1, fds1) = footprint();
+        println!(
+            "SOAK rank={} world={} transport={} collectives={k} errors=0 count={} seconds={:.1} per_collective_ms={:.3} slowest_ms={:.1} rss_kib_start={rss0} rss_kib_end={rss1} fds_start={fds0} fds_end={fds1}",
+            ring.rank,
+            ring.world,
+            args.transport,
+            args.count,
+            t.elapsed().as_secs_f64(),
+            t.elapsed().as_secs_f64() * 1e3 / k.max(1) as f64,
+            slowest * 1e3
+        );
     }
     ring.job.check()?;
     println!(

@@ -61,6 +61,14 @@ struct Args {
     /// cuda-ipc chunks up to this many bytes are written by a kernel (else the copy engine).
     #[arg(long)]
     kernel_send_max: Option<usize>,
+    /// Failure drill: this rank kills itself (SIGKILL) in the middle of a stream of
+    /// collectives; every other rank must fail naming it within 2x NODETOUR_TIMEOUT_MS.
+    #[arg(long)]
+    kill_rank: Option<u32>,
+    /// Abort drill: this rank aborts its ring from another thread in the middle of a stream of
+    /// collectives, then leaves; it must see `Aborted`, the others the lost rank.
+    #[arg(long)]
+    abort_rank: Option<u32>,
     /// Two ranks: also sweep the two-step ring beside the default one-step exchange.
     #[arg(long)]
     also_ring: bool,
@@ -107,6 +115,9 @@ fn run() -> anyhow::Result<()> {
         g.ring.set_kernel_send_max(b);
     }
     let deadline = || Deadline::after(config.timeout);
+    if args.kill_rank.is_some() || args.abort_rank.is_some() {
+        return drill(&mut g, &args, &config);
+    }
     println!(
         "rank {} of {}: GPU {}, {}; {}",
         g.rank,
@@ -208,5 +219,63 @@ fn run() -> anyhow::Result<()> {
         }
     }
     g.job.barrier(deadline())?;
+    Ok(())
+}
+
+/// The failure drills: every rank queues 64 MiB allreduces and waits for each with the job's
+/// liveness check; the victim dies (SIGKILL) or aborts from a watchdog thread after a few.
+fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()> {
+    let count = (64 << 20) / 4;
+    let buf = DeviceBuffer::new(&g.context, count * 4)?;
+    let stream = GpuStream::new(&g.context)?;
+    let me = g.rank;
+    g.job.barrier(Deadline::after(config.timeout))?;
+    let start = std::time::Instant::now();
+    let mut lost_at = None;
+    for k in 0..1000u32 {
+        if args.kill_rank == Some(me) && k == 20 {
+            println!("GPU_RING_DRILL rank={me}: killing myself (SIGKILL) after {k} collectives");
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &std::process::id().to_string()])
+                .status();
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        if args.abort_rank == Some(me) && k == 20 {
+            let handle = g.ring.abort_handle();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(5));
+                handle.abort("the abort drill's watchdog");
+            });
+        }
+        let t = std::time::Instant::now();
+        let queued = g
+            .ring
+            .all_reduce(&buf, count, DataType::F32, ReduceOp::Sum, &stream);
+        let job = &g.job;
+        let result = queued.and_then(|()| g.ring.wait_alive(config.timeout, &|| job.check()));
+        if let Err(e) = result {
+            lost_at = Some((k, t.elapsed(), e));
+            break;
+        }
+    }
+    let Some((k, waited, e)) = lost_at else {
+        bail!("rank {me}: 1000 collectives and no failure: the drill did not happen");
+    };
+    println!(
+        "GPU_RING_DRILL rank={me} failed_at_collective={k} detected_after_ms={} bound_ms={} since_start_ms={} error=\"{e}\"",
+        waited.as_millis(),
+        2 * config.timeout.as_millis(),
+        start.elapsed().as_millis()
+    );
+    if waited > 2 * config.timeout {
+        bail!("rank {me} took longer than 2x the timeout to notice");
+    }
+    // The ring's streams drained: dropping everything must not hang either.
+    let t = std::time::Instant::now();
+    drop(buf);
+    println!(
+        "GPU_RING_DRILL rank={me} teardown_ms={}",
+        t.elapsed().as_millis()
+    );
     Ok(())
 }

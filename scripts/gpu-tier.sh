@@ -48,6 +48,14 @@ failed=0
     fi
     ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all || failed=1
     NODETOUR_TRANSPORT=shm ./launch-local.sh -n 4 --timeout 300 -- ./gpu_ring_check || failed=1
+    echo "== failure drills: a rank SIGKILLed, or aborted from a watchdog thread, mid-stream (NODETOUR_TIMEOUT_MS=5000)"
+    for spec in "2|--kill-rank 1|auto" "2|--kill-rank 1|shm" "3|--abort-rank 2|shm"; do
+        IFS='|' read -r n a t <<<"$spec"
+        ok=$(NODETOUR_TIMEOUT_MS=5000 NODETOUR_TRANSPORT=$t timeout 60 ./launch-local.sh -n "$n" --timeout 50 -- ./gpu_ring_check $a 2>&1 |
+            tee /tmp/drill.log | grep -c 'GPU_RING_DRILL rank=[0-9]* failed_at')
+        grep DRILL /tmp/drill.log
+        [[ $ok == "$n" || ( $a == --kill* && $ok == $((n - 1)) ) ]] || { echo "drill $spec: $ok ranks reported"; failed=1; }
+    done
     echo "== allreduce_check --gpu: GPU buffers staged through host slots over tcp (the cross-host path)"
     ./launch-local.sh -n 2 --timeout 300 -- ./allreduce_check --gpu --all --count 3000017 || failed=1
     ./launch-local.sh -n 3 --timeout 300 -- ./allreduce_check --gpu --all || failed=1

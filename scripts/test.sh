@@ -103,6 +103,16 @@ tcp_bench() {
     scripts/launch-local.sh -n 2 --timeout 120 -- target/release/examples/transport_check --bench 268435456 2>&1 | grep TCP_BENCH
 }
 check "tcp large writes against a plain TCP stream (ratio printed, not asserted)" tcp_bench
+soak_tcp() { scripts/soak.sh tcp 10000 4; }
+kill_drill() { # a rank SIGKILLed mid-stream: the 3 others name it within 2x the timeout
+    local out
+    out=$(NODETOUR_TIMEOUT_MS=3000 scripts/launch-local.sh -n 4 --timeout 60 -- target/release/examples/allreduce_check \
+        --count 4099 --slot-bytes 4096 --repeat 1000 --kill-rank 2 2>&1)
+    echo "$out" | grep -E 'DRILL|error' | sed 's/^/  /'
+    [[ $(echo "$out" | grep -c 'HOST_RING_DRILL rank=[013] failed_at.*rank 2 lost') == 3 ]]
+}
+check "a rank SIGKILLed mid-allreduce over tcp is named by the 3 others within 2x the timeout" kill_drill
+check "soak: 10000 allreduces across 4 processes over tcp, exact, memory and descriptors flat" soak_tcp
 benches_run() { # each criterion bench once (criterion's --test mode); SKIP lines where hardware lacks
     local out
     out=$(cargo bench --color never -- --test 2>&1) || { echo "$out" | tail -n 20; return 1; }

@@ -89,6 +89,24 @@ else
     failed=1
 fi
 
+say "soak: 1000 allreduces across 4 processes over verbs (rxe0/rxe1), exact, memory and descriptors flat"
+if NODETOUR_EXAMPLES=$BIN_DIR/examples scripts/soak.sh verbs 1000 4; then
+    say "soak verbs ... ok"
+else
+    say "soak verbs ... FAILED"
+    failed=1
+fi
+
+say "a rank SIGKILLed mid-allreduce over verbs: the 3 others name it within 2x the timeout"
+NODETOUR_TIMEOUT_MS=5000 scripts/launch-local.sh -n 4 --timeout 120 -- "$BIN_DIR/examples/allreduce_check" --transport verbs \
+    --devices "$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" --count 4099 --slot-bytes 4096 --repeat 1000 --kill-rank 2 >/tmp/drill.log 2>&1
+grep -E 'DRILL' /tmp/drill.log
+if [[ $(grep -c 'HOST_RING_DRILL rank=[013] failed_at.*rank 2 lost' /tmp/drill.log) == 3 ]]; then
+    say "kill drill verbs ... ok"
+else
+    say "kill drill verbs ... FAILED"; cat /tmp/drill.log; failed=1
+fi
+
 if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-lat-compare.sh; then
     say "write-lat-compare ... ok"
 else

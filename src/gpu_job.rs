@@ -288,15 +288,15 @@ impl GpuRingJob {
         if let Some(out) = out_ipc {
             // Direct links keep their flags in GPU memory (each GPU polls its own memory); the
             // pages of both neighbours are mapped before anyone's names go away.
-            let pages: [Box<dyn FlagPage>; 3] = if options.device_flags {
+            let pages: [Arc<dyn FlagPage>; 3] = if options.device_flags {
                 [
-                    Box::new(device_flags),
-                    Box::new(PeerDeviceFlags::open(
+                    Arc::new(device_flags),
+                    Arc::new(PeerDeviceFlags::open(
                         &context,
                         &next_device_flags,
                         flag::WORDS,
                     )?),
-                    Box::new(PeerDeviceFlags::open(
+                    Arc::new(PeerDeviceFlags::open(
                         &context,
                         &prev_device_flags,
                         flag::WORDS,
@@ -304,7 +304,7 @@ impl GpuRingJob {
                 ]
             } else {
                 let (a, b, c) = host_pages.take().context("host flag pages")?;
-                [Box::new(a), Box::new(b), Box::new(c)]
+                [Arc::new(a), Arc::new(b), Arc::new(c)]
             };
             let [mine, next_page, prev_page] = pages;
             rings.push(StreamLinks {
@@ -321,9 +321,9 @@ impl GpuRingJob {
             // Both paths at once only with the direct ring's flags in GPU memory (checked).
             let (a, b, c) = host_pages.take().context("host flag pages")?;
             rings.push(StreamLinks {
-                flags: Box::new(a),
-                next_flags: Box::new(b),
-                prev_flags: Box::new(c),
+                flags: Arc::new(a),
+                next_flags: Arc::new(b),
+                prev_flags: Arc::new(c),
                 outgoing: Outgoing::Shm(out),
                 incoming: Incoming::Shm {
                     slots: shm_slots,

@@ -361,7 +361,22 @@ impl RingJob {
         let job = &self.job;
         let result = f(&mut ring, epoch, &|| job.check());
         self.backlog = std::mem::take(&mut ring.backlog);
-        result.map_err(Into::into)
+        result.map_err(|e| self.blame(e))
+    }
+
+    /// A transport failure is usually the echo of a rank that died (its connection closed, or a
+    /// neighbour that failed because of it closed its own): ask the liveness mesh, briefly, who
+    /// was lost first, and name that rank.
+    fn blame(&self, e: nodetour_ring::Error) -> anyhow::Error {
+        if matches!(e, nodetour_ring::Error::PeerLost { .. }) {
+            return e.into();
+        }
+        let wait = std::time::Duration::from_millis(500).min(self.options.timeout);
+        match self.job.wait_for_loss(Deadline::after(wait)) {
+            Some((rank, why)) => anyhow::Error::new(nodetour_ring::Error::PeerLost { rank })
+                .context(format!("{why}; the ring saw: {e}")),
+            None => e.into(),
+        }
     }
 }
 

@@ -17,7 +17,8 @@
 //! that release every queued wait (the data of that collective is garbage), lets the streams
 //! drain, and refuses further collectives.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
@@ -86,11 +87,11 @@ pub enum Incoming {
 /// This rank's two links, set up by whoever formed the ring (the bootstrap exchange).
 pub struct StreamLinks {
     /// This rank's flag page ([`flag::READY`] and [`flag::RELEASED`] are waited on here).
-    pub flags: Box<dyn FlagPage>,
+    pub flags: Arc<dyn FlagPage>,
     /// The next rank's flag page (to set [`flag::READY`]).
-    pub next_flags: Box<dyn FlagPage>,
+    pub next_flags: Arc<dyn FlagPage>,
     /// The previous rank's flag page (to set [`flag::RELEASED`]).
-    pub prev_flags: Box<dyn FlagPage>,
+    pub prev_flags: Arc<dyn FlagPage>,
     /// To the next rank.
     pub outgoing: Outgoing,
     /// From the previous rank.
@@ -150,7 +151,7 @@ pub struct GpuRing {
     rank: u32,
     world: u32,
     counters: LinkCounters,
-    failed: Option<String>,
+    abort: AbortHandle,
     path: String,
     exchange: bool,
     kernel_send_max: usize,
@@ -206,6 +207,7 @@ impl GpuRing {
             None => "a ring of one: nothing moves".to_owned(),
             Some(l) => l.describe(),
         };
+        let own_flags = links.as_ref().map(|l| l.flags.clone());
         Ok(GpuRing {
             send: GpuStream::new(context).map_err(g)?,
             recv: GpuStream::new(context).map_err(g)?,
@@ -222,7 +224,14 @@ impl GpuRing {
             rank,
             world,
             counters: LinkCounters::default(),
-            failed: None,
+            abort: AbortHandle {
+                shared: Arc::new(AbortState {
+                    failed: Mutex::new(None),
+                    sent: AtomicU64::new(0),
+                    received: AtomicU64::new(0),
+                    flags: own_flags,
+                }),
+            },
             path,
             exchange: true,
             kernel_send_max: KERNEL_SEND_MAX,
@@ -271,10 +280,8 @@ impl GpuRing {
         op: ReduceOp,
         stream: &GpuStream,
     ) -> Result<()> {
-        if let Some(why) = &self.failed {
-            return Err(Error::Aborted {
-                reason: why.clone(),
-            });
+        if let Some(reason) = self.abort.reason() {
+            return Err(Error::Aborted { reason });
         }
         self.check(buffer, count, dtype, stream)?;
         let Some(links) = &self.links else {
@@ -294,10 +301,13 @@ impl GpuRing {
             let p = program(&plan, self.rank, average, &mut self.counters);
             (p, plan.steps())
         };
+        // Published before queueing: an abort from another thread releases these too.
+        self.abort.publish(&self.counters);
         // From here the peers count these chunks: a failure to queue breaks the ring.
         let queued = self.queue(buffer, dtype, op, stream, steps, &prog);
         if let Err(e) = &queued {
-            self.failed = Some(format!("queueing a collective failed: {e}"));
+            self.abort
+                .abort(&format!("queueing a collective failed: {e}"));
         }
         queued
     }
@@ -474,28 +484,47 @@ impl GpuRing {
 
     /// Waits until every collective queued so far has finished on this rank, at most `timeout`:
     /// spins briefly, then sleeps in growing steps (≤ 1 ms). On expiry the ring is aborted (see
-    /// [`GpuRing::abort`]) and the error says so.
+    /// [`AbortHandle::abort`]) and the error says so.
     pub fn wait(&mut self, timeout: Duration) -> Result<()> {
+        self.wait_alive(timeout, &|| Ok(()))
+    }
+
+    /// Like [`GpuRing::wait`], asking `alive` (the job's liveness check, e.g. the bootstrap's
+    /// `check`) between polls: a lost rank aborts the ring at once and is named in the error.
+    pub fn wait_alive(
+        &mut self,
+        timeout: Duration,
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+    ) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let g = |e| gpu_error("waiting for the collective", e);
         let spin_until = Instant::now() + Duration::from_micros(50);
         let mut nap = Duration::from_micros(10);
+        let mut lost = None;
         loop {
             if self.end[0].is_complete().map_err(g)? && self.end[1].is_complete().map_err(g)? {
-                return match &self.failed {
-                    Some(why) => Err(Error::Aborted {
-                        reason: why.clone(),
-                    }),
-                    None => Ok(()),
+                return match (lost, self.abort.reason()) {
+                    (Some(e), _) => Err(e),
+                    (None, Some(reason)) => Err(Error::Aborted { reason }),
+                    (None, None) => Ok(()),
                 };
+            }
+            if lost.is_none() {
+                if let Err(e) = alive() {
+                    let e = Error::from(e);
+                    self.abort.abort(&format!("{e}"));
+                    // Keep polling: the streams drain now that every wait is released.
+                    lost = Some(e);
+                }
             }
             let now = Instant::now();
             if now >= deadline {
-                self.abort("a collective did not finish before its deadline");
-                return Err(Error::Timeout {
+                self.abort
+                    .abort("a collective did not finish before its deadline");
+                return Err(lost.unwrap_or(Error::Timeout {
                     waiting_for: "the GPU ring's streams (aborted: a peer stopped?)".into(),
                     after: timeout,
-                });
+                }));
             }
             if now >= spin_until {
                 std::thread::sleep(nap.min(deadline - now));
@@ -506,19 +535,14 @@ impl GpuRing {
         }
     }
 
-    /// Gives up on every collective in flight: stores values in this rank's flags that satisfy
-    /// every queued wait (data of those collectives is garbage), so the streams drain, and
-    /// refuses further collectives. Peers must abort too (they learn of it from the bootstrap's
-    /// liveness mesh or their own deadline).
+    /// Gives up on every collective in flight (see [`AbortHandle::abort`]).
     pub fn abort(&mut self, reason: &str) {
-        self.failed.get_or_insert_with(|| reason.to_owned());
-        if let Some(l) = &self.links {
-            // Far ahead of anything queued, within the cyclic comparison's half range.
-            let ready = (self.counters.received as u32).wrapping_add(1 << 30);
-            let released = (self.counters.sent as u32).wrapping_add(1 << 30);
-            let _ = l.flags.store(flag::READY, ready);
-            let _ = l.flags.store(flag::RELEASED, released);
-        }
+        self.abort.abort(reason);
+    }
+
+    /// A handle that aborts this ring from another thread (a watchdog, the training loop).
+    pub fn abort_handle(&self) -> AbortHandle {
+        self.abort.clone()
     }
 
     fn check(
@@ -610,5 +634,49 @@ impl Drop for InFlight<'_> {
                 tracing::warn!(error = %e, "a dropped GPU collective failed");
             }
         }
+    }
+}
+
+/// Aborts a [`GpuRing`] from any thread. Cheap to clone.
+#[derive(Clone)]
+pub struct AbortHandle {
+    shared: Arc<AbortState>,
+}
+
+struct AbortState {
+    failed: Mutex<Option<String>>,
+    // The link counters after the last queued collective: an abort releases every wait up to
+    // them (and beyond).
+    sent: AtomicU64,
+    received: AtomicU64,
+    flags: Option<Arc<dyn FlagPage>>,
+}
+
+impl AbortHandle {
+    /// Gives up on every collective in flight: stores values in the ring's own flags that
+    /// satisfy every queued wait (the data of those collectives is garbage), so its streams
+    /// drain and nothing waits for a peer that is gone; the ring then refuses further
+    /// collectives (typed `Aborted` with the first reason). Peers must abort too: they learn
+    /// of it from the bootstrap's liveness mesh or their own deadline.
+    pub fn abort(&self, reason: &str) {
+        if let Ok(mut f) = self.shared.failed.lock() {
+            f.get_or_insert_with(|| reason.to_owned());
+        }
+        if let Some(flags) = &self.shared.flags {
+            // Far ahead of anything queued, within the cyclic comparison's half range.
+            let ahead = |c: &AtomicU64| (c.load(Ordering::Acquire) as u32).wrapping_add(1 << 30);
+            let _ = flags.store(flag::READY, ahead(&self.shared.received));
+            let _ = flags.store(flag::RELEASED, ahead(&self.shared.sent));
+        }
+    }
+
+    /// Why the ring was aborted, if it was.
+    pub fn reason(&self) -> Option<String> {
+        self.shared.failed.lock().ok().and_then(|f| f.clone())
+    }
+
+    fn publish(&self, c: &LinkCounters) {
+        self.shared.sent.store(c.sent, Ordering::Release);
+        self.shared.received.store(c.received, Ordering::Release);
     }
 }

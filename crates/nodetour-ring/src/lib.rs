@@ -19,6 +19,8 @@
 #![warn(missing_docs)]
 
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gpu;
 pub mod gpu_ring;
 pub mod host;

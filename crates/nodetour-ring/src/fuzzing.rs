@@ -1,0 +1,58 @@
+//! What the `ring_notifications` fuzz target and its corpus replay test run: arbitrary
+//! notifications from peers (immediates, grants, completions, timeouts, losses) against one
+//! rank's schedule. Whatever the bytes, the schedule answers with actions or typed errors; it
+//! never panics and never produces an unbounded stream of actions.
+
+use std::time::{Duration, Instant};
+
+use crate::plan::Plan;
+use crate::schedule::{Action, Immediate, RingSchedule};
+
+/// Drives a schedule with the events encoded in `data`: 5 header bytes (ranks, rank, slots,
+/// element count), then 5-byte events (kind, 32-bit value). Returns how many actions came out.
+pub fn drive(data: &[u8]) -> usize {
+    let Some(head) = data.get(..5) else {
+        return 0;
+    };
+    let world = u32::from(head[0] % 16) + 1;
+    let rank = u32::from(head[1]) % world;
+    let slots = u32::from(head[2] % 4) + 1;
+    let count = u64::from(u16::from_be_bytes([head[3], head[4]]) % 1024);
+    let Ok(plan) = Plan::new(world, count, 4, 64, slots) else {
+        return 0;
+    };
+    let start = Instant::now();
+    let mut sched = RingSchedule::new(plan, rank, 1, Duration::from_secs(1), start);
+    let mut actions = 0;
+    for ev in data[5..].chunks_exact(5) {
+        let v = u32::from_be_bytes([ev[1], ev[2], ev[3], ev[4]]);
+        assert_eq!(Immediate::decode(v).encode(), v, "immediates round trip");
+        let now = start + Duration::from_micros(u64::from(v % 4_000_000));
+        // Errors are the schedule's typed answers to out-of-protocol input: fine here.
+        let _ = match ev[0] % 6 {
+            0 => sched.handle_arrived(v, now).map(|_| ()),
+            1 => sched.handle_granted(v as u8, now),
+            2 => sched.handle_sent(v % 256, now),
+            3 => sched.handle_processed(v % 256, now),
+            4 => {
+                sched.handle_timeout(now);
+                Ok(())
+            }
+            _ => {
+                sched.handle_peer_lost(v % world);
+                Ok(())
+            }
+        };
+        let mut burst = 0;
+        while let Some(a) = sched.poll_action() {
+            burst += 1;
+            assert!(burst <= 100_000, "an unbounded stream of actions");
+            if matches!(a, Action::Done | Action::Failed(_)) {
+                actions += burst;
+                return actions;
+            }
+        }
+        actions += burst;
+    }
+    actions
+}
