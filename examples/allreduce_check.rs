@@ -58,6 +58,10 @@ struct Args {
     /// every other rank must fail naming it within 2x NODETOUR_TIMEOUT_MS.
     #[arg(long)]
     kill_rank: Option<u32>,
+    /// Abort drill (with --repeat): this rank aborts its ring from another thread after 50
+    /// collectives; its call must return `Aborted`, the others fail within 2x the timeout.
+    #[arg(long)]
+    abort_rank: Option<u32>,
 }
 
 /// Resident memory (KiB) and open file descriptors of this process.
@@ -167,8 +171,24 @@ fn run() -> anyhow::Result<()> {
                     .status();
                 std::thread::sleep(std::time::Duration::from_secs(60));
             }
+            if args.abort_rank == Some(me) && k == 50 {
+                let handle = ring.abort_handle();
+                std::thread::spawn(move || handle.abort("the abort drill's watchdog"));
+            }
             let c = Instant::now();
             if let Err(e) = run_case(&mut ring, k as usize) {
+                if let Some(a) = args.abort_rank {
+                    let text = format!("{e:#}");
+                    println!(
+                        "HOST_RING_DRILL rank={me} failed_at_collective={k} detected_after_ms={} bound_ms={} error=\"{text}\"",
+                        c.elapsed().as_millis(),
+                        2 * config.timeout.as_millis()
+                    );
+                    if c.elapsed() > 2 * config.timeout || (a == me && !text.contains("aborted")) {
+                        bail!("rank {me}: the abort drill did not end as it must");
+                    }
+                    return Ok(());
+                }
                 let Some(victim) = args.kill_rank else {
                     return Err(e);
                 };

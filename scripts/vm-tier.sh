@@ -132,4 +132,16 @@ else
     say "resource counts differ: leaked verbs objects ... FAILED"
     failed=1
 fi
+# Last, because it changes the VM's network: take the interface under the second device down
+# (and up); a waiting queue pair must fail at once with the typed IBV_EVENT_PORT_ERR.
+say "a port that goes down fails waits with a typed asynchronous event (takes ${NODETOUR_VM_DEV1}'s link down)"
+for exe in "$@"; do
+    NODETOUR_VM_PORT_DOWN_TEST=1 "$exe" --ignored --exact a_port_that_goes_down_fails_waits_with_a_typed_event --nocapture >/tmp/portdown.log 2>&1
+    grep -E 'PORT_ERR|test result' /tmp/portdown.log
+    if grep -q 'test result: ok. 1 passed' /tmp/portdown.log; then
+        say "port-down event ... ok"
+    else
+        say "port-down event ... FAILED"; failed=1
+    fi
+done
 exit $failed

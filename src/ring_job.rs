@@ -52,6 +52,7 @@ pub struct RingJob {
     epoch: u8,
     _local: Option<LocalSide>,
     gpu: Option<GpuSide>,
+    aborted: Arc<std::sync::Mutex<Option<String>>>,
     /// This rank.
     pub rank: u32,
     /// Ranks in the job.
@@ -260,12 +261,19 @@ impl RingJob {
             epoch: 0,
             _local: local,
             gpu: None,
+            aborted: Arc::new(std::sync::Mutex::new(None)),
             rank: me,
             world,
             neighbours: (prev, next),
             order,
             job,
         })
+    }
+
+    /// A handle that aborts the collective in flight from another thread: it returns
+    /// `Aborted`, and so does every later one (its epoch is spent: late writes are stale).
+    pub fn abort_handle(&self) -> HostAbortHandle {
+        HostAbortHandle(self.aborted.clone())
     }
 
     /// Allreduces `data` across the job.
@@ -359,7 +367,16 @@ impl RingJob {
             backlog: std::mem::take(&mut self.backlog),
         };
         let job = &self.job;
-        let result = f(&mut ring, epoch, &|| job.check());
+        let aborted = &self.aborted;
+        let alive = || {
+            if let Some(reason) = aborted.lock().ok().and_then(|r| r.clone()) {
+                return Err(nodetour_core::Error::InvalidArgument {
+                    reason: format!("aborted: {reason}"),
+                });
+            }
+            job.check()
+        };
+        let result = f(&mut ring, epoch, &alive);
         self.backlog = std::mem::take(&mut ring.backlog);
         result.map_err(|e| self.blame(e))
     }
@@ -368,7 +385,10 @@ impl RingJob {
     /// neighbour that failed because of it closed its own): ask the liveness mesh, briefly, who
     /// was lost first, and name that rank.
     fn blame(&self, e: nodetour_ring::Error) -> anyhow::Error {
-        if matches!(e, nodetour_ring::Error::PeerLost { .. }) {
+        if matches!(
+            e,
+            nodetour_ring::Error::PeerLost { .. } | nodetour_ring::Error::Aborted { .. }
+        ) {
             return e.into();
         }
         let wait = std::time::Duration::from_millis(500).min(self.options.timeout);
@@ -376,6 +396,19 @@ impl RingJob {
             Some((rank, why)) => anyhow::Error::new(nodetour_ring::Error::PeerLost { rank })
                 .context(format!("{why}; the ring saw: {e}")),
             None => e.into(),
+        }
+    }
+}
+
+/// Aborts a [`RingJob`]'s collectives from any thread (see [`RingJob::abort_handle`]).
+#[derive(Clone)]
+pub struct HostAbortHandle(Arc<std::sync::Mutex<Option<String>>>);
+
+impl HostAbortHandle {
+    /// Aborts the collective in flight and every later one, with `reason`.
+    pub fn abort(&self, reason: &str) {
+        if let Ok(mut r) = self.0.lock() {
+            r.get_or_insert_with(|| reason.to_owned());
         }
     }
 }

@@ -312,6 +312,18 @@ pub enum Error {
         hint: &'static str,
     },
 
+    /// The device reported an asynchronous event that ends a queue pair's work (port down,
+    /// queue pair or device fatal).
+    #[error("RDMA device {device}: {event}{}", hint_suffix(hint))]
+    AsyncEvent {
+        /// The device.
+        device: String,
+        /// The event.
+        event: crate::verbs::AsyncEvent,
+        /// What it usually means and what to do.
+        hint: &'static str,
+    },
+
     /// A deadline passed.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout {

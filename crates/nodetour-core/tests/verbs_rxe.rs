@@ -21,8 +21,9 @@ use nodetour_core::registration::{
 use nodetour_core::memory::{HostBuffer, RdmaBuffer};
 use nodetour_core::verbs::inject::{self, Call};
 use nodetour_core::verbs::{
-    Access, Completion, Context, DmabufSupport, GidChoice, LinkLayer, MemoryRegion, PathOptions,
-    PortAttributes, ProtectionDomain, QpState, QueuePair, QueuePairOptions, RemoteRegion,
+    Access, AsyncEvent, Completion, Context, DmabufSupport, GidChoice, LinkLayer, MemoryRegion,
+    PathOptions, PortAttributes, ProtectionDomain, QpState, QueuePair, QueuePairOptions,
+    RemoteRegion,
 };
 use nodetour_core::{Config, Deadline, Error};
 
@@ -353,6 +354,69 @@ fn a_wrong_rkey_fails_the_write_with_a_remote_access_error() {
     let mut zero = vec![1u8; 4096];
     dst.read_at(0, &mut zero).unwrap();
     assert!(zero.iter().all(|b| *b == 0), "nothing landed");
+    // Some providers also report the violation to the responder as an asynchronous event
+    // (rxe does not): if one comes, a wait there fails with it, typed.
+    let short = Deadline::after(Duration::from_secs(2));
+    match p.b.wait(&mut done, short) {
+        Err(Error::AsyncEvent { event, hint, .. }) => {
+            assert_eq!(event, AsyncEvent::QpAccessError { qpn: p.b.qpn() });
+            assert!(hint.contains("remote key"), "{hint}");
+        }
+        Err(Error::Timeout { .. }) => {
+            println!("responder: no asynchronous event from this provider")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Takes the network interface under the second device down (and up again): the device raises
+/// IBV_EVENT_PORT_ERR, and a queue pair waiting for completions on that port fails at once with
+/// the typed event instead of at its deadline. Changes the VM's network, so the VM tier runs it
+/// alone, last (`NODETOUR_VM_PORT_DOWN_TEST=1`).
+#[test]
+#[ignore = "takes a network interface down; the VM tier runs it last"]
+fn a_port_that_goes_down_fails_waits_with_a_typed_event() {
+    if std::env::var("NODETOUR_VM_PORT_DOWN_TEST").as_deref() != Ok("1") {
+        println!("SKIP set NODETOUR_VM_PORT_DOWN_TEST=1 (inside the VM) to take a link down");
+        return;
+    }
+    let Some(p) = connected(QueuePairOptions::default()) else {
+        return;
+    };
+    let dev = p.b_side.context.name().to_owned();
+    let port = p.b_side.port.port;
+    let ndev = std::fs::read_to_string(format!(
+        "/sys/class/infiniband/{dev}/ports/{port}/gid_attrs/ndevs/0"
+    ))
+    .expect("the netdev under the device")
+    .trim()
+    .to_owned();
+    let ip = |state: &str| {
+        let ok = std::process::Command::new("ip")
+            .args(["link", "set", &ndev, state])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "ip link set {ndev} {state}");
+    };
+    ip("down");
+    let t = std::time::Instant::now();
+    let mut done = Vec::new();
+    let got =
+        p.b.wait(&mut done, Deadline::after(Duration::from_secs(10)));
+    ip("up");
+    match got {
+        Err(Error::AsyncEvent { event, hint, .. }) => {
+            println!(
+                "{dev} ({ndev} down): {event} after {:?}: {hint}",
+                t.elapsed()
+            );
+            assert_eq!(event, AsyncEvent::PortError { port });
+            assert!(hint.contains("link went down"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "noticed late");
 }
 
 #[test]

@@ -386,10 +386,13 @@ impl HostRing<'_> {
                 }
             }
             if let Err(e) = alive() {
-                if let Error::PeerLost { rank } = Error::from(e) {
-                    sched.handle_peer_lost(rank);
-                    continue;
+                match Error::from(e) {
+                    Error::PeerLost { rank } => sched.handle_peer_lost(rank),
+                    // Anything else the caller's check reports (an abort from another thread)
+                    // ends the collective; its epoch is spent, so its late writes are stale.
+                    other => sched.abort(other.to_string()),
                 }
+                continue;
             }
             // Collect notifications: spin on polls briefly, then wait in short slices so that
             // both neighbours are served and the deadline is checked.

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use rdma_sys::ibv_context;
 
+use super::async_event::AsyncEvent;
 use super::device::{self, DeviceChoice, DeviceInfo, Near};
 use super::gid::{self, GidChoice};
 use super::library::VerbsLibrary;
@@ -20,6 +21,11 @@ pub struct Context {
     lib: &'static VerbsLibrary,
     info: DeviceInfo,
     attributes: DeviceAttributes,
+    // Every asynchronous event read so far (the last 256), oldest first.
+    events: std::sync::Mutex<Vec<AsyncEvent>>,
+    // Whether the event file could be made non-blocking (else events are not read: a read
+    // would block).
+    watch_events: bool,
 }
 
 // SAFETY: an ibv_context may be used from any thread; libibverbs serialises internally where
@@ -88,12 +94,78 @@ impl Context {
                 });
             }
         };
+        // The event file is read without blocking, by whoever waits (see `check_async`).
+        // SAFETY: raw is a live context; async_fd is its open event file.
+        let fd = unsafe { (*raw).async_fd };
+        // SAFETY: fcntl on a valid descriptor.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        let watch_events =
+            flags >= 0 && unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } >= 0;
+        if !watch_events {
+            tracing::warn!(device = %info.name, "cannot make the asynchronous event file non-blocking; events will not be watched");
+        }
         Ok(Arc::new(Context {
             raw,
             lib,
             info,
             attributes,
+            events: std::sync::Mutex::new(Vec::new()),
+            watch_events,
         }))
+    }
+
+    /// The file descriptor asynchronous events arrive on (for waiters' `poll`).
+    pub(crate) fn async_fd(&self) -> std::os::fd::RawFd {
+        if !self.watch_events {
+            return -1; // poll ignores negative descriptors
+        }
+        // SAFETY: raw is live for &self.
+        unsafe { (*self.raw).async_fd }
+    }
+
+    /// Reads the asynchronous events queued since the last read (port up/down, fatal errors),
+    /// logs them, keeps them, and returns them.
+    pub fn async_events(&self) -> Result<Vec<AsyncEvent>> {
+        let mut new = Vec::new();
+        if !self.watch_events {
+            return Ok(new);
+        }
+        loop {
+            // SAFETY: raw is live; its event file was made non-blocking at open.
+            match unsafe { result::next_async_event(self.lib, self.raw) } {
+                Ok(Some((t, port, qpn))) => new.push(AsyncEvent::classify(t, port, qpn)),
+                Ok(None) => break,
+                Err(source) => {
+                    return Err(Error::WaitCompletionChannel { source });
+                }
+            }
+        }
+        for e in &new {
+            tracing::warn!(device = %self.info.name, event = %e, hint = e.hint(), "RDMA asynchronous event");
+        }
+        let mut all = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        all.extend_from_slice(&new);
+        let excess = all.len().saturating_sub(256);
+        all.drain(..excess);
+        Ok(new)
+    }
+
+    /// `Err(AsyncEvent)` if an event read so far (or now) ends the work of queue pair `qpn` on
+    /// `port`: the device failed, the port is down, or the queue pair was killed.
+    pub(crate) fn check_async(&self, port: u8, qpn: u32) -> Result<()> {
+        self.async_events()?;
+        let all = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, e) in all.iter().enumerate() {
+            if e.is_fatal_for(port, qpn, &all[i + 1..]) {
+                return Err(Error::AsyncEvent {
+                    device: self.info.name.clone(),
+                    event: *e,
+                    hint: e.hint(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The device's name.

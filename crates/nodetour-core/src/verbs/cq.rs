@@ -110,12 +110,16 @@ impl CompletionQueue {
     }
 
     /// Polls until something completes or `deadline` passes: spins (see [`set_spin`]), then arms the
-    /// channel and sleeps on it. `what` names the awaited event in the timeout error.
+    /// channel and sleeps on it and on the device's asynchronous event file. `what` names the
+    /// awaited event in the timeout error; `interrupt` runs before each sleep and after each
+    /// wake-up, and its error (a port that went down, a queue pair the device killed) ends the
+    /// wait at once.
     pub(crate) fn wait(
         &self,
         wc: &mut [ibv_wc],
         deadline: Deadline,
         what: &dyn Fn() -> String,
+        interrupt: &dyn Fn() -> Result<()>,
     ) -> Result<usize> {
         let spin_until = Instant::now() + spin();
         loop {
@@ -138,21 +142,31 @@ impl CompletionQueue {
                 return Ok(n);
             }
             deadline.check(what)?;
-            let mut pfd = libc::pollfd {
-                fd: self.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: pfd is a valid array of one pollfd.
-            let rc = unsafe { libc::poll(&mut pfd, 1, deadline.poll_timeout_ms(SLEEP_CAP)) };
+            interrupt()?;
+            let mut pfd = [
+                libc::pollfd {
+                    fd: self.fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: self.context.async_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: pfd is a valid array of two pollfds.
+            let rc =
+                unsafe { libc::poll(pfd.as_mut_ptr(), 2, deadline.poll_timeout_ms(SLEEP_CAP)) };
             if rc < 0 {
                 let e = std::io::Error::last_os_error();
                 if e.raw_os_error() != Some(libc::EINTR) {
                     return Err(Error::WaitCompletionChannel { source: e });
                 }
-            } else if rc > 0 {
+            } else if pfd[0].revents != 0 {
                 self.consume_event()?;
             }
+            // An asynchronous event is read by `interrupt` at the top of the loop.
         }
     }
 

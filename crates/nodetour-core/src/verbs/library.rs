@@ -65,6 +65,9 @@ pub(crate) struct VerbsLibrary {
     pub create_qp: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
     pub modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
     pub destroy_qp: unsafe extern "C" fn(*mut ibv_qp) -> c_int,
+    // The event is a `struct ibv_async_event`, read through our own layout (see result.rs).
+    pub get_async_event: unsafe extern "C" fn(*mut ibv_context, *mut c_void) -> c_int,
+    pub ack_async_event: unsafe extern "C" fn(*mut c_void),
 }
 
 // SAFETY: the table holds only function pointers into a library that is never unloaded; the
@@ -165,6 +168,8 @@ pub(crate) fn load_named(name: &str) -> std::result::Result<VerbsLibrary, String
             create_qp: symbols.get("ibv_create_qp", "IBVERBS_1.1")?,
             modify_qp: symbols.get("ibv_modify_qp", "IBVERBS_1.1")?,
             destroy_qp: symbols.get("ibv_destroy_qp", "IBVERBS_1.1")?,
+            get_async_event: symbols.get("ibv_get_async_event", "IBVERBS_1.1")?,
+            ack_async_event: symbols.get("ibv_ack_async_event", "IBVERBS_1.0")?,
         })
     }
 }

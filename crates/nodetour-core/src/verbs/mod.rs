@@ -7,6 +7,7 @@
 //! (see [`crate::oob`]), [`QueuePair::connect`], then post writes and poll completions.
 //! Dropping tears down in the safe order on its own.
 
+pub mod async_event;
 pub mod completion;
 pub mod context;
 mod cq;
@@ -24,6 +25,7 @@ pub mod qp_state;
 mod result;
 pub mod sysfs;
 
+pub use async_event::AsyncEvent;
 pub use completion::Completion;
 pub use context::Context;
 pub use device::{DeviceChoice, DeviceInfo, Near, devices};

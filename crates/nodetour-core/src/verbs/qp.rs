@@ -568,7 +568,13 @@ impl QueuePair {
         let mut wc = std::mem::take(&mut inner.wc);
         let polled = match wait {
             None => self.cq.poll(&mut wc),
-            Some((deadline, what)) => self.cq.wait(&mut wc, deadline, what),
+            Some((deadline, what)) => {
+                let context = self.pd.context();
+                let port = self.port.port;
+                self.cq.wait(&mut wc, deadline, what, &|| {
+                    context.check_async(port, self.qpn)
+                })
+            }
         };
         let result = polled.and_then(|n| {
             let mut first_error = None;

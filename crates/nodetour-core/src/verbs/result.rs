@@ -290,6 +290,54 @@ pub(crate) unsafe fn ack_cq_events(lib: &VerbsLibrary, cq: *mut ibv_cq, n: u32) 
     unsafe { (lib.ack_cq_events)(cq, n) }
 }
 
+/// `struct ibv_async_event` as rdma-core lays it out: a union of pointers and an `int` port
+/// number, then the event type. The type is read as a plain integer (rdma-sys's Rust enum
+/// would be undefined behaviour for a value a newer kernel adds).
+#[repr(C)]
+struct RawAsyncEvent {
+    element: usize,
+    event_type: c_int,
+}
+
+/// `ibv_get_async_event` on a context whose event file is non-blocking, then
+/// `ibv_ack_async_event`: the next event as (type, port, queue pair number), or `None` when
+/// there is none (EAGAIN).
+pub(crate) unsafe fn next_async_event(
+    lib: &VerbsLibrary,
+    ctx: *mut ibv_context,
+) -> io::Result<Option<(u32, u8, u32)>> {
+    let mut ev = RawAsyncEvent {
+        element: 0,
+        event_type: 0,
+    };
+    // SAFETY: ctx is live; ev has the layout of struct ibv_async_event.
+    let rc = unsafe { (lib.get_async_event)(ctx, (&mut ev as *mut RawAsyncEvent).cast()) };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EAGAIN) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    let event_type = ev.event_type as u32;
+    let port = if super::AsyncEvent::names_port(event_type) {
+        // The union's int member: the low 32 bits of the element on little-endian targets.
+        ev.element as u32 as u8
+    } else {
+        0
+    };
+    let qpn = if super::AsyncEvent::names_qp(event_type) && ev.element != 0 {
+        // SAFETY: for queue pair events the element is the affected struct ibv_qp *, live
+        // until the event is acknowledged below.
+        unsafe { (*(ev.element as *mut ibv_qp)).qp_num }
+    } else {
+        0
+    };
+    // SAFETY: ev was returned by ibv_get_async_event and is acknowledged once.
+    unsafe { (lib.ack_async_event)((&mut ev as *mut RawAsyncEvent).cast()) };
+    Ok(Some((event_type, port, qpn)))
+}
+
 /// `ibv_poll_cq` (inline in C: the provider's `poll_cq` op). Returns how many entries of `wc`
 /// were filled.
 pub(crate) unsafe fn poll_cq(cq: *mut ibv_cq, wc: &mut [ibv_wc]) -> io::Result<usize> {
