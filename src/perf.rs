@@ -203,7 +203,10 @@ pub fn sweep(
     let es = dtype.size();
     let n = f64::from(ring.world);
     let mut rows = Vec::new();
-    for &size in sizes {
+    for (k, &size) in sizes.iter().enumerate() {
+        if ring.rank == 0 {
+            crate::perf_gpu::progress(k, sizes.len(), &format!("{size} bytes"));
+        }
         let count = size / es;
         let bytes = count * es;
         let input = pattern(dtype, ring.rank, count);
@@ -229,6 +232,9 @@ pub fn sweep(
             busbw: algbw * 2.0 * (n - 1.0) / n,
             correct,
         });
+    }
+    if ring.rank == 0 {
+        crate::perf_gpu::progress(sizes.len(), sizes.len(), "done");
     }
     Ok(rows)
 }

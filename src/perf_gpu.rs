@@ -371,7 +371,8 @@ pub fn series(rows: &[GpuRow]) -> Vec<Series> {
     out
 }
 
-/// A one-line progress report on stderr for long sweeps (only when stderr is a terminal).
+/// A one-line progress report on stderr for long sweeps (only when stderr is a terminal; host
+/// and GPU sweeps both use it).
 pub fn progress(done: usize, total: usize, what: &str) {
     use std::io::IsTerminal as _;
     if std::io::stderr().is_terminal() {
