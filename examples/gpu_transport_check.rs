@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
 use nodetour::blob::{put, rendezvous, take};
+use nodetour::perf::median;
 use nodetour_core::bootstrap::{HostIdentity, LaunchInfo};
 use nodetour_core::cuda::{GpuStream, enable_peer_access};
 use nodetour_core::memory::{DeviceBuffer, HostBuffer};
@@ -47,11 +48,6 @@ fn pattern(rank: u32, len: usize) -> Vec<u8> {
             ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8 ^ (rank as u8).wrapping_mul(37)
         })
         .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
-    v[v.len() / 2]
 }
 
 fn run() -> anyhow::Result<()> {

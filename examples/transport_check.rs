@@ -31,9 +31,7 @@ use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{
     self, Event, HostConnection, PairFacts, SlotGrant, SlotRegion, TransportKind,
 };
-use nodetour_core::verbs::{
-    Access, EndpointDescription, MemoryRegion, Near, PathOptions, QueuePairOptions,
-};
+use nodetour_core::verbs::{Access, EndpointDescription, MemoryRegion, Near, PathOptions};
 use nodetour_core::{Config, Deadline};
 
 #[derive(Parser)]
@@ -145,20 +143,8 @@ fn run() -> anyhow::Result<()> {
     let mut endpoints: Vec<Vec<u8>> = vec![Vec::new(); world as usize];
     if let Some(l) = &local {
         for p in (0..world).filter(|p| *p != me) {
-            let q = PreparedVerbs::new(
-                &l.pd,
-                l.port.port,
-                QueuePairOptions {
-                    send_depth: 64,
-                    recv_depth: 16,
-                    max_inline: 0,
-                },
-            )?;
-            endpoints[p as usize] = EndpointDescription {
-                endpoint: q.endpoint(&l.gid),
-                regions: vec![],
-            }
-            .encode()?;
+            let (q, e) = l.prepare_for_peer()?;
+            endpoints[p as usize] = e;
             prepared[p as usize] = Some(q);
         }
     }

@@ -12,6 +12,8 @@ use nodetour_core::cuda::{GpuEvent, GpuStream, enable_peer_access};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::gpu::{Flags, ShmSender, ShmSlot};
 
+use crate::perf::median;
+
 /// Bytes per copy of the ceiling measurement.
 pub const CEILING_BYTES: usize = 512 << 20;
 
@@ -54,11 +56,6 @@ struct Gpu {
     host: ShmSlot,
     out: ShmSender,
     streams: [GpuStream; 3],
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// Measures the ceilings of `gpus` (each with the GPU it sends to, if any), all copying at

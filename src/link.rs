@@ -58,6 +58,28 @@ impl LocalSide {
             context,
         })
     }
+
+    /// A queue pair prepared for one peer of a job (64 writes and 16 receives outstanding), and
+    /// the encoded endpoint description to announce to that peer.
+    pub fn prepare_for_peer(
+        &self,
+    ) -> Result<(nodetour_core::transport::verbs::PreparedVerbs, Vec<u8>)> {
+        let q = nodetour_core::transport::verbs::PreparedVerbs::new(
+            &self.pd,
+            self.port.port,
+            QueuePairOptions {
+                send_depth: 64,
+                recv_depth: 16,
+                max_inline: 0,
+            },
+        )?;
+        let e = EndpointDescription {
+            endpoint: q.endpoint(&self.gid),
+            regions: vec![],
+        }
+        .encode()?;
+        Ok((q, e))
+    }
 }
 
 /// One end of an established link.

@@ -152,6 +152,12 @@ pub fn pattern(dtype: DataType, rank: u32, count: usize) -> Vec<u8> {
     data
 }
 
+/// The median of `v` (the upper one of an even count); `v` must not be empty.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
 /// `1048576` → `1 MiB` (exact binary units, else bytes).
 pub fn human_size(b: usize) -> String {
     match b {
@@ -220,8 +226,7 @@ pub fn sweep(
                 times.push(t.elapsed().as_secs_f64());
             }
         }
-        times.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
-        let seconds = times[times.len() / 2];
+        let seconds = median(times);
         let algbw = bytes as f64 / seconds / 1e9;
         let correct = verify(dtype, op, ring.world, &data).is_ok();
         rows.push(Row {

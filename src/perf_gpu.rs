@@ -23,7 +23,7 @@ use serde_json::json;
 
 use crate::ceiling::{CEILING_BYTES, Ceilings, measure};
 use crate::gpu_job::GpuRingJob;
-use crate::perf::{pattern, verify};
+use crate::perf::{median, pattern, verify};
 use crate::plot::Series;
 
 /// Batches per size and implementation (the median is reported).
@@ -80,11 +80,6 @@ impl Ranks {
         }
         Ok(())
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// What a GPU sweep measures.
@@ -499,7 +494,7 @@ pub fn ring_sweep(
             per_ring.push((direct, median(ours), ok));
         }
         let nccl_row = nccl_ok.map(|ok| {
-            let t = median(theirs.clone());
+            let t = median(std::mem::take(&mut theirs));
             (t, busbw(t), ok)
         });
         for (direct, t, ok) in per_ring {

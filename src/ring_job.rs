@@ -15,9 +15,7 @@ use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion};
-use nodetour_core::verbs::{
-    Access, EndpointDescription, MemoryRegion, Near, PathOptions, QueuePairOptions,
-};
+use nodetour_core::verbs::{Access, EndpointDescription, MemoryRegion, Near, PathOptions};
 use nodetour_core::{Config, Deadline};
 use nodetour_ring::host::{GpuStaging, HostRing, HostRingOptions, Links};
 use nodetour_ring::order::{neighbours, ring_order};
@@ -142,20 +140,7 @@ impl RingJob {
         blob.extend_from_slice(&grant(&bell).encode());
         if let Some(l) = &local {
             for p in (0..world).filter(|p| *p != me) {
-                let q = PreparedVerbs::new(
-                    &l.pd,
-                    l.port.port,
-                    QueuePairOptions {
-                        send_depth: 64,
-                        recv_depth: 16,
-                        max_inline: 0,
-                    },
-                )?;
-                let e = EndpointDescription {
-                    endpoint: q.endpoint(&l.gid),
-                    regions: vec![],
-                }
-                .encode()?;
+                let (q, e) = l.prepare_for_peer()?;
                 blob.extend_from_slice(&p.to_be_bytes());
                 blob.extend_from_slice(&(e.len() as u16).to_be_bytes());
                 blob.extend_from_slice(&e);

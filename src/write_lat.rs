@@ -112,12 +112,11 @@ pub fn run_client(config: &Config, server: &str, o: WriteLatOptions) -> Result<W
         }
     }
     let average = rtts.iter().sum::<f64>() / rtts.len() as f64;
-    rtts.sort_by(|a, b| a.total_cmp(b));
     Ok(WriteLatReport {
         role: "client",
         size: o.size,
         iters: o.iters,
-        typical_us: rtts[rtts.len() / 2],
+        typical_us: crate::perf::median(rtts),
         average_us: average,
         link: link.describe(),
     })

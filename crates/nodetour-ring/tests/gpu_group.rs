@@ -13,22 +13,8 @@ use nodetour_core::memory::DeviceBuffer;
 use nodetour_ring::reduce::{finish_avg, reduce_into};
 use nodetour_ring::{DataType, Error, GpuGroup, ReduceOp};
 
-fn gpus() -> Option<Vec<Arc<CudaContext>>> {
-    match cuda::gpus() {
-        Ok(g) if !g.is_empty() => {
-            Some((0..g.len()).map(|i| CudaContext::new(i).unwrap()).collect())
-        }
-        other => {
-            let why = other.err().map_or("no GPU".to_owned(), |e| e.to_string());
-            assert!(
-                std::env::var("NODETOUR_REQUIRE_GPU").as_deref() != Ok("1"),
-                "NODETOUR_REQUIRE_GPU=1 but {why}"
-            );
-            println!("SKIP {why}");
-            None
-        }
-    }
-}
+mod common;
+use common::gpus;
 
 /// Floats are quarters in [-4, 4] (sums of a few are exact in every float type); integers are
 /// arbitrary bit patterns (wrapping arithmetic is exact in any order).

@@ -12,19 +12,11 @@ use nodetour_core::memory::DeviceBuffer;
 use nodetour_ring::reduce::{finish_avg, reduce_into};
 use nodetour_ring::{DataType, ReduceOp};
 
+mod common;
+
+/// The first GPU, or `None` after `SKIP`.
 fn gpu() -> Option<std::sync::Arc<CudaContext>> {
-    match cuda::gpus() {
-        Ok(g) if !g.is_empty() => Some(CudaContext::new(0).unwrap()),
-        other => {
-            let why = other.err().map_or("no GPU".to_owned(), |e| e.to_string());
-            assert!(
-                std::env::var("NODETOUR_REQUIRE_GPU").as_deref() != Ok("1"),
-                "NODETOUR_REQUIRE_GPU=1 but {why}"
-            );
-            println!("SKIP {why}");
-            None
-        }
-    }
+    common::gpus()?.into_iter().next()
 }
 
 /// Deterministic bytes that are valid, finite values of every type.
