@@ -99,6 +99,48 @@ pub struct GpuRingJob {
     pub next_gpu: Option<usize>,
 }
 
+/// What each rank announces through the bootstrap: where the previous rank writes to it (GPU
+/// slots, shared host slots), its flag pages, its GPU, and the caller's extra bytes.
+struct Announcement {
+    slots: IpcGrant,
+    flags: PathBuf,
+    shm: PathBuf,
+    shm_len: usize,
+    device_flags: IpcGrant,
+    gpu: usize,
+    extra: Vec<u8>,
+}
+
+impl Announcement {
+    fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        put(&mut b, &self.slots.encode());
+        put(&mut b, self.flags.to_string_lossy().as_bytes());
+        put(&mut b, self.shm.to_string_lossy().as_bytes());
+        put(&mut b, &(self.shm_len as u64).to_be_bytes());
+        put(&mut b, &self.device_flags.encode());
+        put(&mut b, &(self.gpu as u32).to_be_bytes());
+        put(&mut b, &self.extra);
+        b
+    }
+
+    fn decode(b: &[u8]) -> anyhow::Result<Announcement> {
+        let mut at = 0;
+        let path = |f: &[u8]| -> anyhow::Result<PathBuf> {
+            Ok(PathBuf::from(String::from_utf8(f.to_vec())?))
+        };
+        Ok(Announcement {
+            slots: IpcGrant::decode(take(b, &mut at)?)?,
+            flags: path(take(b, &mut at)?)?,
+            shm: path(take(b, &mut at)?)?,
+            shm_len: u64::from_be_bytes(take(b, &mut at)?.try_into()?) as usize,
+            device_flags: IpcGrant::decode(take(b, &mut at)?)?,
+            gpu: u32::from_be_bytes(take(b, &mut at)?.try_into()?) as usize,
+            extra: take(b, &mut at)?.to_vec(),
+        })
+    }
+}
+
 impl GpuRingJob {
     /// Forms the ring from the launcher environment: rank `r` uses GPU `local_rank mod GPUs`.
     /// `extra` travels to every rank (see [`GpuRingJob::extras`]).
@@ -144,14 +186,16 @@ impl GpuRingJob {
         )?;
         let shm_slots = ShmSlot::create(options.slots as usize * options.shm_slot_bytes)?;
         let (shm_path, shm_len) = shm_slots.grant();
-        let mut blob = Vec::new();
-        put(&mut blob, &gpu_slots.ipc_grant()?.encode());
-        put(&mut blob, flags.path().to_string_lossy().as_bytes());
-        put(&mut blob, shm_path.to_string_lossy().as_bytes());
-        put(&mut blob, &(shm_len as u64).to_be_bytes());
-        put(&mut blob, &device_flags.ipc_grant()?.encode());
-        put(&mut blob, &(gpu as u32).to_be_bytes());
-        put(&mut blob, extra);
+        let blob = Announcement {
+            slots: gpu_slots.ipc_grant()?,
+            flags: flags.path().to_owned(),
+            shm: shm_path,
+            shm_len,
+            device_flags: device_flags.ipc_grant()?,
+            gpu,
+            extra: extra.to_vec(),
+        }
+        .encode();
         let deadline = Deadline::after(config.timeout);
         let job = rendezvous(&info, config, blob)?;
         let hosts: Vec<_> = job.peers().iter().map(|p| p.host.clone()).collect();
@@ -161,23 +205,14 @@ impl GpuRingJob {
             .position(|&r| r == me)
             .context("not in the ring")? as u32;
         let (prev, next) = neighbours(&order, me).context("not in the ring")?;
-        let mut extras = Vec::new();
-        for p in job.peers() {
-            let mut at = 0;
-            for _ in 0..6 {
-                take(&p.blob, &mut at)?;
-            }
-            extras.push(take(&p.blob, &mut at)?.to_vec());
-        }
-        let next_gpu = {
-            let b = &job.peers()[next as usize].blob;
-            let mut at = 0;
-            for _ in 0..5 {
-                take(b, &mut at)?;
-            }
-            let o = u32::from_be_bytes(take(b, &mut at)?.try_into()?) as usize;
-            (world > 1).then_some(o)
-        };
+        // Every rank's announcement, decoded once.
+        let announced = job
+            .peers()
+            .iter()
+            .map(|p| Announcement::decode(&p.blob))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let extras = announced.iter().map(|a| a.extra.clone()).collect();
+        let next_gpu = (world > 1).then_some(announced[next as usize].gpu);
         if world == 1 {
             let ring = GpuRing::new(&context, 0, 1, None)?;
             return Ok(GpuRingJob {
@@ -201,25 +236,18 @@ impl GpuRingJob {
                  across hosts (verbs, staged through host slots) is not built yet"
             );
         }
-        let theirs = &job.peers()[next as usize].blob;
-        let mut at = 0;
-        let grant = IpcGrant::decode(take(theirs, &mut at)?)?;
-        let next_flags = PathBuf::from(String::from_utf8(take(theirs, &mut at)?.to_vec())?);
-        let next_shm = PathBuf::from(String::from_utf8(take(theirs, &mut at)?.to_vec())?);
-        let next_shm_len = u64::from_be_bytes(take(theirs, &mut at)?.try_into()?) as usize;
-        let next_device_flags = IpcGrant::decode(take(theirs, &mut at)?)?;
-        let (prev_flags, _prev_flags_path, prev_device_flags) = {
-            let b = &job.peers()[prev as usize].blob;
-            let mut at = 0;
-            take(b, &mut at)?;
-            let path = PathBuf::from(String::from_utf8(take(b, &mut at)?.to_vec())?);
-            take(b, &mut at)?;
-            take(b, &mut at)?;
-            let device = IpcGrant::decode(take(b, &mut at)?)?;
-            (Flags::open(&path, flag::WORDS)?, path, device)
-        };
+        let theirs = &announced[next as usize];
+        let (grant, next_flags, next_shm, next_shm_len, next_device_flags) = (
+            theirs.slots,
+            &theirs.flags,
+            &theirs.shm,
+            theirs.shm_len,
+            theirs.device_flags,
+        );
+        let prev_flags = Flags::open(&announced[prev as usize].flags, flag::WORDS)?;
+        let prev_device_flags = announced[prev as usize].device_flags;
 
-        let open_flags = || Flags::open(&next_flags, flag::WORDS);
+        let open_flags = || Flags::open(next_flags, flag::WORDS);
         // Which paths to build: Auto tries direct and falls back to staged.
         let env_path = match forced {
             Some(TransportKind::Shm) => Some(GpuPaths::Staged),
@@ -257,7 +285,7 @@ impl GpuRingJob {
                 choice.push("staged (shm) beside it, for comparison".to_owned());
             }
             Some(ShmSender::open(
-                &next_shm,
+                next_shm,
                 next_shm_len,
                 open_flags()?,
                 flag::READY,
