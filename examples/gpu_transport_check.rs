@@ -11,7 +11,6 @@
 //!    chunks, D2H and H2D pipelined by flags on both streams; rank 0 verifies and times it; the
 //!    reference is this machine's pinned D2H bandwidth measured in the same run.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +21,7 @@ use nodetour::blob::{put, rendezvous, take};
 use nodetour::perf::median;
 use nodetour_core::bootstrap::{HostIdentity, LaunchInfo};
 use nodetour_core::cuda::{GpuStream, enable_peer_access};
-use nodetour_core::memory::{DeviceBuffer, HostBuffer};
+use nodetour_core::memory::{DeviceBuffer, HostBuffer, ShmName};
 use nodetour_core::transport::gpu::{CudaIpcSender, Flags, GpuSlot, IpcGrant, ShmSender, ShmSlot};
 use nodetour_core::{Config, Deadline};
 
@@ -69,8 +68,8 @@ fn run() -> anyhow::Result<()> {
     let (shm_path, shm_len) = shm.grant();
     let mut blob = Vec::new();
     put(&mut blob, &slot.ipc_grant()?.encode());
-    put(&mut blob, flags.path().to_string_lossy().as_bytes());
-    put(&mut blob, shm_path.to_string_lossy().as_bytes());
+    put(&mut blob, &flags.name().encode());
+    put(&mut blob, &shm_path.encode());
     blob.extend_from_slice(&(shm_len as u64).to_be_bytes());
     let deadline = Deadline::after(config.timeout);
     let job = rendezvous(&info, &config, blob)?;
@@ -80,8 +79,8 @@ fn run() -> anyhow::Result<()> {
     }
     let mut at = 0;
     let grant = IpcGrant::decode(take(&theirs.blob, &mut at)?)?;
-    let flags_path = PathBuf::from(String::from_utf8(take(&theirs.blob, &mut at)?.to_vec())?);
-    let peer_shm = PathBuf::from(String::from_utf8(take(&theirs.blob, &mut at)?.to_vec())?);
+    let flags_path = ShmName::decode(take(&theirs.blob, &mut at)?)?;
+    let peer_shm = ShmName::decode(take(&theirs.blob, &mut at)?)?;
     let peer_shm_len = u64::from_be_bytes(
         theirs
             .blob

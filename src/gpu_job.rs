@@ -7,13 +7,12 @@
 //! `NODETOUR_TRANSPORT=cuda-ipc` makes a failed mapping an error. The choice is announced in the
 //! receiver's flag page before a barrier, so both ends agree without another exchange.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
 use nodetour_core::bootstrap::{Bootstrap, HostIdentity, LaunchInfo};
-use nodetour_core::memory::DeviceBuffer;
+use nodetour_core::memory::{DeviceBuffer, ShmName};
 use nodetour_core::transport::gpu::{
     CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, IpcGrant, PeerDeviceFlags, ShmSender,
     ShmSlot,
@@ -103,8 +102,8 @@ pub struct GpuRingJob {
 /// slots, shared host slots), its flag pages, its GPU, and the caller's extra bytes.
 struct Announcement {
     slots: IpcGrant,
-    flags: PathBuf,
-    shm: PathBuf,
+    flags: ShmName,
+    shm: ShmName,
     shm_len: usize,
     device_flags: IpcGrant,
     gpu: usize,
@@ -115,8 +114,8 @@ impl Announcement {
     fn encode(&self) -> Vec<u8> {
         let mut b = Vec::new();
         put(&mut b, &self.slots.encode());
-        put(&mut b, self.flags.to_string_lossy().as_bytes());
-        put(&mut b, self.shm.to_string_lossy().as_bytes());
+        put(&mut b, &self.flags.encode());
+        put(&mut b, &self.shm.encode());
         put(&mut b, &(self.shm_len as u64).to_be_bytes());
         put(&mut b, &self.device_flags.encode());
         put(&mut b, &(self.gpu as u32).to_be_bytes());
@@ -126,13 +125,10 @@ impl Announcement {
 
     fn decode(b: &[u8]) -> anyhow::Result<Announcement> {
         let mut at = 0;
-        let path = |f: &[u8]| -> anyhow::Result<PathBuf> {
-            Ok(PathBuf::from(String::from_utf8(f.to_vec())?))
-        };
         Ok(Announcement {
             slots: IpcGrant::decode(take(b, &mut at)?)?,
-            flags: path(take(b, &mut at)?)?,
-            shm: path(take(b, &mut at)?)?,
+            flags: ShmName::decode(take(b, &mut at)?)?,
+            shm: ShmName::decode(take(b, &mut at)?)?,
             shm_len: u64::from_be_bytes(take(b, &mut at)?.try_into()?) as usize,
             device_flags: IpcGrant::decode(take(b, &mut at)?)?,
             gpu: u32::from_be_bytes(take(b, &mut at)?.try_into()?) as usize,
@@ -188,7 +184,7 @@ impl GpuRingJob {
         let (shm_path, shm_len) = shm_slots.grant();
         let blob = Announcement {
             slots: gpu_slots.ipc_grant()?,
-            flags: flags.path().to_owned(),
+            flags: flags.name().clone(),
             shm: shm_path,
             shm_len,
             device_flags: device_flags.ipc_grant()?,

@@ -19,6 +19,18 @@ pub enum Pages {
     Base(String),
 }
 
+/// Logs at info level, once per process, why host memory fell back from 2 MiB hugepages to
+/// base pages (later fallbacks stay at debug level).
+pub(crate) fn log_base_pages_once(reason: &str) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::info!(
+            reason,
+            "host memory is on 4 KiB pages, not 2 MiB hugepages (logged once per process)"
+        );
+    });
+}
+
 /// Whether to try hugepages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HugePages {
@@ -107,6 +119,9 @@ impl HostBuffer {
             .map_anon()
             .map_err(|source| Error::AllocateHostMemory { len, source })?;
         tracing::debug!(len, reason = %reason, "host buffer on base pages");
+        if matches!(huge, HugePages::Try) && len >= HUGE_PAGE {
+            log_base_pages_once(&reason);
+        }
         Ok(HostBuffer {
             ptr: map.as_mut_ptr(),
             len,

@@ -9,10 +9,12 @@
 mod device;
 mod host;
 mod shared;
+mod shm_name;
 
 pub use device::{DEVICE_ALIGNMENT, DeviceBuffer, DmabufExport};
 pub use host::{HUGE_PAGE, HostBuffer, HugePages, Pages};
 pub use shared::SharedHostMemory;
+pub use shm_name::{ShmDir, ShmName};
 
 /// Memory that can be registered with an RDMA device.
 ///

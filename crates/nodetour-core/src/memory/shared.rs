@@ -3,19 +3,26 @@
 //! registered with CUDA on each side. The staged path inside a host (the sender's GPU copies
 //! into it, the receiver's GPU copies out) and the home of the in-host transports' flags.
 
-use std::fs::{File, OpenOptions};
-use std::path::{Path, PathBuf};
+use std::fs::File;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 
 use memmap2::{MmapMut, MmapOptions};
 
+use super::shm_name::{ShmDir, ShmName};
 use super::{HUGE_PAGE, Pages, page_size};
 use crate::error::{Error, Result};
 
 /// A shared mapping of a file under `/dev/hugepages` or `/dev/shm`.
+///
+/// The file is created `O_EXCL` with mode 0600 in one of the two fixed directories, and a
+/// peer's file is opened by a validated [`ShmName`] relative to that directory
+/// (`openat`, `O_NOFOLLOW`), then checked with `fstat`: a regular file, owned by this user,
+/// mode 0600, of the announced size. A peer never supplies a path.
 pub struct SharedHostMemory {
     ptr: *mut u8,
     len: usize,
-    path: PathBuf,
+    name: ShmName,
     pages: Pages,
     owner: bool,
     cuda_registered: bool,
@@ -32,11 +39,75 @@ unsafe impl Send for SharedHostMemory {}
 // SAFETY: as above.
 unsafe impl Sync for SharedHostMemory {}
 
-fn io_err(path: &Path, len: usize) -> impl Fn(std::io::Error) -> Error + '_ {
+fn io_err(name: &ShmName, len: usize) -> impl Fn(std::io::Error) -> Error + '_ {
     move |source| Error::AllocateHostMemory {
         len,
-        source: std::io::Error::new(source.kind(), format!("{}: {source}", path.display())),
+        source: std::io::Error::new(source.kind(), format!("{name}: {source}")),
     }
+}
+
+/// `openat(dir, name, flags, 0600)` with `O_NOFOLLOW | O_CLOEXEC` on a directory opened
+/// `O_DIRECTORY | O_NOFOLLOW`: neither the directory nor the name may be a symbolic link.
+fn open_in_dir(name: &ShmName, create: bool) -> std::io::Result<File> {
+    let dir = std::ffi::CString::new(name.dir().path()).expect("no NUL");
+    // SAFETY: a valid C string; the result is checked.
+    let dfd = unsafe {
+        libc::open(
+            dir.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if dfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: dfd is a fresh descriptor that nothing else owns.
+    let dir = unsafe { OwnedFd::from_raw_fd(dfd) };
+    let mut flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    if create {
+        flags |= libc::O_CREAT | libc::O_EXCL;
+    }
+    let component = name.c_component();
+    // SAFETY: dir is an open directory, component a valid C string of one path component.
+    let fd = unsafe {
+        libc::openat(
+            std::os::fd::AsRawFd::as_raw_fd(&dir),
+            component.as_ptr(),
+            flags,
+            0o600 as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor that nothing else owns.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// What `fstat` must show of a shared file: a regular file of this user, mode 0600, `len`
+/// bytes long.
+fn check_file(file: &File, name: &ShmName, len: usize) -> Result<()> {
+    let bad = |reason: String| Error::InvalidArgument {
+        reason: format!("{name}: {reason}"),
+    };
+    let m = file.metadata().map_err(io_err(name, len))?;
+    if !m.file_type().is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if m.uid() != me {
+        return Err(bad(format!(
+            "owned by uid {}, not this user ({me})",
+            m.uid()
+        )));
+    }
+    if m.mode() & 0o7777 != 0o600 {
+        return Err(bad(format!("mode {:o}, not 600", m.mode() & 0o7777)));
+    }
+    if m.len() != len as u64 {
+        return Err(bad(format!("{} bytes, the peer said {len}", m.len())));
+    }
+    Ok(())
 }
 
 impl SharedHostMemory {
@@ -48,40 +119,26 @@ impl SharedHostMemory {
                 reason: "shared memory of zero bytes".into(),
             });
         }
-        let name = format!(
-            "nodetour-{}-{:016x}",
-            std::process::id(),
-            u64::from_be_bytes(
-                crate::bootstrap::auth::nonce()[..8]
-                    .try_into()
-                    .expect("8 bytes")
-            )
-        );
         let huge_len = len.next_multiple_of(HUGE_PAGE);
-        let huge = PathBuf::from("/dev/hugepages").join(&name);
-        let why_not = match Self::make(&huge, huge_len, Pages::Huge2M) {
+        let why_not = match Self::make(ShmName::fresh(ShmDir::HugePages), huge_len, Pages::Huge2M) {
             Ok(m) => return Ok(m),
             Err(e) => format!("no hugetlbfs file ({e})"),
         };
-        let path = PathBuf::from("/dev/shm").join(&name);
+        super::host::log_base_pages_once(&why_not);
         Self::make(
-            &path,
+            ShmName::fresh(ShmDir::Tmpfs),
             len.next_multiple_of(page_size()),
             Pages::Base(why_not),
         )
     }
 
-    fn make(path: &Path, len: usize, pages: Pages) -> Result<SharedHostMemory> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map_err(io_err(path, len))?;
+    fn make(name: ShmName, len: usize, pages: Pages) -> Result<SharedHostMemory> {
+        let file = open_in_dir(&name, true).map_err(io_err(&name, len))?;
         let mapped = file
             .set_len(len as u64)
-            .map_err(io_err(path, len))
-            .and_then(|()| Self::map(&file, path, len));
+            .map_err(io_err(&name, len))
+            .and_then(|()| check_file(&file, &name, len))
+            .and_then(|()| Self::map(&file, &name, len));
         match mapped {
             Ok(mut map) => {
                 // Touch every page now: a hugetlbfs file without enough free pages fails here
@@ -91,7 +148,7 @@ impl SharedHostMemory {
                 Ok(SharedHostMemory {
                     ptr: map.as_mut_ptr(),
                     len,
-                    path: path.to_owned(),
+                    name,
                     pages,
                     owner: true,
                     cuda_registered: false,
@@ -100,47 +157,38 @@ impl SharedHostMemory {
                 })
             }
             Err(e) => {
-                let _ = std::fs::remove_file(path);
+                let _ = std::fs::remove_file(name.path());
                 Err(e)
             }
         }
     }
 
-    fn map(file: &File, path: &Path, len: usize) -> Result<MmapMut> {
+    fn map(file: &File, name: &ShmName, len: usize) -> Result<MmapMut> {
         // MAP_POPULATE on hugetlbfs reserves the pages up front (ENOMEM instead of a later SIGBUS).
         // SAFETY: the file is ours (created or opened for this job); concurrent access by the
         // peer process is the point, and happens only through raw copies and the GPU.
-        unsafe { MmapOptions::new().len(len).populate().map_mut(file) }.map_err(io_err(path, len))
+        unsafe { MmapOptions::new().len(len).populate().map_mut(file) }.map_err(io_err(name, len))
     }
 
-    /// Opens a peer's shared file at `path` (it must be `len` bytes long).
-    pub fn open(path: &Path, len: usize) -> Result<SharedHostMemory> {
-        if !(path.starts_with("/dev/hugepages") || path.starts_with("/dev/shm")) {
+    /// Opens a peer's shared file `name` (it must be exactly `len` bytes, this user's, mode
+    /// 0600, a regular file).
+    pub fn open(name: &ShmName, len: usize) -> Result<SharedHostMemory> {
+        if len == 0 {
             return Err(Error::InvalidArgument {
-                reason: format!("{} is not a nodetour shared-memory path", path.display()),
+                reason: format!("{name}: the peer announced zero bytes"),
             });
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io_err(path, len))?;
-        let actual = file.metadata().map_err(io_err(path, len))?.len();
-        if actual != len as u64 {
-            return Err(Error::InvalidArgument {
-                reason: format!("{} is {actual} bytes, the peer said {len}", path.display()),
-            });
-        }
-        let mut map = Self::map(&file, path, len)?;
-        let pages = if path.starts_with("/dev/hugepages") {
-            Pages::Huge2M
-        } else {
-            Pages::Base("the peer's file is on tmpfs".into())
+        let file = open_in_dir(name, false).map_err(io_err(name, len))?;
+        check_file(&file, name, len)?;
+        let mut map = Self::map(&file, name, len)?;
+        let pages = match name.dir() {
+            ShmDir::HugePages => Pages::Huge2M,
+            ShmDir::Tmpfs => Pages::Base("the peer's file is on tmpfs".into()),
         };
         Ok(SharedHostMemory {
             ptr: map.as_mut_ptr(),
             len,
-            path: path.to_owned(),
+            name: name.clone(),
             pages,
             owner: false,
             cuda_registered: false,
@@ -153,18 +201,18 @@ impl SharedHostMemory {
     /// and nothing is left behind if a process dies. Only the creator unlinks.
     pub fn unlink(&self) -> Result<()> {
         if self.owner {
-            match std::fs::remove_file(&self.path) {
+            match std::fs::remove_file(self.name.path()) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_err(&self.path, self.len)(e)),
+                Err(e) => return Err(io_err(&self.name, self.len)(e)),
             }
         }
         Ok(())
     }
 
-    /// The file's path (what the peer opens).
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The file's name (what the peer opens).
+    pub fn name(&self) -> &ShmName {
+        &self.name
     }
 
     /// Length in bytes.
@@ -264,7 +312,7 @@ impl Drop for SharedHostMemory {
             }
         }
         if self.owner {
-            let _ = std::fs::remove_file(&self.path);
+            let _ = std::fs::remove_file(self.name.path());
         }
     }
 }
@@ -276,7 +324,7 @@ mod tests {
     #[test]
     fn two_mappings_of_one_file_see_each_other() {
         let a = SharedHostMemory::create(8192).unwrap();
-        let b = SharedHostMemory::open(a.path(), a.len()).unwrap();
+        let b = SharedHostMemory::open(a.name(), a.len()).unwrap();
         a.write_at(100, b"shared").unwrap();
         let mut got = [0u8; 6];
         b.read_at(100, &mut got).unwrap();
@@ -284,19 +332,73 @@ mod tests {
         b.write_at(0, &7u32.to_ne_bytes()).unwrap();
         assert_eq!(a.read_u32(0).unwrap(), 7);
         a.unlink().unwrap();
-        assert!(!a.path().exists(), "unlinked, still mapped");
+        assert!(!a.name().path().exists(), "unlinked, still mapped");
         assert_eq!(b.read_u32(0).unwrap(), 7);
         assert!(a.read_u32(2).is_err() && a.read_at(a.len(), &mut got).is_err());
     }
 
     #[test]
-    fn bad_paths_and_sizes_are_refused() {
-        assert!(SharedHostMemory::open(Path::new("/etc/passwd"), 4096).is_err());
+    fn files_are_created_private() {
         let a = SharedHostMemory::create(4096).unwrap();
-        assert!(SharedHostMemory::open(a.path(), a.len() + 1).is_err());
+        let m = std::fs::metadata(a.name().path()).unwrap();
+        assert_eq!(m.mode() & 0o777, 0o600, "not readable by others");
+    }
+
+    #[test]
+    fn bad_sizes_are_refused() {
+        let a = SharedHostMemory::create(4096).unwrap();
+        assert!(SharedHostMemory::open(a.name(), a.len() + 1).is_err());
+        assert!(SharedHostMemory::open(a.name(), 0).is_err());
         assert!(SharedHostMemory::create(0).is_err());
-        let p = a.path().to_owned();
+        let p = a.name().path();
         drop(a);
         assert!(!p.exists(), "the creator removes its file");
+    }
+
+    fn planted() -> ShmName {
+        ShmName::fresh(ShmDir::Tmpfs)
+    }
+
+    #[test]
+    fn links_foreign_modes_and_wrong_files_are_refused() {
+        // A symbolic link with a valid name pointing at a file the peer wants written.
+        let target = tempfile::NamedTempFile::new().unwrap();
+        target.as_file().set_len(4096).unwrap();
+        let link = planted();
+        std::os::unix::fs::symlink(target.path(), link.path()).unwrap();
+        let r = SharedHostMemory::open(&link, 4096);
+        let _ = std::fs::remove_file(link.path());
+        assert!(r.is_err(), "a symbolic link is not followed");
+
+        // A file readable by others (not one nodetour made).
+        let loose = planted();
+        std::fs::write(loose.path(), vec![0u8; 4096]).unwrap();
+        std::fs::set_permissions(
+            loose.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o644),
+        )
+        .unwrap();
+        let r = SharedHostMemory::open(&loose, 4096);
+        let _ = std::fs::remove_file(loose.path());
+        match r {
+            Err(Error::InvalidArgument { reason }) => assert!(reason.contains("mode"), "{reason}"),
+            other => panic!("{:?}", other.err()),
+        }
+
+        // A directory of the right name.
+        let dir = planted();
+        std::fs::create_dir(dir.path()).unwrap();
+        let r = SharedHostMemory::open(&dir, 4096);
+        let _ = std::fs::remove_dir(dir.path());
+        assert!(r.is_err(), "a directory is not a shared file");
+
+        // A name that does not exist.
+        assert!(SharedHostMemory::open(&planted(), 4096).is_err());
+    }
+
+    #[test]
+    fn a_name_cannot_be_created_twice() {
+        let a = SharedHostMemory::create(4096).unwrap();
+        assert!(open_in_dir(a.name(), true).is_err(), "O_EXCL");
     }
 }

@@ -19,7 +19,6 @@
 //! (the hardware checks nothing finer), which is why nothing but dedicated slot memory is ever
 //! exported; every enqueued write is checked against the grant on the sending side.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, sys};
@@ -27,7 +26,7 @@ use cudarc::driver::{CudaContext, sys};
 use crate::cuda::GpuStream;
 use crate::cuda::result::cuda_error;
 use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, RdmaBuffer, SharedHostMemory};
+use crate::memory::{DeviceBuffer, RdmaBuffer, SharedHostMemory, ShmDir, ShmName};
 
 /// Bytes between two flags (one cache line each).
 const FLAG_STRIDE: usize = 64;
@@ -47,22 +46,21 @@ impl Flags {
     }
 
     /// Opens a peer's flags (to write them), registered with CUDA.
-    pub fn open(path: &Path, world: u32) -> Result<Flags> {
+    pub fn open(name: &ShmName, world: u32) -> Result<Flags> {
         let len =
             (FLAG_STRIDE * world.max(1) as usize).next_multiple_of(crate::memory::page_size());
-        let len = if path.starts_with("/dev/hugepages") {
-            len.next_multiple_of(crate::memory::HUGE_PAGE)
-        } else {
-            len
+        let len = match name.dir() {
+            ShmDir::HugePages => len.next_multiple_of(crate::memory::HUGE_PAGE),
+            ShmDir::Tmpfs => len,
         };
-        let mut mem = SharedHostMemory::open(path, len)?;
+        let mut mem = SharedHostMemory::open(name, len)?;
         mem.register_with_cuda()?;
         Ok(Flags { mem, world })
     }
 
     /// The file peers open.
-    pub fn path(&self) -> &Path {
-        self.mem.path()
+    pub fn name(&self) -> &ShmName {
+        self.mem.name()
     }
 
     /// Removes the file name once every peer has opened it.
@@ -477,8 +475,8 @@ impl ShmSlot {
     }
 
     /// The file the peer opens, and its length.
-    pub fn grant(&self) -> (PathBuf, usize) {
-        (self.mem.path().to_owned(), self.mem.len())
+    pub fn grant(&self) -> (ShmName, usize) {
+        (self.mem.name().clone(), self.mem.len())
     }
 
     /// Removes the file name once the peer has opened it.
@@ -528,9 +526,9 @@ pub struct ShmSender {
 }
 
 impl ShmSender {
-    /// Opens the peer's slot (`path`, `len` from its grant).
-    pub fn open(path: &Path, len: usize, peer_flags: Flags, my_rank: u32) -> Result<ShmSender> {
-        let mut mem = SharedHostMemory::open(path, len)?;
+    /// Opens the peer's slot (`name`, `len` from its grant, validated when decoded).
+    pub fn open(name: &ShmName, len: usize, peer_flags: Flags, my_rank: u32) -> Result<ShmSender> {
+        let mut mem = SharedHostMemory::open(name, len)?;
         mem.register_with_cuda()?;
         Ok(ShmSender {
             mem,

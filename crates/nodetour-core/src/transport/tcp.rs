@@ -4,8 +4,9 @@
 //! offset and length against the regions granted on that connection, reads the payload straight
 //! into the region (no intermediate buffer). A frame that names anything else closes the
 //! connection before a byte of it is written; the sender's next call fails, and so does the
-//! receiver's. Connections are authenticated with the job token (the acceptor's nonce, the
-//! connector's rank and HMAC) before any frame is accepted.
+//! receiver's. Connections are authenticated with the job token in both directions before any
+//! frame is sent or accepted: the connector answers the acceptor's nonce with its rank and an
+//! HMAC, and the acceptor answers the connector's nonce with its own HMAC.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -478,10 +479,12 @@ impl TcpEndpoint {
             .map_err(io)?;
         let challenge = nonce();
         s.write_all(&challenge).map_err(io)?;
-        let mut answer = [0u8; 4 + 32];
+        // The connector's rank, its proof over our nonce, and its own nonce for our proof.
+        let mut answer = [0u8; 4 + 32 + 32];
         s.read_exact(&mut answer).map_err(io)?;
         let rank = u32::from_be_bytes(answer[..4].try_into().expect("4 bytes"));
-        let proof: [u8; 32] = answer[4..].try_into().expect("32 bytes");
+        let proof: [u8; 32] = answer[4..36].try_into().expect("32 bytes");
+        let theirs: [u8; 32] = answer[36..].try_into().expect("32 bytes");
         if !self
             .token
             .verify_client(&challenge, rank, world_size, &proof)
@@ -491,7 +494,8 @@ impl TcpEndpoint {
                 reason: format!("wrong job token (claimed rank {rank})"),
             });
         }
-        s.write_all(&[1]).map_err(io)?;
+        s.write_all(&self.token.server_proof(&theirs, rank, world_size))
+            .map_err(io)?;
         Ok(rank)
     }
 }
@@ -542,15 +546,25 @@ fn connect_authenticated(
         .map_err(io)?;
     let mut challenge = [0u8; 32];
     s.read_exact(&mut challenge).map_err(io)?;
-    let mut answer = Vec::with_capacity(36);
+    let ours = nonce();
+    let mut answer = Vec::with_capacity(4 + 32 + 32);
     answer.extend_from_slice(&my_rank.to_be_bytes());
     answer.extend_from_slice(&token.client_proof(&challenge, my_rank, world_size));
+    answer.extend_from_slice(&ours);
     s.write_all(&answer).map_err(io)?;
-    let mut ok = [0u8; 1];
-    s.read_exact(&mut ok).map_err(|_| Error::Authenticate {
+    // The acceptor proves the token too, over our nonce: a stranger that answers on the
+    // address learns nothing and receives no frame.
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).map_err(|_| Error::Authenticate {
         peer: addr.to_owned(),
-        reason: "the peer refused our job token".into(),
+        reason: "the peer refused our job token (closed without its proof)".into(),
     })?;
+    if !token.verify_server(&ours, my_rank, world_size, &proof) {
+        return Err(Error::Authenticate {
+            peer: addr.to_owned(),
+            reason: "the peer did not prove the job token".into(),
+        });
+    }
     TcpConnection::start(s, addr.to_owned(), timeout, regions)
 }
 
@@ -629,6 +643,45 @@ mod tests {
     #[test]
     fn a_wrong_token_is_refused() {
         assert!(pair("right", "wrong").is_err());
+    }
+
+    /// A listener that plays the acceptor's part with `answer` in place of its proof.
+    fn impostor(answer: &'static [u8]) -> Result<TcpConnection> {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(&nonce()).unwrap();
+            let mut got = [0u8; 68];
+            let _ = s.read_exact(&mut got);
+            let _ = s.write_all(answer);
+        });
+        let timeout = Duration::from_secs(5);
+        let r = connect(
+            &addr,
+            1,
+            2,
+            &JobToken::new("t"),
+            &[],
+            &|| Ok(()),
+            timeout,
+            Deadline::after(timeout),
+        );
+        t.join().unwrap();
+        r
+    }
+
+    #[test]
+    fn the_dialler_authenticates_the_acceptor() {
+        // What an acceptor without the token could send: one byte (all the old client
+        // needed), or 32 bytes that are not the proof.
+        for answer in [&[1u8][..], &[0u8; 32][..]] {
+            match impostor(answer) {
+                Err(Error::Authenticate { .. }) => {}
+                Err(e) => panic!("wrong error: {e}"),
+                Ok(_) => panic!("connected to an acceptor that did not prove the token"),
+            }
+        }
     }
 
     #[test]
