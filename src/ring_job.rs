@@ -108,24 +108,24 @@ impl RingJob {
             }
         };
         let pin = pin_for_gpu && nodetour_core::cuda::availability().is_ok();
-        let region = |len: usize| -> anyhow::Result<SlotRegion> {
+        // Least privilege: only the regions peers write (slots, doorbell) allow remote writes;
+        // the work buffer is a send source and local only.
+        let region = |len: usize, access: Access| -> anyhow::Result<SlotRegion> {
             let mut buf = HostBuffer::new(len.max(4096))?;
             if pin {
                 // Pinned for fast GPU copies (the staged GPU path copies in and out of it).
                 buf.register_with_cuda()?;
             }
             Ok(match &local {
-                Some(l) => SlotRegion::registered(Arc::new(MemoryRegion::register(
-                    &l.pd,
-                    buf,
-                    Access::REMOTE,
-                )?)),
+                Some(l) => {
+                    SlotRegion::registered(Arc::new(MemoryRegion::register(&l.pd, buf, access)?))
+                }
                 None => SlotRegion::host(buf),
             })
         };
-        let recv = region(options.slots as usize * options.slot_bytes)?;
-        let bell = region(4096)?;
-        let work = region(max_bytes)?;
+        let recv = region(options.slots as usize * options.slot_bytes, Access::REMOTE)?;
+        let bell = region(4096, Access::REMOTE_STRICT)?;
+        let work = region(max_bytes, Access::LOCAL)?;
         let grant = |r: &SlotRegion| SlotGrant {
             key: r.key(),
             len: r.len() as u64,

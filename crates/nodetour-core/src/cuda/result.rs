@@ -171,3 +171,16 @@ pub(crate) unsafe fn host_unregister(ptr: *mut u8) -> Result<(), Error> {
         .result()
         .map_err(|e| cuda_error("cuMemHostUnregister", e))
 }
+
+/// `cuMemGetAddressRange`: the base and size of the allocation that contains `ptr` (for a
+/// peer's memory mapped with `cuIpcOpenMemHandle`, the whole exported allocation).
+pub(crate) unsafe fn address_range(
+    ptr: sys::CUdeviceptr,
+) -> Result<(sys::CUdeviceptr, usize), Error> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: valid out-pointers; the caller has a context current.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        .result()
+        .map_err(|e| cuda_error("cuMemGetAddressRange", e))?;
+    Ok((base, size))
+}

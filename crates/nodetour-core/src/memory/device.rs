@@ -66,9 +66,11 @@ impl DeviceBuffer {
         let base = unsafe { result::malloc_sync(rounded + DEVICE_ALIGNMENT) }
             .map_err(|e| cuda_error("cuMemAlloc", e))?;
         let ptr = base.next_multiple_of(DEVICE_ALIGNMENT as u64);
-        // Zero it, so that nothing of an earlier owner of this memory is ever sent.
-        // SAFETY: [ptr, ptr+rounded) lies inside the allocation just made.
-        unsafe { result::memset_d8_sync(ptr, 0, rounded) }
+        // Zero all of it, the alignment slack too: nothing of an earlier owner of this memory
+        // is ever sent, and a peer that maps the whole allocation (cuda-ipc exports it whole)
+        // finds only zeros outside the buffer.
+        // SAFETY: [base, base+rounded+DEVICE_ALIGNMENT) is the allocation just made.
+        unsafe { result::memset_d8_sync(base, 0, rounded + DEVICE_ALIGNMENT) }
             .map_err(|e| cuda_error("cuMemsetD8", e))?;
         Ok(DeviceBuffer {
             ptr,

@@ -261,12 +261,34 @@ impl IpcMapping {
                 what: "cuda-ipc",
                 reason: format!("mapping the peer's GPU memory failed ({}): not the same host, or no peer access between the GPUs", crate::cuda::result::error_name(e)),
             })?;
-        Ok(IpcMapping {
+        let mut mapping = IpcMapping {
             base,
-            dst: base + grant.offset,
-            len: grant.len,
+            dst: base,
+            len: 0,
             context: context.clone(),
-        })
+        };
+        // What the peer granted must lie inside what was actually mapped: the allocation's own
+        // size, asked of the driver, not the peer's word. (Dropping `mapping` closes it.)
+        // SAFETY: the context is current and base is a live mapping.
+        let (_, mapped) = unsafe { crate::cuda::result::address_range(base)? };
+        check_grant(grant, mapped as u64)?;
+        mapping.dst = base + grant.offset;
+        mapping.len = grant.len;
+        Ok(mapping)
+    }
+}
+
+/// A grant's slot `[offset, offset + len)` inside an allocation of `mapped` bytes, computed
+/// without overflow.
+fn check_grant(grant: &IpcGrant, mapped: u64) -> Result<()> {
+    match grant.offset.checked_add(grant.len) {
+        Some(end) if end <= mapped && grant.len > 0 => Ok(()),
+        _ => Err(Error::OutOfBounds {
+            what: "cuda-ipc grant",
+            offset: grant.offset,
+            len: grant.len,
+            region_len: mapped,
+        }),
     }
 }
 
@@ -583,6 +605,31 @@ mod tests {
         assert_eq!(IpcGrant::decode(&g.encode()).unwrap(), g);
         assert!(IpcGrant::decode(&[0; 10]).is_err());
         assert!(IpcGrant::decode(&IpcGrant { len: 0, ..g }.encode()).is_err());
+    }
+
+    #[test]
+    fn grants_outside_the_mapped_allocation_are_refused() {
+        let g = |offset, len| IpcGrant {
+            handle: [0; 64],
+            offset,
+            len,
+        };
+        let mapped = 2 << 20;
+        assert!(check_grant(&g(65536, 1 << 20), mapped).is_ok());
+        assert!(check_grant(&g(0, mapped), mapped).is_ok());
+        for bad in [
+            g(0, mapped + 1),
+            g(mapped, 1),
+            g(1 << 20, (1 << 20) + 1),
+            g(u64::MAX, 2),
+            g(1, u64::MAX),
+            g(0, 0),
+        ] {
+            assert!(
+                matches!(check_grant(&bad, mapped), Err(Error::OutOfBounds { .. })),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

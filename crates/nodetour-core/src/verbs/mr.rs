@@ -43,16 +43,17 @@ impl Access {
         remote_read: false,
         relaxed_ordering: true,
     };
-    /// A target of remote writes and reads (bulk data, relaxed ordering asked for).
+    /// A target of remote writes (bulk data, relaxed ordering asked for). Not readable by
+    /// peers: no nodetour path uses RDMA READ, so no region allows it (least privilege).
     pub const REMOTE: Access = Access {
         remote_write: true,
-        remote_read: true,
+        remote_read: false,
         relaxed_ordering: true,
     };
     /// A target of remote writes that is polled (flags, clear-to-send entries): strict ordering.
     pub const REMOTE_STRICT: Access = Access {
         remote_write: true,
-        remote_read: true,
+        remote_read: false,
         relaxed_ordering: false,
     };
 
@@ -563,7 +564,14 @@ mod tests {
     #[test]
     fn access_bits() {
         assert_eq!(Access::LOCAL.bits(), ACCESS_LOCAL_WRITE);
-        assert_eq!(Access::REMOTE.bits(), 7);
-        assert_eq!(Access::REMOTE_STRICT.bits(), 7);
+        // Least privilege: remote write, never remote read.
+        assert_eq!(
+            Access::REMOTE.bits(),
+            ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
+        );
+        assert_eq!(
+            Access::REMOTE_STRICT.bits(),
+            ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
+        );
     }
 }

@@ -28,7 +28,9 @@ const IBV_WR_RDMA_WRITE: u32 = 0;
 const IBV_WR_RDMA_WRITE_WITH_IMM: u32 = 1;
 const IBV_SEND_SIGNALED: u32 = 2;
 const IBV_SEND_INLINE: u32 = 8;
-const ACCESS_REMOTE: u32 = 1 | 2 | 4; // LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ
+/// What a peer may do through a queue pair: RDMA WRITE (and WRITE_WITH_IMM) only. No remote
+/// read or atomics: no nodetour path uses them (least privilege; the regions say the same).
+const ACCESS_REMOTE: u32 = 1 | 2; // LOCAL_WRITE | REMOTE_WRITE
 const POLL_BATCH: usize = 32;
 
 /// Sizes of a queue pair's queues.
@@ -309,7 +311,8 @@ impl QueuePair {
         a.path_mtu = mtu.code();
         a.dest_qp_num = remote.qpn;
         a.rq_psn = remote.psn;
-        a.max_dest_rd_atomic = self.pd.context().attributes().max_qp_rd_atom.clamp(1, 16) as u8;
+        // No RDMA READ or atomic is ever served (ACCESS_REMOTE), so no responder resources.
+        a.max_dest_rd_atomic = 0;
         a.min_rnr_timer = path.min_rnr_timer;
         a.ah_attr.port_num = path.port;
         a.ah_attr.sl = path.service_level;
@@ -332,12 +335,8 @@ impl QueuePair {
         a.retry_cnt = path.retry_count.min(7);
         a.rnr_retry = path.rnr_retry.min(6);
         a.sq_psn = inner.local_psn;
-        a.max_rd_atomic = self
-            .pd
-            .context()
-            .attributes()
-            .max_qp_init_rd_atom
-            .clamp(1, 16) as u8;
+        // Nor initiated: nodetour only writes.
+        a.max_rd_atomic = 0;
         self.modify(&mut inner, QpState::ReadyToSend, &mut a)?;
         tracing::debug!(
             qpn = self.qpn,
