@@ -5,10 +5,7 @@
 //! work on its streams would read stale data. Needs a GPU: `#[ignore]`d elsewhere (counted as
 //! skipped); run by `scripts/gpu-tier.sh` on the GPU machines.
 
-use std::sync::Arc;
-
-use cudarc::driver::CudaContext;
-use nodetour_core::cuda::{self, GpuStream};
+use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_ring::reduce::{finish_avg, reduce_into};
 use nodetour_ring::{DataType, Error, GpuGroup, ReduceOp};

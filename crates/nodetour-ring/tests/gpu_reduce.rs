@@ -6,8 +6,8 @@
 use std::time::Instant;
 
 use cudarc::driver::CudaContext;
+use nodetour_core::cuda::GpuStream;
 use nodetour_core::cuda::reduce::ReduceKernels;
-use nodetour_core::cuda::{self, GpuStream};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_ring::reduce::{finish_avg, reduce_into};
 use nodetour_ring::{DataType, ReduceOp};

@@ -9,6 +9,7 @@
 
 pub(crate) mod copy;
 pub mod driver;
+pub mod kernel_cache;
 pub mod nvrtc;
 pub mod reduce;
 pub(crate) mod result;

@@ -1,19 +1,19 @@
 //! Reduction kernels for every data type × operation, compiled once with NVRTC to a CUBIN for
-//! the GPU's architecture (all instantiations in one module), cached on disk keyed by the NVRTC
-//! version, the driver version, the architecture and the source, and loaded per context.
+//! the GPU's architecture (all instantiations in one module), cached on disk keyed by a SHA-256
+//! of the NVRTC version, the driver version, the architecture and the source (see
+//! [`super::kernel_cache`] for what the cache trusts), and loaded per context.
 //!
 //! The arithmetic matches the host reducer bit for bit: halves and bfloat16 are widened to f32,
 //! combined, and rounded back to nearest-even; integers wrap.
 
-use std::collections::hash_map::DefaultHasher;
 use std::ffi::{CString, c_void};
-use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, result, sys};
 
 use super::GpuStream;
+use super::kernel_cache::{self, KernelCache};
 use super::result::cuda_error;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -133,16 +133,6 @@ unsafe impl Send for ReduceKernels {}
 // SAFETY: as above; launches bind the context first.
 unsafe impl Sync for ReduceKernels {}
 
-fn cache_dir() -> Option<PathBuf> {
-    if let Ok(d) = std::env::var("NODETOUR_CACHE_DIR") {
-        return (!d.is_empty()).then(|| PathBuf::from(d));
-    }
-    std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .map(|c| c.join("nodetour").join("kernels"))
-}
-
 impl ReduceKernels {
     /// Loads the kernels for `context`'s GPU: from the disk cache, or compiled with NVRTC (and
     /// cached). Without NVRTC (and no cached CUBIN) this is [`Error::Unsupported`].
@@ -159,18 +149,29 @@ impl ReduceKernels {
             .unwrap_or(80)
             .max(1) as u32;
         let nvrtc = super::nvrtc::version().ok();
-        let mut h = DefaultHasher::new();
-        SOURCE.hash(&mut h);
-        let key = format!(
-            "reduce-sm{major}{minor}-driver{driver}-nvrtc{}-{:016x}.cubin",
-            nvrtc.map_or("none".into(), |(a, b)| format!("{a}.{b}")),
-            h.finish()
+        let arch = format!("sm{major}{minor}");
+        let key = kernel_cache::entry_name(
+            "reduce",
+            SOURCE,
+            &nvrtc.map_or("none".into(), |(a, b)| format!("nvrtc {a}.{b}")),
+            &driver.to_string(),
+            &arch,
         );
-        let cache_path = cache_dir().map(|d| d.join(&key));
-        let cached = cache_path
-            .as_ref()
-            .and_then(|p| std::fs::read(p).ok())
-            .filter(|c| c.starts_with(b"\x7fELF"));
+        let cache = kernel_cache::default_dir().and_then(|d| match KernelCache::open(&d) {
+            Ok(c) => Some(c),
+            Err(why) => {
+                tracing::warn!(%why, "the GPU kernel cache is not used (kernels are compiled each start)");
+                None
+            }
+        });
+        let cache_path = cache.as_ref().map(|c| c.path(&key));
+        let cached = cache.as_ref().and_then(|c| match c.load(&key) {
+            Ok(image) => image,
+            Err(why) => {
+                tracing::warn!(%why, "a bad GPU kernel cache entry: compiling again");
+                None
+            }
+        });
         let from_cache = cached.is_some();
         let cubin = match cached {
             Some(c) => c,
@@ -181,15 +182,10 @@ impl ReduceKernels {
                     (major, minor),
                     &["--std=c++14"],
                 )?;
-                if let Some(p) = &cache_path {
-                    // Best effort: a read-only home only costs the next start a compile.
-                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-                    if std::fs::create_dir_all(p.parent().unwrap_or(p))
-                        .and_then(|()| std::fs::write(&tmp, &c))
-                        .and_then(|()| std::fs::rename(&tmp, p))
-                        .is_err()
-                    {
-                        let _ = std::fs::remove_file(&tmp);
+                if let Some(cache) = &cache {
+                    // Best effort: a read-only cache only costs the next start a compile.
+                    if let Err(why) = cache.store(&key, &c) {
+                        tracing::debug!(%why, "could not cache the GPU kernels");
                     }
                 }
                 c
