@@ -158,6 +158,8 @@ pub fn examine(config: &Config, live: bool) -> Result<Report> {
     let facts = Facts {
         system: probe::read_system(root),
         memlock: probe::system::memlock_limit(),
+        ipc_lock: probe::system::has_ipc_lock(),
+        job_token: std::env::var_os("NODETOUR_JOB_TOKEN").is_some_and(|t| !t.is_empty()),
         peermem: registration::peermem_state(root),
         verbs: verbs_state,
         acs: acs(gpu_list.as_deref().unwrap_or(&[]), &nic_list),

@@ -60,6 +60,10 @@ pub struct Facts {
     pub system: SystemFacts,
     /// `RLIMIT_MEMLOCK` soft limit in bytes (`None`: unlimited).
     pub memlock: Option<u64>,
+    /// Whether the process holds `CAP_IPC_LOCK` (exempt from the memlock limit: root).
+    pub ipc_lock: bool,
+    /// Whether `NODETOUR_JOB_TOKEN` is set (else anyone who reaches the port can join).
+    pub job_token: bool,
     /// nvidia-peermem.
     pub peermem: PeermemState,
     /// libibverbs: loaded (with or without `ibv_reg_dmabuf_mr`), or why not.
@@ -156,8 +160,30 @@ fn host_side<'a>(facts: &'a Facts, problems: &mut Vec<Problem>) -> Vec<&'a NicFa
     let sys = &facts.system;
     let in_container = sys.container.is_some();
 
-    // Limits that break any registration.
-    if let Some(limit) = facts.memlock.filter(|l| *l < MIN_MEMLOCK) {
+    if !facts.job_token {
+        problem(
+            problems,
+            false,
+            "NODETOUR_JOB_TOKEN is not set: any process that reaches the rendezvous or transport \
+             ports can join the job and write into its slots",
+            "export NODETOUR_JOB_TOKEN=<a secret shared by the job's ranks> (e.g. `openssl rand -hex 16`)",
+        );
+    }
+    // Limits that break any registration (root is exempt, but warned).
+    if let Some(w) =
+        super::system::exempt_memlock_warning(facts.memlock, facts.ipc_lock, MIN_MEMLOCK)
+    {
+        problem(
+            problems,
+            false,
+            w,
+            if in_container {
+                "run the container with --ulimit memlock=-1 anyway"
+            } else {
+                "ulimit -l unlimited anyway (or raise memlock in /etc/security/limits.conf)"
+            },
+        );
+    } else if let Some(limit) = facts.memlock.filter(|l| *l < MIN_MEMLOCK) {
         problem(
             problems,
             true,
@@ -486,6 +512,8 @@ mod tests {
         Facts {
             system: system(),
             memlock: None,
+            ipc_lock: false,
+            job_token: true,
             peermem: PeermemState {
                 loaded: false,
                 evidence: "fixture".into(),
@@ -669,6 +697,29 @@ mod tests {
             v.problems
                 .iter()
                 .any(|p| !p.blocking && p.fix.contains("iommu=pt"))
+        );
+    }
+
+    #[test]
+    fn root_is_warned_about_memlock_and_everyone_about_a_missing_token() {
+        let mut f = facts(vec![nic_named("rxe0")]);
+        f.memlock = Some(8 << 20);
+        f.ipc_lock = true;
+        f.job_token = false;
+        let (_, problems) = host_verdict(&f);
+        assert!(problems.iter().all(|p| !p.blocking), "{problems:?}");
+        assert!(problems.iter().any(|p| p.what.contains("CAP_IPC_LOCK")));
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.what.contains("NODETOUR_JOB_TOKEN"))
+        );
+        f.ipc_lock = false;
+        let (_, problems) = host_verdict(&f);
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.blocking && p.what.contains("RLIMIT_MEMLOCK"))
         );
     }
 
