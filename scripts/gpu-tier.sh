@@ -15,13 +15,33 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 out=${1:-.}
 export NCCL_NVLS_ENABLE=0 NODETOUR_REQUIRE_GPU=1
 failed=0
+tests_passed=0 tests_failed=0 tests_skipped=0
+# A GPU test whose capability is missing prints "SKIP <reason>" and returns: libtest calls that
+# "ok", so count it here as skipped, never as passed (tests run one at a time, --nocapture).
+run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
+    local line skip=0 rc=1
+    while IFS= read -r line; do
+        if [[ $line =~ ^rc=([0-9]+)$ ]]; then rc=${BASH_REMATCH[1]}; continue; fi
+        echo "$line"
+        # libtest prints "test NAME ... ", the test's own output, then "ok" or "FAILED".
+        [[ $line == *SKIP* ]] && skip=1
+        if [[ $line == ok || $line =~ \.\.\.\ ok$ ]]; then
+            if ((skip)); then tests_skipped=$((tests_skipped + 1)); else tests_passed=$((tests_passed + 1)); fi
+            skip=0
+        elif [[ $line == FAILED || $line =~ \.\.\.\ FAILED$ ]]; then
+            tests_failed=$((tests_failed + 1)); skip=0
+        fi
+    done < <("$@" --include-ignored --test-threads 1 --nocapture 2>&1; echo "rc=$?")
+    ((rc == 0))
+}
 {
     echo "== gpu tests"
-    ./gpu_tests --include-ignored --test-threads 1 --nocapture || failed=1
+    run_tests ./gpu_tests || failed=1
     echo "== GPU reduction kernels against the host reducer (every type x op)"
-    NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_reduce_tests --include-ignored --test-threads 1 --nocapture || failed=1
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./gpu_reduce_tests || failed=1
     echo "== the direct GPU ring (GpuGroup) against the host reducer: 1-5 ranks over the GPUs present"
-    NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_group_tests --include-ignored --test-threads 1 --nocapture || failed=1
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./gpu_group_tests || failed=1
+    echo "gpu tests: $tests_passed passed, $tests_failed failed, $tests_skipped skipped"
     echo "== examples/gpu_allreduce: one rank per GPU, then 4 ranks"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_allreduce || failed=1
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_allreduce --ranks 4 || failed=1

@@ -306,14 +306,20 @@ if ! check_prereqs; then
     exit 125
 fi
 
-# The caller's directory must exist inside: not below a directory the guest mounts over,
-# unless it is within a --rw directory.
+# The caller's directory must exist inside. Below a directory the guest mounts over (a
+# checkout under /tmp, say) it is shared into the guest like a --rw directory.
 cwd=$(pwd -P)
 for d in "${guest_private_dirs[@]}"; do
     is_under "$cwd" "$d" || continue
     for r in "${rw_dirs[@]}"; do is_under "$cwd" "$r" && continue 2; done
-    say "the current directory $cwd is below $d, which the guest mounts over: run from elsewhere, or pass --rw $cwd"
-    exit 2
+    case $d in
+        /dev | /proc | /sys)
+            say "the current directory $cwd is below $d: run from elsewhere"
+            exit 2
+            ;;
+    esac
+    say "the current directory $cwd is below $d, which the guest mounts over: sharing it (as --rw $cwd)"
+    rw_dirs+=("$cwd")
 done
 
 # shellcheck disable=SC2054 # the commas belong to QEMU's option syntax
