@@ -43,6 +43,10 @@ cargo test --workspace --color never 2>&1 | tally "$HOST"
 host_rc=${PIPESTATUS[0]}
 [[ $host_rc == 0 ]] || failed=$((failed + 1))
 
+step "lint: every unsafe block in nodetour-core documents its soundness (clippy)"
+clippy_core() { cargo clippy -p nodetour-core --all-targets --color never 2>&1 | tail -n 3; return "${PIPESTATUS[0]}"; }
+check "nodetour-core: clippy with #![deny(clippy::undocumented_unsafe_blocks)]" clippy_core
+
 step "binary tier: release build, no load-time libibverbs/librdmacm"
 cargo build --release --bins --examples --color never 2>&1 | tail -n 3
 no_verbs_link() { ! ldd "$1" | grep -E 'libibverbs|librdmacm'; }

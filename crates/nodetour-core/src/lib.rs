@@ -32,6 +32,8 @@
 //! # Ok(()) }
 //! ```
 #![warn(missing_docs)]
+// Every unsafe block states why it is sound; the lint keeps it so.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod bootstrap;
 pub mod config;

@@ -168,9 +168,8 @@ impl LocalNccl {
             let p = buffers[r].device_ptr() as *mut std::ffi::c_void;
             // SAFETY: p holds count elements (checked) on this rank's GPU (checked); the
             // stream is live; DeviceBuffer waits for its GPU before freeing.
-            if let Err(e) =
-                unsafe { result::all_reduce(p, p, count, dt, o, self.comms[r], s.cast()) }
-            {
+            let done = unsafe { result::all_reduce(p, p, count, dt, o, self.comms[r], s.cast()) };
+            if let Err(e) = done {
                 first_error.get_or_insert(nccl_error("ncclAllReduce", e));
             }
         }

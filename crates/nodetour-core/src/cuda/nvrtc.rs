@@ -19,11 +19,8 @@ pub fn version() -> Result<(i32, i32)> {
     }
     let (mut major, mut minor) = (0, 0);
     // SAFETY: the library is present; out-pointers are valid.
-    check(
-        unsafe { sys::nvrtcVersion(&mut major, &mut minor) },
-        "nvrtcVersion",
-        "",
-    )?;
+    let r = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
+    check(r, "nvrtcVersion", "")?;
     Ok((major, minor))
 }
 
@@ -61,8 +58,8 @@ pub fn compile_cubin(
     }
     let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
-    // SAFETY: valid C strings; no headers.
     check(
+        // SAFETY: valid C strings; no headers.
         unsafe {
             sys::nvrtcCreateProgram(
                 &mut prog,
@@ -84,15 +81,15 @@ pub fn compile_cubin(
             return Err(bad(format!("{compiled:?}: {}", program_log(prog))));
         }
         let mut size = 0usize;
-        // SAFETY: prog is compiled; size is a valid out-pointer.
         check(
+            // SAFETY: prog is compiled; size is a valid out-pointer.
             unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) },
             "nvrtcGetCUBINSize",
             &sm,
         )?;
         let mut cubin = vec![0u8; size];
-        // SAFETY: cubin has room for size bytes.
         check(
+            // SAFETY: cubin has room for size bytes.
             unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) },
             "nvrtcGetCUBIN",
             &sm,

@@ -25,6 +25,9 @@ pub struct SharedHostMemory {
     name: ShmName,
     pages: Pages,
     owner: bool,
+    // Held by every CPU access through `&self`: two threads of this process never race on the
+    // bytes (the peer process and GPUs reach them outside Rust's view, never as slices).
+    cpu: std::sync::Mutex<()>,
     cuda_registered: bool,
     // The context the range was registered under (bound again to unregister it).
     cuda_context: Option<std::sync::Arc<cudarc::driver::CudaContext>>,
@@ -151,6 +154,7 @@ impl SharedHostMemory {
                     name,
                     pages,
                     owner: true,
+                    cpu: Default::default(),
                     cuda_registered: false,
                     cuda_context: None,
                     map,
@@ -191,6 +195,7 @@ impl SharedHostMemory {
             name: name.clone(),
             pages,
             owner: false,
+            cpu: Default::default(),
             cuda_registered: false,
             cuda_context: None,
             map,
@@ -264,6 +269,7 @@ impl SharedHostMemory {
                 reason: "flags are 4-byte aligned".into(),
             });
         }
+        let _cpu = self.cpu.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: in bounds and aligned; a volatile read sees writes by other agents.
         Ok(unsafe { std::ptr::read_volatile(self.ptr.add(offset).cast::<u32>()) })
     }
@@ -271,6 +277,7 @@ impl SharedHostMemory {
     /// Copies `dst.len()` bytes at `offset` out.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
+        let _cpu = self.cpu.lock().unwrap_or_else(|p| p.into_inner());
         std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
         // SAFETY: in bounds; dst is a distinct allocation.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
@@ -280,6 +287,7 @@ impl SharedHostMemory {
     /// Copies `src` in at `offset`.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
+        let _cpu = self.cpu.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: in bounds; src is a distinct allocation.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) };
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);

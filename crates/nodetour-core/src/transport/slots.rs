@@ -21,6 +21,10 @@ struct Inner {
     key: u32,
     ptr: *mut u8,
     len: usize,
+    // Held by every CPU copy in or out (`&self` methods): two threads of this process never
+    // race on the region's bytes. Peers, NICs and GPUs write it outside Rust's view; that is
+    // why it is only ever reached through raw pointers.
+    cpu: Mutex<()>,
     // Owns the memory behind `ptr`.
     memory: Memory,
 }
@@ -45,6 +49,7 @@ impl SlotRegion {
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
             ptr,
             len,
+            cpu: Mutex::new(()),
             memory: Memory::Host(buffer),
         }))
     }
@@ -56,6 +61,7 @@ impl SlotRegion {
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
             ptr: remote.addr as *mut u8,
             len: region.len(),
+            cpu: Mutex::new(()),
             memory: Memory::Registered(region),
         }))
     }
@@ -86,6 +92,7 @@ impl SlotRegion {
     /// Copies `dst.len()` bytes at `offset` out (after the notification that they landed).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check("read", offset, dst.len())?;
+        let _cpu = self.cpu_lock();
         fence(Ordering::Acquire);
         // SAFETY: in bounds (checked); dst is a distinct allocation.
         unsafe {
@@ -97,6 +104,7 @@ impl SlotRegion {
     /// Copies `src` in at `offset`.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check("write", offset, src.len())?;
+        let _cpu = self.cpu_lock();
         // SAFETY: in bounds (checked); src is a distinct allocation.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.ptr.add(offset), src.len()) };
         fence(Ordering::Release);
@@ -115,6 +123,7 @@ impl SlotRegion {
     ) -> Result<()> {
         let src = self.ptr_at("copy to GPU", offset, len)?;
         dst.check("copy to GPU", dst_offset, len)?;
+        let _cpu = self.cpu_lock();
         fence(Ordering::Acquire);
         crate::cuda::copy::htod(dst, dst_offset, src, len)
     }
@@ -130,9 +139,14 @@ impl SlotRegion {
     ) -> Result<()> {
         let dst = self.ptr_at("copy from GPU", offset, len)?;
         src.check("copy from GPU", src_offset, len)?;
+        let _cpu = self.cpu_lock();
         crate::cuda::copy::dtoh(dst, src, src_offset, len)?;
         fence(Ordering::Release);
         Ok(())
+    }
+
+    fn cpu_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.0.cpu.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn check(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {

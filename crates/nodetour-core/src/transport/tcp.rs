@@ -135,11 +135,9 @@ fn receive_loop(s: &mut TcpStream, granted: &SlotTable, received: &Received) -> 
                 );
             }
         };
-        // SAFETY: dst..dst+len lies inside `region` (checked by the table), which stays alive
-        // while `region` is held; the peer's bytes land there through a transient slice that no
-        // one else reads until the notification below (the slot protocol's rule).
-        let into = unsafe { std::slice::from_raw_parts_mut(dst, h.len as usize) };
-        if let Err(e) = s.read_exact(into) {
+        // The bytes go straight from the socket into the region through its raw address: no
+        // slice is ever formed over slot memory, which other threads and peers may touch.
+        if let Err(e) = read_exact_raw(s, dst, h.len as usize) {
             return format!("the peer's frame was truncated: {e}");
         }
         drop(region);
@@ -227,12 +225,11 @@ impl HostConnection for TcpConnection {
                 len: n as u32,
                 notify: if last { notify } else { None },
             };
-            // SAFETY: from+sent..from+sent+n lies inside `src` (checked above); the caller owns
-            // those bytes until this returns (the interface's rule).
-            let payload = unsafe { std::slice::from_raw_parts(from.add(sent), n) };
             let header = h.encode();
-            let mut bufs = [io::IoSlice::new(&header), io::IoSlice::new(payload)];
-            write_all_vectored(&mut self.stream, &mut bufs).map_err(io_err)?;
+            // SAFETY: from+sent..from+sent+n lies inside `src` (checked above), which the
+            // caller keeps alive until this returns; the kernel reads it, no slice is formed.
+            let payload = unsafe { from.add(sent) };
+            write_all_raw(&self.stream, &header, payload, n).map_err(io_err)?;
             sent += n;
             if last {
                 return Ok(());
@@ -283,19 +280,75 @@ impl HostConnection for TcpConnection {
     }
 }
 
-fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [io::IoSlice<'_>]) -> io::Result<()> {
-    io::IoSlice::advance_slices(&mut bufs, 0);
-    while !bufs.is_empty() {
-        match s.write_vectored(bufs) {
-            Ok(0) => {
+/// Reads exactly `len` bytes from `s` into the memory at `dst` (`read(2)` on the raw address).
+///
+/// `dst..dst + len` must be writable memory that stays mapped for the call (the caller holds
+/// the region); other agents may write it too, which is why it is never a `&mut [u8]`.
+fn read_exact_raw(s: &TcpStream, dst: *mut u8, len: usize) -> io::Result<()> {
+    let mut got = 0usize;
+    while got < len {
+        // SAFETY: dst + got .. dst + len lies inside the caller's region (checked by the slot
+        // table) and stays mapped while the caller holds it; read(2) writes at most len - got
+        // bytes there.
+        let n = unsafe { libc::read(s.as_raw_fd(), dst.add(got).cast(), len - got) };
+        match n {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n if n > 0 => got += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `header`, then `len` bytes at `payload`, with `writev(2)` (one system call for small
+/// frames) until all are sent. `payload..payload + len` must stay mapped for the call.
+fn write_all_raw(s: &TcpStream, header: &[u8], payload: *const u8, len: usize) -> io::Result<()> {
+    let total = header.len() + len;
+    let mut sent = 0usize;
+    while sent < total {
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 2];
+        let mut count = 0;
+        if sent < header.len() {
+            iov[0] = libc::iovec {
+                iov_base: header[sent..].as_ptr() as *mut libc::c_void,
+                iov_len: header.len() - sent,
+            };
+            count = 1;
+        }
+        let done = sent.saturating_sub(header.len());
+        if done < len {
+            iov[count] = libc::iovec {
+                // SAFETY: done < len: inside the payload the caller vouches for.
+                iov_base: unsafe { payload.add(done) } as *mut libc::c_void,
+                iov_len: len - done,
+            };
+            count += 1;
+        }
+        // SAFETY: every iovec names readable memory (the header slice, the caller's payload);
+        // writev(2) only reads it.
+        let n = unsafe { libc::writev(s.as_raw_fd(), iov.as_ptr(), count as libc::c_int) };
+        match n {
+            0 => {
                 return Err(io::Error::new(
                     io::ErrorKind::WriteZero,
                     "the connection took no bytes",
                 ));
             }
-            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            n if n > 0 => sent += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
         }
     }
     Ok(())

@@ -190,9 +190,10 @@ impl Drop for CompletionQueue {
         // and its channel must then stay too.
         // SAFETY: the owning queue pair was destroyed before this runs; every event was acked.
         match unsafe { result::destroy_cq(lib, self.raw) } {
-            // SAFETY: the channel has no CQ any more.
             Ok(()) => {
-                if let Err(e) = unsafe { result::destroy_comp_channel(lib, self.channel) } {
+                // SAFETY: the channel has no CQ any more.
+                let destroyed = unsafe { result::destroy_comp_channel(lib, self.channel) };
+                if let Err(e) = destroyed {
                     tracing::warn!(error = %e, "ibv_destroy_comp_channel failed");
                 }
             }

@@ -140,7 +140,7 @@ pub(crate) fn load_named(name: &str) -> std::result::Result<VerbsLibrary, String
         handle,
         library: &name,
     };
-    // SAFETY (for every `get`/`optional` below): each symbol is transmuted to the function type
+    // SAFETY: (for every `get`/`optional` below) each symbol is transmuted to the function type
     // that rdma-core's <infiniband/verbs.h> declares for that name and symbol version.
     unsafe {
         Ok(VerbsLibrary {

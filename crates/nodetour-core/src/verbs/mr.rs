@@ -125,6 +125,9 @@ pub struct MemoryRegion<B: RdmaBuffer> {
     lkey: u32,
     rkey: u32,
     relaxed: RelaxedOrdering,
+    // Held by every CPU copy through `&self` (read_at, write_at): two threads of this process
+    // never race on the region's bytes; the NIC and peers write it outside Rust's view.
+    cpu: std::sync::Mutex<()>,
 }
 
 // SAFETY: ibv_mr is usable from any thread; the buffer is Send + Sync.
@@ -225,6 +228,7 @@ impl<B: RdmaBuffer> MemoryRegion<B> {
             lkey,
             rkey,
             relaxed,
+            cpu: std::sync::Mutex::new(()),
         }
     }
 
@@ -399,6 +403,7 @@ impl<B: RdmaBuffer + HostAccessible> MemoryRegion<B> {
     /// (or the peer's notification) that says the bytes landed, or expect torn data.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check_range("read", offset, dst.len())?;
+        let _cpu = self.cpu.lock().unwrap_or_else(|p| p.into_inner());
         fence(Ordering::Acquire);
         // SAFETY: offset..offset+len is inside the registered buffer (checked); dst is a
         // distinct Rust allocation, so the ranges cannot overlap.
@@ -412,6 +417,7 @@ impl<B: RdmaBuffer + HostAccessible> MemoryRegion<B> {
     /// still sending.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check_range("write", offset, src.len())?;
+        let _cpu = self.cpu.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: as in read_at.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr().add(offset), src.len());
