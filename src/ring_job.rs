@@ -42,12 +42,12 @@ pub struct RingJob {
     conns: HashMap<u32, Box<dyn HostConnection>>,
     recv: SlotRegion,
     work: SlotRegion,
-    _bell: SlotRegion,
+    bell: SlotRegion,
     next_slots: SlotGrant,
     prev_slots: SlotGrant,
     options: HostRingOptions,
     backlog: Vec<u32>,
-    epoch: u8,
+    seq: u64,
     _local: Option<LocalSide>,
     gpu: Option<GpuSide>,
     aborted: Arc<std::sync::Mutex<Option<String>>>,
@@ -238,12 +238,12 @@ impl RingJob {
             conns,
             recv,
             work,
-            _bell: bell,
+            bell,
             next_slots,
             prev_slots,
             options,
             backlog: Vec::new(),
-            epoch: 0,
+            seq: 0,
             _local: local,
             gpu: None,
             aborted: Arc::new(std::sync::Mutex::new(None)),
@@ -275,7 +275,7 @@ impl RingJob {
                 self.work.len()
             );
         }
-        self.with_ring(|ring, epoch, alive| ring.all_reduce(data, dtype, op, epoch, alive))
+        self.with_ring(|ring, seq, alive| ring.all_reduce(data, dtype, op, seq, alive))
     }
 
     /// Allreduces the first `count` elements of GPU memory `buffer` in place, staged through
@@ -303,8 +303,8 @@ impl RingJob {
             stream: &gpu.stream,
             scratch: &gpu.scratch,
         };
-        let result = self.with_ring(|ring, epoch, alive| {
-            ring.all_reduce_gpu(buffer, count, dtype, op, epoch, &staging, alive)
+        let result = self.with_ring(|ring, seq, alive| {
+            ring.all_reduce_gpu(buffer, count, dtype, op, seq, &staging, alive)
         });
         self.gpu = Some(gpu);
         result
@@ -314,13 +314,13 @@ impl RingJob {
         &mut self,
         f: impl FnOnce(
             &mut HostRing<'_>,
-            u8,
+            u64,
             &dyn Fn() -> nodetour_core::Result<()>,
         ) -> nodetour_ring::Result<()>,
     ) -> anyhow::Result<()> {
         let (prev, next) = self.neighbours;
-        let epoch = self.epoch;
-        self.epoch = (self.epoch + 1) & 0x7f;
+        let seq = self.seq;
+        self.seq += 1;
         if self.world == 1 {
             return Ok(());
         }
@@ -347,6 +347,7 @@ impl RingJob {
             next_slots: self.next_slots,
             prev_slots: self.prev_slots,
             recv: self.recv.clone(),
+            bell: self.bell.clone(),
             work: self.work.clone(),
             options: self.options,
             backlog: std::mem::take(&mut self.backlog),
@@ -361,7 +362,7 @@ impl RingJob {
             }
             job.check()
         };
-        let result = f(&mut ring, epoch, &alive);
+        let result = f(&mut ring, seq, &alive);
         self.backlog = std::mem::take(&mut ring.backlog);
         result.map_err(|e| self.blame(e))
     }
@@ -370,6 +371,32 @@ impl RingJob {
     /// neighbour that failed because of it closed its own): ask the liveness mesh, briefly, who
     /// was lost first, and name that rank.
     fn blame(&self, e: nodetour_ring::Error) -> anyhow::Error {
+        // The ring numbers ranks by their position in the ring order: name job ranks.
+        let rank_at = |p: u32| self.order.get(p as usize).copied().unwrap_or(p);
+        let e = match e {
+            nodetour_ring::Error::Disagreement {
+                rank,
+                peer,
+                ours,
+                theirs,
+            } => {
+                return nodetour_ring::Error::Disagreement {
+                    rank: rank_at(rank),
+                    peer: rank_at(peer),
+                    ours,
+                    theirs,
+                }
+                .into();
+            }
+            nodetour_ring::Error::PeerFailed { peer, seq, reason } => {
+                nodetour_ring::Error::PeerFailed {
+                    peer: rank_at(peer),
+                    seq,
+                    reason,
+                }
+            }
+            other => other,
+        };
         if matches!(
             e,
             nodetour_ring::Error::PeerLost { .. } | nodetour_ring::Error::Aborted { .. }

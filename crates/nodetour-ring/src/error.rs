@@ -69,6 +69,32 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// Two ranks disagree on what the collective is (operation, count, type, reduction, root,
+    /// algorithm, sequence number or protocol version). No rank wrote a result from it.
+    #[error(
+        "rank {rank} and rank {peer} disagree on the collective: {ours} here, {theirs} there; no result was written"
+    )]
+    Disagreement {
+        /// This rank.
+        rank: u32,
+        /// The rank that disagrees.
+        peer: u32,
+        /// The collective as this rank called it.
+        ours: String,
+        /// The collective as the peer called it.
+        theirs: String,
+    },
+    /// A neighbour ended this collective (it failed, aborted, or saw a disagreement) and said
+    /// so; this rank wrote no result.
+    #[error("rank {peer} ended collective #{seq}: {reason}; no result was written")]
+    PeerFailed {
+        /// The neighbour that told us.
+        peer: u32,
+        /// The collective's sequence number (mod 128 on the host ring's wire).
+        seq: u64,
+        /// What it said.
+        reason: String,
+    },
 }
 
 impl From<nodetour_core::Error> for Error {

@@ -4,8 +4,20 @@
 //! Memory: the caller's buffer is copied into a registered work region (so nothing of the
 //! caller's memory is registered or exposed) and back at the end; each rank receives into a slot
 //! region of `slots × slot_bytes` it granted its previous rank. Notifications carry the
-//! schedule's immediates (data) or, with the top bit set, a grant (`epoch:7 | slot:8`), sent as a
-//! zero-length write.
+//! schedule's immediates (data) or, with the top bit set, a grant or an end notice (see
+//! [`Notice`]).
+//!
+//! Agreement: every grant carries a 15-bit tag of the collective's [`Descriptor`], and the first
+//! grant of each collective carries the whole descriptor (32 bytes into the previous rank's
+//! doorbell region). A rank sends data only after its next rank's first grant matched its own
+//! descriptor exactly, so every chunk that lands comes from a rank that called the same
+//! collective; on a disagreement nothing is sent and no rank writes its buffer.
+//!
+//! Ending: a rank whose collective fails for any reason (a disagreement, an abort, a lost peer, a
+//! timeout) sends an end notice with the collective's epoch to both neighbours, and a rank that
+//! receives one fails the collective too and passes it on, so the whole ring learns within a
+//! few notification latencies instead of at its deadline. Nothing is written to the caller's
+//! buffer unless the collective finished.
 
 use std::time::{Duration, Instant};
 
@@ -15,12 +27,101 @@ use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
 
+use crate::descriptor::{self, Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::reduce::{DataType, ReduceOp, finish_avg, reduce_into};
 use crate::schedule::{Action, RingSchedule};
 
 const GRANT_BIT: u32 = 1 << 31;
+const END_BIT: u32 = 1 << 30;
+
+/// Where a rank's next rank writes its descriptor in the rank's doorbell region (by epoch
+/// parity: the next collective's first grant may land while this one runs).
+const DESCRIPTOR_AT: usize = 0;
+/// Where a rank keeps its own descriptor as the source of that write.
+const DESCRIPTOR_SOURCE_AT: usize = 2 * descriptor::ENCODED_LEN;
+/// The doorbell region holds both.
+pub const BELL_BYTES: usize = 4 * descriptor::ENCODED_LEN;
+
+/// A notification with the top bit set: `1 | end:1 | tag_hi:7 | epoch:7 | tag_lo:8 | slot:8`
+/// for a grant, `1 | 1 | 0:7 | epoch:7 | 0:8 | reason:8` for an end notice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Notice {
+    /// The sender may write our slot `slot`; `tag` is our descriptor's.
+    Grant {
+        /// Collective generation.
+        epoch: u8,
+        /// The slot.
+        slot: u8,
+        /// [`Descriptor::tag`] of the granting rank's collective.
+        tag: u16,
+    },
+    /// The sender ended collective `epoch` for `reason`.
+    End {
+        /// Collective generation.
+        epoch: u8,
+        /// Why.
+        reason: EndReason,
+    },
+}
+
+/// Why a rank ended a collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndReason {
+    /// Its neighbours disagree with it on what the collective is.
+    Disagreement,
+    /// It aborted (a caller's abort, a lost rank, a timeout, a local error).
+    Failed,
+    /// A neighbour told it so (passed on).
+    Relayed,
+}
+
+impl Notice {
+    /// Packs into a notification value.
+    pub fn encode(self) -> u32 {
+        match self {
+            Notice::Grant { epoch, slot, tag } => {
+                GRANT_BIT
+                    | (u32::from(tag >> 8) & 0x7f) << 23
+                    | (u32::from(epoch) & 0x7f) << 16
+                    | u32::from(tag & 0xff) << 8
+                    | u32::from(slot)
+            }
+            Notice::End { epoch, reason } => {
+                let r = match reason {
+                    EndReason::Disagreement => 1,
+                    EndReason::Failed => 2,
+                    EndReason::Relayed => 3,
+                };
+                GRANT_BIT | END_BIT | (u32::from(epoch) & 0x7f) << 16 | r
+            }
+        }
+    }
+
+    /// Unpacks a notification with the top bit set (`None`: a data immediate, or an end notice
+    /// with an unknown reason).
+    pub fn decode(v: u32) -> Option<Notice> {
+        if v & GRANT_BIT == 0 {
+            return None;
+        }
+        let epoch = ((v >> 16) & 0x7f) as u8;
+        if v & END_BIT != 0 {
+            let reason = match v & 0xff {
+                1 => EndReason::Disagreement,
+                2 => EndReason::Failed,
+                3 => EndReason::Relayed,
+                _ => return None,
+            };
+            return Some(Notice::End { epoch, reason });
+        }
+        Some(Notice::Grant {
+            epoch,
+            slot: v as u8,
+            tag: (((v >> 23) & 0x7f) << 8 | ((v >> 8) & 0xff)) as u16,
+        })
+    }
+}
 
 /// Sizes and limits of the host ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +171,9 @@ pub struct HostRing<'a> {
     pub prev_slots: SlotGrant,
     /// Our slot region, granted to the previous rank (`slots × slot_bytes`).
     pub recv: SlotRegion,
+    /// Our doorbell region (at least [`BELL_BYTES`]), granted to the next rank: its grants
+    /// land here, with its descriptor.
+    pub bell: SlotRegion,
     /// A registered work region at least as large as the buffer.
     pub work: SlotRegion,
     /// Sizes and limits.
@@ -84,6 +188,39 @@ fn epoch_of(v: u32) -> u32 {
         (v >> 16) & 0x7f
     } else {
         (v >> 24) & 0x7f
+    }
+}
+
+/// Rank `rank`'s collective `ours` against what its next rank (`next`) granted with: `tag` in
+/// every grant, the whole descriptor (read from `bell`) with the first.
+fn agree(
+    ours: &Descriptor,
+    bell: &SlotRegion,
+    epoch: u8,
+    tag: u16,
+    first: bool,
+    (rank, next): (u32, u32),
+) -> Result<()> {
+    if !first && tag == ours.tag() {
+        return Ok(());
+    }
+    let mut b = [0u8; descriptor::ENCODED_LEN];
+    bell.read_at(
+        DESCRIPTOR_AT + usize::from(epoch & 1) * descriptor::ENCODED_LEN,
+        &mut b,
+    )?;
+    let theirs = Descriptor::decode(&b);
+    match theirs {
+        Ok(t) if t == *ours && tag == ours.tag() => Ok(()),
+        other => Err(Error::Disagreement {
+            rank,
+            peer: next,
+            ours: ours.to_string(),
+            theirs: match other {
+                Ok(t) => t.to_string(),
+                Err(e) => e.to_string(),
+            },
+        }),
     }
 }
 
@@ -190,15 +327,17 @@ impl ChunkOps for GpuOps<'_> {
 }
 
 impl HostRing<'_> {
-    /// Allreduces `data` (elements of `dtype`) with `op` across the ring, in collective
-    /// generation `epoch`. `alive` is the job's liveness check (the bootstrap's); a lost rank
-    /// fails the collective at once.
+    /// Allreduces `data` (elements of `dtype`) with `op` across the ring, as collective number
+    /// `seq` of the communicator (every rank counts the same; its low 7 bits are the epoch on
+    /// the wire). `alive` is the job's liveness check (the bootstrap's); a lost rank fails the
+    /// collective at once. `data` is written only when the collective finished, with the same
+    /// result on every rank.
     pub fn all_reduce(
         &mut self,
         data: &mut [u8],
         dtype: DataType,
         op: ReduceOp,
-        epoch: u8,
+        seq: u64,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
         let es = dtype.size();
@@ -211,6 +350,15 @@ impl HostRing<'_> {
             });
         }
         let plan = self.plan(data.len(), dtype)?;
+        let what = Descriptor {
+            collective: Collective::AllReduce,
+            count: (data.len() / es) as u64,
+            dtype,
+            op,
+            root: None,
+            algorithm: Algorithm::HostRing,
+            seq,
+        };
         self.work.write_at(0, data)?;
         let slot_bytes = self.options.slot_bytes;
         let mut ops = HostOps {
@@ -219,7 +367,7 @@ impl HostRing<'_> {
             scratch: vec![0u8; slot_bytes],
             mine: vec![0u8; slot_bytes],
         };
-        self.run(plan, epoch, alive, &mut ops)?;
+        self.run(plan, &what, alive, &mut ops)?;
         self.work.read_at(0, data)?;
         if op == ReduceOp::Avg {
             finish_avg(dtype, data, self.world);
@@ -231,7 +379,8 @@ impl HostRing<'_> {
     /// host slots: the buffer is copied to the work region, every chunk that lands is copied to
     /// the GPU and reduced there by `staging`'s kernels, and reduced chunks go back to the work
     /// region to be sent on. Synchronous: starts after all work queued on the buffer's GPU and
-    /// returns with the result in `buffer`.
+    /// returns with the result in `buffer` (its contents are undefined when the collective
+    /// failed). `seq` as in [`Self::all_reduce`].
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_gpu(
         &mut self,
@@ -239,7 +388,7 @@ impl HostRing<'_> {
         count: usize,
         dtype: DataType,
         op: ReduceOp,
-        epoch: u8,
+        seq: u64,
         staging: &GpuStaging<'_>,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
@@ -263,6 +412,15 @@ impl HostRing<'_> {
             });
         }
         let plan = self.plan(bytes, dtype)?;
+        let what = Descriptor {
+            collective: Collective::AllReduce,
+            count: count as u64,
+            dtype,
+            op,
+            root: None,
+            algorithm: Algorithm::HostRingGpuStaged,
+            seq,
+        };
         self.work.copy_from_gpu(0, buffer, 0, bytes).map_err(gpu)?;
         let mut ops = GpuOps {
             staging,
@@ -271,7 +429,7 @@ impl HostRing<'_> {
             op,
             bounce: vec![0u8; self.options.slot_bytes],
         };
-        self.run(plan, epoch, alive, &mut ops)?;
+        self.run(plan, &what, alive, &mut ops)?;
         if op == ReduceOp::Avg {
             staging
                 .kernels
@@ -309,22 +467,76 @@ impl HostRing<'_> {
     fn run(
         &mut self,
         plan: Plan,
-        epoch: u8,
+        what: &Descriptor,
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+        ops: &mut dyn ChunkOps,
+    ) -> Result<()> {
+        let epoch = (what.seq & 0x7f) as u8;
+        let result = self.run_until_end(plan, what, alive, ops);
+        if let Err(e) = &result {
+            // Tell both neighbours, so that the ring ends this collective now rather than at
+            // its deadline. Best effort: a neighbour that is gone cannot be told.
+            let reason = match e {
+                Error::Disagreement { .. } => EndReason::Disagreement,
+                Error::PeerFailed { .. } => EndReason::Relayed,
+                _ => EndReason::Failed,
+            };
+            self.send_end(epoch, reason);
+        }
+        result
+    }
+
+    fn send_end(&mut self, epoch: u8, reason: EndReason) {
+        let value = Notice::End { epoch, reason }.encode();
+        let (work, next_slots, prev_slots) = (&self.work, self.next_slots, self.prev_slots);
+        match &mut self.links {
+            Links::One(c) => {
+                let _ = c.write(work, 0..0, &next_slots, 0, Some(value));
+            }
+            Links::Two { next, prev } => {
+                let _ = next.write(work, 0..0, &next_slots, 0, Some(value));
+                let _ = prev.write(work, 0..0, &prev_slots, 0, Some(value));
+            }
+        }
+    }
+
+    fn run_until_end(
+        &mut self,
+        plan: Plan,
+        what: &Descriptor,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
         ops: &mut dyn ChunkOps,
     ) -> Result<()> {
         let es = plan.elem_size as usize;
         let slot_bytes = self.options.slot_bytes;
-        let epoch = epoch & 0x7f;
+        let epoch = (what.seq & 0x7f) as u8;
+        let parity = usize::from(epoch & 1) * descriptor::ENCODED_LEN;
+        let tag = what.tag();
+        let (next_rank, prev_rank) = (
+            (self.rank + 1) % self.world,
+            (self.rank + self.world - 1) % self.world,
+        );
+        if self.bell.len() < BELL_BYTES || self.prev_slots.len < BELL_BYTES as u64 {
+            return Err(Error::InvalidArgument {
+                reason: format!("doorbell regions must hold {BELL_BYTES} bytes"),
+            });
+        }
+        // Our descriptor, the source of the write that goes with our first grant.
+        self.bell
+            .write_at(DESCRIPTOR_SOURCE_AT + parity, &what.encode())?;
+        let mut described = false;
+        let mut agreed = false;
         let mut sched =
             RingSchedule::new(plan, self.rank, epoch, self.options.timeout, Instant::now());
-        let mut events: Vec<Event> = Vec::new();
+        // (from the previous rank?, value)
+        let mut events: Vec<(bool, u32)> = Vec::new();
+        let mut polled: Vec<Event> = Vec::new();
         // What neighbours already sent for this collective while the previous one ran.
         let early: Vec<u32> = std::mem::take(&mut self.backlog);
-        let mut replay: Vec<Event> = early
+        let mut replay: Vec<(bool, u32)> = early
             .into_iter()
             .filter(|v| epoch_of(*v) == u32::from(epoch))
-            .map(Event::Notified)
+            .map(unmark)
             .collect();
         loop {
             while let Some(action) = sched.poll_action() {
@@ -374,12 +586,25 @@ impl HostRing<'_> {
                         sched.handle_processed(unit, now)?;
                     }
                     Action::Grant { slot } => {
-                        let value = GRANT_BIT | (u32::from(epoch) << 16) | u32::from(slot);
+                        let value = Notice::Grant { epoch, slot, tag }.encode();
                         let prev = match &mut self.links {
                             Links::One(c) => &mut **c,
                             Links::Two { prev, .. } => &mut **prev,
                         };
-                        prev.write(&self.work, 0..0, &self.prev_slots, 0, Some(value))?;
+                        if described {
+                            prev.write(&self.work, 0..0, &self.prev_slots, 0, Some(value))?;
+                        } else {
+                            // The first grant carries the whole descriptor.
+                            let at = DESCRIPTOR_SOURCE_AT + parity;
+                            prev.write(
+                                &self.bell,
+                                at..at + descriptor::ENCODED_LEN,
+                                &self.prev_slots,
+                                (DESCRIPTOR_AT + parity) as u64,
+                                Some(value),
+                            )?;
+                            described = true;
+                        }
                     }
                     Action::Done => return Ok(()),
                     Action::Failed(e) => return Err(e),
@@ -400,46 +625,114 @@ impl HostRing<'_> {
             events.append(&mut replay);
             match &mut self.links {
                 Links::One(c) => {
-                    c.poll(&mut events)?;
-                    if events.is_empty() {
-                        wait_slice(&mut **c, &mut events)?;
+                    polled.clear();
+                    c.poll(&mut polled)?;
+                    if polled.is_empty() {
+                        wait_slice(&mut **c, &mut polled)?;
                     }
+                    // One peer is both neighbours: data and end notices count as its.
+                    events.extend(polled.iter().map(|Event::Notified(v)| (true, *v)));
                 }
                 Links::Two { next, prev } => {
                     // Grants come from next, data from prev: wait on each in turn, briefly, so
                     // neither waits behind the other for long. (A progress engine blocking on
                     // both at once comes with the GPU executors.)
-                    next.poll(&mut events)?;
-                    prev.poll(&mut events)?;
-                    if events.is_empty() {
-                        wait_slice(&mut **prev, &mut events)?;
-                        next.poll(&mut events)?;
+                    let mut from_next = Vec::new();
+                    let mut from_prev = Vec::new();
+                    next.poll(&mut from_next)?;
+                    prev.poll(&mut from_prev)?;
+                    if from_next.is_empty() && from_prev.is_empty() {
+                        wait_slice(&mut **prev, &mut from_prev)?;
+                        next.poll(&mut from_next)?;
                     }
-                    if events.is_empty() {
-                        wait_slice(&mut **next, &mut events)?;
-                        prev.poll(&mut events)?;
+                    if from_next.is_empty() && from_prev.is_empty() {
+                        wait_slice(&mut **next, &mut from_next)?;
+                        prev.poll(&mut from_prev)?;
                     }
+                    events.extend(from_next.iter().map(|Event::Notified(v)| (false, *v)));
+                    events.extend(from_prev.iter().map(|Event::Notified(v)| (true, *v)));
                 }
             }
             let now = Instant::now();
-            for e in &events {
-                let Event::Notified(v) = *e;
+            for &(from_prev, v) in &events {
                 let e_epoch = epoch_of(v);
                 if e_epoch != u32::from(epoch) {
                     // The next collective's (kept for it), or a stale one's (dropped).
                     if e_epoch == (u32::from(epoch) + 1) & 0x7f {
-                        self.backlog.push(v);
+                        self.backlog.push(mark(from_prev, v));
                     }
                     continue;
                 }
-                if v & GRANT_BIT != 0 {
-                    sched.handle_granted(v as u8, now)?;
-                } else {
+                if v & GRANT_BIT == 0 {
                     sched.handle_arrived(v, now)?;
+                    continue;
+                }
+                match Notice::decode(v) {
+                    Some(Notice::Grant { slot, tag, .. }) => {
+                        // Before anything is sent: does the next rank call the same collective?
+                        agree(
+                            what,
+                            &self.bell,
+                            epoch,
+                            tag,
+                            !agreed,
+                            (self.rank, next_rank),
+                        )?;
+                        agreed = true;
+                        sched.handle_granted(slot, now)?;
+                    }
+                    Some(Notice::End { reason, .. }) => {
+                        let peer = if from_prev { prev_rank } else { next_rank };
+                        return Err(Error::PeerFailed {
+                            peer,
+                            seq: what.seq,
+                            reason: match reason {
+                                EndReason::Disagreement => {
+                                    "ranks disagree on what the collective is".into()
+                                }
+                                EndReason::Failed => "it failed or was aborted".into(),
+                                EndReason::Relayed => {
+                                    "a rank further along the ring ended it".into()
+                                }
+                            },
+                        });
+                    }
+                    None => {
+                        return Err(Error::Protocol {
+                            rank: if from_prev { prev_rank } else { next_rank },
+                            reason: format!("an unknown notice {v:#010x}"),
+                        });
+                    }
                 }
             }
             sched.handle_timeout(now);
         }
+    }
+}
+
+/// Marks, in the backlog only, an end notice that came from the previous rank (bit 7 of the
+/// reason byte, which the wire never sets). Data comes from the previous rank and grants from
+/// the next, so only end notices need it.
+const FROM_PREV: u32 = 0x80;
+
+fn is_end(v: u32) -> bool {
+    v & GRANT_BIT != 0 && v & END_BIT != 0
+}
+
+fn mark(from_prev: bool, v: u32) -> u32 {
+    if from_prev && is_end(v) {
+        v | FROM_PREV
+    } else {
+        v
+    }
+}
+
+/// A backlog entry: (from the previous rank?, the value as it came).
+fn unmark(v: u32) -> (bool, u32) {
+    if is_end(v) {
+        (v & FROM_PREV != 0, v & !FROM_PREV)
+    } else {
+        (v & GRANT_BIT == 0, v)
     }
 }
 

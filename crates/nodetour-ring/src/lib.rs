@@ -18,6 +18,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod descriptor;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -9,7 +9,7 @@ use nodetour_core::memory::{DeviceBuffer, HostBuffer};
 use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
 
 use crate::error::{Error, Result};
-use crate::host::{GpuStaging, HostRing, HostRingOptions, Links};
+use crate::host::{BELL_BYTES, GpuStaging, HostRing, HostRingOptions, Links};
 use crate::reduce::{DataType, ReduceOp};
 
 /// One rank's connections and regions.
@@ -17,6 +17,7 @@ struct Rank {
     next: MemConnection,
     prev: MemConnection,
     recv: SlotRegion,
+    bell: SlotRegion,
     work: SlotRegion,
     next_slots: SlotGrant,
     prev_slots: SlotGrant,
@@ -26,13 +27,12 @@ struct Rank {
 /// `world` ranks in this process, joined in a ring over [`MemConnection`]s.
 pub struct LocalRing {
     ranks: Vec<Rank>,
-    _bells: Vec<SlotRegion>,
     options: HostRingOptions,
-    epoch: u8,
+    seq: u64,
 }
 
 /// What one rank's thread runs for one collective.
-type RankFn<'a> = dyn Fn(usize, &mut HostRing<'_>, u8) -> Result<()> + Sync + 'a;
+type RankFn<'a> = dyn Fn(usize, &mut HostRing<'_>, u64) -> Result<()> + Sync + 'a;
 
 impl LocalRing {
     /// A ring of `world` ranks for buffers of up to `max_bytes` (pinned for GPU copies where
@@ -64,7 +64,9 @@ impl LocalRing {
         let recv = (0..n)
             .map(|_| region(slot_memory))
             .collect::<Result<Vec<_>>>()?;
-        let bells = (0..n).map(|_| region(64)).collect::<Result<Vec<_>>>()?;
+        let bells = (0..n)
+            .map(|_| region(BELL_BYTES))
+            .collect::<Result<Vec<_>>>()?;
         let work = (0..n)
             .map(|_| region(max_bytes))
             .collect::<Result<Vec<_>>>()?;
@@ -83,6 +85,7 @@ impl LocalRing {
                 next,
                 prev,
                 recv: recv[r].clone(),
+                bell: bells[r].clone(),
                 work: work[r].clone(),
                 next_slots: recv_grants[(r + 1) % n],
                 prev_slots: bell_grants[(r + n - 1) % n],
@@ -91,9 +94,8 @@ impl LocalRing {
             .collect();
         Ok(LocalRing {
             ranks,
-            _bells: bells,
             options,
-            epoch: 0,
+            seq: 0,
         })
     }
 
@@ -112,11 +114,11 @@ impl LocalRing {
         self.check_count(data.len())?;
         let cells: Vec<std::sync::Mutex<&mut Vec<u8>>> =
             data.iter_mut().map(std::sync::Mutex::new).collect();
-        self.run(&|r, ring, epoch| {
+        self.run(&|r, ring, seq| {
             let mut d = cells[r].lock().map_err(|_| Error::Aborted {
                 reason: "a rank's thread panicked".into(),
             })?;
-            ring.all_reduce(&mut d, dtype, op, epoch, &|| Ok(()))
+            ring.all_reduce(&mut d, dtype, op, seq, &|| Ok(()))
         })
     }
 
@@ -132,8 +134,8 @@ impl LocalRing {
     ) -> Result<()> {
         self.check_count(buffers.len())?;
         self.check_count(staging.len())?;
-        self.run(&|r, ring, epoch| {
-            ring.all_reduce_gpu(buffers[r], count, dtype, op, epoch, &staging[r], &|| Ok(()))
+        self.run(&|r, ring, seq| {
+            ring.all_reduce_gpu(buffers[r], count, dtype, op, seq, &staging[r], &|| Ok(()))
         })
     }
 
@@ -148,8 +150,8 @@ impl LocalRing {
 
     fn run(&mut self, f: &RankFn<'_>) -> Result<()> {
         let world = self.world();
-        let (options, epoch) = (self.options, self.epoch);
-        self.epoch = (self.epoch + 1) & 0x7f;
+        let (options, seq) = (self.options, self.seq);
+        self.seq += 1;
         thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
@@ -175,11 +177,12 @@ impl LocalRing {
                             next_slots: rank.next_slots,
                             prev_slots: rank.prev_slots,
                             recv: rank.recv.clone(),
+                            bell: rank.bell.clone(),
                             work: rank.work.clone(),
                             options,
                             backlog: std::mem::take(&mut rank.backlog),
                         };
-                        let result = f(r, &mut ring, epoch);
+                        let result = f(r, &mut ring, seq);
                         rank.backlog = std::mem::take(&mut ring.backlog);
                         result
                     })

@@ -7,7 +7,8 @@ use std::time::Duration;
 use half::{bf16, f16};
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
-use nodetour_ring::host::{HostRing, HostRingOptions, Links};
+use nodetour_ring::Error;
+use nodetour_ring::host::{BELL_BYTES, HostRing, HostRingOptions, Links};
 use nodetour_ring::{DataType, ReduceOp};
 
 fn value(dtype: DataType, rank: u32, i: usize) -> f64 {
@@ -77,7 +78,7 @@ fn all_reduce(
     all_reduce_repeated(world, count, dtype, op, options, 1)
 }
 
-/// `repeats` collectives back to back on the same rings (epochs 0, 1, ...), with ranks
+/// `repeats` collectives back to back on the same rings (seq 0, 1, ...), with ranks
 /// deliberately out of step; returns the last results.
 fn all_reduce_repeated(
     world: u32,
@@ -87,8 +88,52 @@ fn all_reduce_repeated(
     options: HostRingOptions,
     repeats: u32,
 ) -> Vec<Vec<u8>> {
+    let inputs: Vec<Vec<u8>> = (0..world)
+        .map(|r| {
+            (0..count)
+                .flat_map(|i| encode(dtype, value(dtype, r, i)))
+                .collect()
+        })
+        .collect();
+    run_ring(
+        world,
+        count * dtype.size(),
+        options,
+        inputs,
+        &|r, ring, data| {
+            let input = data.clone();
+            for seq in 0..repeats {
+                if r % 2 == 1 {
+                    std::thread::sleep(Duration::from_micros(200 * u64::from(seq % 3)));
+                }
+                data.copy_from_slice(&input);
+                ring.all_reduce(data, dtype, op, u64::from(seq), &|| Ok(()))?;
+            }
+            Ok(())
+        },
+    )
+    .into_iter()
+    .map(|(result, data)| {
+        result.unwrap();
+        data
+    })
+    .collect()
+}
+
+/// What one rank's thread does with its ring and its data.
+type RankBody<'a> =
+    dyn Fn(usize, &mut HostRing<'_>, &mut Vec<u8>) -> nodetour_ring::Result<()> + Sync + 'a;
+
+/// A ring of `world` ranks in threads over the in-memory transport, work regions of
+/// `max_bytes`; each rank runs `body` on its own data. Returns every rank's result and data.
+fn run_ring(
+    world: u32,
+    max_bytes: usize,
+    options: HostRingOptions,
+    inputs: Vec<Vec<u8>>,
+    body: &RankBody<'_>,
+) -> Vec<(nodetour_ring::Result<()>, Vec<u8>)> {
     let n = world as usize;
-    let es = dtype.size();
     // Connection r: rank r (its "next" side) ↔ rank r + 1 (its "prev" side).
     let mut nexts = Vec::new();
     let mut prevs: Vec<Option<MemConnection>> = (0..n).map(|_| None).collect();
@@ -102,26 +147,19 @@ fn all_reduce_repeated(
     let recv: Vec<SlotRegion> = (0..n)
         .map(|_| region(options.slots as usize * options.slot_bytes))
         .collect();
-    let bell: Vec<SlotRegion> = (0..n).map(|_| region(64)).collect();
-    let work: Vec<SlotRegion> = (0..n).map(|_| region(count * es)).collect();
+    let bell: Vec<SlotRegion> = (0..n).map(|_| region(BELL_BYTES)).collect();
+    let work: Vec<SlotRegion> = (0..n).map(|_| region(max_bytes)).collect();
     // Rank r grants its slots on its prev connection, and a doorbell on its next connection.
     let recv_grants: Vec<SlotGrant> = (0..n).map(|r| prevs[r].grant(&recv[r]).unwrap()).collect();
     let bell_grants: Vec<SlotGrant> = (0..n).map(|r| nexts[r].grant(&bell[r]).unwrap()).collect();
-    let inputs: Vec<Vec<u8>> = (0..world)
-        .map(|r| {
-            (0..count)
-                .flat_map(|i| encode(dtype, value(dtype, r, i)))
-                .collect()
-        })
-        .collect();
     thread::scope(|s| {
         let handles: Vec<_> = nexts
             .iter_mut()
             .zip(prevs.iter_mut())
+            .zip(inputs)
             .enumerate()
-            .map(|(r, (next, prev))| {
-                let mut data = inputs[r].clone();
-                let (recv, work) = (recv[r].clone(), work[r].clone());
+            .map(|(r, ((next, prev), mut data))| {
+                let (recv, bell, work) = (recv[r].clone(), bell[r].clone(), work[r].clone());
                 let next_slots = recv_grants[(r + 1) % n];
                 let prev_slots = bell_grants[(r + n - 1) % n];
                 s.spawn(move || {
@@ -132,20 +170,13 @@ fn all_reduce_repeated(
                         next_slots,
                         prev_slots,
                         recv,
+                        bell,
                         work,
                         options,
                         backlog: Vec::new(),
                     };
-                    let input = data.clone();
-                    for epoch in 0..repeats {
-                        if r % 2 == 1 {
-                            std::thread::sleep(Duration::from_micros(200 * u64::from(epoch % 3)));
-                        }
-                        data.copy_from_slice(&input);
-                        ring.all_reduce(&mut data, dtype, op, epoch as u8, &|| Ok(()))
-                            .unwrap();
-                    }
-                    data
+                    let result = body(r, &mut ring, &mut data);
+                    (result, data)
                 })
             })
             .collect();
@@ -230,5 +261,119 @@ fn back_to_back_collectives_keep_the_next_epochs_early_notifications() {
                 assert_eq!(got, reference(DataType::I64, ReduceOp::Sum, world, i));
             }
         }
+    }
+}
+
+/// Small integers: every result is exact, so any wrong byte shows.
+fn ints(world: u32, count: usize) -> Vec<Vec<u8>> {
+    (0..world)
+        .map(|r| {
+            (0..count)
+                .flat_map(|i| ((i as i32 % 7) + r as i32).to_ne_bytes())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn ranks_that_disagree_fail_everywhere_and_write_nothing() {
+    let world = 3;
+    let options = small_slots();
+    // Rank 1 calls a different collective each time; everyone else the same one.
+    type Call = (usize, DataType, ReduceOp, u64);
+    let cases: [(Call, Call); 4] = [
+        (
+            (4000, DataType::I32, ReduceOp::Sum, 0),
+            (2000, DataType::I32, ReduceOp::Sum, 0),
+        ),
+        (
+            (4000, DataType::I32, ReduceOp::Sum, 0),
+            (4000, DataType::F32, ReduceOp::Sum, 0),
+        ),
+        (
+            (4000, DataType::I32, ReduceOp::Sum, 0),
+            (4000, DataType::I32, ReduceOp::Max, 0),
+        ),
+        // The same epoch on the wire (seq mod 128), another sequence number.
+        (
+            (4000, DataType::I32, ReduceOp::Sum, 5),
+            (4000, DataType::I32, ReduceOp::Sum, 133),
+        ),
+    ];
+    for (everyone, odd) in cases {
+        let inputs = ints(world, 4000);
+        let start = std::time::Instant::now();
+        let out = run_ring(
+            world,
+            4000 * 4,
+            options,
+            inputs.clone(),
+            &|r, ring, data| {
+                let (count, dtype, op, seq) = if r == 1 { odd } else { everyone };
+                ring.all_reduce(&mut data[..count * 4], dtype, op, seq, &|| Ok(()))
+            },
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "ended at once, not at the deadline"
+        );
+        let mut disagreements = 0;
+        for (r, (result, data)) in out.iter().enumerate() {
+            match result {
+                Err(Error::Disagreement { ours, theirs, .. }) => {
+                    disagreements += 1;
+                    assert_ne!(ours, theirs);
+                }
+                Err(Error::PeerFailed { .. }) => {}
+                other => panic!("rank {r} with {odd:?}: {other:?}"),
+            }
+            assert_eq!(data, &inputs[r], "rank {r} wrote nothing");
+        }
+        assert!(disagreements >= 1, "someone named the disagreement");
+    }
+}
+
+#[test]
+fn an_abort_on_one_rank_ends_the_collective_everywhere_at_once() {
+    let world = 4;
+    let options = HostRingOptions {
+        slot_bytes: 1024,
+        slots: 2,
+        timeout: Duration::from_secs(30),
+    };
+    let count = 200_000;
+    let inputs = ints(world, count);
+    let polls = std::sync::atomic::AtomicU32::new(0);
+    let start = std::time::Instant::now();
+    let out = run_ring(
+        world,
+        count * 4,
+        options,
+        inputs.clone(),
+        &|r, ring, data| {
+            // Rank 2 is aborted from outside (its liveness check says so) in the middle.
+            let alive = || {
+                if r == 2 && polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 50 {
+                    return Err(nodetour_core::Error::InvalidArgument {
+                        reason: "aborted by the test".into(),
+                    });
+                }
+                Ok(())
+            };
+            ring.all_reduce(data, DataType::I32, ReduceOp::Sum, 0, &alive)
+        },
+    );
+    let elapsed = start.elapsed();
+    assert!(
+        elapsed < Duration::from_secs(5),
+        "the others learned at once, not at their 30 s deadline ({elapsed:?})"
+    );
+    for (r, (result, data)) in out.iter().enumerate() {
+        match (r, result) {
+            (2, Err(Error::Aborted { .. })) => {}
+            (_, Err(Error::PeerFailed { .. })) if r != 2 => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(data, &inputs[r], "rank {r} wrote nothing");
     }
 }
