@@ -6,4 +6,5 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     nodetour_ring::fuzzing::drive(data);
+    nodetour_ring::fuzzing::descriptors(data);
 });

@@ -1,9 +1,10 @@
-//! What peers send about their slot regions (through the bootstrap) and the tcp transport's
-//! frame headers: any bytes decode or fail with a typed error; accepted values re-encode to the
+//! What peers send about their slot regions (through the bootstrap: slot and cuda-ipc grants,
+//! shared-memory names) and the tcp transport's frame headers: any bytes decode or fail with a typed error; accepted values re-encode to the
 //! same bytes.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use nodetour_core::memory::ShmName;
 use nodetour_core::transport::SlotGrant;
 use nodetour_core::transport::gpu::IpcGrant;
 use nodetour_core::transport::wire::WriteHeader;
@@ -17,5 +18,11 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(h) = WriteHeader::decode(data) {
         assert_eq!(&h.encode()[..], data);
+    }
+    // A shared-memory name a peer announces: one strict component in a fixed directory.
+    if let Ok(n) = ShmName::decode(data) {
+        assert_eq!(&n.encode()[..], data);
+        assert!(!n.component().contains('/') && n.component() != "..");
+        assert_eq!(n.path().parent().unwrap().to_str(), Some(n.dir().path()));
     }
 });

@@ -92,6 +92,11 @@ fn transport_grants_corpus() {
             assert_eq!(&h.encode()[..], &data[..], "{name}");
             accepted += 1;
         }
+        if let Ok(n) = nodetour_core::memory::ShmName::decode(&data) {
+            assert_eq!(&n.encode()[..], &data[..], "{name}");
+            assert!(!n.component().contains('/'), "{name}");
+            accepted += 1;
+        }
     }
     assert!(accepted >= 4, "{accepted}");
 }

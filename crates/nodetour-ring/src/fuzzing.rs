@@ -5,6 +5,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::descriptor::{self, Descriptor};
+use crate::host::Notice;
 use crate::plan::Plan;
 use crate::schedule::{Action, Immediate, RingSchedule};
 
@@ -27,6 +29,10 @@ pub fn drive(data: &[u8]) -> usize {
     for ev in data[5..].chunks_exact(5) {
         let v = u32::from_be_bytes([ev[1], ev[2], ev[3], ev[4]]);
         assert_eq!(Immediate::decode(v).encode(), v, "immediates round trip");
+        // Grants and end notices: what decodes re-encodes to the same value.
+        if let Some(n) = Notice::decode(v) {
+            assert_eq!(Notice::decode(n.encode()), Some(n), "notices round trip");
+        }
         let now = start + Duration::from_micros(u64::from(v % 4_000_000));
         // Errors are the schedule's typed answers to out-of-protocol input: fine here.
         let _ = match ev[0] % 6 {
@@ -55,4 +61,19 @@ pub fn drive(data: &[u8]) -> usize {
         actions += burst;
     }
     actions
+}
+
+/// The descriptor a rank's next rank sends with its first grant: any 32 bytes decode to a
+/// descriptor that re-encodes to them, or fail with a typed error. Run on every 32-byte window
+/// of `data` by the fuzz target and the corpus replay.
+pub fn descriptors(data: &[u8]) -> usize {
+    let mut accepted = 0;
+    for w in data.windows(descriptor::ENCODED_LEN).step_by(7) {
+        if let Ok(d) = Descriptor::decode(w) {
+            assert_eq!(&d.encode()[..], w, "descriptors round trip");
+            let _ = d.tag();
+            accepted += 1;
+        }
+    }
+    accepted
 }

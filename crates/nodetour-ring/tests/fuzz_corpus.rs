@@ -12,6 +12,7 @@ fn ring_notifications_corpus() {
     for entry in fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
         let data = fs::read(entry.unwrap().path()).unwrap();
         nodetour_ring::fuzzing::drive(&data);
+        nodetour_ring::fuzzing::descriptors(&data);
         n += 1;
     }
     assert!(n > 0, "the corpus is empty");
