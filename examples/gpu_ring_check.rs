@@ -224,11 +224,16 @@ fn run() -> anyhow::Result<()> {
 
 /// The failure drills: every rank queues 64 MiB allreduces and waits for each with the job's
 /// liveness check; the victim dies (SIGKILL) or aborts from a watchdog thread after a few.
+/// Inputs are small integers (f32 sums are exact): every collective that returns `Ok` is
+/// compared bit for bit with the reference, before and after the failure.
 fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()> {
     let count = (64 << 20) / 4;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     let stream = GpuStream::new(&g.context)?;
     let me = g.rank;
+    let input = pattern(DataType::F32, me, count);
+    let mut got = vec![0u8; count * 4];
+    let mut verified = 0u32;
     g.job.barrier(Deadline::after(config.timeout))?;
     let start = std::time::Instant::now();
     let mut lost_at = None;
@@ -247,6 +252,7 @@ fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()>
                 handle.abort("the abort drill's watchdog");
             });
         }
+        buf.copy_from_host(0, &input)?;
         let t = std::time::Instant::now();
         let queued = g
             .ring
@@ -257,12 +263,19 @@ fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()>
             lost_at = Some((k, t.elapsed(), e));
             break;
         }
+        // Ok means the right answer, on every rank: check every byte.
+        buf.copy_to_host(0, &mut got)?;
+        if let Err(e) = verify(DataType::F32, ReduceOp::Sum, g.world, &got) {
+            println!("GPU_RING_DRILL rank={me} WRONG_OK collective={k}: {e}");
+            bail!("rank {me}: collective {k} returned Ok with a wrong result: {e}");
+        }
+        verified += 1;
     }
     let Some((k, waited, e)) = lost_at else {
         bail!("rank {me}: 1000 collectives and no failure: the drill did not happen");
     };
     println!(
-        "GPU_RING_DRILL rank={me} failed_at_collective={k} detected_after_ms={} bound_ms={} since_start_ms={} error=\"{e}\"",
+        "GPU_RING_DRILL rank={me} failed_at_collective={k} ok_verified={verified} detected_after_ms={} bound_ms={} since_start_ms={} error=\"{e}\"",
         waited.as_millis(),
         2 * config.timeout.as_millis(),
         start.elapsed().as_millis()

@@ -20,8 +20,8 @@ use nodetour_core::transport::gpu::{
 use nodetour_core::transport::{TransportKind, forced_from_env};
 use nodetour_core::{Config, Deadline};
 use nodetour_ring::gpu_ring::{
-    GpuRing, IPC_SLOT_BYTES, IPC_SLOTS, Incoming, Outgoing, SHM_SLOT_BYTES, SLOT_MEMORY_MAX, SLOTS,
-    StreamLinks, flag,
+    EndPages, GpuRing, IPC_SLOT_BYTES, IPC_SLOTS, Incoming, Outgoing, SHM_SLOT_BYTES,
+    SLOT_MEMORY_MAX, SLOTS, StreamLinks, flag,
 };
 use nodetour_ring::order::{neighbours, ring_order};
 
@@ -307,7 +307,15 @@ impl GpuRingJob {
                 choice.join("; ")
             );
         }
-        let mut host_pages = Some((flags, next_host_flags, prev_flags));
+        // The host pages carry end notices on every path; the staged path's streams use them
+        // for their flags too.
+        let ends = EndPages {
+            mine: Arc::new(flags),
+            next: Arc::new(next_host_flags),
+            prev: Arc::new(prev_flags),
+        };
+        let host_page = |f: &Arc<Flags>| -> Arc<dyn FlagPage> { f.clone() };
+        let mut host_pages_free = true;
         let mut rings = Vec::new();
         if let Some(out) = out_ipc {
             // Direct links keep their flags in GPU memory (each GPU polls its own memory); the
@@ -327,8 +335,12 @@ impl GpuRingJob {
                     )?),
                 ]
             } else {
-                let (a, b, c) = host_pages.take().context("host flag pages")?;
-                [Arc::new(a), Arc::new(b), Arc::new(c)]
+                host_pages_free = false;
+                [
+                    host_page(&ends.mine),
+                    host_page(&ends.next),
+                    host_page(&ends.prev),
+                ]
             };
             let [mine, next_page, prev_page] = pages;
             rings.push(StreamLinks {
@@ -339,15 +351,18 @@ impl GpuRingJob {
                 incoming: Incoming::CudaIpc(gpu_slots),
                 slots: options.ipc_slots,
                 slot_bytes: options.ipc_slot_bytes,
+                ends: ends.clone(),
             });
         }
         if let Some(out) = out_shm {
             // Both paths at once only with the direct ring's flags in GPU memory (checked).
-            let (a, b, c) = host_pages.take().context("host flag pages")?;
+            if !host_pages_free {
+                bail!("the host flag pages are taken by the direct ring");
+            }
             rings.push(StreamLinks {
-                flags: Arc::new(a),
-                next_flags: Arc::new(b),
-                prev_flags: Arc::new(c),
+                flags: host_page(&ends.mine),
+                next_flags: host_page(&ends.next),
+                prev_flags: host_page(&ends.prev),
                 outgoing: Outgoing::Shm(out),
                 incoming: Incoming::Shm {
                     slots: shm_slots,
@@ -355,6 +370,7 @@ impl GpuRingJob {
                 },
                 slots: options.slots,
                 slot_bytes: options.shm_slot_bytes,
+                ends: ends.clone(),
             });
         }
         let flags_where = if options.device_flags {

@@ -13,9 +13,14 @@
 //! the user's buffer is exported: senders copy out of it into the peer's slots.
 //!
 //! Failure: a peer that stops leaves this rank's streams waiting on a flag. [`GpuRing::wait`]
-//! has a deadline; on expiry, or on [`GpuRing::abort`], the ring stores values in its own flags
-//! that release every queued wait (the data of that collective is garbage), lets the streams
-//! drain, and refuses further collectives.
+//! has a deadline; on expiry, or on [`GpuRing::abort`], the ring first tells both neighbours
+//! (an end notice with the first collective it cannot vouch for, a plain store into their host
+//! flag pages: no CUDA call), then stores values in its own flags that release every queued
+//! wait (the data of that collective is garbage), lets the streams drain, and refuses further
+//! collectives. A neighbour's [`GpuRing::wait`] reads the notices while it polls and once more
+//! after its streams finished: a collective from the notice's sequence number on is never
+//! reported as `Ok` (its result may hold what the aborting rank's released streams wrote), and
+//! the neighbour passes the notice on, so the whole ring ends within a few polls.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -26,7 +31,9 @@ use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::TransportKind;
-use nodetour_core::transport::gpu::{CudaIpcSender, FlagPage, GpuSlot, ShmSender, ShmSlot};
+use nodetour_core::transport::gpu::{
+    CudaIpcSender, FlagPage, Flags, GpuSlot, ShmSender, ShmSlot,
+};
 
 use crate::error::{Error, Result};
 use crate::plan::Plan;
@@ -45,8 +52,13 @@ pub mod flag {
     /// The transport the previous rank chose for writing to this rank (written once at setup:
     /// 1 = cuda-ipc, 2 = shm).
     pub const MODE: u32 = 2;
+    /// Host page only: the previous rank ended the ring from collective `value - 1` on
+    /// (`0`: it did not), written by that rank's host.
+    pub const ENDED_BY_PREV: u32 = 3;
+    /// Host page only: the same from the next rank.
+    pub const ENDED_BY_NEXT: u32 = 4;
     /// Words in the page.
-    pub const WORDS: u32 = 3;
+    pub const WORDS: u32 = 5;
 }
 
 /// Default slot size for cuda-ipc: large chunks keep the per-chunk hand-off small beside a
@@ -84,6 +96,18 @@ pub enum Incoming {
     },
 }
 
+/// The host flag pages of this rank and its neighbours, through which ranks tell each other
+/// that they ended the ring (host stores and loads only: they work while streams are stuck).
+#[derive(Clone)]
+pub struct EndPages {
+    /// This rank's page: its neighbours write [`flag::ENDED_BY_PREV`] / [`flag::ENDED_BY_NEXT`].
+    pub mine: Arc<Flags>,
+    /// The next rank's page.
+    pub next: Arc<Flags>,
+    /// The previous rank's page.
+    pub prev: Arc<Flags>,
+}
+
 /// This rank's two links, set up by whoever formed the ring (the bootstrap exchange).
 pub struct StreamLinks {
     /// This rank's flag page ([`flag::READY`] and [`flag::RELEASED`] are waited on here).
@@ -100,6 +124,8 @@ pub struct StreamLinks {
     pub slots: u32,
     /// Bytes per slot (the same on every rank).
     pub slot_bytes: usize,
+    /// Where end notices go and come from.
+    pub ends: EndPages,
 }
 
 impl StreamLinks {
@@ -152,6 +178,8 @@ pub struct GpuRing {
     world: u32,
     counters: LinkCounters,
     abort: AbortHandle,
+    /// Collectives queued so far (the next one's sequence number).
+    queued: u64,
     path: String,
     exchange: bool,
     kernel_send_max: usize,
@@ -208,6 +236,7 @@ impl GpuRing {
             Some(l) => l.describe(),
         };
         let own_flags = links.as_ref().map(|l| l.flags.clone());
+        let ends = links.as_ref().map(|l| l.ends.clone());
         Ok(GpuRing {
             send: GpuStream::new(context).map_err(g)?,
             recv: GpuStream::new(context).map_err(g)?,
@@ -229,9 +258,13 @@ impl GpuRing {
                     failed: Mutex::new(None),
                     sent: AtomicU64::new(0),
                     received: AtomicU64::new(0),
+                    confirmed: AtomicU64::new(0),
                     flags: own_flags,
+                    ends,
+                    position: (rank, world),
                 }),
             },
+            queued: 0,
             path,
             exchange: true,
             kernel_send_max: KERNEL_SEND_MAX,
@@ -280,8 +313,13 @@ impl GpuRing {
         op: ReduceOp,
         stream: &GpuStream,
     ) -> Result<()> {
-        if let Some(reason) = self.abort.reason() {
-            return Err(Error::Aborted { reason });
+        if let Some(e) = self.abort.error() {
+            return Err(e);
+        }
+        // A neighbour that ended the ring since the last call: this collective cannot finish.
+        if let Some((e, _)) = self.abort.read_notice(self.queued) {
+            self.abort.abort_with(e.clone());
+            return Err(e);
         }
         self.check(buffer, count, dtype, stream)?;
         let Some(links) = &self.links else {
@@ -305,6 +343,7 @@ impl GpuRing {
         self.abort.publish(&self.counters);
         // From here the peers count these chunks: a failure to queue breaks the ring.
         let queued = self.queue(buffer, dtype, op, stream, steps, &prog);
+        self.queued += 1;
         if let Err(e) = &queued {
             self.abort
                 .abort(&format!("queueing a collective failed: {e}"));
@@ -503,17 +542,36 @@ impl GpuRing {
         let mut lost = None;
         loop {
             if self.end[0].is_complete().map_err(g)? && self.end[1].is_complete().map_err(g)? {
-                return match (lost, self.abort.reason()) {
-                    (Some(e), _) => Err(e),
-                    (None, Some(reason)) => Err(Error::Aborted { reason }),
-                    (None, None) => Ok(()),
+                // Read the neighbours' notices once more after the streams finished: whatever
+                // an aborting neighbour's released streams wrote was written after its notice.
+                let failed = self.abort.error();
+                let ended = self.abort.read_notice(self.queued);
+                if let Some((e, _)) = &ended {
+                    // Ended by a neighbour: nothing more runs on this ring.
+                    self.abort.abort_with(e.clone());
+                }
+                // The first error this ring ended with (its own abort, a lost rank, a
+                // neighbour's notice) names the cause; later ones are its echoes. A notice for
+                // a collective after the ones queued here leaves them correct.
+                let tainted = ended.and_then(|(e, tainted)| tainted.then_some(e));
+                return match failed.or(lost).or(tainted) {
+                    Some(e) => Err(e),
+                    None => {
+                        self.abort.confirm(self.queued);
+                        Ok(())
+                    }
                 };
             }
             if lost.is_none() {
-                if let Err(e) = alive() {
+                if let Some((e, true)) = self.abort.read_notice(self.queued) {
+                    // A collective queued here is tainted: abort (which tells the other
+                    // neighbour) and keep polling; the streams drain now that every wait is
+                    // released. (A notice for a later collective waits for these to finish.)
+                    self.abort.abort_with(e.clone());
+                    lost = Some(e);
+                } else if let Err(e) = alive() {
                     let e = Error::from(e);
-                    self.abort.abort(&format!("{e}"));
-                    // Keep polling: the streams drain now that every wait is released.
+                    self.abort.abort_with(e.clone());
                     lost = Some(e);
                 }
             }
@@ -644,23 +702,48 @@ pub struct AbortHandle {
 }
 
 struct AbortState {
-    failed: Mutex<Option<String>>,
+    failed: Mutex<Option<Error>>,
     // The link counters after the last queued collective: an abort releases every wait up to
     // them (and beyond).
     sent: AtomicU64,
     received: AtomicU64,
+    // The first collective this rank has not seen finish (what an end notice names).
+    confirmed: AtomicU64,
     flags: Option<Arc<dyn FlagPage>>,
+    ends: Option<EndPages>,
+    // (ring position, ranks in the ring)
+    position: (u32, u32),
+}
+
+/// The value of an end notice for collective `seq` (never 0, which means "none").
+fn notice_value(seq: u64) -> u32 {
+    (seq as u32).wrapping_add(1).max(1)
 }
 
 impl AbortHandle {
-    /// Gives up on every collective in flight: stores values in the ring's own flags that
-    /// satisfy every queued wait (the data of those collectives is garbage), so its streams
-    /// drain and nothing waits for a peer that is gone; the ring then refuses further
-    /// collectives (typed `Aborted` with the first reason). Peers must abort too: they learn
-    /// of it from the bootstrap's liveness mesh or their own deadline.
+    /// Gives up on every collective in flight. First tells both neighbours (an end notice in
+    /// their host flag pages naming the first collective this rank has not seen finish), then
+    /// stores values in the ring's own flags that satisfy every queued wait (the data of those
+    /// collectives is garbage), so its streams drain and nothing waits for a peer that is gone;
+    /// the ring then refuses further collectives (the first error, typed). Neighbours stop
+    /// at their next poll and pass the notice on.
     pub fn abort(&self, reason: &str) {
+        self.abort_with(Error::Aborted {
+            reason: reason.to_owned(),
+        });
+    }
+
+    fn abort_with(&self, error: Error) {
         if let Ok(mut f) = self.shared.failed.lock() {
-            f.get_or_insert_with(|| reason.to_owned());
+            f.get_or_insert(error);
+        }
+        if let Some(ends) = &self.shared.ends {
+            // Before anything is released: whatever this rank's streams write from here on,
+            // the neighbours have been told not to trust it.
+            let v = notice_value(self.shared.confirmed.load(Ordering::Acquire));
+            let _ = ends.next.store(flag::ENDED_BY_PREV, v);
+            let _ = ends.prev.store(flag::ENDED_BY_NEXT, v);
+            std::sync::atomic::fence(Ordering::SeqCst);
         }
         if let Some(flags) = &self.shared.flags {
             // Far ahead of anything queued, within the cyclic comparison's half range.
@@ -672,7 +755,47 @@ impl AbortHandle {
 
     /// Why the ring was aborted, if it was.
     pub fn reason(&self) -> Option<String> {
+        self.error().map(|e| e.to_string())
+    }
+
+    /// The error the ring ended with, if it did.
+    pub fn error(&self) -> Option<Error> {
         self.shared.failed.lock().ok().and_then(|f| f.clone())
+    }
+
+    /// Reads the neighbours' end notices (no side effect): the error, and whether it names a
+    /// collective before `queued` (one this rank has queued and not seen finish, whose result
+    /// may be garbage) rather than a later one (the ones queued here finish correctly: the
+    /// neighbour saw its part of them finish before it ended).
+    fn read_notice(&self, queued: u64) -> Option<(Error, bool)> {
+        let ends = self.shared.ends.as_ref()?;
+        let (me, world) = self.shared.position;
+        let confirmed = self.shared.confirmed.load(Ordering::Acquire);
+        for (word, peer) in [
+            (flag::ENDED_BY_PREV, (me + world - 1) % world),
+            (flag::ENDED_BY_NEXT, (me + 1) % world),
+        ] {
+            let v = ends.mine.read(word).unwrap_or(0);
+            if v == 0 {
+                continue;
+            }
+            // The named collective (32 bits on the wire), placed near the first one not yet
+            // confirmed here: a neighbour is never 2^31 collectives away.
+            let delta = i64::from(v.wrapping_sub(1).wrapping_sub(confirmed as u32) as i32);
+            let seq = (confirmed as i64 + delta).max(0) as u64;
+            let e = Error::PeerFailed {
+                peer,
+                seq,
+                reason: "it aborted or failed; the collectives from this one on are garbage"
+                    .into(),
+            };
+            return Some((e, seq < queued));
+        }
+        None
+    }
+
+    fn confirm(&self, queued: u64) {
+        self.shared.confirmed.store(queued, Ordering::Release);
     }
 
     fn publish(&self, c: &LinkCounters) {
