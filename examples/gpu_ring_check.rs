@@ -65,6 +65,11 @@ struct Args {
     /// collectives; every other rank must fail naming it within 2x NODETOUR_TIMEOUT_MS.
     #[arg(long)]
     kill_rank: Option<u32>,
+    /// Teardown drill: this rank queues a collective its peers never join and closes its ring
+    /// (the close aborts it, tells the peers and drains within the deadline); the peers' next
+    /// collective then fails at once with the notice instead of at their deadline.
+    #[arg(long)]
+    close_rank: Option<u32>,
     /// Abort drill: this rank aborts its ring from another thread in the middle of a stream of
     /// collectives, then leaves; it must see `Aborted`, the others the lost rank.
     #[arg(long)]
@@ -117,6 +122,9 @@ fn run() -> anyhow::Result<()> {
     let deadline = || Deadline::after(config.timeout);
     if args.kill_rank.is_some() || args.abort_rank.is_some() {
         return drill(&mut g, &args, &config);
+    }
+    if let Some(victim) = args.close_rank {
+        return close_drill(&mut g, victim, &config);
     }
     println!(
         "rank {} of {}: GPU {}, {}; {}",
@@ -219,6 +227,46 @@ fn run() -> anyhow::Result<()> {
         }
     }
     g.job.barrier(deadline())?;
+    Ok(())
+}
+
+/// The teardown drill: `victim` queues a collective alone and closes its ring; the close must
+/// end within its deadline (aborting and telling the peers), and the peers' collective must
+/// then fail at once, naming the victim's notice, with its buffer never reported as a result.
+fn close_drill(g: &mut GpuRingJob, victim: u32, config: &Config) -> anyhow::Result<()> {
+    let count = (16 << 20) / 4;
+    let buf = DeviceBuffer::new(&g.context, count * 4)?;
+    let stream = GpuStream::new(&g.context)?;
+    let me = g.rank;
+    g.job.barrier(Deadline::after(config.timeout))?;
+    if me == victim {
+        g.ring
+            .all_reduce(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
+        let t = std::time::Instant::now();
+        let closed = g.ring.close(Duration::from_secs(3));
+        println!(
+            "GPU_RING_CLOSE rank={me} closed_in_ms={} result={closed:?}",
+            t.elapsed().as_millis()
+        );
+        closed?;
+        // The caller's stream waited on the ring's end markers: it must not hang either.
+        stream.synchronize()?;
+    } else {
+        std::thread::sleep(Duration::from_millis(500));
+        let t = std::time::Instant::now();
+        let result = g
+            .ring
+            .all_reduce(&buf, count, DataType::F32, ReduceOp::Sum, &stream)
+            .and_then(|()| g.ring.wait(config.timeout));
+        println!(
+            "GPU_RING_CLOSE rank={me} failed_in_ms={} result={result:?}",
+            t.elapsed().as_millis()
+        );
+        if result.is_ok() {
+            bail!("rank {me}: a collective the victim never joined returned Ok");
+        }
+    }
+    g.job.barrier(Deadline::after(config.timeout))?;
     Ok(())
 }
 

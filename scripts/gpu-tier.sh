@@ -76,6 +76,12 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
         grep DRILL /tmp/drill.log
         [[ $ok == "$n" || ( $a == --kill* && $ok == $((n - 1)) ) ]] || { echo "drill $spec: $ok ranks reported"; failed=1; }
     done
+    echo "== teardown drill: a rank closes its ring with a collective its peer never joined"
+    for t in auto shm; do
+        NODETOUR_TIMEOUT_MS=5000 NODETOUR_TRANSPORT=$t timeout 60 ./launch-local.sh -n 2 --timeout 50 -- \
+            ./gpu_ring_check --close-rank 1 2>&1 | grep -E 'GPU_RING_CLOSE|rror' || failed=1
+        [[ ${PIPESTATUS[0]} == 0 ]] || { echo "teardown drill ($t) failed"; failed=1; }
+    done
     echo "== allreduce_check --gpu: GPU buffers staged through host slots over tcp (the cross-host path)"
     ./launch-local.sh -n 2 --timeout 300 -- ./allreduce_check --gpu --all --count 3000017 || failed=1
     ./launch-local.sh -n 3 --timeout 300 -- ./allreduce_check --gpu --all || failed=1

@@ -91,7 +91,8 @@ impl GpuGroup {
         let mut distinct_pairs = 0;
         for (r, ctx) in contexts.iter().enumerate() {
             let prev = &contexts[(r + n - 1) % n];
-            if !Arc::ptr_eq(prev, ctx) {
+            // Two contexts of one GPU (two `CudaContext::new(0)`) need no peer access.
+            if !Arc::ptr_eq(prev, ctx) && prev.ordinal() != ctx.ordinal() {
                 distinct_pairs += 1;
                 let ok = enable_peer_access(ctx, prev)
                     .map_err(|e| gpu_error("enabling peer access", e))?;

@@ -31,9 +31,7 @@ use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::TransportKind;
-use nodetour_core::transport::gpu::{
-    CudaIpcSender, FlagPage, Flags, GpuSlot, ShmSender, ShmSlot,
-};
+use nodetour_core::transport::gpu::{CudaIpcSender, FlagPage, Flags, GpuSlot, ShmSender, ShmSlot};
 
 use crate::error::{Error, Result};
 use crate::plan::Plan;
@@ -163,16 +161,13 @@ fn gpu_error(what: &str, e: nodetour_core::Error) -> Error {
 
 /// One rank of a ring of processes, one GPU each.
 pub struct GpuRing {
-    // Drop order: the streams first (GpuStream synchronises on drop, so no queued work is
-    // left), then markers, links (closing IPC mappings and shared memory), kernels, context.
-    send: GpuStream,
-    recv: GpuStream,
+    // What queued work uses: taken by the teardown, and dropped only once the streams have
+    // drained (else leaked: see `shut_down`).
+    held: Option<Held>,
     start: GpuEvent,
     send_marks: Vec<GpuEvent>,
     recv_marks: Vec<GpuEvent>,
     end: [GpuEvent; 2],
-    links: Option<StreamLinks>,
-    kernels: ReduceKernels,
     context: Arc<CudaContext>,
     rank: u32,
     world: u32,
@@ -184,6 +179,20 @@ pub struct GpuRing {
     exchange: bool,
     kernel_send_max: usize,
 }
+
+/// The streams and what their queued work touches. Drop order: the streams first (GpuStream
+/// synchronises on drop; by then they have drained), then the links (closing IPC mappings and
+/// shared memory), then the kernels.
+struct Held {
+    send: GpuStream,
+    recv: GpuStream,
+    links: Option<StreamLinks>,
+    kernels: ReduceKernels,
+}
+
+/// How long dropping a ring waits for its collectives in flight (after aborting them) before
+/// it leaks its streams and slot memory rather than free what a GPU may still use.
+pub const TEARDOWN_DEADLINE: Duration = Duration::from_secs(10);
 
 /// cuda-ipc chunks up to this size are written by a copy kernel, larger ones by the copy
 /// engine (see [`GpuRing::set_kernel_send_max`]).
@@ -238,8 +247,12 @@ impl GpuRing {
         let own_flags = links.as_ref().map(|l| l.flags.clone());
         let ends = links.as_ref().map(|l| l.ends.clone());
         Ok(GpuRing {
-            send: GpuStream::new(context).map_err(g)?,
-            recv: GpuStream::new(context).map_err(g)?,
+            held: Some(Held {
+                send: GpuStream::new(context).map_err(g)?,
+                recv: GpuStream::new(context).map_err(g)?,
+                links,
+                kernels: ReduceKernels::load(context).map_err(g)?,
+            }),
             start: GpuEvent::marker(context).map_err(g)?,
             send_marks: Vec::new(),
             recv_marks: Vec::new(),
@@ -247,8 +260,6 @@ impl GpuRing {
                 GpuEvent::marker(context).map_err(g)?,
                 GpuEvent::marker(context).map_err(g)?,
             ],
-            links,
-            kernels: ReduceKernels::load(context).map_err(g)?,
             context: context.clone(),
             rank,
             world,
@@ -271,6 +282,58 @@ impl GpuRing {
         })
     }
 
+    fn h(&self) -> &Held {
+        self.held
+            .as_ref()
+            .expect("present until the ring is dropped")
+    }
+
+    /// Ends the ring: waits for the collectives in flight, at most `timeout` (aborting them
+    /// first if they have not finished: peers are told), then frees the streams, slot memory
+    /// and kernels. Past the deadline it leaks them (never frees memory a GPU may still use)
+    /// and says so; `Drop` does the same with [`TEARDOWN_DEADLINE`] and can only log. The
+    /// ring refuses collectives afterwards.
+    pub fn close(&mut self, timeout: Duration) -> Result<()> {
+        self.shut_down(timeout)
+    }
+
+    fn drained(&self) -> bool {
+        self.end[0].is_complete().unwrap_or(false) && self.end[1].is_complete().unwrap_or(false)
+    }
+
+    fn shut_down(&mut self, timeout: Duration) -> Result<()> {
+        if self.held.is_none() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+        if !self.drained() {
+            self.abort
+                .abort("the ring was closed with collectives in flight");
+            let mut nap = Duration::from_micros(10);
+            while !self.drained() && Instant::now() < deadline {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+        }
+        let held = self.held.take().expect("checked above");
+        if self.drained() {
+            drop(held);
+            Ok(())
+        } else {
+            // A stream still runs: freeing its slots or unloading its kernels could corrupt
+            // memory, and synchronising could hang. Leak them.
+            std::mem::forget(held);
+            let e = Error::Timeout {
+                waiting_for: "the GPU ring's streams to drain at teardown (leaked its streams \
+                              and slot memory)"
+                    .into(),
+                after: timeout,
+            };
+            tracing::error!(error = %e, "GPU ring teardown");
+            Err(e)
+        }
+    }
+
     /// cuda-ipc chunks of at most `bytes` go by copy kernel, larger ones by the copy engine.
     pub fn set_kernel_send_max(&mut self, bytes: usize) {
         self.kernel_send_max = bytes;
@@ -284,7 +347,7 @@ impl GpuRing {
 
     /// The transport of the link to the next rank (`None` for a ring of one).
     pub fn kind(&self) -> Option<TransportKind> {
-        self.links.as_ref().map(|l| match l.outgoing {
+        self.h().links.as_ref().map(|l| match l.outgoing {
             Outgoing::CudaIpc(_) => TransportKind::CudaIpc,
             Outgoing::Shm(_) => TransportKind::Shm,
         })
@@ -316,13 +379,18 @@ impl GpuRing {
         if let Some(e) = self.abort.error() {
             return Err(e);
         }
+        if self.held.is_none() {
+            return Err(Error::Aborted {
+                reason: "the ring was closed".into(),
+            });
+        }
         // A neighbour that ended the ring since the last call: this collective cannot finish.
         if let Some((e, _)) = self.abort.read_notice(self.queued) {
             self.abort.abort_with(e.clone());
             return Err(e);
         }
         self.check(buffer, count, dtype, stream)?;
-        let Some(links) = &self.links else {
+        let Some(links) = &self.h().links else {
             return Ok(()); // one rank: the sum, min, max, product and average of one value
         };
         let plan = Plan::new(
@@ -370,10 +438,10 @@ impl GpuRing {
             self.recv_marks
                 .push(GpuEvent::marker(&self.context).map_err(g)?);
         }
-        let links = self.links.as_ref().expect("checked by the caller");
+        let links = self.h().links.as_ref().expect("checked by the caller");
         stream.record_marker(&self.start).map_err(g)?;
-        self.send.wait_marker(&self.start).map_err(g)?;
-        self.recv.wait_marker(&self.start).map_err(g)?;
+        self.h().send.wait_marker(&self.start).map_err(g)?;
+        self.h().recv.wait_marker(&self.start).map_err(g)?;
         let size = dtype.size();
         let slot_at = |slot: u32| slot as usize * links.slot_bytes;
         // Step by step, so that every marker wait is queued after the record it refers to.
@@ -381,12 +449,12 @@ impl GpuRing {
         for step in 0..steps {
             while let Some(s) = sends.get(si).filter(|s| s.step == step) {
                 if let Some(j) = s.after_recv {
-                    self.send.wait_marker(&self.recv_marks[j]).map_err(g)?;
+                    self.h().send.wait_marker(&self.recv_marks[j]).map_err(g)?;
                 }
                 if let Some(v) = s.wait_released {
                     links
                         .flags
-                        .enqueue_wait(&self.send, flag::RELEASED, v)
+                        .enqueue_wait(&self.h().send, flag::RELEASED, v)
                         .map_err(g)?;
                 }
                 let off = s.elements.start as usize * size;
@@ -394,34 +462,40 @@ impl GpuRing {
                 let at = slot_at(s.slot);
                 match &links.outgoing {
                     Outgoing::CudaIpc(o) if len <= self.kernel_send_max => o.enqueue_kernel_write(
-                        &self.send,
-                        &self.kernels,
+                        &self.h().send,
+                        &self.h().kernels,
                         buffer,
                         off,
                         at as u64,
                         len,
                     ),
                     Outgoing::CudaIpc(o) => {
-                        o.enqueue_write(&self.send, buffer, off, at as u64, len, None)
+                        o.enqueue_write(&self.h().send, buffer, off, at as u64, len, None)
                     }
-                    Outgoing::Shm(o) => o.enqueue_write(&self.send, buffer, off, at, len, None),
+                    Outgoing::Shm(o) => o.enqueue_write(&self.h().send, buffer, off, at, len, None),
                 }
                 .map_err(g)?;
                 links
                     .next_flags
-                    .enqueue_set(&self.send, flag::READY, s.ready)
+                    .enqueue_set(&self.h().send, flag::READY, s.ready)
                     .map_err(g)?;
-                self.send.record_marker(&self.send_marks[si]).map_err(g)?;
+                self.h()
+                    .send
+                    .record_marker(&self.send_marks[si])
+                    .map_err(g)?;
                 si += 1;
             }
             while let Some(r) = recvs.get(ri).filter(|r| r.step == step) {
                 self.queue_recv(links, r, buffer, dtype, op)?;
-                self.recv.record_marker(&self.recv_marks[ri]).map_err(g)?;
+                self.h()
+                    .recv
+                    .record_marker(&self.recv_marks[ri])
+                    .map_err(g)?;
                 ri += 1;
             }
         }
-        self.send.record_marker(&self.end[0]).map_err(g)?;
-        self.recv.record_marker(&self.end[1]).map_err(g)?;
+        self.h().send.record_marker(&self.end[0]).map_err(g)?;
+        self.h().recv.record_marker(&self.end[1]).map_err(g)?;
         stream.wait_marker(&self.end[0]).map_err(g)?;
         stream.wait_marker(&self.end[1]).map_err(g)
     }
@@ -435,7 +509,7 @@ impl GpuRing {
         op: ReduceOp,
     ) -> Result<()> {
         let g = |e| gpu_error("queueing the collective", e);
-        let s = &self.recv;
+        let s = &self.h().recv;
         let size = dtype.size();
         if let Some(i) = r.after_send {
             s.wait_marker(&self.send_marks[i]).map_err(g)?;
@@ -455,12 +529,14 @@ impl GpuRing {
         };
         match (&links.incoming, r.kind) {
             (Incoming::CudaIpc(slot), RecvKind::Reduce { average }) => {
-                self.kernels
+                self.h()
+                    .kernels
                     .reduce(s, dtype, op, buffer, off, slot.buffer(), at, n)
                     .map_err(g)?;
                 release(s)?;
                 if average {
-                    self.kernels
+                    self.h()
+                        .kernels
                         .average(s, dtype, buffer, off, n, self.world)
                         .map_err(g)?;
                 }
@@ -475,11 +551,13 @@ impl GpuRing {
                     .enqueue_copy_out(s, scratch, 0, at, n * size)
                     .map_err(g)?;
                 release(s)?;
-                self.kernels
+                self.h()
+                    .kernels
                     .reduce(s, dtype, op, buffer, off, scratch, 0, n)
                     .map_err(g)?;
                 if average {
-                    self.kernels
+                    self.h()
+                        .kernels
                         .average(s, dtype, buffer, off, n, self.world)
                         .map_err(g)?;
                 }
@@ -786,8 +864,7 @@ impl AbortHandle {
             let e = Error::PeerFailed {
                 peer,
                 seq,
-                reason: "it aborted or failed; the collectives from this one on are garbage"
-                    .into(),
+                reason: "it aborted or failed; the collectives from this one on are garbage".into(),
             };
             return Some((e, seq < queued));
         }
@@ -801,5 +878,13 @@ impl AbortHandle {
     fn publish(&self, c: &LinkCounters) {
         self.shared.sent.store(c.sent, Ordering::Release);
         self.shared.received.store(c.received, Ordering::Release);
+    }
+}
+
+impl Drop for GpuRing {
+    fn drop(&mut self) {
+        if let Err(e) = self.shut_down(TEARDOWN_DEADLINE) {
+            tracing::warn!(error = %e, "dropping a GPU ring");
+        }
     }
 }
