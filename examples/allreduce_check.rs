@@ -180,7 +180,7 @@ fn run() -> anyhow::Result<()> {
                 if let Some(a) = args.abort_rank {
                     let text = format!("{e:#}");
                     println!(
-                        "HOST_RING_DRILL rank={me} failed_at_collective={k} detected_after_ms={} bound_ms={} error=\"{text}\"",
+                        "HOST_RING_DRILL rank={me} failed_at_collective={k} ok_verified={k} detected_after_ms={} bound_ms={} error=\"{text}\"",
                         c.elapsed().as_millis(),
                         2 * config.timeout.as_millis()
                     );
@@ -194,7 +194,7 @@ fn run() -> anyhow::Result<()> {
                 };
                 let waited = c.elapsed();
                 println!(
-                    "HOST_RING_DRILL rank={me} failed_at_collective={k} detected_after_ms={} bound_ms={} error=\"{e:#}\"",
+                    "HOST_RING_DRILL rank={me} failed_at_collective={k} ok_verified={k} detected_after_ms={} bound_ms={} error=\"{e:#}\"",
                     waited.as_millis(),
                     2 * config.timeout.as_millis()
                 );
