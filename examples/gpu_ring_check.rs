@@ -65,6 +65,10 @@ struct Args {
     /// collectives; every other rank must fail naming it within 2x NODETOUR_TIMEOUT_MS.
     #[arg(long)]
     kill_rank: Option<u32>,
+    /// Agreement drill: this rank calls the collective with half the count of the others; every
+    /// rank must fail at once (a typed disagreement, or its neighbour's notice), none with Ok.
+    #[arg(long)]
+    disagree_rank: Option<u32>,
     /// Teardown drill: this rank queues a collective its peers never join and closes its ring
     /// (the close aborts it, tells the peers and drains within the deadline); the peers' next
     /// collective then fails at once with the notice instead of at their deadline.
@@ -125,6 +129,9 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(victim) = args.close_rank {
         return close_drill(&mut g, victim, &config);
+    }
+    if let Some(odd) = args.disagree_rank {
+        return disagree_drill(&mut g, odd, &config);
     }
     println!(
         "rank {} of {}: GPU {}, {}; {}",
@@ -227,6 +234,35 @@ fn run() -> anyhow::Result<()> {
         }
     }
     g.job.barrier(deadline())?;
+    Ok(())
+}
+
+/// The agreement drill: rank `odd` calls with half the count; every rank's wait must fail long
+/// before the deadline.
+fn disagree_drill(g: &mut GpuRingJob, odd: u32, config: &Config) -> anyhow::Result<()> {
+    let count = (4 << 20) / 4;
+    let buf = DeviceBuffer::new(&g.context, count * 4)?;
+    let stream = GpuStream::new(&g.context)?;
+    let me = g.rank;
+    // One agreed collective first: the ring works.
+    g.ring
+        .all_reduce(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
+    g.ring.wait(config.timeout)?;
+    g.job.barrier(Deadline::after(config.timeout))?;
+    let mine = if me == odd { count / 2 } else { count };
+    let t = std::time::Instant::now();
+    let result = g
+        .ring
+        .all_reduce(&buf, mine, DataType::F32, ReduceOp::Sum, &stream)
+        .and_then(|()| g.ring.wait(config.timeout));
+    let ms = t.elapsed().as_millis();
+    println!("GPU_RING_DISAGREE rank={me} count={mine} failed_in_ms={ms} result={result:?}");
+    match result {
+        Ok(()) => bail!("rank {me}: a collective the ranks disagree on returned Ok"),
+        Err(_) if t.elapsed() >= config.timeout => bail!("rank {me}: noticed only at the deadline"),
+        Err(_) => {}
+    }
+    g.job.barrier(Deadline::after(config.timeout))?;
     Ok(())
 }
 

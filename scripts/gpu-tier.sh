@@ -82,6 +82,14 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
             ./gpu_ring_check --close-rank 1 2>&1 | grep -E 'GPU_RING_CLOSE|rror' || failed=1
         [[ ${PIPESTATUS[0]} == 0 ]] || { echo "teardown drill ($t) failed"; failed=1; }
     done
+    echo "== agreement drill: one rank calls the collective with another count; all fail at once"
+    for t in auto shm; do
+        for n in 2 3; do
+            NODETOUR_TIMEOUT_MS=5000 NODETOUR_TRANSPORT=$t timeout 60 ./launch-local.sh -n $n --timeout 50 -- \
+                ./gpu_ring_check --disagree-rank 1 2>&1 | grep -E 'GPU_RING_DISAGREE|rror'
+            [[ ${PIPESTATUS[0]} == 0 ]] || { echo "agreement drill ($t, $n ranks) failed"; failed=1; }
+        done
+    done
     echo "== allreduce_check --gpu: GPU buffers staged through host slots over tcp (the cross-host path)"
     ./launch-local.sh -n 2 --timeout 300 -- ./allreduce_check --gpu --all --count 3000017 || failed=1
     ./launch-local.sh -n 3 --timeout 300 -- ./allreduce_check --gpu --all || failed=1

@@ -352,6 +352,7 @@ impl GpuRingJob {
                 slots: options.ipc_slots,
                 slot_bytes: options.ipc_slot_bytes,
                 ends: ends.clone(),
+                desc_half: 0,
             });
         }
         if let Some(out) = out_shm {
@@ -371,6 +372,7 @@ impl GpuRingJob {
                 slots: options.slots,
                 slot_bytes: options.shm_slot_bytes,
                 ends: ends.clone(),
+                desc_half: u32::from(!rings.is_empty()),
             });
         }
         let flags_where = if options.device_flags {

@@ -31,6 +31,10 @@ pub enum Algorithm {
     HostRing,
     /// The host-driven ring, staged through host slots and reduced on the GPU.
     HostRingGpuStaged,
+    /// The stream-ordered GPU ring across processes (reduce-scatter + all-gather).
+    StreamRing,
+    /// The stream-ordered GPU ring's two-rank exchange step.
+    StreamExchange,
 }
 
 /// One collective as one rank sees it.
@@ -65,7 +69,12 @@ const COLLECTIVES: [Collective; 4] = [
     Collective::AllGather,
     Collective::Broadcast,
 ];
-const ALGORITHMS: [Algorithm; 2] = [Algorithm::HostRing, Algorithm::HostRingGpuStaged];
+const ALGORITHMS: [Algorithm; 4] = [
+    Algorithm::HostRing,
+    Algorithm::HostRingGpuStaged,
+    Algorithm::StreamRing,
+    Algorithm::StreamExchange,
+];
 
 impl Descriptor {
     /// `version | collective | dtype | op | algorithm | has_root | 0 0 | count u64 | seq u64 |

@@ -33,6 +33,7 @@ use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{CudaIpcSender, FlagPage, Flags, GpuSlot, ShmSender, ShmSlot};
 
+use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::reduce::{DataType, ReduceOp};
@@ -55,8 +56,18 @@ pub mod flag {
     pub const ENDED_BY_PREV: u32 = 3;
     /// Host page only: the same from the next rank.
     pub const ENDED_BY_NEXT: u32 = 4;
+    /// Host page only: the first of the cells that carry the previous rank's collective
+    /// descriptors, cell `seq mod (slots + 2)` for collective `seq`. Its word is
+    /// `seq:16 | 1 | tag:15`, set by the previous rank's send stream when the collective starts
+    /// there and waited for (equal) by this rank's receive stream before anything of it lands;
+    /// bytes 32..64 hold the encoded descriptor, stored by the previous rank's host when it
+    /// queued the collective (read only to word an error).
+    pub const DESC_BASE: u32 = 5;
+    /// Descriptor cells: two halves (two rings over the same pages), each for at most 127
+    /// slots + 2.
+    pub const DESC_CELLS: u32 = 258;
     /// Words in the page.
-    pub const WORDS: u32 = 5;
+    pub const WORDS: u32 = DESC_BASE + DESC_CELLS;
 }
 
 /// Default slot size for cuda-ipc: large chunks keep the per-chunk hand-off small beside a
@@ -124,6 +135,9 @@ pub struct StreamLinks {
     pub slot_bytes: usize,
     /// Where end notices go and come from.
     pub ends: EndPages,
+    /// Which half of the descriptor cells this ring uses (0 or 1): two rings over the same
+    /// host pages (the facade's `GpuPaths::Both`) use one half each.
+    pub desc_half: u32,
 }
 
 impl StreamLinks {
@@ -217,7 +231,7 @@ impl GpuRing {
         }
         if let Some(l) = &links {
             let bytes = l.slot_bytes.saturating_mul(l.slots as usize);
-            if l.slots == 0 || l.slot_bytes == 0 || l.slots > 256 {
+            if l.slots == 0 || l.slot_bytes == 0 || l.slots > 127 {
                 return Err(Error::InvalidArgument {
                     reason: format!("{} slots of {} bytes", l.slots, l.slot_bytes),
                 });
@@ -246,6 +260,9 @@ impl GpuRing {
         };
         let own_flags = links.as_ref().map(|l| l.flags.clone());
         let ends = links.as_ref().map(|l| l.ends.clone());
+        let cells = links
+            .as_ref()
+            .map_or((0, 1), |l| desc_cells(l.slots, l.desc_half));
         Ok(GpuRing {
             held: Some(Held {
                 send: GpuStream::new(context).map_err(g)?,
@@ -273,6 +290,8 @@ impl GpuRing {
                     flags: own_flags,
                     ends,
                     position: (rank, world),
+                    pending: Mutex::new(std::collections::VecDeque::new()),
+                    desc_cells: cells,
                 }),
             },
             queued: 0,
@@ -401,7 +420,29 @@ impl GpuRing {
             links.slots,
         )?;
         let average = op == ReduceOp::Avg;
-        let (prog, steps) = if self.world == 2 && self.exchange {
+        let seq = self.queued;
+        let exchange = self.world == 2 && self.exchange;
+        let what = Descriptor {
+            collective: Collective::AllReduce,
+            count: count as u64,
+            dtype,
+            op,
+            root: None,
+            algorithm: if exchange {
+                Algorithm::StreamExchange
+            } else {
+                Algorithm::StreamRing
+            },
+            seq,
+        };
+        let desc = (
+            desc_cell(desc_cells(links.slots, links.desc_half), seq),
+            desc_word(seq, what.tag()),
+        );
+        // For the next rank's error message, should it disagree (a host store, no CUDA call).
+        let _ = links.ends.next.store_bytes(desc.0, 32, &what.encode());
+        self.abort.expect(seq, desc.1, what);
+        let (prog, steps) = if exchange {
             (program_exchange(&plan, average, &mut self.counters), 1)
         } else {
             let p = program(&plan, self.rank, average, &mut self.counters);
@@ -410,7 +451,7 @@ impl GpuRing {
         // Published before queueing: an abort from another thread releases these too.
         self.abort.publish(&self.counters);
         // From here the peers count these chunks: a failure to queue breaks the ring.
-        let queued = self.queue(buffer, dtype, op, stream, steps, &prog);
+        let queued = self.queue(buffer, dtype, op, stream, steps, &prog, desc);
         self.queued += 1;
         if let Err(e) = &queued {
             self.abort
@@ -427,6 +468,7 @@ impl GpuRing {
         stream: &GpuStream,
         steps: u32,
         prog: &StreamProgram,
+        (desc_cell, desc_word): (u32, u32),
     ) -> Result<()> {
         let (sends, recvs) = (&prog.sends, &prog.recvs);
         let g = |e| gpu_error("queueing the collective", e);
@@ -442,6 +484,18 @@ impl GpuRing {
         stream.record_marker(&self.start).map_err(g)?;
         self.h().send.wait_marker(&self.start).map_err(g)?;
         self.h().recv.wait_marker(&self.start).map_err(g)?;
+        // Agreement before anything lands: the send stream tells the next rank what this
+        // collective is; the receive stream goes on only once the previous rank said the same.
+        links
+            .ends
+            .next
+            .enqueue_set(&self.h().send, desc_cell, desc_word)
+            .map_err(g)?;
+        links
+            .ends
+            .mine
+            .enqueue_wait_eq(&self.h().recv, desc_cell, desc_word)
+            .map_err(g)?;
         let size = dtype.size();
         let slot_at = |slot: u32| slot as usize * links.slot_bytes;
         // Step by step, so that every marker wait is queued after the record it refers to.
@@ -641,7 +695,12 @@ impl GpuRing {
                 };
             }
             if lost.is_none() {
-                if let Some((e, true)) = self.abort.read_notice(self.queued) {
+                if let Some(e) = self.abort.read_disagreement() {
+                    // Nothing of the previous rank's collective has landed (the receive stream
+                    // waits for an equal descriptor): abort, tell the neighbours, drain.
+                    self.abort.abort_with(e.clone());
+                    lost = Some(e);
+                } else if let Some((e, true)) = self.abort.read_notice(self.queued) {
                     // A collective queued here is tainted: abort (which tells the other
                     // neighbour) and keep polling; the streams drain now that every wait is
                     // released. (A notice for a later collective waits for these to finish.)
@@ -791,6 +850,31 @@ struct AbortState {
     ends: Option<EndPages>,
     // (ring position, ranks in the ring)
     position: (u32, u32),
+    // Queued, not yet confirmed collectives: (sequence number, descriptor word, descriptor).
+    pending: Mutex<std::collections::VecDeque<(u64, u32, Descriptor)>>,
+    desc_cells: (u32, u32),
+}
+
+/// The descriptor cells a ring with `slots` slots per link uses, as (first, count), in half
+/// `half` of the cells: the previous rank's send stream is at most `slots` collectives ahead of
+/// this rank's receive stream (each collective takes a slot), so `slots + 2` cells are never
+/// overwritten before they are read.
+fn desc_cells(slots: u32, half: u32) -> (u32, u32) {
+    let per_half = flag::DESC_CELLS / 2;
+    (
+        flag::DESC_BASE + half.min(1) * per_half,
+        (slots + 2).min(per_half),
+    )
+}
+
+/// The cell of collective `seq` among `cells` (first, count).
+fn desc_cell((first, count): (u32, u32), seq: u64) -> u32 {
+    first + (seq % u64::from(count)) as u32
+}
+
+/// The word a descriptor cell holds for collective `seq` with tag `tag` (never 0).
+fn desc_word(seq: u64, tag: u16) -> u32 {
+    ((seq as u32 & 0xffff) << 16) | 0x8000 | u32::from(tag & 0x7fff)
 }
 
 /// The value of an end notice for collective `seq` (never 0, which means "none").
@@ -822,6 +906,13 @@ impl AbortHandle {
             let _ = ends.next.store(flag::ENDED_BY_PREV, v);
             let _ = ends.prev.store(flag::ENDED_BY_NEXT, v);
             std::sync::atomic::fence(Ordering::SeqCst);
+        }
+        if let (Some(ends), Ok(pending)) = (&self.shared.ends, self.shared.pending.lock()) {
+            // Release this rank's receive streams waiting for a descriptor (equal, not ahead).
+            for (seq, word, _) in pending.iter() {
+                let cell = desc_cell(self.shared.desc_cells, *seq);
+                let _ = ends.mine.store(cell, *word);
+            }
         }
         if let Some(flags) = &self.shared.flags {
             // Far ahead of anything queued, within the cyclic comparison's half range.
@@ -873,6 +964,52 @@ impl AbortHandle {
 
     fn confirm(&self, queued: u64) {
         self.shared.confirmed.store(queued, Ordering::Release);
+        if let Ok(mut p) = self.shared.pending.lock() {
+            while p.front().is_some_and(|(seq, _, _)| *seq < queued) {
+                p.pop_front();
+            }
+        }
+    }
+
+    /// Records collective `seq` as queued, with its descriptor word.
+    fn expect(&self, seq: u64, word: u32, what: Descriptor) {
+        if let Ok(mut p) = self.shared.pending.lock() {
+            p.push_back((seq, word, what));
+        }
+    }
+
+    /// A collective queued here whose descriptor cell holds the previous rank's word for the
+    /// same sequence number with another tag: the ranks disagree on what it is.
+    fn read_disagreement(&self) -> Option<Error> {
+        let ends = self.shared.ends.as_ref()?;
+        let pending = self.shared.pending.lock().ok()?;
+        let (me, world) = self.shared.position;
+        for (seq, word, ours) in pending.iter() {
+            let cell = desc_cell(self.shared.desc_cells, *seq);
+            let got = ends.mine.read(cell).unwrap_or(0);
+            if got == 0 || got == *word || got >> 16 != word >> 16 {
+                continue;
+            }
+            let mut b = [0u8; crate::descriptor::ENCODED_LEN];
+            let theirs = match ends
+                .mine
+                .read_bytes(cell, 32, &mut b)
+                .map(|()| Descriptor::decode(&b))
+            {
+                Ok(Ok(d)) if d.seq == *seq => d.to_string(),
+                _ => format!(
+                    "collective #{seq} with descriptor tag {:#06x}",
+                    got & 0x7fff
+                ),
+            };
+            return Some(Error::Disagreement {
+                rank: me,
+                peer: (me + world - 1) % world,
+                ours: ours.to_string(),
+                theirs,
+            });
+        }
+        None
     }
 
     fn publish(&self, c: &LinkCounters) {

@@ -152,6 +152,15 @@ impl GpuStream {
             .result()
             .map_err(|e| cuda_error("cuStreamWaitValue32", e))
     }
+
+    /// Queues a wait until the 32-bit word at `address` equals `value`.
+    pub(crate) fn wait_value_eq(&self, address: u64, value: u32) -> Result<()> {
+        let s = self.bind()?;
+        // SAFETY: as above; flags 1 = CU_STREAM_WAIT_VALUE_EQ.
+        unsafe { sys::cuStreamWaitValue32_v2(s, address, value, 1) }
+            .result()
+            .map_err(|e| cuda_error("cuStreamWaitValue32", e))
+    }
 }
 
 impl Drop for GpuStream {

@@ -30,6 +30,8 @@ use crate::memory::{DeviceBuffer, RdmaBuffer, SharedHostMemory, ShmDir, ShmName}
 
 /// Bytes between two flags (one cache line each).
 const FLAG_STRIDE: usize = 64;
+/// The bytes of a flag's cell in a host flag page ([`Flags::store_bytes`]).
+pub const FLAG_CELL: usize = FLAG_STRIDE;
 
 /// A receiver's notification flags: one word per sender rank, in shared host memory.
 pub struct Flags {
@@ -91,6 +93,34 @@ impl Flags {
     /// a memory barrier (whoever sees the value sees what the stream wrote before).
     pub fn enqueue_set(&self, stream: &GpuStream, rank: u32, value: u32) -> Result<()> {
         stream.write_value(self.mem.device_address(self.offset(rank)?, 4)?, value)
+    }
+
+    /// Queues on `stream`: wait until word `index` equals `value` exactly.
+    pub fn enqueue_wait_eq(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
+        stream.wait_value_eq(self.mem.device_address(self.offset(index)?, 4)?, value)
+    }
+
+    /// Stores `bytes` from the host into word `index`'s cell at byte `at` (the cell is
+    /// [`FLAG_CELL`] bytes; the word itself is its first 4).
+    pub fn store_bytes(&self, index: u32, at: usize, bytes: &[u8]) -> Result<()> {
+        self.mem.write_at(self.cell(index, at, bytes.len())?, bytes)
+    }
+
+    /// Reads `dst.len()` bytes of word `index`'s cell at byte `at`.
+    pub fn read_bytes(&self, index: u32, at: usize, dst: &mut [u8]) -> Result<()> {
+        self.mem.read_at(self.cell(index, at, dst.len())?, dst)
+    }
+
+    fn cell(&self, index: u32, at: usize, len: usize) -> Result<usize> {
+        match at.checked_add(len) {
+            Some(end) if end <= FLAG_STRIDE => Ok(self.offset(index)? + at),
+            _ => Err(Error::OutOfBounds {
+                what: "flag cell",
+                offset: at as u64,
+                len: len as u64,
+                region_len: FLAG_STRIDE as u64,
+            }),
+        }
     }
 
     /// Sets word `rank` to `value` from the host, now (announcements at setup, and releasing
