@@ -5,9 +5,11 @@
 # `nodetour perf` (2 ranks over tcp loopback by default; f32 sum; each row checked) with A, then
 # with B; BATCHES batches (default 5). Prints per size the median over batches of each build's
 # per-collective median time, the spread (max - min over batches), and the ratio B/A.
-# Extra perf arguments go in AB_PERF_ARGS (default "--iters 200 --warmup 20").
+# Extra perf arguments go in AB_PERF_ARGS (default "--iters 200 --warmup 20"); for the GPU ring
+# (one process per GPU) add e.g. "--gpu --path direct". launch-local.sh is taken from beside
+# this script (as in the directory gpu-pack.sh fills).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 a=${1:?usage: $0 BIN_A BIN_B [BATCHES] [RANKS] [SIZES...]} b=${2:?}
 batches=${3:-5} ranks=${4:-2}
 shift 4 2>/dev/null || shift $#
@@ -21,7 +23,7 @@ for ((i = 1; i <= batches; i++)); do
         bin=$a
         [[ $which == B ]] && bin=$b
         for size in "${sizes[@]}"; do
-            NODETOUR_LOG=warn scripts/launch-local.sh -n "$ranks" --timeout 300 -- "$bin" perf \
+            NODETOUR_LOG=warn "$here/launch-local.sh" -n "$ranks" --timeout 300 -- "$bin" perf \
                 --sizes "$size:$size" "${extra[@]}" --format json 2>/dev/null |
                 sed -n 's/^\[rank 0\] //p' >"$out/run.json"
             python3 -c '

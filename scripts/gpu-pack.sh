@@ -22,6 +22,6 @@ exe=$(cargo test --release -p nodetour-ring --test gpu_group --no-run 2>&1 | sed
 cp "$exe" "$out/gpu_group_tests"
 exe=$(cargo bench --bench allreduce --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp "$exe" "$out/bench_allreduce"
-cp scripts/gpu-tier.sh scripts/gpu-drills.sh scripts/launch-local.sh "$out/"
+cp scripts/gpu-tier.sh scripts/gpu-drills.sh scripts/ab-perf.sh scripts/launch-local.sh "$out/"
 strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/gpu_group_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check" "$out/bench_allreduce"
 du -sh "$out"

@@ -484,18 +484,21 @@ impl GpuRing {
         stream.record_marker(&self.start).map_err(g)?;
         self.h().send.wait_marker(&self.start).map_err(g)?;
         self.h().recv.wait_marker(&self.start).map_err(g)?;
-        // Agreement before anything lands: the send stream tells the next rank what this
-        // collective is; the receive stream goes on only once the previous rank said the same.
-        links
-            .ends
-            .next
-            .enqueue_set(&self.h().send, desc_cell, desc_word)
-            .map_err(g)?;
-        links
-            .ends
-            .mine
-            .enqueue_wait_eq(&self.h().recv, desc_cell, desc_word)
-            .map_err(g)?;
+        // Agreement before anything is used: the send stream tells the next rank what this
+        // collective is just before its first chunk's ready flag (so the next rank's wait for
+        // it costs no extra hand-off), and the receive stream reads no chunk of the previous
+        // rank's before it said the same (see queue_recv). A rank that sends nothing says it
+        // at the start.
+        let tell = |send: &GpuStream| {
+            links
+                .ends
+                .next
+                .enqueue_set(send, desc_cell, desc_word)
+                .map_err(g)
+        };
+        if sends.is_empty() {
+            tell(&self.h().send)?;
+        }
         let size = dtype.size();
         let slot_at = |slot: u32| slot as usize * links.slot_bytes;
         // Step by step, so that every marker wait is queued after the record it refers to.
@@ -529,6 +532,9 @@ impl GpuRing {
                     Outgoing::Shm(o) => o.enqueue_write(&self.h().send, buffer, off, at, len, None),
                 }
                 .map_err(g)?;
+                if si == 0 {
+                    tell(&self.h().send)?;
+                }
                 links
                     .next_flags
                     .enqueue_set(&self.h().send, flag::READY, s.ready)
@@ -540,6 +546,15 @@ impl GpuRing {
                 si += 1;
             }
             while let Some(r) = recvs.get(ri).filter(|r| r.step == step) {
+                if ri == 0 {
+                    // Nothing of the previous rank's lands in this rank's buffer before it
+                    // has said it calls the same collective.
+                    links
+                        .ends
+                        .mine
+                        .enqueue_wait_eq(&self.h().recv, desc_cell, desc_word)
+                        .map_err(g)?;
+                }
                 self.queue_recv(links, r, buffer, dtype, op)?;
                 self.h()
                     .recv
