@@ -330,6 +330,7 @@ impl GpuRing {
                 .abort("the ring was closed with collectives in flight");
             let mut nap = Duration::from_micros(10);
             while !self.drained() && Instant::now() < deadline {
+                self.abort.release();
                 std::thread::sleep(nap);
                 nap = (nap * 2).min(Duration::from_millis(1));
             }
@@ -727,6 +728,10 @@ impl GpuRing {
                     lost = Some(e);
                 }
             }
+            if lost.is_some() || self.abort.error().is_some() {
+                // Aborted: keep the waits released against late stores (see release).
+                self.abort.release();
+            }
             let now = Instant::now();
             if now >= deadline {
                 self.abort
@@ -922,6 +927,14 @@ impl AbortHandle {
             let _ = ends.prev.store(flag::ENDED_BY_NEXT, v);
             std::sync::atomic::fence(Ordering::SeqCst);
         }
+        self.release();
+    }
+
+    /// Stores, in this rank's own flags, values that satisfy every queued wait. A live peer's
+    /// stream store that was already queued can land later and put a lower (or, for a
+    /// descriptor cell, another) value back; so whoever waits for an aborted ring's streams to
+    /// drain calls this again on every poll, and a peer has only finitely many such stores.
+    fn release(&self) {
         if let (Some(ends), Ok(pending)) = (&self.shared.ends, self.shared.pending.lock()) {
             // Release this rank's receive streams waiting for a descriptor (equal, not ahead).
             for (seq, word, _) in pending.iter() {
