@@ -7,6 +7,7 @@
 # else sharing the GPUs). Every collective that returns Ok is checked bit for bit against the
 # reference (gpu_ring_check's drill); a wrong Ok fails the trial. Prints one GPU_DRILL_SUMMARY
 # line per transport x drill and writes every trial's output to OUTDIR/gpu-drills.log.
+# GPU_DRILL_TRANSPORTS and GPU_DRILL_KINDS choose a subset (default: all).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 trials=${1:-20} ranks=${2:-2} out=${3:-.}
@@ -15,8 +16,8 @@ export NODETOUR_TIMEOUT_MS=${NODETOUR_TIMEOUT_MS:-5000} NODETOUR_CACHE_DIR=${NOD
 log=$out/gpu-drills.log
 : >"$log"
 failed=0
-for transport in cuda-ipc shm; do
-    for drill in kill abort; do
+for transport in ${GPU_DRILL_TRANSPORTS:-cuda-ipc shm}; do
+    for drill in ${GPU_DRILL_KINDS:-kill abort}; do
         ok=0 bad=0 wrong=0 verified=0 worst=0
         for ((i = 1; i <= trials; i++)); do
             res=$(NODETOUR_TRANSPORT=$transport timeout 90 ./launch-local.sh -n "$ranks" --timeout 60 -- \
