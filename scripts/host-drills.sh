@@ -7,6 +7,7 @@
 # does so in time with the right cause, and no rank returned Ok with a wrong result. verbs runs
 # inside the soft-RoCE VM (scripts/rdma-vm.sh --nodes 2), on NODETOUR_VM_DEV0/1.
 # Prints one HOST_DRILL_SUMMARY line per drill; exit status 1 if any trial failed.
+# HOST_DRILL_KINDS picks a subset (default "kill abort").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 transport=${1:?usage: $0 tcp|verbs [TRIALS] [RANKS] [LOG]}
@@ -17,7 +18,7 @@ extra=()
 export NODETOUR_TIMEOUT_MS=${NODETOUR_TIMEOUT_MS:-3000}
 : >"$log"
 failed=0
-for drill in kill abort; do
+for drill in ${HOST_DRILL_KINDS:-kill abort}; do
     ok=0 bad=0 wrong=0 verified=0 worst=0
     for ((i = 1; i <= trials; i++)); do
         res=$(timeout 120 scripts/launch-local.sh -n "$ranks" --timeout 100 -- "$BIN/allreduce_check" "${extra[@]}" \

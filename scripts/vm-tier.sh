@@ -107,6 +107,13 @@ else
     say "kill drill verbs ... FAILED"; cat /tmp/drill.log; failed=1
 fi
 
+say "abort drills over verbs: a rank aborted mid-allreduce, the others fail at once, no wrong Ok (2 trials)"
+if NODETOUR_EXAMPLES=$BIN_DIR/examples HOST_DRILL_KINDS=abort scripts/host-drills.sh verbs 2 4 /tmp/host-drills-vm.log; then
+    say "abort drill verbs ... ok"
+else
+    say "abort drill verbs ... FAILED"; tail -n 40 /tmp/host-drills-vm.log; failed=1
+fi
+
 if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-lat-compare.sh; then
     say "write-lat-compare ... ok"
 else

@@ -820,6 +820,86 @@ mod tests {
         assert!(failed, "the sender sees the closed connection");
     }
 
+    /// Each hostile frame on a fresh connection: refused with a typed error, and guard bytes
+    /// all around the granted window (the slot's neighbours in one region, and another region
+    /// of the same connection) are untouched.
+    #[test]
+    fn hostile_offsets_lengths_keys_and_replays_are_refused_and_guards_hold() {
+        const GUARD: u8 = 0xa5;
+        let cases: [(&str, fn(&SlotGrant, &SlotRegion) -> Vec<u8>); 7] = [
+            ("offset past the end", |g, _| {
+                frame(g.key, g.len, 1, Some(1))
+            }),
+            ("offset + length overflows u64", |g, _| {
+                frame(g.key, u64::MAX - 3, 16, Some(1))
+            }),
+            ("offset + length just past the end", |g, _| {
+                frame(g.key, g.len - 8, 9, Some(1))
+            }),
+            ("a length beyond MAX_FRAME", |g, _| {
+                let mut h = frame(g.key, 0, 16, Some(1));
+                h[20..24].copy_from_slice(&(MAX_FRAME + 1).to_be_bytes());
+                h
+            }),
+            (
+                "a forged key (a region granted on no connection)",
+                |_, other| frame(other.key().wrapping_add(1000), 0, 16, Some(1)),
+            ),
+            ("another region's key, not granted here", |_, other| {
+                frame(other.key(), 0, 16, Some(1))
+            }),
+            (
+                "a corrupted magic (a replayed handshake, garbage)",
+                |g, _| {
+                    let mut h = frame(g.key, 0, 16, Some(1));
+                    h[..4].copy_from_slice(b"NDTB");
+                    h
+                },
+            ),
+        ];
+        fn frame(key: u32, offset: u64, len: u32, notify: Option<u32>) -> Vec<u8> {
+            let mut v = WriteHeader {
+                key,
+                offset: 0,
+                len: 0,
+                notify,
+            }
+            .encode()
+            .to_vec();
+            v[12..20].copy_from_slice(&offset.to_be_bytes());
+            v[20..24].copy_from_slice(&len.to_be_bytes());
+            v.extend(std::iter::repeat_n(0xee, len.min(64) as usize));
+            v
+        }
+        for (what, make) in cases {
+            let (mut a, b) = pair("t", "t").unwrap();
+            let target = SlotRegion::host(HostBuffer::new(3 * 4096).unwrap());
+            let other = SlotRegion::host(HostBuffer::new(4096).unwrap());
+            target.write_at(0, &[GUARD; 3 * 4096]).unwrap();
+            other.write_at(0, &[GUARD; 4096]).unwrap();
+            let grant = a.grant(&target).unwrap();
+            let mut raw = b.stream.try_clone().unwrap();
+            let _ = raw.write_all(&make(&grant, &other));
+            let mut ev = Vec::new();
+            match a.wait(&mut ev, Deadline::after(Duration::from_secs(5))) {
+                Err(Error::Exchange { op: "receive", .. }) => {}
+                other => panic!("{what}: {other:?} {ev:?}"),
+            }
+            assert!(ev.is_empty(), "{what}: no notification");
+            let mut got = vec![0u8; 3 * 4096];
+            target.read_at(0, &mut got).unwrap();
+            assert!(
+                got.iter().all(|x| *x == GUARD),
+                "{what}: the region is untouched"
+            );
+            other.read_at(0, &mut got[..4096]).unwrap();
+            assert!(
+                got[..4096].iter().all(|x| *x == GUARD),
+                "{what}: the other region is untouched"
+            );
+        }
+    }
+
     #[test]
     fn truncated_frames_and_disconnects_are_errors_not_hangs() {
         let (mut a, b) = pair("t", "t").unwrap();
