@@ -96,6 +96,15 @@ pub struct GpuRingJob {
     pub extras: Vec<Vec<u8>>,
     /// The GPU (ordinal on this host) of the next rank, if it is another rank.
     pub next_gpu: Option<usize>,
+    closed: bool,
+}
+
+impl Drop for GpuRingJob {
+    fn drop(&mut self) {
+        if let Err(e) = self.close(nodetour_ring::gpu_ring::TEARDOWN_DEADLINE) {
+            tracing::warn!(error = %format!("{e:#}"), "closing the GPU ring job");
+        }
+    }
 }
 
 /// What each rank announces through the bootstrap: where the previous rank writes to it (GPU
@@ -138,6 +147,42 @@ impl Announcement {
 }
 
 impl GpuRingJob {
+    /// Ends the job's rings with the teardown handshake: each rank drains its streams and
+    /// closes its mappings of its neighbours' memory, then a barrier (or the liveness mesh
+    /// reporting a rank lost, which counts as closed) says every neighbour has done the same,
+    /// and only then is this rank's exported slot memory freed. Past `timeout` the exported
+    /// memory is leaked, never freed under a peer's mapping. `Drop` does this with
+    /// [`nodetour_ring::gpu_ring::TEARDOWN_DEADLINE`] and can only log.
+    pub fn close(&mut self, timeout: std::time::Duration) -> anyhow::Result<()> {
+        if std::mem::replace(&mut self.closed, true) {
+            return Ok(());
+        }
+        let mut first = self.ring.close_imports(timeout).err();
+        if let Some(s) = &mut self.staged {
+            first = first.or(s.close_imports(timeout).err());
+        }
+        let handshake = self.job.barrier(Deadline::after(timeout));
+        let peers_done = match &handshake {
+            Ok(()) => true,
+            // A rank that is gone has no mapping left.
+            Err(_) => self.job.check().is_err(),
+        };
+        for ring in std::iter::once(&mut self.ring).chain(self.staged.as_mut()) {
+            if peers_done {
+                first = first.or(ring.close(timeout).err());
+            } else {
+                ring.leak_exports();
+            }
+        }
+        match (first, handshake) {
+            (Some(e), _) => Err(e.into()),
+            (None, Err(e)) if !peers_done => {
+                Err(anyhow::Error::new(e).context("the teardown handshake (exported slots leaked)"))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Forms the ring from the launcher environment: rank `r` uses GPU `local_rank mod GPUs`.
     /// `extra` travels to every rank (see [`GpuRingJob::extras`]).
     pub fn form(
@@ -222,6 +267,7 @@ impl GpuRingJob {
                 job,
                 extras,
                 next_gpu,
+                closed: false,
             });
         }
         if !hosts[next as usize].same_host(&HostIdentity::current())
@@ -400,6 +446,7 @@ impl GpuRingJob {
             job,
             extras,
             next_gpu,
+            closed: false,
         })
     }
 }

@@ -178,6 +178,8 @@ pub struct GpuRing {
     // What queued work uses: taken by the teardown, and dropped only once the streams have
     // drained (else leaked: see `shut_down`).
     held: Option<Held>,
+    // What this rank exported to its neighbours, kept after `close_imports` until `close`.
+    exports: Option<Exports>,
     start: GpuEvent,
     send_marks: Vec<GpuEvent>,
     recv_marks: Vec<GpuEvent>,
@@ -202,6 +204,14 @@ struct Held {
     recv: GpuStream,
     links: Option<StreamLinks>,
     kernels: ReduceKernels,
+}
+
+/// The memory a rank exported (its slots, its flag pages): freed only once its neighbours have
+/// closed their mappings of it.
+struct Exports {
+    _incoming: Incoming,
+    _flags: Arc<dyn FlagPage>,
+    _ends: EndPages,
 }
 
 /// How long dropping a ring waits for its collectives in flight (after aborting them) before
@@ -270,6 +280,7 @@ impl GpuRing {
                 links,
                 kernels: ReduceKernels::load(context).map_err(g)?,
             }),
+            exports: None,
             start: GpuEvent::marker(context).map_err(g)?,
             send_marks: Vec::new(),
             recv_marks: Vec::new(),
@@ -320,10 +331,59 @@ impl GpuRing {
         self.end[0].is_complete().unwrap_or(false) && self.end[1].is_complete().unwrap_or(false)
     }
 
-    fn shut_down(&mut self, timeout: Duration) -> Result<()> {
+    /// The first half of the teardown handshake: drains the streams (aborting collectives in
+    /// flight, at most `timeout`), then closes this rank's mappings of its neighbours' memory
+    /// (their cuda-ipc slots and flag pages, their shared files) while keeping the memory it
+    /// exported itself, which a neighbour may still have mapped. Once every rank has done this
+    /// (a barrier, or the liveness mesh saying who is gone), [`GpuRing::close`] frees the rest.
+    /// The ring refuses collectives afterwards.
+    pub fn close_imports(&mut self, timeout: Duration) -> Result<()> {
         if self.held.is_none() {
             return Ok(());
         }
+        let held = self.drained_held(timeout)?;
+        let Held {
+            send,
+            recv,
+            links,
+            kernels,
+        } = held;
+        // Drained: nothing queued uses any of it.
+        drop((send, recv, kernels));
+        if let Some(l) = links {
+            let StreamLinks {
+                flags,
+                next_flags,
+                prev_flags,
+                outgoing,
+                incoming,
+                ends,
+                ..
+            } = l;
+            drop((outgoing, next_flags, prev_flags));
+            self.exports = Some(Exports {
+                _incoming: incoming,
+                _flags: flags,
+                _ends: ends,
+            });
+        }
+        Ok(())
+    }
+
+    /// Leaks the memory this rank exported (a neighbour that may still map it did not confirm
+    /// it closed its mapping before the deadline): never freed, never reused.
+    pub fn leak_exports(&mut self) {
+        if let Some(e) = self.exports.take() {
+            tracing::error!(
+                "a neighbour did not confirm it unmapped this rank's slots: leaking them"
+            );
+            std::mem::forget(e);
+        }
+    }
+
+    /// Drains the streams (aborting first if work is in flight) and hands back what they
+    /// used, or leaks it all past the deadline.
+    fn drained_held(&mut self, timeout: Duration) -> Result<Held> {
         let deadline = Instant::now() + timeout;
         if !self.drained() {
             self.abort
@@ -335,23 +395,34 @@ impl GpuRing {
                 nap = (nap * 2).min(Duration::from_millis(1));
             }
         }
-        let held = self.held.take().expect("checked above");
+        let held = self.held.take().expect("checked by the callers");
         if self.drained() {
-            drop(held);
-            Ok(())
-        } else {
-            // A stream still runs: freeing its slots or unloading its kernels could corrupt
-            // memory, and synchronising could hang. Leak them.
-            std::mem::forget(held);
-            let e = Error::Timeout {
-                waiting_for: "the GPU ring's streams to drain at teardown (leaked its streams \
-                              and slot memory)"
-                    .into(),
-                after: timeout,
-            };
-            tracing::error!(error = %e, "GPU ring teardown");
-            Err(e)
+            return Ok(held);
         }
+        // A stream still runs: freeing its slots or unloading its kernels could corrupt
+        // memory, and synchronising could hang. Leak them.
+        std::mem::forget(held);
+        let e = Error::Timeout {
+            waiting_for: "the GPU ring's streams to drain at teardown (leaked its streams \
+                          and slot memory)"
+                .into(),
+            after: timeout,
+        };
+        tracing::error!(error = %e, "GPU ring teardown");
+        Err(e)
+    }
+
+    fn shut_down(&mut self, timeout: Duration) -> Result<()> {
+        let result = if self.held.is_some() {
+            self.drained_held(timeout).map(drop)
+        } else {
+            Ok(())
+        };
+        // Exports are dropped here only after close_imports and the caller's handshake, or
+        // when the ring never split them (then the peers' mappings are the caller's business:
+        // GpuRingJob always does the handshake).
+        self.exports = None;
+        result
     }
 
     /// cuda-ipc chunks of at most `bytes` go by copy kernel, larger ones by the copy engine.
