@@ -154,6 +154,12 @@ impl HostConnection for VerbsConnection {
                 Err(e) => return Err(e),
             }
         }
+        // A zero-length write (a notification: a grant, an end notice) has no source to protect:
+        // return at once, its completion is reaped by the next wait or poll. (Waiting here
+        // would hold a failing rank for the retry timeout of a peer that is already gone.)
+        if range.is_empty() {
+            return Ok(());
+        }
         // The source may be reused on return: wait until the NIC is done with it.
         while self.qp.outstanding_sends() > 0 {
             self.qp.wait(&mut self.completions, deadline)?;
