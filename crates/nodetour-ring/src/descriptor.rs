@@ -77,6 +77,25 @@ const ALGORITHMS: [Algorithm; 4] = [
 ];
 
 impl Descriptor {
+    /// An allreduce of `count` elements (no root).
+    pub fn all_reduce(
+        count: u64,
+        dtype: DataType,
+        op: ReduceOp,
+        algorithm: Algorithm,
+        seq: u64,
+    ) -> Descriptor {
+        Descriptor {
+            collective: Collective::AllReduce,
+            count,
+            dtype,
+            op,
+            root: None,
+            algorithm,
+            seq,
+        }
+    }
+
     /// `version | collective | dtype | op | algorithm | has_root | 0 0 | count u64 | seq u64 |
     /// root u32 | 0 u32`, big-endian.
     pub fn encode(&self) -> [u8; ENCODED_LEN] {

@@ -33,7 +33,7 @@ use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{CudaIpcSender, FlagPage, Flags, GpuSlot, ShmSender, ShmSlot};
 
-use crate::descriptor::{Algorithm, Collective, Descriptor};
+use crate::descriptor::{Algorithm, Descriptor};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::reduce::{DataType, ReduceOp};
@@ -58,8 +58,9 @@ pub mod flag {
     pub const ENDED_BY_NEXT: u32 = 4;
     /// Host page only: the first of the cells that carry the previous rank's collective
     /// descriptors, cell `seq mod (slots + 2)` for collective `seq`. Its word is
-    /// `seq:16 | 1 | tag:15`, set by the previous rank's send stream when the collective starts
-    /// there and waited for (equal) by this rank's receive stream before anything of it lands;
+    /// `seq:16 | 1 | tag:15`, set by the previous rank's send stream just before its first
+    /// chunk's ready flag and waited for (equal) by this rank's receive stream before it reads
+    /// any chunk of the collective;
     /// bytes 32..64 hold the encoded descriptor, stored by the previous rank's host when it
     /// queued the collective (read only to word an error).
     pub const DESC_BASE: u32 = 5;
@@ -315,7 +316,7 @@ impl GpuRing {
     fn h(&self) -> &Held {
         self.held
             .as_ref()
-            .expect("present until the ring is dropped")
+            .expect("present until the ring is closed (callers check)")
     }
 
     /// Ends the ring: waits for the collectives in flight, at most `timeout` (aborting them
@@ -438,7 +439,8 @@ impl GpuRing {
 
     /// The transport of the link to the next rank (`None` for a ring of one).
     pub fn kind(&self) -> Option<TransportKind> {
-        self.h().links.as_ref().map(|l| match l.outgoing {
+        let links = self.held.as_ref().and_then(|h| h.links.as_ref());
+        links.map(|l| match l.outgoing {
             Outgoing::CudaIpc(_) => TransportKind::CudaIpc,
             Outgoing::Shm(_) => TransportKind::Shm,
         })
@@ -494,19 +496,12 @@ impl GpuRing {
         let average = op == ReduceOp::Avg;
         let seq = self.queued;
         let exchange = self.world == 2 && self.exchange;
-        let what = Descriptor {
-            collective: Collective::AllReduce,
-            count: count as u64,
-            dtype,
-            op,
-            root: None,
-            algorithm: if exchange {
-                Algorithm::StreamExchange
-            } else {
-                Algorithm::StreamRing
-            },
-            seq,
+        let algorithm = if exchange {
+            Algorithm::StreamExchange
+        } else {
+            Algorithm::StreamRing
         };
+        let what = Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq);
         let desc = (
             desc_cell(desc_cells(links.slots, links.desc_half), seq),
             desc_word(seq, what.tag()),

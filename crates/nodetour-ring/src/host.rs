@@ -27,7 +27,7 @@ use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
 
-use crate::descriptor::{self, Algorithm, Collective, Descriptor};
+use crate::descriptor::{self, Algorithm, Descriptor};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::reduce::{DataType, ReduceOp, finish_avg, reduce_into};
@@ -350,15 +350,13 @@ impl HostRing<'_> {
             });
         }
         let plan = self.plan(data.len(), dtype)?;
-        let what = Descriptor {
-            collective: Collective::AllReduce,
-            count: (data.len() / es) as u64,
+        let what = Descriptor::all_reduce(
+            (data.len() / es) as u64,
             dtype,
             op,
-            root: None,
-            algorithm: Algorithm::HostRing,
+            Algorithm::HostRing,
             seq,
-        };
+        );
         self.work.write_at(0, data)?;
         let slot_bytes = self.options.slot_bytes;
         let mut ops = HostOps {
@@ -412,15 +410,8 @@ impl HostRing<'_> {
             });
         }
         let plan = self.plan(bytes, dtype)?;
-        let what = Descriptor {
-            collective: Collective::AllReduce,
-            count: count as u64,
-            dtype,
-            op,
-            root: None,
-            algorithm: Algorithm::HostRingGpuStaged,
-            seq,
-        };
+        let what =
+            Descriptor::all_reduce(count as u64, dtype, op, Algorithm::HostRingGpuStaged, seq);
         self.work.copy_from_gpu(0, buffer, 0, bytes).map_err(gpu)?;
         let mut ops = GpuOps {
             staging,
