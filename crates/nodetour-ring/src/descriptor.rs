@@ -140,6 +140,9 @@ impl Descriptor {
             return Err(bad("reserved bytes are not zero".into()));
         }
         let root = u32::from_be_bytes(b[24..28].try_into().expect("4 bytes"));
+        if b[5] == 0 && root != 0 {
+            return Err(bad("a root without the has-root flag".into()));
+        }
         Ok(Descriptor {
             collective: COLLECTIVES[pick(1, COLLECTIVES.len(), "collective")?],
             dtype: DataType::ALL[pick(2, DataType::ALL.len(), "type")?],
@@ -241,8 +244,10 @@ mod tests {
     fn garbage_and_other_versions_are_refused() {
         let good = d().encode();
         assert!(Descriptor::decode(&good[..31]).is_err());
+        // (24, 7): a root without the has-root flag (found by the fuzzer).
         for (i, v) in [
-            (0, 1u8),
+            (24, 7u8),
+            (0, 1),
             (1, 9),
             (2, 99),
             (3, 5),
