@@ -17,7 +17,7 @@ build_pkgs=(libibverbs-dev librdmacm-dev libclang-dev pkg-config)
 # what rdma-vm.sh builds its initramfs with (kmod, cpio, static busybox), what the guest
 # sets up soft-RoCE with (iproute2, rdma-core) and the verbs userspace and tools.
 vm_pkgs=(qemu-system-x86 kmod cpio busybox-static iproute2 rdma-core ibverbs-providers
-    ibverbs-utils rdmacm-utils perftest)
+    ibverbs-utils rdmacm-utils perftest valgrind)
 
 build_only=0
 case ${1:-} in

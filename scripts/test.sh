@@ -47,6 +47,24 @@ step "lint: every unsafe block in nodetour-core documents its soundness (clippy)
 clippy_core() { cargo clippy -p nodetour-core --all-targets --color never 2>&1 | tail -n 3; return "${PIPESTATUS[0]}"; }
 check "nodetour-core: clippy with #![deny(clippy::undocumented_unsafe_blocks)]" clippy_core
 
+step "valgrind: the host tier's unit tests and fuzz corpora, no invalid read or write"
+valgrind_host() { # nodetour-core and nodetour-ring unit tests, corpus replays (raw-pointer code)
+    local exe
+    for spec in "nodetour-core --lib" "nodetour-core --test fuzz_corpus" "nodetour-ring --lib" "nodetour-ring --test fuzz_corpus"; do
+        read -r pkg kind name <<<"$spec"
+        exe=$(cargo test -p "$pkg" $kind $name --no-run --color never 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p' | head -n 1)
+        [[ -x $exe ]] || { echo "  no test executable for $spec"; return 1; }
+        valgrind -q --error-exitcode=99 "$exe" --test-threads 2 >/tmp/valgrind-host.log 2>&1 ||
+            { tail -n 40 /tmp/valgrind-host.log; return 1; }
+        echo "  $spec: $(grep 'test result' /tmp/valgrind-host.log)"
+    done
+}
+if command -v valgrind >/dev/null; then
+    check "valgrind: nodetour-core and nodetour-ring unit tests and corpora run clean" valgrind_host
+else
+    echo "SKIP valgrind: not installed"; skipped=$((skipped + 1))
+fi
+
 step "binary tier: release build, no load-time libibverbs/librdmacm"
 cargo build --release --bins --examples --color never 2>&1 | tail -n 3
 no_verbs_link() { ! ldd "$1" | grep -E 'libibverbs|librdmacm'; }
