@@ -49,10 +49,10 @@ check "nodetour-core: clippy with #![deny(clippy::undocumented_unsafe_blocks)]" 
 
 step "valgrind: the host tier's unit tests and fuzz corpora, no invalid read or write"
 valgrind_host() { # nodetour-core and nodetour-ring unit tests, corpus replays (raw-pointer code)
-    local exe
+    local exe spec pkg kind target
     for spec in "nodetour-core --lib" "nodetour-core --test fuzz_corpus" "nodetour-ring --lib" "nodetour-ring --test fuzz_corpus"; do
-        read -r pkg kind name <<<"$spec"
-        exe=$(cargo test -p "$pkg" $kind $name --no-run --color never 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p' | head -n 1)
+        read -r pkg kind target <<<"$spec"
+        exe=$(cargo test -p "$pkg" $kind $target --no-run --color never 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p' | head -n 1)
         [[ -x $exe ]] || { echo "  no test executable for $spec"; return 1; }
         valgrind -q --error-exitcode=99 "$exe" --test-threads 2 >/tmp/valgrind-host.log 2>&1 ||
             { tail -n 40 /tmp/valgrind-host.log; return 1; }

@@ -826,7 +826,9 @@ mod tests {
     #[test]
     fn hostile_offsets_lengths_keys_and_replays_are_refused_and_guards_hold() {
         const GUARD: u8 = 0xa5;
-        let cases: [(&str, fn(&SlotGrant, &SlotRegion) -> Vec<u8>); 7] = [
+        // (what, the frame made from the grant and another region)
+        type Hostile = (&'static str, fn(&SlotGrant, &SlotRegion) -> Vec<u8>);
+        let cases: [Hostile; 7] = [
             ("offset past the end", |g, _| {
                 frame(g.key, g.len, 1, Some(1))
             }),
