@@ -102,7 +102,7 @@ pub struct GpuRingJob {
 impl Drop for GpuRingJob {
     fn drop(&mut self) {
         if let Err(e) = self.close(nodetour_ring::gpu_ring::TEARDOWN_DEADLINE) {
-            tracing::warn!(error = %format!("{e:#}"), "closing the GPU ring job");
+            tracing::warn!(error = %e, "closing the GPU ring job");
         }
     }
 }
@@ -153,7 +153,7 @@ impl GpuRingJob {
     /// and only then is this rank's exported slot memory freed. Past `timeout` the exported
     /// memory is leaked, never freed under a peer's mapping. `Drop` does this with
     /// [`nodetour_ring::gpu_ring::TEARDOWN_DEADLINE`] and can only log.
-    pub fn close(&mut self, timeout: std::time::Duration) -> anyhow::Result<()> {
+    pub fn close(&mut self, timeout: std::time::Duration) -> nodetour_ring::Result<()> {
         if std::mem::replace(&mut self.closed, true) {
             return Ok(());
         }
@@ -175,10 +175,10 @@ impl GpuRingJob {
             }
         }
         match (first, handshake) {
-            (Some(e), _) => Err(e.into()),
-            (None, Err(e)) if !peers_done => {
-                Err(anyhow::Error::new(e).context("the teardown handshake (exported slots leaked)"))
-            }
+            (Some(e), _) => Err(e),
+            (None, Err(e)) if !peers_done => Err(nodetour_ring::Error::Transport {
+                reason: format!("the teardown handshake (exported slots leaked): {e}"),
+            }),
             _ => Ok(()),
         }
     }
