@@ -58,9 +58,6 @@ struct Args {
     /// Direct path: flags in shared host memory instead of GPU memory.
     #[arg(long)]
     host_flags: bool,
-    /// cuda-ipc chunks up to this many bytes are written by a kernel (else the copy engine).
-    #[arg(long)]
-    kernel_send_max: Option<usize>,
     /// Failure drill: this rank kills itself (SIGKILL) in the middle of a stream of
     /// collectives; every other rank must fail naming it within 2x NODETOUR_TIMEOUT_MS.
     #[arg(long)]
@@ -78,6 +75,12 @@ struct Args {
     /// collectives, then leaves; it must see `Aborted`, the others the lost rank.
     #[arg(long)]
     abort_rank: Option<u32>,
+    /// Deterministic drills: every other rank holds this many milliseconds before it queues
+    /// collective 20, and the kill or abort rank fails 5 ms after it queued collective 20, so
+    /// the failure always lands while that rank's streams wait on a held peer (credit for its
+    /// next chunk, the peer's first chunk), and the peer queues the collective after it.
+    #[arg(long)]
+    hold_ms: Option<u64>,
     /// Two ranks: also sweep the two-step ring beside the default one-step exchange.
     #[arg(long)]
     also_ring: bool,
@@ -120,9 +123,6 @@ fn run() -> anyhow::Result<()> {
         Vec::new()
     };
     let mut g = GpuRingJob::form(&config, options, &nccl_id)?;
-    if let Some(b) = args.kernel_send_max {
-        g.ring.set_kernel_send_max(b);
-    }
     let deadline = || Deadline::after(config.timeout);
     if args.kill_rank.is_some() || args.abort_rank.is_some() {
         return drill(&mut g, &args, &config);
@@ -321,8 +321,21 @@ fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()>
     g.job.barrier(Deadline::after(config.timeout))?;
     let start = std::time::Instant::now();
     let mut lost_at = None;
+    let failing = args.kill_rank == Some(me) || args.abort_rank == Some(me);
     for k in 0..1000u32 {
-        if args.kill_rank == Some(me) && k == 20 {
+        if let (Some(ms), 20, false) = (args.hold_ms, k, failing) {
+            println!("GPU_RING_DRILL rank={me}: holding {ms} ms before collective {k}");
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+        if args.kill_rank == Some(me) && k == 20 && args.hold_ms.is_some() {
+            println!("GPU_RING_DRILL rank={me}: killing myself (SIGKILL) 5 ms into collective {k}");
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(5));
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &std::process::id().to_string()])
+                    .status();
+            });
+        } else if args.kill_rank == Some(me) && k == 20 {
             println!("GPU_RING_DRILL rank={me}: killing myself (SIGKILL) after {k} collectives");
             let _ = std::process::Command::new("kill")
                 .args(["-9", &std::process::id().to_string()])

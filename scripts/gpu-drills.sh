@@ -7,7 +7,9 @@
 # else sharing the GPUs). Every collective that returns Ok is checked bit for bit against the
 # reference (gpu_ring_check's drill); a wrong Ok fails the trial. Prints one GPU_DRILL_SUMMARY
 # line per transport x drill and writes every trial's output to OUTDIR/gpu-drills.log.
-# GPU_DRILL_TRANSPORTS and GPU_DRILL_KINDS choose a subset (default: all).
+# GPU_DRILL_TRANSPORTS and GPU_DRILL_KINDS choose a subset (default: all); GPU_DRILL_ARGS adds
+# arguments (e.g. "--hold-ms 300": the deterministic variant, where the failure always lands
+# while the failing rank's streams wait on a held peer).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 trials=${1:-20} ranks=${2:-2} out=${3:-.}
@@ -21,7 +23,7 @@ for transport in ${GPU_DRILL_TRANSPORTS:-cuda-ipc shm}; do
         ok=0 bad=0 wrong=0 verified=0 worst=0
         for ((i = 1; i <= trials; i++)); do
             res=$(NODETOUR_TRANSPORT=$transport timeout 90 ./launch-local.sh -n "$ranks" --timeout 60 -- \
-                ./gpu_ring_check --"$drill"-rank 1 2>&1)
+                ./gpu_ring_check --"$drill"-rank 1 ${GPU_DRILL_ARGS:-} 2>&1)
             { echo "=== $transport $drill trial $i"; echo "$res"; } >>"$log"
             reported=$(grep -c 'GPU_RING_DRILL rank=[0-9]* failed_at' <<<"$res")
             want=$ranks

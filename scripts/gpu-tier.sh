@@ -76,6 +76,11 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
         grep DRILL /tmp/drill.log
         [[ $ok == "$n" || ( $a == --kill* && $ok == $((n - 1)) ) ]] || { echo "drill $spec: $ok ranks reported"; failed=1; }
     done
+    echo "== deterministic drills: the peer is held 300 ms before collective 20; the failing rank dies or aborts 5 ms into it"
+    for t in cuda-ipc shm; do
+        GPU_DRILL_TRANSPORTS=$t GPU_DRILL_ARGS="--hold-ms 300" ./gpu-drills.sh 1 2 "$out" | grep GPU_DRILL_SUMMARY || failed=1
+        [[ ${PIPESTATUS[0]} == 0 ]] || { echo "deterministic drill ($t) failed"; failed=1; }
+    done
     echo "== teardown drill: a rank closes its ring with a collective its peer never joined"
     for t in auto shm; do
         NODETOUR_TIMEOUT_MS=5000 NODETOUR_TRANSPORT=$t timeout 60 ./launch-local.sh -n 2 --timeout 50 -- \

@@ -15,12 +15,17 @@
 //! Failure: a peer that stops leaves this rank's streams waiting on a flag. [`GpuRing::wait`]
 //! has a deadline; on expiry, or on [`GpuRing::abort`], the ring first tells both neighbours
 //! (an end notice with the first collective it cannot vouch for, a plain store into their host
-//! flag pages: no CUDA call), then stores values in its own flags that release every queued
-//! wait (the data of that collective is garbage), lets the streams drain, and refuses further
-//! collectives. A neighbour's [`GpuRing::wait`] reads the notices while it polls and once more
-//! after its streams finished: a collective from the notice's sequence number on is never
-//! reported as `Ok` (its result may hold what the aborting rank's released streams wrote), and
-//! the neighbour passes the notice on, so the whole ring ends within a few polls.
+//! flag pages: no CUDA call), then sets its **stop word** (a word of its own host flag page
+//! that nothing clears), and refuses further collectives. Every hand-off on the streams is a
+//! guarded kernel: waits poll their flag *and* the stop word, so they all end once it is set,
+//! whatever a live peer's stream stores into the flag later; writes into a peer's slots and
+//! stores into a peer's flags skip when it is set. So an aborted rank's streams drain, touch
+//! only this rank's own memory while they do (a reduce of whatever its slots hold into the
+//! user's buffer, whose contents are then undefined), and never write a peer's slot that the
+//! peer has not released. A neighbour's [`GpuRing::wait`] reads the notices while it polls and
+//! once more after its streams finished: a collective from the notice's sequence number on is
+//! never reported as `Ok`, and the neighbour passes the notice on (aborting itself), so the
+//! whole ring ends within a few polls.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,7 +36,10 @@ use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::TransportKind;
-use nodetour_core::transport::gpu::{CudaIpcSender, FlagPage, Flags, GpuSlot, ShmSender, ShmSlot};
+use nodetour_core::transport::gpu::{
+    CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, ShmSender, ShmSlot, StopWord, StreamGuard,
+    enqueue_reduce_then_signal, enqueue_signal, enqueue_wait,
+};
 
 use crate::descriptor::{Algorithm, Descriptor};
 use crate::error::{Error, Result};
@@ -67,8 +75,13 @@ pub mod flag {
     /// Descriptor cells: two halves (two rings over the same pages), each for at most 127
     /// slots + 2.
     pub const DESC_CELLS: u32 = 258;
+    /// Host page only: this rank's stop words (one per half, see
+    /// [`super::StreamLinks::desc_half`]), set by this rank's host when it aborts and never
+    /// cleared: every wait its streams queued ends, and no guarded write or signal starts
+    /// (`nodetour_core::transport::gpu::StopWord`).
+    pub const STOPPED: u32 = DESC_BASE + DESC_CELLS;
     /// Words in the page.
-    pub const WORDS: u32 = DESC_BASE + DESC_CELLS;
+    pub const WORDS: u32 = STOPPED + 2;
 }
 
 /// Default slot size for cuda-ipc: large chunks keep the per-chunk hand-off small beside a
@@ -194,7 +207,6 @@ pub struct GpuRing {
     queued: u64,
     path: String,
     exchange: bool,
-    kernel_send_max: usize,
 }
 
 /// The streams and what their queued work touches. Drop order: the streams first (GpuStream
@@ -205,6 +217,8 @@ struct Held {
     recv: GpuStream,
     links: Option<StreamLinks>,
     kernels: ReduceKernels,
+    // Each stream's guard words (its latch and completion counter): see StreamGuard.
+    guards: Option<[StreamGuard; 2]>,
 }
 
 /// The memory a rank exported (its slots, its flag pages): freed only once its neighbours have
@@ -218,10 +232,6 @@ struct Exports {
 /// How long dropping a ring waits for its collectives in flight (after aborting them) before
 /// it leaks its streams and slot memory rather than free what a GPU may still use.
 pub const TEARDOWN_DEADLINE: Duration = Duration::from_secs(10);
-
-/// cuda-ipc chunks up to this size are written by a copy kernel, larger ones by the copy
-/// engine (see [`GpuRing::set_kernel_send_max`]).
-pub const KERNEL_SEND_MAX: usize = 4 << 20;
 
 impl GpuRing {
     /// This rank (`rank` of `world`) on `context`'s GPU, with its links (`None` only for a
@@ -269,17 +279,31 @@ impl GpuRing {
             None => "a ring of one: nothing moves".to_owned(),
             Some(l) => l.describe(),
         };
-        let own_flags = links.as_ref().map(|l| l.flags.clone());
         let ends = links.as_ref().map(|l| l.ends.clone());
+        let stop = match &links {
+            Some(l) => Some(
+                StopWord::new(l.ends.mine.clone(), flag::STOPPED + l.desc_half.min(1))
+                    .map_err(g)?,
+            ),
+            None => None,
+        };
         let cells = links
             .as_ref()
             .map_or((0, 1), |l| desc_cells(l.slots, l.desc_half));
+        let guards = match &stop {
+            Some(stop) => Some([
+                StreamGuard::new(context, stop.clone()).map_err(g)?,
+                StreamGuard::new(context, stop.clone()).map_err(g)?,
+            ]),
+            None => None,
+        };
         Ok(GpuRing {
             held: Some(Held {
                 send: GpuStream::new(context).map_err(g)?,
                 recv: GpuStream::new(context).map_err(g)?,
                 links,
                 kernels: ReduceKernels::load(context).map_err(g)?,
+                guards,
             }),
             exports: None,
             start: GpuEvent::marker(context).map_err(g)?,
@@ -296,10 +320,8 @@ impl GpuRing {
             abort: AbortHandle {
                 shared: Arc::new(AbortState {
                     failed: Mutex::new(None),
-                    sent: AtomicU64::new(0),
-                    received: AtomicU64::new(0),
                     confirmed: AtomicU64::new(0),
-                    flags: own_flags,
+                    stop,
                     ends,
                     position: (rank, world),
                     pending: Mutex::new(std::collections::VecDeque::new()),
@@ -309,7 +331,6 @@ impl GpuRing {
             queued: 0,
             path,
             exchange: true,
-            kernel_send_max: KERNEL_SEND_MAX,
         })
     }
 
@@ -348,9 +369,10 @@ impl GpuRing {
             recv,
             links,
             kernels,
+            guards,
         } = held;
         // Drained: nothing queued uses any of it.
-        drop((send, recv, kernels));
+        drop((send, recv, kernels, guards));
         if let Some(l) = links {
             let StreamLinks {
                 flags,
@@ -391,7 +413,6 @@ impl GpuRing {
                 .abort("the ring was closed with collectives in flight");
             let mut nap = Duration::from_micros(10);
             while !self.drained() && Instant::now() < deadline {
-                self.abort.release();
                 std::thread::sleep(nap);
                 nap = (nap * 2).min(Duration::from_millis(1));
             }
@@ -424,11 +445,6 @@ impl GpuRing {
         // GpuRingJob always does the handshake).
         self.exports = None;
         result
-    }
-
-    /// cuda-ipc chunks of at most `bytes` go by copy kernel, larger ones by the copy engine.
-    pub fn set_kernel_send_max(&mut self, bytes: usize) {
-        self.kernel_send_max = bytes;
     }
 
     /// Two ranks run the allreduce as one exchange step ([`program_exchange`], the default)
@@ -515,8 +531,6 @@ impl GpuRing {
             let p = program(&plan, self.rank, average, &mut self.counters);
             (p, plan.steps())
         };
-        // Published before queueing: an abort from another thread releases these too.
-        self.abort.publish(&self.counters);
         // From here the peers count these chunks: a failure to queue breaks the ring.
         let queued = self.queue(buffer, dtype, op, stream, steps, &prog, desc);
         self.queued += 1;
@@ -527,6 +541,7 @@ impl GpuRing {
         queued
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn queue(
         &mut self,
         buffer: &DeviceBuffer,
@@ -548,6 +563,12 @@ impl GpuRing {
                 .push(GpuEvent::marker(&self.context).map_err(g)?);
         }
         let links = self.h().links.as_ref().expect("checked by the caller");
+        let kernels = &self.h().kernels;
+        let [send_guard, _] = self
+            .h()
+            .guards
+            .as_ref()
+            .expect("a ring with links has guards");
         stream.record_marker(&self.start).map_err(g)?;
         self.h().send.wait_marker(&self.start).map_err(g)?;
         self.h().recv.wait_marker(&self.start).map_err(g)?;
@@ -555,16 +576,12 @@ impl GpuRing {
         // collective is just before its first chunk's ready flag (so the next rank's wait for
         // it costs no extra hand-off), and the receive stream reads no chunk of the previous
         // rank's before it said the same (see queue_recv). A rank that sends nothing says it
-        // at the start.
-        let tell = |send: &GpuStream| {
-            links
-                .ends
-                .next
-                .enqueue_set(send, desc_cell, desc_word)
-                .map_err(g)
-        };
+        // at the start. Every hand-off is guarded by the stop word (see the module's doc).
+        let tell: FlagValue = (&*links.ends.next, desc_cell, desc_word);
         if sends.is_empty() {
-            tell(&self.h().send)?;
+            let send = &self.h().send;
+            enqueue_wait(send, kernels, send_guard, None, false, None).map_err(g)?;
+            enqueue_signal(send, kernels, send_guard, tell, None).map_err(g)?;
         }
         let size = dtype.size();
         let slot_at = |slot: u32| slot as usize * links.slot_bytes;
@@ -575,37 +592,33 @@ impl GpuRing {
                 if let Some(j) = s.after_recv {
                     self.h().send.wait_marker(&self.recv_marks[j]).map_err(g)?;
                 }
-                if let Some(v) = s.wait_released {
-                    links
-                        .flags
-                        .enqueue_wait(&self.h().send, flag::RELEASED, v)
-                        .map_err(g)?;
-                }
+                let send = &self.h().send;
                 let off = s.elements.start as usize * size;
                 let len = (s.elements.end - s.elements.start) as usize * size;
                 let at = slot_at(s.slot);
+                let ready: FlagValue = (&*links.next_flags, flag::READY, s.ready);
+                // Wait for the slot's credit (or, for a slot never used, only read the stop
+                // word), then one kernel copies and stores the ready flag (the first chunk's
+                // carries the descriptor word just before it).
+                let credit = s
+                    .wait_released
+                    .map(|v| (&*links.flags as &dyn FlagPage, flag::RELEASED, v));
+                enqueue_wait(send, kernels, send_guard, credit, false, None).map_err(g)?;
+                let (first, second) = if si == 0 {
+                    (tell, Some(ready))
+                } else {
+                    (ready, None)
+                };
+                let guard = send_guard;
                 match &links.outgoing {
-                    Outgoing::CudaIpc(o) if len <= self.kernel_send_max => o.enqueue_kernel_write(
-                        &self.h().send,
-                        &self.h().kernels,
-                        buffer,
-                        off,
-                        at as u64,
-                        len,
+                    Outgoing::CudaIpc(o) => o.enqueue_send(
+                        send, kernels, guard, buffer, off, at as u64, len, first, second,
                     ),
-                    Outgoing::CudaIpc(o) => {
-                        o.enqueue_write(&self.h().send, buffer, off, at as u64, len, None)
+                    Outgoing::Shm(o) => {
+                        o.enqueue_send(send, kernels, guard, buffer, off, at, len, first, second)
                     }
-                    Outgoing::Shm(o) => o.enqueue_write(&self.h().send, buffer, off, at, len, None),
                 }
                 .map_err(g)?;
-                if si == 0 {
-                    tell(&self.h().send)?;
-                }
-                links
-                    .next_flags
-                    .enqueue_set(&self.h().send, flag::READY, s.ready)
-                    .map_err(g)?;
                 self.h()
                     .send
                     .record_marker(&self.send_marks[si])
@@ -613,16 +626,12 @@ impl GpuRing {
                 si += 1;
             }
             while let Some(r) = recvs.get(ri).filter(|r| r.step == step) {
-                if ri == 0 {
-                    // Nothing of the previous rank's lands in this rank's buffer before it
-                    // has said it calls the same collective.
-                    links
-                        .ends
-                        .mine
-                        .enqueue_wait_eq(&self.h().recv, desc_cell, desc_word)
-                        .map_err(g)?;
-                }
-                self.queue_recv(links, r, buffer, dtype, op)?;
+                // Nothing of the previous rank's lands in this rank's buffer before it has said
+                // it calls the same collective: the first receive waits for its descriptor word
+                // too.
+                let desc: Option<FlagValue> =
+                    (ri == 0).then_some((&*links.ends.mine, desc_cell, desc_word));
+                self.queue_recv(links, r, buffer, dtype, op, desc)?;
                 self.h()
                     .recv
                     .record_marker(&self.recv_marks[ri])
@@ -643,33 +652,40 @@ impl GpuRing {
         buffer: &DeviceBuffer,
         dtype: DataType,
         op: ReduceOp,
+        desc: Option<FlagValue>,
     ) -> Result<()> {
         let g = |e| gpu_error("queueing the collective", e);
         let s = &self.h().recv;
+        let kernels = &self.h().kernels;
+        let [_, guard] = self
+            .h()
+            .guards
+            .as_ref()
+            .expect("a ring with links has guards");
         let size = dtype.size();
         if let Some(i) = r.after_send {
             s.wait_marker(&self.send_marks[i]).map_err(g)?;
         }
-        links
-            .flags
-            .enqueue_wait(s, flag::READY, r.wait_ready)
-            .map_err(g)?;
+        let ready: FlagValue = (&*links.flags, flag::READY, r.wait_ready);
+        match desc {
+            Some(d) => enqueue_wait(s, kernels, guard, Some(d), true, Some(ready)),
+            None => enqueue_wait(s, kernels, guard, Some(ready), false, None),
+        }
+        .map_err(g)?;
         let off = r.elements.start as usize * size;
         let n = (r.elements.end - r.elements.start) as usize;
         let at = r.slot as usize * links.slot_bytes;
-        let release = |s: &GpuStream| {
-            links
-                .prev_flags
-                .enqueue_set(s, flag::RELEASED, r.released)
-                .map_err(g)
-        };
+        // Credit back to the previous rank (skipped when the wait ended on the stop word: what
+        // an aborted rank's streams write is only its own memory).
+        let credit: FlagValue = (&*links.prev_flags, flag::RELEASED, r.released);
+        let release = |s: &GpuStream| enqueue_signal(s, kernels, guard, credit, None).map_err(g);
         match (&links.incoming, r.kind) {
             (Incoming::CudaIpc(slot), RecvKind::Reduce { average }) => {
-                self.h()
-                    .kernels
-                    .reduce(s, dtype, op, buffer, off, slot.buffer(), at, n)
-                    .map_err(g)?;
-                release(s)?;
+                let src = slot.buffer();
+                enqueue_reduce_then_signal(
+                    s, kernels, guard, dtype, op, buffer, off, src, at, n, credit,
+                )
+                .map_err(g)?;
                 if average {
                     self.h()
                         .kernels
@@ -793,10 +809,6 @@ impl GpuRing {
                     self.abort.abort_with(e.clone());
                     lost = Some(e);
                 }
-            }
-            if lost.is_some() || self.abort.error().is_some() {
-                // Aborted: keep the waits released against late stores (see release).
-                self.abort.release();
             }
             let now = Instant::now();
             if now >= deadline {
@@ -926,13 +938,10 @@ pub struct AbortHandle {
 
 struct AbortState {
     failed: Mutex<Option<Error>>,
-    // The link counters after the last queued collective: an abort releases every wait up to
-    // them (and beyond).
-    sent: AtomicU64,
-    received: AtomicU64,
     // The first collective this rank has not seen finish (what an end notice names).
     confirmed: AtomicU64,
-    flags: Option<Arc<dyn FlagPage>>,
+    // Set once on abort (after the notices): ends every queued wait, skips every guarded write.
+    stop: Option<StopWord>,
     ends: Option<EndPages>,
     // (ring position, ranks in the ring)
     position: (u32, u32),
@@ -971,10 +980,12 @@ fn notice_value(seq: u64) -> u32 {
 impl AbortHandle {
     /// Gives up on every collective in flight. First tells both neighbours (an end notice in
     /// their host flag pages naming the first collective this rank has not seen finish), then
-    /// stores values in the ring's own flags that satisfy every queued wait (the data of those
-    /// collectives is garbage), so its streams drain and nothing waits for a peer that is gone;
-    /// the ring then refuses further collectives (the first error, typed). Neighbours stop
-    /// at their next poll and pass the notice on.
+    /// sets the ring's stop word: every wait its streams queued ends (for good: nothing clears
+    /// the word, whatever a peer stores later), and no write into a peer's memory starts. The
+    /// streams drain, writing only this rank's own memory (the buffers of the collectives in
+    /// flight hold garbage); the ring then refuses further collectives (the first error,
+    /// typed). Neighbours stop at their next poll and pass the notice on. Plain host stores
+    /// only: no CUDA call, nothing that waits.
     pub fn abort(&self, reason: &str) {
         self.abort_with(Error::Aborted {
             reason: reason.to_owned(),
@@ -993,26 +1004,10 @@ impl AbortHandle {
             let _ = ends.prev.store(flag::ENDED_BY_NEXT, v);
             std::sync::atomic::fence(Ordering::SeqCst);
         }
-        self.release();
-    }
-
-    /// Stores, in this rank's own flags, values that satisfy every queued wait. A live peer's
-    /// stream store that was already queued can land later and put a lower (or, for a
-    /// descriptor cell, another) value back; so whoever waits for an aborted ring's streams to
-    /// drain calls this again on every poll, and a peer has only finitely many such stores.
-    fn release(&self) {
-        if let (Some(ends), Ok(pending)) = (&self.shared.ends, self.shared.pending.lock()) {
-            // Release this rank's receive streams waiting for a descriptor (equal, not ahead).
-            for (seq, word, _) in pending.iter() {
-                let cell = desc_cell(self.shared.desc_cells, *seq);
-                let _ = ends.mine.store(cell, *word);
+        if let Some(stop) = &self.shared.stop {
+            if let Err(e) = stop.set() {
+                tracing::error!(error = %e, "could not set the GPU ring's stop word");
             }
-        }
-        if let Some(flags) = &self.shared.flags {
-            // Far ahead of anything queued, within the cyclic comparison's half range.
-            let ahead = |c: &AtomicU64| (c.load(Ordering::Acquire) as u32).wrapping_add(1 << 30);
-            let _ = flags.store(flag::READY, ahead(&self.shared.received));
-            let _ = flags.store(flag::RELEASED, ahead(&self.shared.sent));
         }
     }
 
@@ -1104,11 +1099,6 @@ impl AbortHandle {
             });
         }
         None
-    }
-
-    fn publish(&self, c: &LinkCounters) {
-        self.shared.sent.store(c.sent, Ordering::Release);
-        self.shared.received.store(c.received, Ordering::Release);
     }
 }
 

@@ -111,7 +111,112 @@ extern "C" __global__ void nt_copy(unsigned char* d, const unsigned char* s, u64
     }
     for (u64 i = done + i0; i < n; i += stride) d[i] = s[i];
 }
+// Guarded hand-offs (the GPU ring). `stop` is a word of this rank's host flag page that its host
+// sets once, when it aborts, and that nothing ever clears. Each stream runs a one-thread nt_wait
+// before the work of a hand-off: it waits for its flags or for the stop, and writes the stream's
+// `latch` (a word of this GPU's memory): 1 if the flags were reached (the peer's credit, the
+// peer's data: genuine), 0 if the stop ended the wait. The kernels after it on the stream write
+// a peer's memory and store a peer's flags only if the latch is 1. So once the stop is set every
+// wait ends, whatever a peer stores later, and nothing is written into a peer's memory without
+// that peer's credit. Only one-thread kernels wait: a kernel of many blocks that spun could hold
+// every SM while the kernel that it waits for (another rank's, on a shared GPU) needs one.
+__device__ __forceinline__ void nt_pause() {
+#if __CUDA_ARCH__ >= 700
+    __nanosleep(200);
+#endif
+}
+// One thread: until `*w1` reaches `v1` (cyclically: (int)(w - v) >= 0, or == when `eq1`) and
+// then `*w2` reaches `v2` (either may be null), or `*stop` is set; `*latch` := whether the
+// words were reached (with neither, whether the stop is clear).
+extern "C" __global__ void nt_wait(const volatile unsigned* w1, unsigned v1, unsigned eq1,
+                                   const volatile unsigned* w2, unsigned v2,
+                                   const volatile unsigned* stop, volatile unsigned* latch) {
+    unsigned ok = 1;
+    if (!w1 && !w2) ok = *stop == 0;
+    for (unsigned i = 0; w1; i++) {
+        unsigned w = *w1;
+        if (eq1 ? w == v1 : (int)(w - v1) >= 0) break;
+        if ((i & 63) == 0 && *stop) { ok = 0; break; }
+        if (i > 256) nt_pause();
+    }
+    for (unsigned i = 0; ok && w2; i++) {
+        if ((int)(*w2 - v2) >= 0) break;
+        if ((i & 63) == 0 && *stop) { ok = 0; break; }
+        if (i > 256) nt_pause();
+    }
+    __threadfence_system();
+    *latch = ok;
+    __threadfence();
+}
+// The end of a guarded kernel: once every block has finished, the last one stores `va` at `a`
+// and then `vb` at `b` (if given) if the latch is 1, after system-wide fences (whoever sees a
+// value sees every byte written before). `done` is a zeroed word of this GPU's memory that only
+// this stream's kernels use (the last block puts it back to 0).
+__device__ void nt_finish(const volatile unsigned* latch, volatile unsigned* a, unsigned va,
+                          volatile unsigned* b, unsigned vb, unsigned* done) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            __threadfence_system();
+            *done = 0;
+            if (*latch && a) {
+                *a = va;
+                if (b) { __threadfence_system(); *b = vb; }
+            }
+        }
+    }
+}
+// A chunk sent: copied into the peer's slot if the latch is 1, then nt_finish.
+extern "C" __global__ void nt_send(const volatile unsigned* latch, unsigned char* d, const unsigned char* s, u64 n,
+                                   volatile unsigned* a, unsigned va, volatile unsigned* b, unsigned vb, unsigned* done) {
+    if (*latch) {
+        u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, k = 0;
+        if ((((u64)d | (u64)s) & 15) == 0) {
+            k = n / 16 * 16;
+            for (u64 i = i0; i < n / 16; i += stride) ((v16*)d)[i] = ((const v16*)s)[i];
+        }
+        for (u64 i = k + i0; i < n; i += stride) d[i] = s[i];
+    }
+    nt_finish(latch, a, va, b, vb, done);
+}
+// A chunk received: reduced into this rank's buffer if the latch is 1, then nt_finish (the
+// credit back to the sender).
+template<class T, class Op> __device__ void reduce_then(T* d, const T* s, u64 n, const volatile unsigned* latch, volatile unsigned* a, unsigned va, unsigned* done) {
+    if (*latch) reduce<T, Op>(d, s, n);
+    nt_finish(latch, a, va, 0, 0, done);
+}
+#define THEN(T, N) \
+extern "C" __global__ void nt_reduce_then_##N##_sum(T* d, const T* s, u64 n, const unsigned* l, unsigned* a, unsigned va, unsigned* dn) { reduce_then<T, Sum>(d, s, n, l, a, va, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_prod(T* d, const T* s, u64 n, const unsigned* l, unsigned* a, unsigned va, unsigned* dn) { reduce_then<T, Prod>(d, s, n, l, a, va, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_min(T* d, const T* s, u64 n, const unsigned* l, unsigned* a, unsigned va, unsigned* dn) { reduce_then<T, Min>(d, s, n, l, a, va, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_max(T* d, const T* s, u64 n, const unsigned* l, unsigned* a, unsigned va, unsigned* dn) { reduce_then<T, Max>(d, s, n, l, a, va, dn); }
+THEN(float, f32)
+THEN(double, f64)
+THEN(h16, f16)
+THEN(b16, bf16)
+THEN(int, i32)
+THEN(long long, i64)
+THEN(unsigned char, u8)
+// One thread: `*a = va`, then `*b = vb` (if `b`), if the latch is 1, after system-wide fences.
+extern "C" __global__ void nt_signal(const volatile unsigned* latch, volatile unsigned* a, unsigned va, volatile unsigned* b, unsigned vb) {
+    __threadfence_system();
+    if (!*latch) return;
+    *a = va;
+    if (b) { __threadfence_system(); *b = vb; }
+}
 "#;
+
+/// The device addresses a guarded stream's kernels use (checked by whoever builds it): the
+/// rank's stop word (host memory), and the stream's latch and completion counter (two zeroed
+/// words of this GPU's memory that only this stream's kernels use). See the guarded kernels in
+/// [`SOURCE`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GuardWords {
+    pub(crate) stop: u64,
+    pub(crate) latch: u64,
+    pub(crate) done: u64,
+}
 
 /// The loaded kernels of one GPU.
 pub struct ReduceKernels {
@@ -120,6 +225,10 @@ pub struct ReduceKernels {
     both: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     average: Vec<(DataType, sys::CUfunction)>,
     copy: sys::CUfunction,
+    wait: sys::CUfunction,
+    signal: sys::CUfunction,
+    send: sys::CUfunction,
+    reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     blocks: u32,
     context: Arc<CudaContext>,
     /// Whether the CUBIN came from the disk cache.
@@ -206,6 +315,7 @@ impl ReduceKernels {
             })
         };
         let mut reduce = Vec::new();
+        let mut reduce_then = Vec::new();
         let mut both = Vec::new();
         let mut average = Vec::new();
         for dtype in DataType::ALL {
@@ -218,6 +328,10 @@ impl ReduceKernels {
                     (dtype, op),
                     get(format!("nt_both_{}_{}", dtype.name(), op.name()))?,
                 ));
+                reduce_then.push((
+                    (dtype, op),
+                    get(format!("nt_reduce_then_{}_{}", dtype.name(), op.name()))?,
+                ));
             }
             average.push((dtype, get(format!("nt_average_{}", dtype.name()))?));
         }
@@ -228,6 +342,10 @@ impl ReduceKernels {
             both,
             average,
             copy,
+            wait: get("nt_wait".to_owned())?,
+            signal: get("nt_signal".to_owned())?,
+            send: get("nt_send".to_owned())?,
+            reduce_then,
             blocks: sms * 4,
             context: context.clone(),
             from_cache,
@@ -252,17 +370,7 @@ impl ReduceKernels {
     ) -> Result<()> {
         check(dst, dst_offset, count, dtype)?;
         check(src, src_offset, count, dtype)?;
-        let op = if op == ReduceOp::Avg {
-            ReduceOp::Sum
-        } else {
-            op
-        };
-        let f = self
-            .reduce
-            .iter()
-            .find(|(k, _)| *k == (dtype, op))
-            .map(|(_, f)| *f)
-            .expect("every pair is loaded");
+        let f = pick(&self.reduce, dtype, op);
         let (mut d, mut s, mut n) = (
             dst.device_ptr() + dst_offset as u64,
             src.device_ptr() + src_offset as u64,
@@ -396,6 +504,150 @@ impl ReduceKernels {
         self.launch(stream, self.copy, &mut params, len.div_ceil(16))
     }
 
+    /// Queues on `stream` a one-thread kernel that waits until the word at `first` reaches its
+    /// value (cyclic ≥, or `==` when its flag says so), then the word at `second` reaches its
+    /// value (cyclic ≥), or until the stop word is set; it then sets the latch: 1 if the words
+    /// were reached (with neither word given: if the stop word is clear), else 0.
+    pub(crate) fn wait_words(
+        &self,
+        stream: &GpuStream,
+        first: Option<(u64, u32, bool)>,
+        second: Option<(u64, u32)>,
+        g: GuardWords,
+    ) -> Result<()> {
+        let (mut w1, mut v1, eq) = first.unwrap_or((0, 0, false));
+        let mut eq = u32::from(eq);
+        let (mut w2, mut v2) = second.unwrap_or((0, 0));
+        let (mut st, mut l) = (g.stop, g.latch);
+        let mut params = [
+            (&mut w1 as *mut u64).cast::<c_void>(),
+            (&mut v1 as *mut u32).cast::<c_void>(),
+            (&mut eq as *mut u32).cast::<c_void>(),
+            (&mut w2 as *mut u64).cast::<c_void>(),
+            (&mut v2 as *mut u32).cast::<c_void>(),
+            (&mut st as *mut u64).cast::<c_void>(),
+            (&mut l as *mut u64).cast::<c_void>(),
+        ];
+        self.launch_grid(stream, self.wait, &mut params, 1, 1)
+    }
+
+    /// Queues on `stream` a one-thread kernel that, if the latch is 1, stores `first.1` at
+    /// `first.0` and then `second.1` at `second.0`, each after a system-wide fence.
+    pub(crate) fn signal(
+        &self,
+        stream: &GpuStream,
+        g: GuardWords,
+        first: (u64, u32),
+        second: Option<(u64, u32)>,
+    ) -> Result<()> {
+        let (mut l, mut a, mut va) = (g.latch, first.0, first.1);
+        let (mut b, mut vb) = second.unwrap_or((0, 0));
+        let mut params = [
+            (&mut l as *mut u64).cast::<c_void>(),
+            (&mut a as *mut u64).cast::<c_void>(),
+            (&mut va as *mut u32).cast::<c_void>(),
+            (&mut b as *mut u64).cast::<c_void>(),
+            (&mut vb as *mut u32).cast::<c_void>(),
+        ];
+        self.launch_grid(stream, self.signal, &mut params, 1, 1)
+    }
+
+    /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes of `src` at
+    /// `src_offset` to `dst` (a checked device address) and, once every byte has landed,
+    /// stores `first` and then `second` (address, value).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_guarded(
+        &self,
+        stream: &GpuStream,
+        g: GuardWords,
+        dst: u64,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        len: usize,
+        first: (u64, u32),
+        second: Option<(u64, u32)>,
+    ) -> Result<()> {
+        check(src, src_offset, len, DataType::U8)?;
+        let mut l = g.latch;
+        let (mut d, mut s, mut n) = (dst, src.device_ptr() + src_offset as u64, len as u64);
+        let ((mut a, mut va), (mut b, mut vb)) = (first, second.unwrap_or((0, 0)));
+        let mut dn = g.done;
+        let mut params = [
+            (&mut l as *mut u64).cast::<c_void>(),
+            (&mut d as *mut u64).cast::<c_void>(),
+            (&mut s as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast::<c_void>(),
+            (&mut a as *mut u64).cast::<c_void>(),
+            (&mut va as *mut u32).cast::<c_void>(),
+            (&mut b as *mut u64).cast::<c_void>(),
+            (&mut vb as *mut u32).cast::<c_void>(),
+            (&mut dn as *mut u64).cast::<c_void>(),
+        ];
+        let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.blocks);
+        self.launch_grid(stream, self.send, &mut params, blocks, 512)
+    }
+
+    /// Like [`Self::reduce`], but only if the latch is 1, and then (once every block has
+    /// finished) stores `signal` (address, value) if the latch is 1.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn reduce_then_signal(
+        &self,
+        stream: &GpuStream,
+        g: GuardWords,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        count: usize,
+        signal: (u64, u32),
+    ) -> Result<()> {
+        check(dst, dst_offset, count, dtype)?;
+        check(src, src_offset, count, dtype)?;
+        let f = pick(&self.reduce_then, dtype, op);
+        let (mut d, mut s, mut n) = (
+            dst.device_ptr() + dst_offset as u64,
+            src.device_ptr() + src_offset as u64,
+            count as u64,
+        );
+        let (mut l, (mut a, mut va), mut dn) = (g.latch, signal, g.done);
+        let mut params = [
+            (&mut d as *mut u64).cast::<c_void>(),
+            (&mut s as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast::<c_void>(),
+            (&mut l as *mut u64).cast::<c_void>(),
+            (&mut a as *mut u64).cast::<c_void>(),
+            (&mut va as *mut u32).cast::<c_void>(),
+            (&mut dn as *mut u64).cast::<c_void>(),
+        ];
+        // 16 bytes per thread (see SOURCE); at least one block, which stores the signal.
+        let per = 16 / dtype.size();
+        let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.blocks);
+        self.launch_grid(stream, f, &mut params, blocks, 512)
+    }
+
+    fn launch_grid(
+        &self,
+        stream: &GpuStream,
+        f: sys::CUfunction,
+        params: &mut [*mut c_void],
+        blocks: u32,
+        threads: u32,
+    ) -> Result<()> {
+        if !Arc::ptr_eq(stream.context(), &self.context) {
+            return Err(Error::InvalidArgument {
+                reason: "the stream belongs to another GPU than the kernels".into(),
+            });
+        }
+        let s = stream.bind()?;
+        // SAFETY: f takes exactly the parameters given (the callers above pass device
+        // addresses of live words and in-bounds ranges they checked, and plain integers); the
+        // memory outlives the queued work (its owners wait for their streams before freeing).
+        unsafe { result::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, s, params) }
+            .map_err(|e| cuda_error("cuLaunchKernel", e))
+    }
+
     fn launch(
         &self,
         stream: &GpuStream,
@@ -419,6 +671,24 @@ impl ReduceKernels {
         unsafe { result::launch_kernel(f, (blocks, 1, 1), (512, 1, 1), 0, s, params) }
             .map_err(|e| cuda_error("cuLaunchKernel", e))
     }
+}
+
+/// The kernel of `table` for `dtype` and `op` (`Avg` sums: the division is a kernel of its own).
+fn pick(
+    table: &[((DataType, ReduceOp), sys::CUfunction)],
+    dtype: DataType,
+    op: ReduceOp,
+) -> sys::CUfunction {
+    let op = if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    table
+        .iter()
+        .find(|(k, _)| *k == (dtype, op))
+        .map(|(_, f)| *f)
+        .expect("every pair is loaded")
 }
 
 /// `count` elements of `dtype` at byte `offset` are aligned and inside `b`.

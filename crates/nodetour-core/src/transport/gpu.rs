@@ -24,6 +24,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, sys};
 
 use crate::cuda::GpuStream;
+use crate::cuda::reduce::{GuardWords, ReduceKernels};
 use crate::cuda::result::cuda_error;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, RdmaBuffer, SharedHostMemory, ShmDir, ShmName};
@@ -142,6 +143,172 @@ pub trait FlagPage: Send + Sync {
     fn enqueue_set(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()>;
     /// Sets word `index` from the host, now.
     fn store(&self, index: u32, value: u32) -> Result<()>;
+    /// The device address of word `index` (checked against the page), for kernels.
+    fn address(&self, index: u32) -> Result<u64>;
+}
+
+/// A word of this rank's host flag page that its host sets, once, when it aborts, and that
+/// nothing clears. Every guarded wait ([`enqueue_wait`]) ends once it is set, whatever a peer
+/// stores into the words it waits for later; and the guarded work after such a wait on its
+/// stream ([`enqueue_signal`], [`enqueue_reduce_then_signal`], [`CudaIpcSender::enqueue_send`],
+/// [`ShmSender::enqueue_send`]) writes a peer's memory only if the wait ended because its words
+/// were reached (the peer's credit, the peer's data), not because of the stop. So an aborted
+/// rank's streams drain, and write nothing into a peer's memory that the peer has not granted.
+#[derive(Clone)]
+pub struct StopWord {
+    page: Arc<Flags>,
+    index: u32,
+}
+
+impl StopWord {
+    /// Word `index` of `page` (this rank's own page).
+    pub fn new(page: Arc<Flags>, index: u32) -> Result<StopWord> {
+        page.offset(index)?;
+        Ok(StopWord { page, index })
+    }
+
+    /// Sets the word from the host (a plain store: no CUDA call).
+    pub fn set(&self) -> Result<()> {
+        self.page.store(self.index, 1)
+    }
+
+    /// Whether the word is set.
+    pub fn is_set(&self) -> bool {
+        self.page.read(self.index).is_ok_and(|v| v != 0)
+    }
+}
+
+/// One stream's guard: the rank's [`StopWord`], and the stream's latch (what its last guarded
+/// wait found) and completion counter, in this GPU's memory. One per stream: the stream's
+/// kernels run one at a time, so they share these words without a race.
+pub struct StreamGuard {
+    stop: StopWord,
+    words: DeviceBuffer,
+}
+
+/// Offsets in a [`StreamGuard`]'s words (a cache line apart).
+const LATCH: usize = 0;
+const DONE: usize = 64;
+
+impl StreamGuard {
+    /// A guard on `context`'s GPU for one stream of the rank whose stop word is `stop`.
+    pub fn new(context: &Arc<CudaContext>, stop: StopWord) -> Result<StreamGuard> {
+        Ok(StreamGuard {
+            stop,
+            words: DeviceBuffer::new(context, DONE + 4)?, // zeroed
+        })
+    }
+
+    /// The rank's stop word.
+    pub fn stop(&self) -> &StopWord {
+        &self.stop
+    }
+
+    fn words(&self) -> Result<GuardWords> {
+        Ok(GuardWords {
+            stop: FlagPage::address(&*self.stop.page, self.stop.index)?,
+            latch: self.words.device_ptr() + LATCH as u64,
+            done: self.words.device_ptr() + DONE as u64,
+        })
+    }
+}
+
+/// A word of a flag page and a value: what a guarded kernel waits for or stores.
+pub type FlagValue<'a> = (&'a dyn FlagPage, u32, u32);
+
+fn at((page, index, value): FlagValue<'_>) -> Result<(u64, u32)> {
+    Ok((page.address(index)?, value))
+}
+
+fn at_opt(f: Option<FlagValue<'_>>) -> Result<Option<(u64, u32)>> {
+    f.map(at).transpose()
+}
+
+/// The guarded send into `dst`, a device address of `len` bytes the caller checked.
+#[allow(clippy::too_many_arguments)]
+fn send_to(
+    stream: &GpuStream,
+    kernels: &ReduceKernels,
+    guard: &StreamGuard,
+    dst: u64,
+    src: &DeviceBuffer,
+    src_offset: usize,
+    len: usize,
+    first: FlagValue<'_>,
+    second: Option<FlagValue<'_>>,
+) -> Result<()> {
+    let (first, second) = (at(first)?, at_opt(second)?);
+    kernels.send_guarded(
+        stream,
+        guard.words()?,
+        dst,
+        src,
+        src_offset,
+        len,
+        first,
+        second,
+    )
+}
+
+/// Queues on `stream` a guarded wait (a one-thread kernel of `kernels`): until word `first`
+/// equals its value (or, without `first_equal`, reaches it in the cyclic comparison), then
+/// `second` reaches its value, or until the stop word is set. With neither word it only
+/// records whether the stop word is set. The guarded work queued after it on `stream` writes
+/// a peer's memory only if the words were reached.
+pub fn enqueue_wait(
+    stream: &GpuStream,
+    kernels: &ReduceKernels,
+    guard: &StreamGuard,
+    first: Option<FlagValue<'_>>,
+    first_equal: bool,
+    second: Option<FlagValue<'_>>,
+) -> Result<()> {
+    let first = at_opt(first)?.map(|(a, v)| (a, v, first_equal));
+    kernels.wait_words(stream, first, at_opt(second)?, guard.words()?)
+}
+
+/// Queues on `stream` (a one-thread kernel of `kernels`): if the stream's last guarded wait
+/// found its words, `first` := its value, then `second`, each after a system-wide memory fence
+/// (whoever sees a value sees what the stream wrote before).
+pub fn enqueue_signal(
+    stream: &GpuStream,
+    kernels: &ReduceKernels,
+    guard: &StreamGuard,
+    first: FlagValue<'_>,
+    second: Option<FlagValue<'_>>,
+) -> Result<()> {
+    kernels.signal(stream, guard.words()?, at(first)?, at_opt(second)?)
+}
+
+/// Queues on `stream` one kernel of `kernels`: if the stream's last guarded wait found its
+/// words, `dst[dst_offset..] = op(dst, src[src_offset..])` over `count` elements of `dtype`
+/// (see [`ReduceKernels::reduce`]), then, once every element is done, `signal` := its value.
+#[allow(clippy::too_many_arguments)]
+pub fn enqueue_reduce_then_signal(
+    stream: &GpuStream,
+    kernels: &ReduceKernels,
+    guard: &StreamGuard,
+    dtype: crate::dtype::DataType,
+    op: crate::dtype::ReduceOp,
+    dst: &DeviceBuffer,
+    dst_offset: usize,
+    src: &DeviceBuffer,
+    src_offset: usize,
+    count: usize,
+    signal: FlagValue<'_>,
+) -> Result<()> {
+    kernels.reduce_then_signal(
+        stream,
+        guard.words()?,
+        dtype,
+        op,
+        dst,
+        dst_offset,
+        src,
+        src_offset,
+        count,
+        at(signal)?,
+    )
 }
 
 impl FlagPage for Flags {
@@ -153,6 +320,9 @@ impl FlagPage for Flags {
     }
     fn store(&self, index: u32, value: u32) -> Result<()> {
         Flags::store(self, index, value)
+    }
+    fn address(&self, index: u32) -> Result<u64> {
+        self.mem.device_address(self.offset(index)?, 4)
     }
 }
 
@@ -219,6 +389,9 @@ impl FlagPage for DeviceFlags {
     fn store(&self, index: u32, value: u32) -> Result<()> {
         store_device_word(self.slot.buffer.context(), self.address(index)?, value)
     }
+    fn address(&self, index: u32) -> Result<u64> {
+        DeviceFlags::address(self, index)
+    }
 }
 
 /// A peer's [`DeviceFlags`], mapped into this rank's GPU (to set its words).
@@ -259,6 +432,9 @@ impl FlagPage for PeerDeviceFlags {
     }
     fn store(&self, index: u32, value: u32) -> Result<()> {
         store_device_word(&self.mapping.context, self.address(index)?, value)
+    }
+    fn address(&self, index: u32) -> Result<u64> {
+        PeerDeviceFlags::address(self, index)
     }
 }
 
@@ -511,6 +687,30 @@ impl CudaIpcSender {
         self.check(src, src_offset, dst_offset, len)?;
         kernels.copy_to_address(stream, self.mapping.dst + dst_offset, src, src_offset, len)
     }
+
+    /// Queues on `stream` one kernel of `kernels` (this GPU's): if the stream's last guarded
+    /// wait ([`enqueue_wait`], for the receiver's credit) found its words, it copies `len` bytes
+    /// of `src` at `src_offset` into the peer's slot at `dst_offset` and, once every byte has
+    /// landed, stores `first` and then `second` (e.g. the descriptor word and the ready flag).
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue_send(
+        &self,
+        stream: &GpuStream,
+        kernels: &ReduceKernels,
+        guard: &StreamGuard,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        dst_offset: u64,
+        len: usize,
+        first: FlagValue<'_>,
+        second: Option<FlagValue<'_>>,
+    ) -> Result<()> {
+        self.check(src, src_offset, dst_offset, len)?;
+        let dst = self.mapping.dst + dst_offset;
+        send_to(
+            stream, kernels, guard, dst, src, src_offset, len, first, second,
+        )
+    }
 }
 
 /// A receiver's staging slot in shared host memory (the shm transport).
@@ -618,6 +818,28 @@ impl ShmSender {
             self.flags.enqueue_set(stream, self.rank, v)?;
         }
         Ok(())
+    }
+
+    /// Like [`CudaIpcSender::enqueue_send`], into the peer's host slot at `slot_offset`
+    /// (through the registered mapping: the SMs write host memory).
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue_send(
+        &self,
+        stream: &GpuStream,
+        kernels: &ReduceKernels,
+        guard: &StreamGuard,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        slot_offset: usize,
+        len: usize,
+        first: FlagValue<'_>,
+        second: Option<FlagValue<'_>>,
+    ) -> Result<()> {
+        src.check("GPU write source", src_offset, len)?;
+        let dst = self.mem.device_address(slot_offset, len)?;
+        send_to(
+            stream, kernels, guard, dst, src, src_offset, len, first, second,
+        )
     }
 }
 
