@@ -19,11 +19,20 @@
 //! Two ranks with at most [`ONE_STEP_MAX`] bytes skip the ring: each GPU combines one half of
 //! both buffers and writes the result into both, one kernel per rank (lower latency).
 //!
+//! Failure: every rank is in this process and waits only on CUDA events of the group's own
+//! work, so nothing here waits on a peer that can vanish. [`GpuGroup::abort_handle`] still ends
+//! the group from any thread (the next call, and [`GpuGroup::wait`], return the typed error;
+//! work already queued finishes), a collective that failed half queued poisons the group (its
+//! markers no longer describe a whole collective), and [`GpuGroup::wait`] polls only the group's
+//! own end markers, with a deadline. Dropping the group waits for its own markers (at most
+//! [`TEARDOWN_DEADLINE`]) before it unloads kernels, and leaks them past it.
+//!
 //! The schedule, in pull form: at reduce-scatter step `s` rank `r` combines segment `r − 1 − s`
 //! of rank `r − 1` into its own; after `N − 1` steps it owns the final segment `r + 1` (divided
 //! by `N` there for `Avg`); at all-gather step `s` it copies segment `r − s` from rank `r − 1`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::reduce::ReduceKernels;
@@ -39,6 +48,8 @@ struct Member {
     kernels: Arc<ReduceKernels>,
     /// `markers[0]`: the start; `markers[k + 1]`: the end of step `k`.
     markers: Vec<GpuEvent>,
+    /// Recorded on this rank's stream after each collective: what `wait` and `Drop` poll.
+    end: GpuEvent,
 }
 
 /// A ring of ranks on the GPUs of this process.
@@ -47,7 +58,40 @@ pub struct GpuGroup {
     path: String,
     kernel_copy_max: usize,
     one_step_max: usize,
+    abort: GroupAbort,
 }
+
+/// Ends a [`GpuGroup`] from any thread. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct GroupAbort {
+    failed: Arc<Mutex<Option<Error>>>,
+}
+
+impl GroupAbort {
+    /// Ends the group: its next call and [`GpuGroup::wait`] return [`Error::Aborted`] with
+    /// `reason` (work already queued on the streams still finishes: it waits on nothing outside
+    /// this process).
+    pub fn abort(&self, reason: &str) {
+        self.fail(Error::Aborted {
+            reason: reason.to_owned(),
+        });
+    }
+
+    /// The error the group ended with, if it did.
+    pub fn error(&self) -> Option<Error> {
+        self.failed.lock().ok().and_then(|f| f.clone())
+    }
+
+    fn fail(&self, e: Error) {
+        if let Ok(mut f) = self.failed.lock() {
+            f.get_or_insert(e);
+        }
+    }
+}
+
+/// How long dropping a group waits for its queued work before it leaks its kernels rather than
+/// unload them under running work.
+pub const TEARDOWN_DEADLINE: Duration = Duration::from_secs(10);
 
 /// A broadcast moves in up to this many chunks, pipelined along the ring (chunks of at least
 /// [`BROADCAST_CHUNK_MIN`] bytes).
@@ -130,6 +174,7 @@ impl GpuGroup {
                 context: ctx.clone(),
                 kernels: k,
                 markers,
+                end: GpuEvent::marker(ctx).map_err(|e| gpu_error("creating markers", e))?,
             });
         }
         let path = if n == 1 {
@@ -153,6 +198,7 @@ impl GpuGroup {
             path,
             kernel_copy_max: KERNEL_COPY_MAX,
             one_step_max: ONE_STEP_MAX,
+            abort: GroupAbort::default(),
         })
     }
 
@@ -191,16 +237,94 @@ impl GpuGroup {
     ) -> Result<()> {
         let n = self.members.len();
         self.check(buffers, streams, count, dtype)?;
-        if count == 0 || n == 1 {
-            return Ok(());
+        self.queue(streams, |g| {
+            if count == 0 || n == 1 {
+                return Ok(());
+            }
+            let size = dtype.size();
+            if n == 2 && count * size <= g.one_step_max {
+                g.record_start(streams)?;
+                return g.one_step(buffers, streams, count, dtype, op);
+            }
+            let seg = |i: usize| (i * count / n, (i + 1) * count / n - i * count / n);
+            g.ring(buffers, streams, dtype, Some((op, 1)), true, &seg)
+        })
+    }
+
+    /// A handle that ends the group from another thread (see [`GroupAbort`]).
+    pub fn abort_handle(&self) -> GroupAbort {
+        self.abort.clone()
+    }
+
+    /// Ends the group now (see [`GroupAbort::abort`]).
+    pub fn abort(&self, reason: &str) {
+        self.abort.abort(reason);
+    }
+
+    /// Waits until every collective queued so far has finished on every rank's stream, at most
+    /// `timeout` (spins briefly, then sleeps in growing steps up to 1 ms); polls only this
+    /// group's end markers, never the whole device. An aborted group returns its error once
+    /// its work has finished; past the deadline the group is aborted and the error says so.
+    pub fn wait(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let spin_until = Instant::now() + Duration::from_micros(50);
+        let mut nap = Duration::from_micros(10);
+        loop {
+            if self.finished()? {
+                return match self.abort.error() {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                };
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let e = Error::Timeout {
+                    waiting_for: "the GPU group's collectives".into(),
+                    after: timeout,
+                };
+                self.abort.fail(e.clone());
+                return Err(e);
+            }
+            if now >= spin_until {
+                std::thread::sleep(nap.min(deadline - now));
+                nap = (nap * 2).min(Duration::from_millis(1));
+            } else {
+                std::hint::spin_loop();
+            }
         }
-        let size = dtype.size();
-        if n == 2 && count * size <= self.one_step_max {
-            self.record_start(streams)?;
-            return self.one_step(buffers, streams, count, dtype, op);
+    }
+
+    fn finished(&self) -> Result<bool> {
+        for m in &self.members {
+            if !m
+                .end
+                .is_complete()
+                .map_err(|e| gpu_error("asking about the collective", e))?
+            {
+                return Ok(false);
+            }
         }
-        let seg = |i: usize| (i * count / n, (i + 1) * count / n - i * count / n);
-        self.ring(buffers, streams, dtype, Some((op, 1)), true, &seg)
+        Ok(true)
+    }
+
+    /// Runs `f` (which queues one collective on `streams`) unless the group has ended, then
+    /// records each rank's end marker. A failure while queueing (the streams may hold part of
+    /// the collective) ends the group with that error.
+    fn queue(&mut self, streams: &[&GpuStream], f: impl FnOnce(&Self) -> Result<()>) -> Result<()> {
+        if let Some(e) = self.abort.error() {
+            return Err(e);
+        }
+        let queued = f(self).and_then(|()| {
+            for (m, s) in self.members.iter().zip(streams) {
+                s.record_marker(&m.end)
+                    .map_err(|e| gpu_error("queueing the end of the collective", e))?;
+            }
+            Ok(())
+        });
+        if let Err(e) = &queued {
+            self.abort.fail(e.clone());
+        }
+        queued
     }
 
     /// Queues an in-place reduce-scatter in NCCL's in-place layout: each buffer holds
@@ -222,11 +346,13 @@ impl GpuGroup {
                 reason: format!("{recv_count} elements × {n} ranks overflow"),
             })?;
         self.check(buffers, streams, total, dtype)?;
-        if recv_count == 0 || n == 1 {
-            return Ok(());
-        }
-        let seg = |i: usize| (i * recv_count, recv_count);
-        self.ring(buffers, streams, dtype, Some((op, 2)), false, &seg)
+        self.queue(streams, |g| {
+            if recv_count == 0 || n == 1 {
+                return Ok(());
+            }
+            let seg = |i: usize| (i * recv_count, recv_count);
+            g.ring(buffers, streams, dtype, Some((op, 2)), false, &seg)
+        })
     }
 
     /// Queues an in-place all-gather in NCCL's in-place layout: each buffer holds
@@ -244,11 +370,13 @@ impl GpuGroup {
             reason: format!("{count} elements × {n} ranks overflow"),
         })?;
         self.check(buffers, streams, total, dtype)?;
-        if count == 0 || n == 1 {
-            return Ok(());
-        }
-        let seg = |i: usize| (i * count, count);
-        self.ring(buffers, streams, dtype, None, true, &seg)
+        self.queue(streams, |g| {
+            if count == 0 || n == 1 {
+                return Ok(());
+            }
+            let seg = |i: usize| (i * count, count);
+            g.ring(buffers, streams, dtype, None, true, &seg)
+        })
     }
 
     /// Queues a broadcast of the first `bytes` bytes of rank `root`'s buffer into every
@@ -269,6 +397,19 @@ impl GpuGroup {
             });
         }
         self.check(buffers, streams, bytes, DataType::U8)?;
+        self.queue(streams, |me| {
+            me.broadcast_queue(buffers, streams, bytes, root)
+        })
+    }
+
+    fn broadcast_queue(
+        &self,
+        buffers: &[&DeviceBuffer],
+        streams: &[&GpuStream],
+        bytes: usize,
+        root: usize,
+    ) -> Result<()> {
+        let n = self.members.len();
         if bytes == 0 || n == 1 {
             return Ok(());
         }
@@ -497,5 +638,28 @@ impl GpuGroup {
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for GpuGroup {
+    fn drop(&mut self) {
+        // Unloading kernels under running work is undefined: wait for this group's own work
+        // (its end markers, never the whole device), and leak the kernels past the deadline.
+        let deadline = Instant::now() + TEARDOWN_DEADLINE;
+        let mut nap = Duration::from_micros(10);
+        while !self.finished().unwrap_or(true) {
+            if Instant::now() >= deadline {
+                tracing::error!(
+                    "a GPU group's collectives did not finish within {TEARDOWN_DEADLINE:?}: \
+                     leaking its kernels"
+                );
+                for m in self.members.drain(..) {
+                    std::mem::forget(m.kernels);
+                }
+                return;
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
     }
 }

@@ -206,6 +206,48 @@ fn bad_arguments_are_typed_errors_before_anything_is_queued() {
     s1.synchronize().unwrap();
 }
 
+/// An abort from another thread ends the group: `wait` returns the typed error once the work
+/// already queued has finished (its result is right: it waits on nothing outside the process),
+/// and every later call is refused with the same error; nothing was written by the refused calls.
+#[test]
+#[ignore = "needs a GPU"]
+fn an_aborted_group_refuses_later_collectives_and_wait_says_why() {
+    let Some(gpus) = gpus() else { return };
+    let ctx = &gpus[0];
+    let mut group = GpuGroup::new(&[ctx.clone(), ctx.clone()]).unwrap();
+    let count = 1 << 18;
+    let (a, b) = (
+        DeviceBuffer::new(ctx, count * 4).unwrap(),
+        DeviceBuffer::new(ctx, count * 4).unwrap(),
+    );
+    let (s0, s1) = (GpuStream::new(ctx).unwrap(), GpuStream::new(ctx).unwrap());
+    let one = 1.0f32.to_ne_bytes().repeat(count);
+    a.copy_from_host(0, &one).unwrap();
+    b.copy_from_host(0, &one).unwrap();
+    let (f32s, sum) = (DataType::F32, ReduceOp::Sum);
+    group
+        .all_reduce(&[&a, &b], &[&s0, &s1], count, f32s, sum)
+        .unwrap();
+    group.wait(std::time::Duration::from_secs(30)).unwrap();
+    let handle = group.abort_handle();
+    std::thread::spawn(move || handle.abort("the test's watchdog"))
+        .join()
+        .unwrap();
+    let waited = group.wait(std::time::Duration::from_secs(30));
+    assert!(matches!(waited, Err(Error::Aborted { .. })), "{waited:?}");
+    let refused = group.all_reduce(&[&a, &b], &[&s0, &s1], count, f32s, sum);
+    assert!(matches!(refused, Err(Error::Aborted { .. })), "{refused:?}");
+    let refused = group.broadcast(&[&a, &b], &[&s0, &s1], count * 4, 0);
+    assert!(matches!(refused, Err(Error::Aborted { .. })), "{refused:?}");
+    // The first collective's result (2.0 everywhere) and nothing after it.
+    let two = 2.0f32.to_ne_bytes().repeat(count);
+    for buf in [&a, &b] {
+        let mut got = vec![0u8; count * 4];
+        buf.copy_to_host(0, &mut got).unwrap();
+        assert!(got == two, "a refused collective changed a buffer");
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn reduce_scatter_and_all_gather_match_the_host_reducer() {
