@@ -65,6 +65,42 @@ pub struct RingJob {
 
 const SLOT_GRANT: usize = SlotGrant::ENCODED_LEN;
 
+/// What a neighbour sent at formation (TcpEndpoint::exchange): the grants it gives this rank
+/// and the queue pair it made for it (verbs).
+struct SetupFrom {
+    /// Its receive slots (this rank is its previous rank).
+    recv: Option<SlotGrant>,
+    /// Its doorbell (this rank is its next rank).
+    bell: Option<SlotGrant>,
+    /// Its queue pair's endpoint description, encoded.
+    endpoint: Option<Vec<u8>>,
+}
+
+impl SetupFrom {
+    fn decode(b: &[u8]) -> anyhow::Result<SetupFrom> {
+        let (&flags, mut rest) = b.split_first().context("an empty setup")?;
+        if flags & !3 != 0 {
+            bail!("unknown setup flags {flags:#x}");
+        }
+        let mut take = |on: bool| -> anyhow::Result<Option<SlotGrant>> {
+            if !on {
+                return Ok(None);
+            }
+            let g = rest.get(..SLOT_GRANT).context("a short setup")?;
+            rest = &rest[SLOT_GRANT..];
+            Ok(Some(SlotGrant::decode(g)?))
+        };
+        let recv = take(flags & 1 != 0)?;
+        let bell = take(flags & 2 != 0)?;
+        let endpoint = (!rest.is_empty()).then(|| rest.to_vec());
+        Ok(SetupFrom {
+            recv,
+            bell,
+            endpoint,
+        })
+    }
+}
+
 impl RingJob {
     /// Forms the job from the launcher environment, for buffers up to `max_bytes`.
     pub fn form(
@@ -131,30 +167,17 @@ impl RingJob {
             len: r.len() as u64,
             remote: r.memory_region().map(|m| m.remote()),
         };
-        // Verbs: a queue pair for every other rank would not scale; the neighbours are known only
-        // after the table (ring order by host), so queue pairs are made for all and only the two
-        // neighbours' are connected. (Host-buffer rings are small; the GPU paths will differ.)
-        let mut prepared: HashMap<u32, PreparedVerbs> = HashMap::new();
-        let mut blob = Vec::new();
-        blob.extend_from_slice(&grant(&recv).encode());
-        blob.extend_from_slice(&grant(&bell).encode());
-        if let Some(l) = &local {
-            for p in (0..world).filter(|p| *p != me) {
-                let (q, e) = l.prepare_for_peer()?;
-                blob.extend_from_slice(&p.to_be_bytes());
-                blob.extend_from_slice(&(e.len() as u16).to_be_bytes());
-                blob.extend_from_slice(&e);
-                prepared.insert(p, q);
-            }
-        }
         let endpoint = TcpEndpoint::bind("0.0.0.0:0", token.clone(), config.timeout)?;
         let ip = nodetour_core::bootstrap::host::local_ip_towards(&info.master_addr, info.port);
         let host = HostIdentity::current();
+        // The bootstrap, which every rank hears, carries no remote key and no queue pair: only
+        // where to reach this rank. What only a neighbour may use goes to that neighbour alone
+        // (TcpEndpoint::exchange, authenticated both ways).
         let entry = PeerEntry {
             rank: me,
             host,
             address: format!("{ip}:{}", endpoint.local_addr()?.port()),
-            blob,
+            blob: Vec::new(),
         };
         let deadline = Deadline::after(config.timeout);
         let job =
@@ -166,9 +189,6 @@ impl RingJob {
             .collect();
         let order = ring_order(&keys);
         let (prev, next) = neighbours(&order, me).context("this rank is not in the ring order")?;
-        let blob_of = |r: u32| job.peers()[r as usize].blob.clone();
-        let next_slots = SlotGrant::decode(&blob_of(next)[..SLOT_GRANT])?;
-        let prev_slots = SlotGrant::decode(&blob_of(prev)[SLOT_GRANT..2 * SLOT_GRANT])?;
         let linked: Vec<u32> = if world == 1 {
             vec![]
         } else if next == prev {
@@ -176,28 +196,59 @@ impl RingJob {
         } else {
             vec![next, prev]
         };
+        // Verbs: queue pairs for the neighbours only.
+        let mut prepared: HashMap<u32, (PreparedVerbs, Vec<u8>)> = HashMap::new();
+        if let Some(l) = &local {
+            for p in linked.iter().copied() {
+                prepared.insert(p, l.prepare_for_peer()?);
+            }
+        }
+        // To the previous rank: the receive slots it writes; to the next: the doorbell it
+        // writes grants into; and the queue pair made for it.
+        let setup_for = |p: u32| {
+            let mut b = vec![u8::from(p == prev) | u8::from(p == next) << 1];
+            if p == prev {
+                b.extend_from_slice(&grant(&recv).encode());
+            }
+            if p == next {
+                b.extend_from_slice(&grant(&bell).encode());
+            }
+            if let Some((_, e)) = prepared.get(&p) {
+                b.extend_from_slice(e);
+            }
+            b
+        };
+        let alive = || job.check();
+        let address = |p: u32| job.peers()[p as usize].address.clone();
+        let setups =
+            endpoint.exchange(&linked, me, world, &address, &setup_for, &alive, deadline)?;
+        let setup_of = |p: u32| -> anyhow::Result<SetupFrom> {
+            SetupFrom::decode(setups.get(&p).context("no setup from a neighbour")?)
+                .with_context(|| format!("rank {p}'s setup"))
+        };
+        let (next_slots, prev_slots) = if world == 1 {
+            (grant(&recv), grant(&bell))
+        } else {
+            let missing = |what: &str, p: u32| format!("rank {p} sent no {what}");
+            (
+                setup_of(next)?
+                    .recv
+                    .with_context(|| missing("receive-slot grant", next))?,
+                setup_of(prev)?
+                    .bell
+                    .with_context(|| missing("doorbell grant", prev))?,
+            )
+        };
         let mut conns: HashMap<u32, Box<dyn HostConnection>> = HashMap::new();
         if let Some(l) = &local {
             for p in linked.iter().copied() {
-                let q = prepared.remove(&p).context("queue pair")?;
-                let theirs = blob_of(p);
-                let mut at = 2 * SLOT_GRANT;
-                let mut remote = None;
-                while at + 6 <= theirs.len() {
-                    let owner = u32::from_be_bytes(theirs[at..at + 4].try_into()?);
-                    let len = u16::from_be_bytes(theirs[at + 4..at + 6].try_into()?) as usize;
-                    if owner == me {
-                        remote = Some(
-                            EndpointDescription::decode(
-                                theirs.get(at + 6..at + 6 + len).context("short blob")?,
-                            )?
-                            .endpoint,
-                        );
-                    }
-                    at += 6 + len;
-                }
-                let remote =
-                    remote.with_context(|| format!("rank {p} made no queue pair for us"))?;
+                let (q, _) = prepared.remove(&p).context("queue pair")?;
+                let remote = EndpointDescription::decode(
+                    &setup_of(p)?
+                        .endpoint
+                        .with_context(|| format!("rank {p} made no queue pair for us"))?,
+                )?
+                .endpoint;
                 let path = PathOptions::new(l.port.port, &l.gid, config);
                 conns.insert(
                     p,
@@ -216,8 +267,6 @@ impl RingJob {
                 }
                 g
             };
-            let alive = || job.check();
-            let address = |p: u32| job.peers()[p as usize].address.clone();
             let tcp_conns = endpoint.connect_mesh(
                 &linked,
                 me,
@@ -435,4 +484,32 @@ struct GpuSide {
 /// The ring position of `rank` (the schedule numbers ranks by position in the ring order).
 fn position(order: &[u32], rank: u32) -> u32 {
     order.iter().position(|r| *r == rank).unwrap_or(0) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_neighbours_setup_decodes_only_what_it_says_it_holds() {
+        let g = SlotGrant {
+            key: 7,
+            len: 4096,
+            remote: None,
+        };
+        let mut both = vec![3u8];
+        both.extend_from_slice(&g.encode());
+        both.extend_from_slice(&g.encode());
+        both.extend_from_slice(b"qp");
+        let s = SetupFrom::decode(&both).unwrap();
+        assert!(s.recv.is_some() && s.bell.is_some());
+        assert_eq!(s.endpoint.as_deref(), Some(&b"qp"[..]));
+        let mut bell_only = vec![2u8];
+        bell_only.extend_from_slice(&g.encode());
+        let s = SetupFrom::decode(&bell_only).unwrap();
+        assert!(s.recv.is_none() && s.bell.is_some() && s.endpoint.is_none());
+        for bad in [&[][..], &[4u8][..], &[1u8, 0, 0][..], &both[..10]] {
+            assert!(SetupFrom::decode(bad).is_err(), "{bad:?}");
+        }
+    }
 }

@@ -365,6 +365,9 @@ impl Drop for TcpConnection {
     }
 }
 
+/// The largest payload [`TcpEndpoint::exchange`] carries each way.
+pub const EXCHANGE_MAX: usize = 64 << 10;
+
 /// A listening endpoint that accepts authenticated connections from ranks of the job.
 pub struct TcpEndpoint {
     listener: TcpListener,
@@ -425,22 +428,84 @@ impl TcpEndpoint {
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
     ) -> Result<HashMap<u32, TcpConnection>> {
+        let streams = self.mesh_streams(peers, my_rank, world_size, address, alive, deadline)?;
+        streams
+            .into_iter()
+            .map(|(p, (s, who))| Ok((p, TcpConnection::start(s, who, self.timeout, &grants(p))?)))
+            .collect()
+    }
+
+    /// Sends `payload(rank)` to every rank in `peers` and returns what each sent back, over
+    /// one authenticated connection per pair (made as in [`Self::connect_mesh`], closed
+    /// afterwards). What only a neighbour may learn (remote keys, queue pair numbers) goes
+    /// this way instead of through the bootstrap, which every rank hears. Payloads are at most
+    /// [`EXCHANGE_MAX`] bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn exchange(
+        &self,
+        peers: &[u32],
+        my_rank: u32,
+        world_size: u32,
+        address: &dyn Fn(u32) -> String,
+        payload: &dyn Fn(u32) -> Vec<u8>,
+        alive: &(dyn Fn() -> Result<()> + Sync),
+        deadline: Deadline,
+    ) -> Result<HashMap<u32, Vec<u8>>> {
+        let streams = self.mesh_streams(peers, my_rank, world_size, address, alive, deadline)?;
+        let mut out = HashMap::new();
+        for (p, (mut s, who)) in streams {
+            let io = |source| Error::Exchange {
+                op: "exchange",
+                peer: who.clone(),
+                source,
+            };
+            let mine = payload(p);
+            if mine.len() > EXCHANGE_MAX {
+                return Err(Error::InvalidArgument {
+                    reason: format!("a setup payload of {} bytes", mine.len()),
+                });
+            }
+            let wait = Some(deadline.remaining().max(Duration::from_millis(1)));
+            s.set_read_timeout(wait).map_err(io)?;
+            s.set_write_timeout(wait).map_err(io)?;
+            s.write_all(&(mine.len() as u32).to_be_bytes())
+                .map_err(io)?;
+            s.write_all(&mine).map_err(io)?;
+            let mut len = [0u8; 4];
+            s.read_exact(&mut len).map_err(io)?;
+            let len = u32::from_be_bytes(len) as usize;
+            if len > EXCHANGE_MAX {
+                return Err(Error::Decode {
+                    what: "setup payload",
+                    reason: format!("{len} bytes from {who} (at most {EXCHANGE_MAX})"),
+                });
+            }
+            let mut theirs = vec![0u8; len];
+            s.read_exact(&mut theirs).map_err(io)?;
+            out.insert(p, theirs);
+        }
+        Ok(out)
+    }
+
+    /// One authenticated stream to every rank in `peers`: dials the lower ranks while
+    /// accepting the higher ones.
+    fn mesh_streams(
+        &self,
+        peers: &[u32],
+        my_rank: u32,
+        world_size: u32,
+        address: &dyn Fn(u32) -> String,
+        alive: &(dyn Fn() -> Result<()> + Sync),
+        deadline: Deadline,
+    ) -> Result<HashMap<u32, (TcpStream, String)>> {
         let higher: Vec<u32> = peers.iter().copied().filter(|p| *p > my_rank).collect();
         std::thread::scope(|s| {
-            let accepting = s.spawn(|| self.accept(&higher, world_size, grants, alive, deadline));
+            let accepting = s.spawn(|| self.accept_streams(&higher, world_size, alive, deadline));
             let mut out = HashMap::new();
             let dialled = peers.iter().filter(|p| **p < my_rank).try_for_each(|&p| {
-                let c = connect(
-                    &address(p),
-                    my_rank,
-                    world_size,
-                    &self.token,
-                    &grants(p),
-                    alive,
-                    self.timeout,
-                    deadline,
-                )?;
-                out.insert(p, c);
+                let addr = address(p);
+                let stream = dial(&addr, my_rank, world_size, &self.token, alive, deadline)?;
+                out.insert(p, (stream, addr));
                 Ok(())
             });
             // The accepting side ends by itself (all accepted, `alive` failed, or the deadline).
@@ -463,22 +528,28 @@ impl TcpEndpoint {
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
     ) -> Result<HashMap<u32, TcpConnection>> {
-        let mut got: HashMap<u32, TcpConnection> = HashMap::new();
+        let streams = self.accept_streams(expected, world_size, alive, deadline)?;
+        streams
+            .into_iter()
+            .map(|(r, (s, who))| Ok((r, TcpConnection::start(s, who, self.timeout, &grants(r))?)))
+            .collect()
+    }
+
+    fn accept_streams(
+        &self,
+        expected: &[u32],
+        world_size: u32,
+        alive: &(dyn Fn() -> Result<()> + Sync),
+        deadline: Deadline,
+    ) -> Result<HashMap<u32, (TcpStream, String)>> {
+        let mut got: HashMap<u32, (TcpStream, String)> = HashMap::new();
         while got.len() < expected.len() {
             match self.listener.accept() {
                 Ok((mut s, peer)) => {
                     let peer = peer.to_string();
                     match self.authenticate(&mut s, &peer, world_size, deadline) {
                         Ok(rank) if expected.contains(&rank) && !got.contains_key(&rank) => {
-                            got.insert(
-                                rank,
-                                TcpConnection::start(
-                                    s,
-                                    format!("rank {rank} at {peer}"),
-                                    self.timeout,
-                                    &grants(rank),
-                                )?,
-                            );
+                            got.insert(rank, (s, format!("rank {rank} at {peer}")));
                         }
                         Ok(rank) => {
                             tracing::warn!(%peer, rank, "refused an unexpected or duplicate tcp connection")
@@ -566,11 +637,22 @@ pub fn connect(
     timeout: Duration,
     deadline: Deadline,
 ) -> Result<TcpConnection> {
-    // A peer that dies while we connect shows up as a reset or EOF here; the liveness mesh knows
-    // why, and its answer (the lost rank) is the useful error.
-    let attempt = connect_authenticated(
-        addr, my_rank, world_size, token, regions, alive, timeout, deadline,
-    );
+    let s = dial(addr, my_rank, world_size, token, alive, deadline)?;
+    TcpConnection::start(s, addr.to_owned(), timeout, regions)
+}
+
+/// Dials `addr` and authenticates both ways. A peer that dies while we connect shows up as a
+/// reset or EOF here; the liveness mesh knows why, and its answer (the lost rank) is the useful
+/// error.
+fn dial(
+    addr: &str,
+    my_rank: u32,
+    world_size: u32,
+    token: &JobToken,
+    alive: &dyn Fn() -> Result<()>,
+    deadline: Deadline,
+) -> Result<TcpStream> {
+    let attempt = dial_authenticated(addr, my_rank, world_size, token, alive, deadline);
     if attempt.is_err() {
         std::thread::sleep(Duration::from_millis(300).min(deadline.remaining()));
         alive()?;
@@ -578,17 +660,14 @@ pub fn connect(
     attempt
 }
 
-#[allow(clippy::too_many_arguments)]
-fn connect_authenticated(
+fn dial_authenticated(
     addr: &str,
     my_rank: u32,
     world_size: u32,
     token: &JobToken,
-    regions: &[SlotRegion],
     alive: &dyn Fn() -> Result<()>,
-    timeout: Duration,
     deadline: Deadline,
-) -> Result<TcpConnection> {
+) -> Result<TcpStream> {
     let mut s = crate::net::connect_retrying(addr, deadline, alive)?;
     let io = |source| Error::Exchange {
         op: "authenticate",
@@ -618,7 +697,7 @@ fn connect_authenticated(
             reason: "the peer did not prove the job token".into(),
         });
     }
-    TcpConnection::start(s, addr.to_owned(), timeout, regions)
+    Ok(s)
 }
 
 /// Two connected ends on the loopback interface, in this process (rank 0 accepting, rank 1
@@ -735,6 +814,58 @@ mod tests {
                 Ok(_) => panic!("connected to an acceptor that did not prove the token"),
             }
         }
+    }
+
+    /// Runs `exchange` between rank 0 (accepting) and rank 1 (dialling) with the given tokens
+    /// and payloads; returns each side's result.
+    #[allow(clippy::type_complexity)]
+    fn exchange_pair(
+        tokens: (&str, &str),
+        payloads: (Vec<u8>, Vec<u8>),
+    ) -> (Result<HashMap<u32, Vec<u8>>>, Result<HashMap<u32, Vec<u8>>>) {
+        let timeout = Duration::from_secs(5);
+        let e0 = TcpEndpoint::bind("127.0.0.1:0", JobToken::new(tokens.0), timeout).unwrap();
+        let e1 = TcpEndpoint::bind("127.0.0.1:0", JobToken::new(tokens.1), timeout).unwrap();
+        let a0 = e0.local_addr().unwrap().to_string();
+        let (p0, p1) = payloads;
+        std::thread::scope(|s| {
+            let t = s.spawn(|| {
+                e1.exchange(
+                    &[0],
+                    1,
+                    2,
+                    &|_| a0.clone(),
+                    &|_| p1.clone(),
+                    &|| Ok(()),
+                    Deadline::after(Duration::from_secs(2)),
+                )
+            });
+            let r0 = e0.exchange(
+                &[1],
+                0,
+                2,
+                &|_| unreachable!("rank 0 dials no one"),
+                &|_| p0.clone(),
+                &|| Ok(()),
+                Deadline::after(Duration::from_secs(2)),
+            );
+            (r0, t.join().unwrap())
+        })
+    }
+
+    #[test]
+    fn neighbours_exchange_setup_payloads_only_with_the_job_token() {
+        let (r0, r1) = exchange_pair(("t", "t"), (b"from 0".to_vec(), b"from 1".to_vec()));
+        assert_eq!(r0.unwrap()[&1], b"from 1");
+        assert_eq!(r1.unwrap()[&0], b"from 0");
+        // A stranger (wrong token) learns nothing and gets nothing: the acceptor refuses it and
+        // reaches its deadline; the dialler is refused.
+        let (r0, r1) = exchange_pair(("t", "wrong"), (b"secret".to_vec(), b"x".to_vec()));
+        assert!(matches!(r0, Err(Error::Timeout { .. })), "{r0:?}");
+        assert!(r1.is_err());
+        // An oversized payload is refused before it is sent.
+        let (_, r1) = exchange_pair(("t", "t"), (vec![], vec![0; EXCHANGE_MAX + 1]));
+        assert!(matches!(r1, Err(Error::InvalidArgument { .. })), "{r1:?}");
     }
 
     #[test]
