@@ -62,6 +62,11 @@ struct Args {
     /// collectives; its call must return `Aborted`, the others fail within 2x the timeout.
     #[arg(long)]
     abort_rank: Option<u32>,
+    /// Deterministic drills: every other rank holds this many milliseconds before collective
+    /// 50, and the kill or abort rank fails 5 ms into collective 50, so the failure always
+    /// lands while that rank waits on a held peer in the middle of the collective.
+    #[arg(long)]
+    hold_ms: Option<u64>,
 }
 
 /// Resident memory (KiB) and open file descriptors of this process.
@@ -121,7 +126,9 @@ fn run() -> anyhow::Result<()> {
             .local_rank
             .unwrap_or(ring.rank);
         let ordinal = local as usize % n;
-        Some(CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("GPU {ordinal}: {e:?}"))?)
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("GPU {ordinal}: {e:?}"))?;
+        let stream = nodetour_core::cuda::GpuStream::new(&ctx)?;
+        Some((ctx, stream))
     } else {
         None
     };
@@ -139,10 +146,10 @@ fn run() -> anyhow::Result<()> {
         let mut data = pattern(dtype, ring.rank, args.count);
         match &gpu {
             None => ring.all_reduce(&mut data, dtype, op)?,
-            Some(ctx) => {
+            Some((ctx, stream)) => {
                 let buffer = DeviceBuffer::new(ctx, data.len().max(1))?;
                 buffer.copy_from_host(0, &data)?;
-                ring.all_reduce_gpu(&buffer, args.count, dtype, op)?;
+                ring.all_reduce_gpu(&buffer, args.count, dtype, op, stream)?;
                 buffer.copy_to_host(0, &mut data)?;
             }
         }
@@ -161,8 +168,25 @@ fn run() -> anyhow::Result<()> {
         let (mut k, mut slowest) = (0u64, 0f64);
         let until = args.seconds.map(std::time::Duration::from_secs);
         let mut stop = false;
+        let failing = args.kill_rank == Some(me) || args.abort_rank == Some(me);
+        let hold = args.hold_ms.map(std::time::Duration::from_millis);
+        let five_ms = std::time::Duration::from_millis(5);
         while !stop && args.repeat.is_none_or(|n| k < n) {
-            if args.kill_rank == Some(me) && k == 50 {
+            if let (Some(h), 50, false) = (hold, k, failing) {
+                println!("HOST_RING_DRILL rank={me}: holding {h:?} before collective {k}");
+                std::thread::sleep(h);
+            }
+            if args.kill_rank == Some(me) && k == 50 && hold.is_some() {
+                println!(
+                    "HOST_RING_DRILL rank={me}: killing myself (SIGKILL) 5 ms into collective {k}"
+                );
+                std::thread::spawn(move || {
+                    std::thread::sleep(five_ms);
+                    let _ = std::process::Command::new("kill")
+                        .args(["-9", &std::process::id().to_string()])
+                        .status();
+                });
+            } else if args.kill_rank == Some(me) && k == 50 {
                 println!(
                     "HOST_RING_DRILL rank={me}: killing myself (SIGKILL) after {k} collectives"
                 );
@@ -173,7 +197,12 @@ fn run() -> anyhow::Result<()> {
             }
             if args.abort_rank == Some(me) && k == 50 {
                 let handle = ring.abort_handle();
-                std::thread::spawn(move || handle.abort("the abort drill's watchdog"));
+                std::thread::spawn(move || {
+                    if hold.is_some() {
+                        std::thread::sleep(five_ms);
+                    }
+                    handle.abort("the abort drill's watchdog")
+                });
             }
             let c = Instant::now();
             if let Err(e) = run_case(&mut ring, k as usize) {
@@ -234,7 +263,7 @@ fn run() -> anyhow::Result<()> {
         ring.world,
         args.transport,
         match &gpu {
-            Some(c) => format!(" buffers=GPU{} (staged)", c.ordinal()),
+            Some((c, _)) => format!(" buffers=GPU{} (staged)", c.ordinal()),
             None => String::new(),
         },
         cases.len(),

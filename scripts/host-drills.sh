@@ -7,7 +7,9 @@
 # does so in time with the right cause, and no rank returned Ok with a wrong result. verbs runs
 # inside the soft-RoCE VM (scripts/rdma-vm.sh --nodes 2), on NODETOUR_VM_DEV0/1.
 # Prints one HOST_DRILL_SUMMARY line per drill; exit status 1 if any trial failed.
-# HOST_DRILL_KINDS picks a subset (default "kill abort").
+# HOST_DRILL_KINDS picks a subset (default "kill abort"); HOST_DRILL_ARGS adds arguments (e.g.
+# "--hold-ms 300": the deterministic variant, where the failure always lands while the failing
+# rank waits on held peers in the middle of collective 50).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 transport=${1:?usage: $0 tcp|verbs [TRIALS] [RANKS] [LOG]}
@@ -22,7 +24,7 @@ for drill in ${HOST_DRILL_KINDS:-kill abort}; do
     ok=0 bad=0 wrong=0 verified=0 worst=0
     for ((i = 1; i <= trials; i++)); do
         res=$(timeout 120 scripts/launch-local.sh -n "$ranks" --timeout 100 -- "$BIN/allreduce_check" "${extra[@]}" \
-            --count 4099 --slot-bytes 4096 --repeat 1000 --"$drill"-rank 2 2>&1)
+            --count 4099 --slot-bytes 4096 --repeat 1000 --"$drill"-rank 2 ${HOST_DRILL_ARGS:-} 2>&1)
         { echo "=== $transport $drill trial $i"; echo "$res"; } >>"$log"
         if [[ $drill == kill ]]; then
             reported=$(grep -c 'HOST_RING_DRILL rank=[0-9]* failed_at.*rank 2 lost' <<<"$res")

@@ -329,27 +329,32 @@ impl RingJob {
 
     /// Allreduces the first `count` elements of GPU memory `buffer` in place, staged through
     /// this job's host slots (the path for GPUs whose transport cannot reach GPU memory:
-    /// tcp, or verbs without GPUDirect). Synchronous.
+    /// tcp, or verbs without GPUDirect). Runs on `stream` (a stream of the buffer's GPU) after
+    /// the work queued there, and returns once it has finished: it waits for `stream` only,
+    /// never for the whole device.
     pub fn all_reduce_gpu(
         &mut self,
         buffer: &DeviceBuffer,
         count: usize,
         dtype: DataType,
         op: ReduceOp,
+        stream: &GpuStream,
     ) -> anyhow::Result<()> {
-        let same = |g: &GpuSide| Arc::ptr_eq(g.stream.context(), buffer.context());
+        if !Arc::ptr_eq(stream.context(), buffer.context()) {
+            bail!("the stream is not on the buffer's GPU");
+        }
+        let same = |g: &GpuSide| Arc::ptr_eq(g.scratch.context(), buffer.context());
         if !self.gpu.as_ref().is_some_and(same) {
             let ctx = buffer.context();
             self.gpu = Some(GpuSide {
                 scratch: DeviceBuffer::new(ctx, self.options.slot_bytes)?,
-                stream: GpuStream::new(ctx)?,
                 kernels: ReduceKernels::load(ctx)?,
             });
         }
         let gpu = self.gpu.take().expect("set above");
         let staging = GpuStaging {
             kernels: &gpu.kernels,
-            stream: &gpu.stream,
+            stream,
             scratch: &gpu.scratch,
         };
         let result = self.with_ring(|ring, seq, alive| {
@@ -477,7 +482,6 @@ impl HostAbortHandle {
 /// The GPU side of the staged path: kernels, a stream and one slot of scratch.
 struct GpuSide {
     scratch: DeviceBuffer,
-    stream: GpuStream,
     kernels: ReduceKernels,
 }
 

@@ -273,7 +273,8 @@ impl ChunkOps for HostOps {
 pub struct GpuStaging<'a> {
     /// The kernels of the buffer's GPU.
     pub kernels: &'a ReduceKernels,
-    /// A stream of the buffer's GPU.
+    /// A stream of the buffer's GPU (the caller's: the collective runs after its queued work,
+    /// and the call waits for this stream only).
     pub stream: &'a GpuStream,
     /// At least `slot_bytes` of GPU memory.
     pub scratch: &'a DeviceBuffer,
@@ -299,7 +300,8 @@ impl ChunkOps for GpuOps<'_> {
     fn reduce(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()> {
         let Chunk { slot, at, n } = c;
         let st = self.staging;
-        recv.copy_to_gpu(slot, st.scratch, 0, n).map_err(gpu)?;
+        recv.copy_to_gpu(slot, st.scratch, 0, n, st.stream)
+            .map_err(gpu)?;
         let count = n / self.dtype.size();
         st.kernels
             .reduce(
@@ -313,13 +315,15 @@ impl ChunkOps for GpuOps<'_> {
                 count,
             )
             .map_err(gpu)?;
-        // Waits for the reduce (the copy synchronises the GPU first).
-        work.copy_from_gpu(at, self.buffer, at, n).map_err(gpu)
+        // After the reduce (the same stream), waited for on that stream.
+        work.copy_from_gpu(at, self.buffer, at, n, st.stream)
+            .map_err(gpu)
     }
 
     fn copy(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()> {
         let Chunk { slot, at, n } = c;
-        recv.copy_to_gpu(slot, self.buffer, at, n).map_err(gpu)?;
+        recv.copy_to_gpu(slot, self.buffer, at, n, self.staging.stream)
+            .map_err(gpu)?;
         recv.read_at(slot, &mut self.bounce[..n])?;
         work.write_at(at, &self.bounce[..n])?;
         Ok(())
@@ -376,9 +380,10 @@ impl HostRing<'_> {
     /// Allreduces the first `count` elements of GPU memory `buffer` in place, staged through
     /// host slots: the buffer is copied to the work region, every chunk that lands is copied to
     /// the GPU and reduced there by `staging`'s kernels, and reduced chunks go back to the work
-    /// region to be sent on. Synchronous: starts after all work queued on the buffer's GPU and
-    /// returns with the result in `buffer` (its contents are undefined when the collective
-    /// failed). `seq` as in [`Self::all_reduce`].
+    /// region to be sent on. Starts after the work queued on `staging.stream` (the caller's
+    /// stream: only that stream is waited for, never the whole device) and returns with the
+    /// result in `buffer` (its contents are undefined when the collective failed). `seq` as in
+    /// [`Self::all_reduce`].
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_gpu(
         &mut self,
@@ -412,7 +417,9 @@ impl HostRing<'_> {
         let plan = self.plan(bytes, dtype)?;
         let what =
             Descriptor::all_reduce(count as u64, dtype, op, Algorithm::HostRingGpuStaged, seq);
-        self.work.copy_from_gpu(0, buffer, 0, bytes).map_err(gpu)?;
+        self.work
+            .copy_from_gpu(0, buffer, 0, bytes, staging.stream)
+            .map_err(gpu)?;
         let mut ops = GpuOps {
             staging,
             buffer,

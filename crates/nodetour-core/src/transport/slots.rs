@@ -111,36 +111,38 @@ impl SlotRegion {
         Ok(())
     }
 
-    /// Copies `len` bytes at `offset` into GPU memory `dst` at `dst_offset` (synchronously:
-    /// on return the bytes are in GPU memory, visible to work queued afterwards on any stream).
-    /// Fast when the region's buffer was registered with CUDA before it became a region.
+    /// Copies `len` bytes at `offset` into GPU memory `dst` at `dst_offset` on `stream`, after
+    /// the work queued there, and waits for `stream` (only) until they have landed. Fast when
+    /// the region's buffer was registered with CUDA before it became a region.
     pub fn copy_to_gpu(
         &self,
         offset: usize,
         dst: &crate::memory::DeviceBuffer,
         dst_offset: usize,
         len: usize,
+        stream: &crate::cuda::GpuStream,
     ) -> Result<()> {
         let src = self.ptr_at("copy to GPU", offset, len)?;
         dst.check("copy to GPU", dst_offset, len)?;
         let _cpu = self.cpu_lock();
         fence(Ordering::Acquire);
-        crate::cuda::copy::htod(dst, dst_offset, src, len)
+        crate::cuda::copy::htod(dst, dst_offset, src, len, stream)
     }
 
-    /// Copies `len` bytes of GPU memory `src` at `src_offset` into the region at `offset`
-    /// (synchronously).
+    /// Copies `len` bytes of GPU memory `src` at `src_offset` into the region at `offset` on
+    /// `stream`, after the work queued there, and waits for `stream` (only) until they landed.
     pub fn copy_from_gpu(
         &self,
         offset: usize,
         src: &crate::memory::DeviceBuffer,
         src_offset: usize,
         len: usize,
+        stream: &crate::cuda::GpuStream,
     ) -> Result<()> {
         let dst = self.ptr_at("copy from GPU", offset, len)?;
         src.check("copy from GPU", src_offset, len)?;
         let _cpu = self.cpu_lock();
-        crate::cuda::copy::dtoh(dst, src, src_offset, len)?;
+        crate::cuda::copy::dtoh(dst, src, src_offset, len, stream)?;
         fence(Ordering::Release);
         Ok(())
     }

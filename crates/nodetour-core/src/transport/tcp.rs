@@ -451,28 +451,37 @@ impl TcpEndpoint {
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
     ) -> Result<HashMap<u32, Vec<u8>>> {
-        let streams = self.mesh_streams(peers, my_rank, world_size, address, alive, deadline)?;
-        let mut out = HashMap::new();
-        for (p, (mut s, who)) in streams {
-            let io = |source| Error::Exchange {
+        let mut streams =
+            self.mesh_streams(peers, my_rank, world_size, address, alive, deadline)?;
+        let io = |who: &str| {
+            let who = who.to_owned();
+            move |source| Error::Exchange {
                 op: "exchange",
-                peer: who.clone(),
+                peer: who,
                 source,
-            };
-            let mine = payload(p);
+            }
+        };
+        // Every payload out first, then every answer in: reading one neighbour's answer
+        // before writing to the next would wait in a cycle around the ring. (A payload fits
+        // in the socket's buffer, so the writes do not block.)
+        for (p, (s, who)) in streams.iter_mut() {
+            let mine = payload(*p);
             if mine.len() > EXCHANGE_MAX {
                 return Err(Error::InvalidArgument {
                     reason: format!("a setup payload of {} bytes", mine.len()),
                 });
             }
             let wait = Some(deadline.remaining().max(Duration::from_millis(1)));
-            s.set_read_timeout(wait).map_err(io)?;
-            s.set_write_timeout(wait).map_err(io)?;
+            s.set_read_timeout(wait).map_err(io(who))?;
+            s.set_write_timeout(wait).map_err(io(who))?;
             s.write_all(&(mine.len() as u32).to_be_bytes())
-                .map_err(io)?;
-            s.write_all(&mine).map_err(io)?;
+                .map_err(io(who))?;
+            s.write_all(&mine).map_err(io(who))?;
+        }
+        let mut out = HashMap::new();
+        for (p, (mut s, who)) in streams {
             let mut len = [0u8; 4];
-            s.read_exact(&mut len).map_err(io)?;
+            s.read_exact(&mut len).map_err(io(&who))?;
             let len = u32::from_be_bytes(len) as usize;
             if len > EXCHANGE_MAX {
                 return Err(Error::Decode {
@@ -481,7 +490,7 @@ impl TcpEndpoint {
                 });
             }
             let mut theirs = vec![0u8; len];
-            s.read_exact(&mut theirs).map_err(io)?;
+            s.read_exact(&mut theirs).map_err(io(&who))?;
             out.insert(p, theirs);
         }
         Ok(out)
