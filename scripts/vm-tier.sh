@@ -114,6 +114,13 @@ else
     say "abort drill verbs ... FAILED"; tail -n 40 /tmp/host-drills-vm.log; failed=1
 fi
 
+say "deterministic drills over verbs: the others held 300 ms before collective 50, rank 2 dies or aborts 5 ms into it (1 trial each)"
+if NODETOUR_EXAMPLES=$BIN_DIR/examples HOST_DRILL_ARGS="--hold-ms 300" scripts/host-drills.sh verbs 1 4 /tmp/host-drills-held-vm.log; then
+    say "held drills verbs ... ok"
+else
+    say "held drills verbs ... FAILED"; tail -n 40 /tmp/host-drills-held-vm.log; failed=1
+fi
+
 if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-lat-compare.sh; then
     say "write-lat-compare ... ok"
 else

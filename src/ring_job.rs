@@ -12,6 +12,7 @@ use nodetour_core::cuda::GpuStream;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::memory::HostBuffer;
+use nodetour_core::transport::setup::NeighbourSetup;
 use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion};
@@ -63,43 +64,6 @@ pub struct RingJob {
     pub job: Bootstrap,
 }
 
-const SLOT_GRANT: usize = SlotGrant::ENCODED_LEN;
-
-/// What a neighbour sent at formation (TcpEndpoint::exchange): the grants it gives this rank
-/// and the queue pair it made for it (verbs).
-struct SetupFrom {
-    /// Its receive slots (this rank is its previous rank).
-    recv: Option<SlotGrant>,
-    /// Its doorbell (this rank is its next rank).
-    bell: Option<SlotGrant>,
-    /// Its queue pair's endpoint description, encoded.
-    endpoint: Option<Vec<u8>>,
-}
-
-impl SetupFrom {
-    fn decode(b: &[u8]) -> anyhow::Result<SetupFrom> {
-        let (&flags, mut rest) = b.split_first().context("an empty setup")?;
-        if flags & !3 != 0 {
-            bail!("unknown setup flags {flags:#x}");
-        }
-        let mut take = |on: bool| -> anyhow::Result<Option<SlotGrant>> {
-            if !on {
-                return Ok(None);
-            }
-            let g = rest.get(..SLOT_GRANT).context("a short setup")?;
-            rest = &rest[SLOT_GRANT..];
-            Ok(Some(SlotGrant::decode(g)?))
-        };
-        let recv = take(flags & 1 != 0)?;
-        let bell = take(flags & 2 != 0)?;
-        let endpoint = (!rest.is_empty()).then(|| rest.to_vec());
-        Ok(SetupFrom {
-            recv,
-            bell,
-            endpoint,
-        })
-    }
-}
 
 impl RingJob {
     /// Forms the job from the launcher environment, for buffers up to `max_bytes`.
@@ -206,24 +170,19 @@ impl RingJob {
         // To the previous rank: the receive slots it writes; to the next: the doorbell it
         // writes grants into; and the queue pair made for it.
         let setup_for = |p: u32| {
-            let mut b = vec![u8::from(p == prev) | u8::from(p == next) << 1];
-            if p == prev {
-                b.extend_from_slice(&grant(&recv).encode());
+            NeighbourSetup {
+                recv: (p == prev).then(|| grant(&recv)),
+                bell: (p == next).then(|| grant(&bell)),
+                endpoint: prepared.get(&p).map(|(_, e)| e.clone()),
             }
-            if p == next {
-                b.extend_from_slice(&grant(&bell).encode());
-            }
-            if let Some((_, e)) = prepared.get(&p) {
-                b.extend_from_slice(e);
-            }
-            b
+            .encode()
         };
         let alive = || job.check();
         let address = |p: u32| job.peers()[p as usize].address.clone();
         let setups =
             endpoint.exchange(&linked, me, world, &address, &setup_for, &alive, deadline)?;
-        let setup_of = |p: u32| -> anyhow::Result<SetupFrom> {
-            SetupFrom::decode(setups.get(&p).context("no setup from a neighbour")?)
+        let setup_of = |p: u32| -> anyhow::Result<NeighbourSetup> {
+            NeighbourSetup::decode(setups.get(&p).context("no setup from a neighbour")?)
                 .with_context(|| format!("rank {p}'s setup"))
         };
         let (next_slots, prev_slots) = if world == 1 {
@@ -488,32 +447,4 @@ struct GpuSide {
 /// The ring position of `rank` (the schedule numbers ranks by position in the ring order).
 fn position(order: &[u32], rank: u32) -> u32 {
     order.iter().position(|r| *r == rank).unwrap_or(0) as u32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_neighbours_setup_decodes_only_what_it_says_it_holds() {
-        let g = SlotGrant {
-            key: 7,
-            len: 4096,
-            remote: None,
-        };
-        let mut both = vec![3u8];
-        both.extend_from_slice(&g.encode());
-        both.extend_from_slice(&g.encode());
-        both.extend_from_slice(b"qp");
-        let s = SetupFrom::decode(&both).unwrap();
-        assert!(s.recv.is_some() && s.bell.is_some());
-        assert_eq!(s.endpoint.as_deref(), Some(&b"qp"[..]));
-        let mut bell_only = vec![2u8];
-        bell_only.extend_from_slice(&g.encode());
-        let s = SetupFrom::decode(&bell_only).unwrap();
-        assert!(s.recv.is_none() && s.bell.is_some() && s.endpoint.is_none());
-        for bad in [&[][..], &[4u8][..], &[1u8, 0, 0][..], &both[..10]] {
-            assert!(SetupFrom::decode(bad).is_err(), "{bad:?}");
-        }
-    }
 }

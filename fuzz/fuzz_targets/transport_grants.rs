@@ -1,5 +1,5 @@
-//! What peers send about their slot regions (through the bootstrap: slot and cuda-ipc grants,
-//! shared-memory names) and the tcp transport's frame headers: any bytes decode or fail with a typed error; accepted values re-encode to the
+//! What peers send about their slot regions (slot grants and neighbour setups at formation,
+//! cuda-ipc grants and shared-memory names through the bootstrap) and the tcp transport's frame headers: any bytes decode or fail with a typed error; accepted values re-encode to the
 //! same bytes.
 #![no_main]
 
@@ -7,6 +7,7 @@ use libfuzzer_sys::fuzz_target;
 use nodetour_core::memory::ShmName;
 use nodetour_core::transport::SlotGrant;
 use nodetour_core::transport::gpu::IpcGrant;
+use nodetour_core::transport::setup::NeighbourSetup;
 use nodetour_core::transport::wire::WriteHeader;
 
 fuzz_target!(|data: &[u8]| {
@@ -15,6 +16,10 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(g) = IpcGrant::decode(data) {
         assert_eq!(&g.encode()[..], data);
+    }
+    // What a neighbour sends at formation (grants, its queue pair for us).
+    if let Ok(s) = NeighbourSetup::decode(data) {
+        assert_eq!(s.encode(), data);
     }
     if let Ok(h) = WriteHeader::decode(data) {
         assert_eq!(&h.encode()[..], data);
