@@ -64,7 +64,6 @@ pub struct RingJob {
     pub job: Bootstrap,
 }
 
-
 impl RingJob {
     /// Forms the job from the launcher environment, for buffers up to `max_bytes`.
     pub fn form(

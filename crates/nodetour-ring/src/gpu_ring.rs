@@ -772,8 +772,8 @@ impl GpuRing {
         let mut lost = None;
         loop {
             if self.end[0].is_complete().map_err(g)? && self.end[1].is_complete().map_err(g)? {
-                // Read the neighbours' notices once more after the streams finished: whatever
-                // an aborting neighbour's released streams wrote was written after its notice.
+                // Read the neighbours' notices once more after the streams finished: a
+                // neighbour that aborted told us before its stop word ended its waits.
                 let failed = self.abort.error();
                 let ended = self.abort.read_notice(self.queued);
                 if let Some((e, _)) = &ended {
@@ -800,8 +800,8 @@ impl GpuRing {
                     lost = Some(e);
                 } else if let Some((e, true)) = self.abort.read_notice(self.queued) {
                     // A collective queued here is tainted: abort (which tells the other
-                    // neighbour) and keep polling; the streams drain now that every wait is
-                    // released. (A notice for a later collective waits for these to finish.)
+                    // neighbour) and keep polling; the streams drain now that the stop word
+                    // ends every wait. (A notice for a later collective waits for these.)
                     self.abort.abort_with(e.clone());
                     lost = Some(e);
                 } else if let Err(e) = alive() {
@@ -997,8 +997,8 @@ impl AbortHandle {
             f.get_or_insert(error);
         }
         if let Some(ends) = &self.shared.ends {
-            // Before anything is released: whatever this rank's streams write from here on,
-            // the neighbours have been told not to trust it.
+            // Before the stop word ends the waits: from here on the neighbours know not to
+            // trust any collective from the named one on.
             let v = notice_value(self.shared.confirmed.load(Ordering::Acquire));
             let _ = ends.next.store(flag::ENDED_BY_PREV, v);
             let _ = ends.prev.store(flag::ENDED_BY_NEXT, v);
