@@ -437,7 +437,7 @@ impl HostAbortHandle {
     }
 }
 
-/// The GPU side of the staged path: kernels, a stream and one slot of scratch.
+/// The GPU side of the staged path: kernels and one slot of scratch (the stream is the caller's).
 struct GpuSide {
     scratch: DeviceBuffer,
     kernels: ReduceKernels,

@@ -78,8 +78,8 @@ mod tests {
             remote: None,
         };
         let both = NeighbourSetup {
-            recv: Some(g.clone()),
-            bell: Some(g.clone()),
+            recv: Some(g),
+            bell: Some(g),
             endpoint: Some(b"qp".to_vec()),
         };
         assert_eq!(NeighbourSetup::decode(&both.encode()).unwrap(), both);
