@@ -18,8 +18,9 @@
 //! flag pages: no CUDA call), then sets its **stop word** (a word of its own host flag page
 //! that nothing clears), and refuses further collectives. Every hand-off on the streams is a
 //! guarded kernel: waits poll their flag *and* the stop word, so they all end once it is set,
-//! whatever a live peer's stream stores into the flag later; writes into a peer's slots and
-//! stores into a peer's flags skip when it is set. So an aborted rank's streams drain, touch
+//! whatever a live peer's stream stores into the flag later, and latch which of the two ended
+//! them; writes into a peer's slots and stores into a peer's flags run only when the wait before
+//! them reached its flag (the peer's credit or data), never because of the stop. So an aborted rank's streams drain, touch
 //! only this rank's own memory while they do (a reduce of whatever its slots hold into the
 //! user's buffer, whose contents are then undefined), and never write a peer's slot that the
 //! peer has not released. A neighbour's [`GpuRing::wait`] reads the notices while it polls and
