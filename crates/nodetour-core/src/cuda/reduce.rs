@@ -484,26 +484,6 @@ impl ReduceKernels {
         self.launch(stream, self.copy, &mut params, len.div_ceil(16))
     }
 
-    /// Queues a copy kernel into `dst`, a raw device address of `len` writable bytes that the
-    /// caller has checked (a peer's slot mapped through cuda-ipc).
-    pub(crate) fn copy_to_address(
-        &self,
-        stream: &GpuStream,
-        dst: u64,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        len: usize,
-    ) -> Result<()> {
-        check(src, src_offset, len, DataType::U8)?;
-        let (mut d, mut s, mut n) = (dst, src.device_ptr() + src_offset as u64, len as u64);
-        let mut params = [
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut s as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-        ];
-        self.launch(stream, self.copy, &mut params, len.div_ceil(16))
-    }
-
     /// Queues on `stream` a one-thread kernel that waits until the word at `first` reaches its
     /// value (cyclic ≥, or `==` when its flag says so), then the word at `second` reaches its
     /// value (cyclic ≥), or until the stop word is set; it then sets the latch: 1 if the words

@@ -672,22 +672,6 @@ impl CudaIpcSender {
         Ok(())
     }
 
-    /// Like [`CudaIpcSender::enqueue_write`] without a flag, but the copy is a kernel of
-    /// `kernels` (this GPU's) that writes the peer's memory: it starts sooner than the copy
-    /// engine, which pays off for small chunks.
-    pub fn enqueue_kernel_write(
-        &self,
-        stream: &GpuStream,
-        kernels: &crate::cuda::reduce::ReduceKernels,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        dst_offset: u64,
-        len: usize,
-    ) -> Result<()> {
-        self.check(src, src_offset, dst_offset, len)?;
-        kernels.copy_to_address(stream, self.mapping.dst + dst_offset, src, src_offset, len)
-    }
-
     /// Queues on `stream` one kernel of `kernels` (this GPU's): if the stream's last guarded
     /// wait ([`enqueue_wait`], for the receiver's credit) found its words, it copies `len` bytes
     /// of `src` at `src_offset` into the peer's slot at `dst_offset` and, once every byte has
