@@ -9,9 +9,9 @@ export CARGO_TARGET_DIR="$PWD/target"
 out=${1:-.device}
 mkdir -p "$out"
 cargo build --release --bins --examples
-cargo build --release -p nodetour-core --example gpu_spike
+cargo build --release -p nodetour-core --example gpu_spike --example teardown_probe
 exe=$(cargo test --release -p nodetour-core --test gpu --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
-cp target/release/nodetour target/release/examples/two_node_smoke target/release/examples/gpu_spike \
+cp target/release/nodetour target/release/examples/two_node_smoke target/release/examples/gpu_spike target/release/examples/teardown_probe \
     target/release/examples/gpu_transport_check target/release/examples/transport_check \
     target/release/examples/gpu_allreduce target/release/examples/gpu_ring_check \
     target/release/examples/allreduce_check "$out/"
@@ -23,5 +23,5 @@ cp "$exe" "$out/gpu_group_tests"
 exe=$(cargo bench --bench allreduce --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp "$exe" "$out/bench_allreduce"
 cp scripts/gpu-tier.sh scripts/gpu-drills.sh scripts/ab-perf.sh scripts/launch-local.sh "$out/"
-strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/gpu_group_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check" "$out/bench_allreduce"
+strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/teardown_probe" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/gpu_group_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check" "$out/bench_allreduce"
 du -sh "$out"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpu-tier.sh: the GPU test tier, run ON a GPU machine from the directory gpu-pack.sh filled.
 #   ./gpu-tier.sh [OUTDIR]     (writes gpu-tier.log there too; default: the current directory)
-# 1. the GPU tests (device buffers, dma-buf export, CUDA-registered hugepage buffers, NVRTC);
+# 1. the GPU tests (device buffers, dma-buf export, CUDA-registered hugepage buffers, NVRTC,
+#    teardown that waits for no work but its own), and the teardown probe;
 # 2. `nodetour gpus`: attributes, dma-buf export, the registration path GPU memory gets here;
 # 3. `two_node_smoke --gpu`: on a machine without RDMA it reports the ladder and exits 2;
 # 4. with 2+ GPUs, cuda-ipc and shm between two processes (gpu_transport_check);
@@ -42,6 +43,8 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     echo "== the direct GPU ring (GpuGroup) against the host reducer: 1-5 ranks over the GPUs present"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./gpu_group_tests || failed=1
     echo "gpu tests: $tests_passed passed, $tests_failed failed, $tests_skipped skipped"
+    echo "== teardown_probe: which driver calls that free or close wait for unrelated work (informative)"
+    ./teardown_probe --hold-ms 500 || failed=1
     echo "== examples/gpu_allreduce: one rank per GPU, then 4 ranks"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_allreduce || failed=1
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./gpu_allreduce --ranks 4 || failed=1

@@ -155,6 +155,9 @@ impl LocalNccl {
             ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
             ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
         };
+        for (b, s) in buffers.iter().zip(streams) {
+            b.note_use(s);
+        }
         result::group_start().map_err(|e| nccl_error("ncclGroupStart", e))?;
         let mut first_error = None;
         for r in 0..n {

@@ -142,3 +142,125 @@ fn nvrtc_compiles_to_cubin_and_reports_errors() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Free GPU memory (bytes), as the driver reports it.
+fn free_memory(ctx: &Arc<CudaContext>) -> usize {
+    ctx.bind_to_thread().unwrap();
+    cudarc::driver::result::mem_get_info().unwrap().0
+}
+
+/// Polls `cond` for up to `limit`; whether it held.
+fn eventually(limit: std::time::Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + limit;
+    loop {
+        if cond() {
+            return true;
+        }
+        if std::time::Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn teardown_waits_for_no_work_but_its_own() {
+    use nodetour_core::cuda::GpuStream;
+    use nodetour_core::cuda::reduce::ReduceKernels;
+    use nodetour_core::transport::gpu::{Flags, StopWord, StreamGuard, enqueue_wait};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    let Some(ctx) = gpu() else { return };
+    let kernels = ReduceKernels::load(&ctx).unwrap();
+    // A blocker on a stream of its own: a guarded wait for word 0 of a host page, which only
+    // the watchdog below stores (after 20 s: the test is over long before, unless a drop
+    // waited for the blocker, which the `released` flag then shows).
+    let page = Arc::new(Flags::create(8).unwrap());
+    let guard = StreamGuard::new(&ctx, StopWord::new(page.clone(), 7).unwrap()).unwrap();
+    let blocker = GpuStream::new(&ctx).unwrap();
+    enqueue_wait(
+        &blocker,
+        &kernels,
+        &guard,
+        Some((&*page, 0, 1)),
+        false,
+        None,
+    )
+    .unwrap();
+    let released = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let (page, released) = (page.clone(), released.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(20));
+            released.store(true, Ordering::SeqCst);
+            page.store(0, 1).unwrap();
+        })
+    };
+    let held = |what: &str| {
+        assert!(
+            !released.load(Ordering::SeqCst),
+            "{what} waited for the unrelated blocker"
+        );
+    };
+
+    // 1. A buffer whose work has run: dropping it returns at once and the memory comes back.
+    let big = 4usize << 30;
+    let before = free_memory(&ctx);
+    let a = DeviceBuffer::new(&ctx, big).unwrap();
+    let b = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
+    let s = GpuStream::new(&ctx).unwrap();
+    s.copy(&a, 0, &b, 0, 1 << 20).unwrap();
+    s.synchronize().unwrap();
+    assert!(free_memory(&ctx) + big <= before + (64 << 20));
+    drop(a);
+    drop(b);
+    held("dropping GPU buffers");
+    assert!(
+        eventually(Duration::from_secs(5), || free_memory(&ctx) + (64 << 20)
+            >= before),
+        "the memory of a dropped buffer comes back while unrelated work runs"
+    );
+    // Streams and kernel handles: dropping them waits for nothing either (the kernels stay
+    // loaded; a second load finds them).
+    drop(s);
+    let again = ReduceKernels::load(&ctx).unwrap();
+    assert!(again.from_cache);
+    drop(again);
+    held("dropping a stream or a kernel handle");
+
+    // 2. A buffer whose queued work waits (behind word 1, stored below): dropping it returns at
+    // once, and the memory is freed only after that work has run.
+    let guard2 = StreamGuard::new(&ctx, StopWord::new(page.clone(), 6).unwrap()).unwrap();
+    let s2 = GpuStream::new(&ctx).unwrap();
+    let c = DeviceBuffer::new(&ctx, big).unwrap();
+    let d = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
+    let with_c = free_memory(&ctx);
+    enqueue_wait(&s2, &kernels, &guard2, Some((&*page, 1, 1)), false, None).unwrap();
+    s2.copy(&c, big - (1 << 20), &d, 0, 1 << 20).unwrap();
+    drop(c);
+    drop(d);
+    drop(s2);
+    held("dropping a buffer with queued work");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        free_memory(&ctx) < with_c + big / 2,
+        "a buffer's memory is not freed before the work queued on it has run"
+    );
+    page.store(1, 1).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            nodetour_core::cuda::reap_releases();
+            free_memory(&ctx) >= with_c + big - (64 << 20)
+        }),
+        "the memory comes back once its work has run"
+    );
+    held("the whole test");
+    // Release the blocker; the context reports no fault from anything above.
+    page.store(0, 1).unwrap();
+    blocker.synchronize().unwrap();
+    ctx.synchronize().unwrap();
+    drop(watchdog);
+    println!("teardown: drops returned while unrelated work ran; memory freed in stream order");
+}

@@ -24,8 +24,9 @@
 //! the group from any thread (the next call, and [`GpuGroup::wait`], return the typed error;
 //! work already queued finishes), a collective that failed half queued poisons the group (its
 //! markers no longer describe a whole collective), and [`GpuGroup::wait`] polls only the group's
-//! own end markers, with a deadline. Dropping the group waits for its own markers (at most
-//! [`TEARDOWN_DEADLINE`]) before it unloads kernels, and leaks them past it.
+//! own end markers, with a deadline. Dropping the group waits for nothing: its kernels stay
+//! loaded while their context lives (shared by every user of that GPU in the process), and the
+//! buffers its work uses are freed in stream order after that work (see `DeviceBuffer`).
 //!
 //! The schedule, in pull form: at reduce-scatter step `s` rank `r` combines segment `r − 1 − s`
 //! of rank `r − 1` into its own; after `N − 1` steps it owns the final segment `r + 1` (divided
@@ -88,10 +89,6 @@ impl GroupAbort {
         }
     }
 }
-
-/// How long dropping a group waits for its queued work before it leaks its kernels rather than
-/// unload them under running work.
-pub const TEARDOWN_DEADLINE: Duration = Duration::from_secs(10);
 
 /// A broadcast moves in up to this many chunks, pipelined along the ring (chunks of at least
 /// [`BROADCAST_CHUNK_MIN`] bytes).
@@ -638,28 +635,5 @@ impl GpuGroup {
             }
         }
         Ok(())
-    }
-}
-
-impl Drop for GpuGroup {
-    fn drop(&mut self) {
-        // Unloading kernels under running work is undefined: wait for this group's own work
-        // (its end markers, never the whole device), and leak the kernels past the deadline.
-        let deadline = Instant::now() + TEARDOWN_DEADLINE;
-        let mut nap = Duration::from_micros(10);
-        while !self.finished().unwrap_or(true) {
-            if Instant::now() >= deadline {
-                tracing::error!(
-                    "a GPU group's collectives did not finish within {TEARDOWN_DEADLINE:?}: \
-                     leaking its kernels"
-                );
-                for m in self.members.drain(..) {
-                    std::mem::forget(m.kernels);
-                }
-                return;
-            }
-            std::thread::sleep(nap);
-            nap = (nap * 2).min(Duration::from_millis(1));
-        }
     }
 }

@@ -210,9 +210,11 @@ pub struct GpuRing {
     exchange: bool,
 }
 
-/// The streams and what their queued work touches. Drop order: the streams first (GpuStream
-/// synchronises on drop; by then they have drained), then the links (closing IPC mappings and
-/// shared memory), then the kernels.
+/// The streams and what their queued work touches, dropped once the streams have drained (or
+/// leaked, past the deadline). Drop order: the streams (destroyed by the driver once idle),
+/// then the links (cuda-ipc mappings are closed after the work queued on them; GPU memory is
+/// freed in stream order; shared host memory is unregistered), then the kernel handle (the
+/// kernels stay loaded while the context lives).
 struct Held {
     send: GpuStream,
     recv: GpuStream,

@@ -19,6 +19,7 @@ pub(crate) fn htod(
     stream: &GpuStream,
 ) -> Result<()> {
     let s = stream.bind()?;
+    dst.note_use(stream);
     // SAFETY: the caller checked that src..src+len is readable host memory that stays valid
     // until the copy has landed (we wait for the stream below) and that the destination range
     // lies inside `dst`.
@@ -38,6 +39,7 @@ pub(crate) fn dtoh(
     stream: &GpuStream,
 ) -> Result<()> {
     let s = stream.bind()?;
+    src.note_use(stream);
     // SAFETY: the caller checked that dst..dst+len is writable host memory nobody else uses
     // until the copy has landed (we wait for the stream below), and that the source range lies
     // inside `src`.

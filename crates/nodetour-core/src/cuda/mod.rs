@@ -16,4 +16,4 @@ pub(crate) mod result;
 pub mod stream;
 
 pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus};
-pub use stream::{GpuEvent, GpuStream, can_access_peer, enable_peer_access};
+pub use stream::{GpuEvent, GpuStream, can_access_peer, enable_peer_access, reap_releases};

@@ -218,9 +218,24 @@ pub(crate) struct GuardWords {
     pub(crate) done: u64,
 }
 
-/// The loaded kernels of one GPU.
+/// The kernels of one GPU: a cheap handle (clones share them).
+///
+/// A context loads them once per process and keeps them loaded while it lives: unloading a
+/// module (`cuModuleUnload`) waits for every stream of the context (measured by
+/// `examples/teardown_probe`), which a teardown must not do. Dropping a handle does nothing.
+#[derive(Clone)]
 pub struct ReduceKernels {
-    module: sys::CUmodule,
+    k: Arc<Loaded>,
+    /// Whether the kernels came from a cache (already loaded in this process, or a CUBIN on
+    /// disk) rather than a compile.
+    pub from_cache: bool,
+    /// Where the CUBIN is cached.
+    pub cache_path: Option<PathBuf>,
+}
+
+/// One context's loaded module and its functions. Never unloaded (see [`ReduceKernels`]).
+struct Loaded {
+    _module: sys::CUmodule,
     reduce: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     both: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     average: Vec<(DataType, sys::CUfunction)>,
@@ -231,21 +246,46 @@ pub struct ReduceKernels {
     reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     blocks: u32,
     context: Arc<CudaContext>,
-    /// Whether the CUBIN came from the disk cache.
-    pub from_cache: bool,
-    /// Where the CUBIN is cached.
-    pub cache_path: Option<PathBuf>,
 }
 
 // SAFETY: module and function handles are usable from any thread that binds the context.
-unsafe impl Send for ReduceKernels {}
+unsafe impl Send for Loaded {}
 // SAFETY: as above; launches bind the context first.
-unsafe impl Sync for ReduceKernels {}
+unsafe impl Sync for Loaded {}
+
+/// The kernels loaded in this process, by context (held weakly: an entry whose context is gone
+/// is dropped with the context's modules).
+type LoadedTable = Vec<(std::sync::Weak<CudaContext>, Arc<Loaded>, Option<PathBuf>)>;
+static LOADED: std::sync::Mutex<LoadedTable> = std::sync::Mutex::new(Vec::new());
 
 impl ReduceKernels {
     /// Loads the kernels for `context`'s GPU: from the disk cache, or compiled with NVRTC (and
     /// cached). Without NVRTC (and no cached CUBIN) this is [`Error::Unsupported`].
     pub fn load(context: &Arc<CudaContext>) -> Result<ReduceKernels> {
+        let mut table = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        table.retain(|(c, _, _)| c.strong_count() > 0);
+        if let Some((_, k, path)) = table
+            .iter()
+            .find(|(c, _, _)| c.upgrade().is_some_and(|c| Arc::ptr_eq(&c, context)))
+        {
+            return Ok(ReduceKernels {
+                k: k.clone(),
+                from_cache: true,
+                cache_path: path.clone(),
+            });
+        }
+        let (k, from_cache, cache_path) = Self::load_module(context)?;
+        let k = Arc::new(k);
+        table.push((Arc::downgrade(context), k.clone(), cache_path.clone()));
+        Ok(ReduceKernels {
+            k,
+            from_cache,
+            cache_path,
+        })
+    }
+
+    /// Loads the module: from the disk cache, or compiled (and cached).
+    fn load_module(context: &Arc<CudaContext>) -> Result<(Loaded, bool, Option<PathBuf>)> {
         let driver = super::availability()?;
         let major = context
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
@@ -336,8 +376,8 @@ impl ReduceKernels {
             average.push((dtype, get(format!("nt_average_{}", dtype.name()))?));
         }
         let copy = get("nt_copy".to_owned())?;
-        Ok(ReduceKernels {
-            module,
+        let loaded = Loaded {
+            _module: module,
             reduce,
             both,
             average,
@@ -348,9 +388,8 @@ impl ReduceKernels {
             reduce_then,
             blocks: sms * 4,
             context: context.clone(),
-            from_cache,
-            cache_path,
-        })
+        };
+        Ok((loaded, from_cache, cache_path))
     }
 
     /// Queues on `stream`: `dst[dst_offset..] = op(dst, src[src_offset..])` over `count`
@@ -370,7 +409,9 @@ impl ReduceKernels {
     ) -> Result<()> {
         check(dst, dst_offset, count, dtype)?;
         check(src, src_offset, count, dtype)?;
-        let f = pick(&self.reduce, dtype, op);
+        dst.note_use(stream);
+        src.note_use(stream);
+        let f = pick(&self.k.reduce, dtype, op);
         let (mut d, mut s, mut n) = (
             dst.device_ptr() + dst_offset as u64,
             src.device_ptr() + src_offset as u64,
@@ -404,12 +445,15 @@ impl ReduceKernels {
     ) -> Result<()> {
         check(a, a_offset, count, dtype)?;
         check(b, b_offset, count, dtype)?;
+        a.note_use(stream);
+        b.note_use(stream);
         let (op, mut avg) = if op == ReduceOp::Avg {
             (ReduceOp::Sum, avg_ranks.max(1))
         } else {
             (op, 0)
         };
         let f = self
+            .k
             .both
             .iter()
             .find(|(k, _)| *k == (dtype, op))
@@ -440,7 +484,9 @@ impl ReduceKernels {
         ranks: u32,
     ) -> Result<()> {
         check(dst, offset, count, dtype)?;
+        dst.note_use(stream);
         let f = self
+            .k
             .average
             .iter()
             .find(|(k, _)| *k == dtype)
@@ -471,6 +517,8 @@ impl ReduceKernels {
     ) -> Result<()> {
         check(dst, dst_offset, len, DataType::U8)?;
         check(src, src_offset, len, DataType::U8)?;
+        dst.note_use(stream);
+        src.note_use(stream);
         let (mut d, mut s, mut n) = (
             dst.device_ptr() + dst_offset as u64,
             src.device_ptr() + src_offset as u64,
@@ -481,7 +529,7 @@ impl ReduceKernels {
             (&mut s as *mut u64).cast::<c_void>(),
             (&mut n as *mut u64).cast::<c_void>(),
         ];
-        self.launch(stream, self.copy, &mut params, len.div_ceil(16))
+        self.launch(stream, self.k.copy, &mut params, len.div_ceil(16))
     }
 
     /// Queues on `stream` a one-thread kernel that waits until the word at `first` reaches its
@@ -508,7 +556,7 @@ impl ReduceKernels {
             (&mut st as *mut u64).cast::<c_void>(),
             (&mut l as *mut u64).cast::<c_void>(),
         ];
-        self.launch_grid(stream, self.wait, &mut params, 1, 1)
+        self.launch_grid(stream, self.k.wait, &mut params, 1, 1)
     }
 
     /// Queues on `stream` a one-thread kernel that, if the latch is 1, stores `first.1` at
@@ -529,7 +577,7 @@ impl ReduceKernels {
             (&mut b as *mut u64).cast::<c_void>(),
             (&mut vb as *mut u32).cast::<c_void>(),
         ];
-        self.launch_grid(stream, self.signal, &mut params, 1, 1)
+        self.launch_grid(stream, self.k.signal, &mut params, 1, 1)
     }
 
     /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes of `src` at
@@ -548,6 +596,7 @@ impl ReduceKernels {
         second: Option<(u64, u32)>,
     ) -> Result<()> {
         check(src, src_offset, len, DataType::U8)?;
+        src.note_use(stream);
         let mut l = g.latch;
         let (mut d, mut s, mut n) = (dst, src.device_ptr() + src_offset as u64, len as u64);
         let ((mut a, mut va), (mut b, mut vb)) = (first, second.unwrap_or((0, 0)));
@@ -563,8 +612,8 @@ impl ReduceKernels {
             (&mut vb as *mut u32).cast::<c_void>(),
             (&mut dn as *mut u64).cast::<c_void>(),
         ];
-        let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.blocks);
-        self.launch_grid(stream, self.send, &mut params, blocks, 512)
+        let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.k.blocks);
+        self.launch_grid(stream, self.k.send, &mut params, blocks, 512)
     }
 
     /// Like [`Self::reduce`], but only if the latch is 1, and then (once every block has
@@ -585,7 +634,9 @@ impl ReduceKernels {
     ) -> Result<()> {
         check(dst, dst_offset, count, dtype)?;
         check(src, src_offset, count, dtype)?;
-        let f = pick(&self.reduce_then, dtype, op);
+        dst.note_use(stream);
+        src.note_use(stream);
+        let f = pick(&self.k.reduce_then, dtype, op);
         let (mut d, mut s, mut n) = (
             dst.device_ptr() + dst_offset as u64,
             src.device_ptr() + src_offset as u64,
@@ -603,7 +654,7 @@ impl ReduceKernels {
         ];
         // 16 bytes per thread (see SOURCE); at least one block, which stores the signal.
         let per = 16 / dtype.size();
-        let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.blocks);
+        let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.k.blocks);
         self.launch_grid(stream, f, &mut params, blocks, 512)
     }
 
@@ -615,7 +666,7 @@ impl ReduceKernels {
         blocks: u32,
         threads: u32,
     ) -> Result<()> {
-        if !Arc::ptr_eq(stream.context(), &self.context) {
+        if !Arc::ptr_eq(stream.context(), &self.k.context) {
             return Err(Error::InvalidArgument {
                 reason: "the stream belongs to another GPU than the kernels".into(),
             });
@@ -623,7 +674,9 @@ impl ReduceKernels {
         let s = stream.bind()?;
         // SAFETY: f takes exactly the parameters given (the callers above pass device
         // addresses of live words and in-bounds ranges they checked, and plain integers); the
-        // memory outlives the queued work (its owners wait for their streams before freeing).
+        // memory outlives the queued work (buffers noted this stream and free after it; the
+        // guard words and flag pages belong to owners that drain their streams first); the
+        // module is never unloaded.
         unsafe { result::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, s, params) }
             .map_err(|e| cuda_error("cuLaunchKernel", e))
     }
@@ -638,16 +691,17 @@ impl ReduceKernels {
         if count == 0 {
             return Ok(());
         }
-        if !Arc::ptr_eq(stream.context(), &self.context) {
+        if !Arc::ptr_eq(stream.context(), &self.k.context) {
             return Err(Error::InvalidArgument {
                 reason: "the stream belongs to another GPU than the kernels".into(),
             });
         }
         let s = stream.bind()?;
-        let blocks = (count.div_ceil(512) as u32).clamp(1, self.blocks);
+        let blocks = (count.div_ceil(512) as u32).clamp(1, self.k.blocks);
         // SAFETY: f takes exactly the parameters given (checked by the callers above: device
-        // pointers to in-bounds ranges of live buffers, a count, and a rank count); DeviceBuffer
-        // waits for the GPU before freeing, so queued work never outlives its memory.
+        // pointers to in-bounds ranges of live buffers, a count, and a rank count); the buffers
+        // noted this stream and are freed only after its queued work; the module is never
+        // unloaded.
         unsafe { result::launch_kernel(f, (blocks, 1, 1), (512, 1, 1), 0, s, params) }
             .map_err(|e| cuda_error("cuLaunchKernel", e))
     }
@@ -684,14 +738,4 @@ fn check(b: &DeviceBuffer, offset: usize, count: usize, dtype: DataType) -> Resu
         });
     }
     b.check("GPU reduction", offset, bytes)
-}
-
-impl Drop for ReduceKernels {
-    fn drop(&mut self) {
-        if self.context.bind_to_thread().is_ok() {
-            let _ = self.context.synchronize();
-            // SAFETY: the module is loaded in this context and no queued launch uses it any more.
-            let _ = unsafe { result::module::unload(self.module) };
-        }
-    }
 }

@@ -10,16 +10,202 @@ use super::result::cuda_error;
 use crate::error::{Error, Result};
 use crate::memory::DeviceBuffer;
 
-/// A non-blocking CUDA stream on one GPU. Dropping it waits for its work, then destroys it.
+/// A non-blocking CUDA stream on one GPU.
+///
+/// Dropping it never waits: the driver destroys a stream once its queued work has run
+/// (`cuStreamDestroy` returns at once). GPU memory that its work used stays allocated until
+/// then: every [`DeviceBuffer`] notes the streams that queue work on it and frees itself in
+/// stream order after them (see [`DeviceBuffer`]'s `Drop`).
 pub struct GpuStream {
+    inner: Arc<RawStream>,
+}
+
+/// The stream handle itself, shared by the [`GpuStream`] and the buffers its work used (they
+/// order their frees after it), destroyed when the last of them lets go.
+pub(crate) struct RawStream {
     raw: sys::CUstream,
     context: Arc<CudaContext>,
 }
 
 // SAFETY: a CUstream may be used from any thread that binds its context (every method does).
-unsafe impl Send for GpuStream {}
+unsafe impl Send for RawStream {}
 // SAFETY: as above.
-unsafe impl Sync for GpuStream {}
+unsafe impl Sync for RawStream {}
+
+impl Drop for RawStream {
+    fn drop(&mut self) {
+        // Failure policy: log nothing; the context is being torn down anyway.
+        if self.context.bind_to_thread().is_ok() {
+            // SAFETY: a live stream that nothing will queue on again (no owner is left).
+            // cuStreamDestroy returns at once; the driver releases the stream after its work
+            // (measured: it never waits for other streams either, see examples/teardown_probe).
+            let _ = unsafe { result::stream::destroy(self.raw) };
+        }
+    }
+}
+
+/// The streams that have queued work on something (a buffer, a mapping): what its release must
+/// come after. Noting is a lock and a pointer comparison per call (no CUDA call).
+#[derive(Default)]
+pub(crate) struct Uses {
+    streams: std::sync::Mutex<Vec<Arc<RawStream>>>,
+    // The stream noted last (its address while noted; 0 after `take`): noting it again is one
+    // atomic load, no lock.
+    last: std::sync::atomic::AtomicUsize,
+}
+
+impl Uses {
+    /// Notes that `stream` queues work on the owner (once per stream).
+    pub(crate) fn note(&self, stream: &GpuStream) {
+        use std::sync::atomic::Ordering;
+        let key = Arc::as_ptr(&stream.inner) as usize;
+        if self.last.load(Ordering::Acquire) == key {
+            return; // noted, and held in `streams` (so the address cannot have been reused)
+        }
+        let mut v = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if !v.iter().any(|s| Arc::ptr_eq(s, &stream.inner)) {
+            v.push(stream.inner.clone());
+        }
+        self.last.store(key, Ordering::Release);
+    }
+
+    /// Notes a stream handle taken from another set.
+    pub(crate) fn push(&self, stream: Arc<RawStream>) {
+        self.streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(stream);
+    }
+
+    /// The streams noted so far (and forgets them).
+    pub(crate) fn take(&self) -> Vec<Arc<RawStream>> {
+        let mut v = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        self.last.store(0, std::sync::atomic::Ordering::Release);
+        std::mem::take(&mut *v)
+    }
+
+    /// Waits until the work queued so far on the noted streams has run, at most until
+    /// `deadline` (spinning briefly, then napping); whether it has. Waits for nothing else.
+    pub(crate) fn wait_until(
+        &self,
+        context: &Arc<CudaContext>,
+        deadline: std::time::Instant,
+    ) -> bool {
+        let streams = self.take();
+        let mut marks = Vec::with_capacity(streams.len());
+        for s in &streams {
+            let Ok(m) = GpuEvent::marker(context) else {
+                return false;
+            };
+            // SAFETY: live event and stream (held through its Arc).
+            if unsafe { result::event::record(m.raw, s.raw) }.is_err() {
+                return false;
+            }
+            marks.push(m);
+        }
+        let mut nap = std::time::Duration::from_micros(10);
+        loop {
+            match marks
+                .iter()
+                .try_fold(true, |all, m| m.is_complete().map(|c| all && c))
+            {
+                Ok(true) => return true,
+                Ok(false) if std::time::Instant::now() < deadline => {}
+                _ => return false,
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+/// Queues `release` on a fresh stream of `context` after the work queued so far on each of
+/// `streams`, without waiting for that work: the stream-ordered way to free what it used. The
+/// fresh stream waits on an event recorded on each of them (their later work is not held up).
+///
+/// The driver hands a stream-ordered free back to the allocator only when the host
+/// synchronises the freeing stream (measured by `examples/teardown_probe`: a query does not
+/// do it). So the fresh stream is synchronised here if its work runs at once (the usual case:
+/// the owner's streams have drained), else kept pending and synchronised once idle by a later
+/// [`reap_releases`] (every allocation and release calls it): neither waits for anything but
+/// the released thing's own work.
+pub(crate) fn queue_release_after(
+    context: &Arc<CudaContext>,
+    streams: &[Arc<RawStream>],
+    release: impl FnOnce(sys::CUstream) -> std::result::Result<(), result::DriverError>,
+) -> Result<()> {
+    reap_releases();
+    context
+        .bind_to_thread()
+        .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+    let t = RawStream {
+        raw: result::stream::create(StreamKind::NonBlocking)
+            .map_err(|e| cuda_error("cuStreamCreate", e))?,
+        context: context.clone(),
+    };
+    for s in streams {
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| cuda_error("cuEventCreate", e))?;
+        // SAFETY: live event and streams (each held through its Arc); the event is destroyed
+        // after the wait captured it (the driver defers destroying a pending event).
+        let r = unsafe {
+            result::event::record(ev, s.raw).and_then(|()| {
+                result::stream::wait_event(
+                    t.raw,
+                    ev,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            })
+        };
+        // SAFETY: a live event, not used again.
+        let _ = unsafe { result::event::destroy(ev) };
+        r.map_err(|e| cuda_error("cuEventRecord/cuStreamWaitEvent", e))?;
+    }
+    release(t.raw).map_err(|e| cuda_error("stream-ordered release", e))?;
+    // Give the release a moment to run (it usually depends on nothing still running).
+    let spin_until = std::time::Instant::now() + std::time::Duration::from_micros(500);
+    loop {
+        if finish_if_idle(&t) {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= spin_until {
+            break;
+        }
+        std::thread::yield_now();
+    }
+    PENDING.lock().unwrap_or_else(|p| p.into_inner()).push(t);
+    Ok(())
+}
+
+/// Release streams whose work has not run yet (see [`queue_release_after`]).
+static PENDING: std::sync::Mutex<Vec<RawStream>> = std::sync::Mutex::new(Vec::new());
+
+/// If `t`'s work has run, synchronises it (returns at once; hands stream-ordered frees back to
+/// the allocator) and says so. Never waits for unfinished work.
+fn finish_if_idle(t: &RawStream) -> bool {
+    if t.context.bind_to_thread().is_err() {
+        return false;
+    }
+    // SAFETY: a live stream.
+    match unsafe { sys::cuStreamQuery(t.raw) } {
+        sys::CUresult::CUDA_SUCCESS => {
+            // SAFETY: a live, idle stream: this returns at once.
+            let _ = unsafe { result::stream::synchronize(t.raw) };
+            true
+        }
+        sys::CUresult::CUDA_ERROR_NOT_READY => false,
+        // A broken context: nothing more will run on it; let the stream go.
+        _ => true,
+    }
+}
+
+/// Completes the stream-ordered releases (GPU memory of dropped buffers) whose work has run
+/// since they were queued, without waiting for any that has not. Every allocation and release
+/// of this crate calls it; call it to get such memory back sooner.
+pub fn reap_releases() {
+    let mut pending = PENDING.lock().unwrap_or_else(|p| p.into_inner());
+    pending.retain(|t| !finish_if_idle(t));
+}
 
 impl GpuStream {
     /// Creates a stream on `context`'s GPU.
@@ -30,21 +216,24 @@ impl GpuStream {
         let raw = result::stream::create(StreamKind::NonBlocking)
             .map_err(|e| cuda_error("cuStreamCreate", e))?;
         Ok(GpuStream {
-            raw,
-            context: context.clone(),
+            inner: Arc::new(RawStream {
+                raw,
+                context: context.clone(),
+            }),
         })
     }
 
     /// The stream's context.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.context
+        &self.inner.context
     }
 
     pub(crate) fn bind(&self) -> Result<sys::CUstream> {
-        self.context
+        self.inner
+            .context
             .bind_to_thread()
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        Ok(self.raw)
+        Ok(self.inner.raw)
     }
 
     /// Queues a copy of `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`; the
@@ -60,8 +249,10 @@ impl GpuStream {
         dst.check("GPU copy", dst_offset, len)?;
         src.check("GPU copy", src_offset, len)?;
         let s = self.bind()?;
-        // SAFETY: both ranges are inside live allocations (checked); DeviceBuffer's Drop waits for
-        // the GPU before freeing, so queued work never outlives them.
+        dst.note_use(self);
+        src.note_use(self);
+        // SAFETY: both ranges are inside live allocations (checked); both buffers noted this
+        // stream, so they are freed only after the work queued here has run.
         unsafe {
             sys::cuMemcpyAsync(
                 dst.device_ptr() + dst_offset as u64,
@@ -90,7 +281,7 @@ impl GpuStream {
         unsafe { result::event::record(raw, s) }.map_err(|e| cuda_error("cuEventRecord", e))?;
         Ok(GpuEvent {
             raw,
-            context: self.context.clone(),
+            context: self.inner.context.clone(),
         })
     }
 
@@ -106,7 +297,7 @@ impl GpuStream {
     /// Records `marker` at this point of the stream (re-recording moves it here; waits queued
     /// earlier keep the point they captured).
     pub fn record_marker(&self, marker: &GpuEvent) -> Result<()> {
-        if !Arc::ptr_eq(&marker.context, &self.context) {
+        if !Arc::ptr_eq(&marker.context, &self.inner.context) {
             return Err(Error::InvalidArgument {
                 reason: "a marker is recorded on a stream of the GPU it was made for".into(),
             });
@@ -160,19 +351,6 @@ impl GpuStream {
         unsafe { sys::cuStreamWaitValue32_v2(s, address, value, 1) }
             .result()
             .map_err(|e| cuda_error("cuStreamWaitValue32", e))
-    }
-}
-
-impl Drop for GpuStream {
-    fn drop(&mut self) {
-        // Failure policy: log; the context is being torn down anyway.
-        if let Ok(s) = self.bind() {
-            // SAFETY: a live stream; synchronised so nothing queued outlives the objects it uses.
-            unsafe {
-                let _ = result::stream::synchronize(s);
-                let _ = result::stream::destroy(s);
-            }
-        }
     }
 }
 

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, result, sys};
 
 use super::RdmaBuffer;
+use crate::cuda::GpuStream;
 use crate::cuda::result::{cuda_error, dmabuf_fd};
+use crate::cuda::stream::{Uses, queue_release_after};
 use crate::error::{Error, Result};
 
 /// Alignment and size granularity of GPU buffers: the GPU page size that peer mappings (and
@@ -19,12 +21,22 @@ pub const DEVICE_ALIGNMENT: usize = 64 << 10;
 /// registering or exporting it exposes only itself. The CPU cannot dereference its address; it
 /// is not [`HostAccessible`](super::HostAccessible), so registered regions over it offer no
 /// `read_at`/`write_at` (copy with the GPU instead).
+///
+/// Dropping it never waits. Every call in this crate that queues work on the buffer notes the
+/// stream; the drop queues the free (`cuMemFreeAsync`) on a fresh stream after the work queued
+/// so far on those streams, so the memory outlives what uses it and the caller waits for
+/// nothing: not for that work, and not for the rest of the GPU, as `cuMemFree` would (it
+/// waits for every stream of the context; measured by `examples/teardown_probe`). Memory whose
+/// work was still running at the drop comes back at a later allocation or drop, or at
+/// [`crate::cuda::stream::reap_releases`].
 pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     len: usize,
     // The allocation as returned by cuMemAlloc (ptr is aligned within it); freed in Drop.
     base: sys::CUdeviceptr,
     context: Arc<CudaContext>,
+    // The streams that queued work on it: the free is ordered after them.
+    uses: Box<Uses>,
 }
 
 // SAFETY: a device pointer is usable from any thread that binds the context.
@@ -57,6 +69,7 @@ impl DeviceBuffer {
             .ok_or_else(|| Error::InvalidArgument {
                 reason: format!("{len} bytes cannot be rounded to 64 KiB"),
             })?;
+        crate::cuda::stream::reap_releases();
         context
             .bind_to_thread()
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
@@ -69,15 +82,32 @@ impl DeviceBuffer {
         // Zero all of it, the alignment slack too: nothing of an earlier owner of this memory
         // is ever sent, and a peer that maps the whole allocation (cuda-ipc exports it whole)
         // finds only zeros outside the buffer.
-        // SAFETY: [base, base+rounded+DEVICE_ALIGNMENT) is the allocation just made.
-        unsafe { result::memset_d8_sync(base, 0, rounded + DEVICE_ALIGNMENT) }
-            .map_err(|e| cuda_error("cuMemsetD8", e))?;
-        Ok(DeviceBuffer {
+        // On a stream of its own, waited for alone: a synchronous memset would wait for the
+        // whole context.
+        let buffer = DeviceBuffer {
             ptr,
             len: rounded,
             base,
             context: context.clone(),
-        })
+            uses: Box::default(),
+        };
+        let stream = GpuStream::new(context)?;
+        buffer.note_use(&stream);
+        let s = stream.bind()?;
+        // SAFETY: [base, base+rounded+DEVICE_ALIGNMENT) is the allocation just made (freed by
+        // `buffer`'s drop, after this stream's work).
+        unsafe { sys::cuMemsetD8Async(base, 0, rounded + DEVICE_ALIGNMENT, s) }
+            .result()
+            .map_err(|e| cuda_error("cuMemsetD8Async", e))?;
+        stream.synchronize()?;
+        Ok(buffer)
+    }
+
+    /// Notes that `stream` queues work on the buffer: its free will come after that work.
+    /// Every call of this crate that queues work on a buffer does this; code that queues its
+    /// own work on [`Self::device_ptr`] calls it too.
+    pub fn note_use(&self, stream: &GpuStream) {
+        self.uses.note(stream);
     }
 
     /// The GPU virtual address.
@@ -113,32 +143,23 @@ impl DeviceBuffer {
     }
 
     /// Copies `src` into the buffer at `offset`. Synchronous: on return the bytes are in GPU
-    /// memory, visible to work queued afterwards on any stream.
+    /// memory, visible to work queued afterwards on any stream. Waits only for the copy (on a
+    /// stream of its own), never for other work of the GPU.
     pub fn copy_from_host(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check("copy to GPU", offset, src.len())?;
-        self.context
-            .bind_to_thread()
-            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        // SAFETY: the destination range is inside the allocation (checked); src is host memory.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
-            .map_err(|e| cuda_error("cuMemcpyHtoD", e))?;
-        // From pageable memory cuMemcpyHtoD returns once `src` is staged, before the DMA into
-        // the GPU lands, and non-blocking streams are not ordered after it: wait for the
-        // context, so that work queued on any stream afterwards sees the new bytes.
-        self.context
-            .synchronize()
-            .map_err(|e| cuda_error("cuCtxSynchronize", e))
+        // From pageable memory a synchronous cuMemcpyHtoD returns once `src` is staged, before
+        // the DMA lands, and non-blocking streams are not ordered after it: copy on a stream of
+        // our own and wait for that stream.
+        let stream = GpuStream::new(&self.context)?;
+        crate::cuda::copy::htod(self, offset, src.as_ptr(), src.len(), &stream)
     }
 
-    /// Copies `dst.len()` bytes at `offset` out of the buffer (synchronously).
+    /// Copies `dst.len()` bytes at `offset` out of the buffer (synchronously, on a stream of its
+    /// own: it waits for nothing else).
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check("copy from GPU", offset, dst.len())?;
-        self.context
-            .bind_to_thread()
-            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        // SAFETY: as above.
-        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset as u64) }
-            .map_err(|e| cuda_error("cuMemcpyDtoH", e))
+        let stream = GpuStream::new(&self.context)?;
+        crate::cuda::copy::dtoh(dst.as_mut_ptr(), self, offset, dst.len(), &stream)
     }
 
     /// `len` bytes at `offset` lie inside the buffer; `OutOfBounds` naming `what` otherwise.
@@ -155,21 +176,38 @@ impl DeviceBuffer {
     }
 }
 
+/// How long a drop waits for the buffer's own work where the driver has no stream-ordered free
+/// (then it frees with `cuMemFree`, which waits for the whole context).
+const FALLBACK_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // Failure policy: log and leak (a failing free means the context is already gone).
-        if let Err(e) = self.context.bind_to_thread() {
-            tracing::warn!(error = ?e, "binding the CUDA context to free a GPU buffer failed");
+        let uses = self.uses.take();
+        let base = self.base;
+        let queued = queue_release_after(&self.context, &uses, |s| {
+            // SAFETY: base came from cuMemAlloc in this context; no region is registered over
+            // it any more (a MemoryRegion owns its buffer and deregisters before dropping it);
+            // the free runs only after the work queued so far on every stream that used it
+            // (noted by each call that queued such work).
+            unsafe { sys::cuMemFreeAsync(base, s) }.result()
+        });
+        let Err(why) = queued else {
+            return;
+        };
+        // Without the stream-ordered allocator (some virtualised GPUs): wait for the buffer's
+        // own work (a deadline), then the synchronous free; past the deadline leak.
+        tracing::debug!(%why, "no stream-ordered free: waiting for the buffer's own work");
+        let back = Uses::default();
+        for s in uses {
+            back.push(s);
+        }
+        if !back.wait_until(&self.context, std::time::Instant::now() + FALLBACK_DEADLINE) {
+            tracing::warn!("work queued on a GPU buffer did not finish: leaking it");
             return;
         }
-        // Queued copies or kernels may still use the memory: let them finish first.
-        if let Err(e) = self.context.synchronize() {
-            tracing::warn!(error = ?e, "synchronising before freeing a GPU buffer failed");
-        }
-        // SAFETY: base came from malloc_sync in this context; no region is registered over it
-        // any more (a MemoryRegion owns its buffer and deregisters before dropping it), and no
-        // queued work uses it (synchronised above).
-        if let Err(e) = unsafe { result::free_sync(self.base) } {
+        // SAFETY: as above; the buffer's own work has run (waited for just now).
+        if let Err(e) = unsafe { result::free_sync(base) } {
             tracing::warn!(error = ?e, "cuMemFree failed");
         }
     }

@@ -26,6 +26,7 @@ use cudarc::driver::{CudaContext, sys};
 use crate::cuda::GpuStream;
 use crate::cuda::reduce::{GuardWords, ReduceKernels};
 use crate::cuda::result::cuda_error;
+use crate::cuda::stream::Uses;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, RdmaBuffer, SharedHostMemory, ShmDir, ShmName};
 
@@ -204,7 +205,9 @@ impl StreamGuard {
         &self.stop
     }
 
-    fn words(&self) -> Result<GuardWords> {
+    /// The words, for a kernel queued on `stream` (noted: the words outlive its work).
+    fn words(&self, stream: &GpuStream) -> Result<GuardWords> {
+        self.words.note_use(stream);
         Ok(GuardWords {
             stop: FlagPage::address(&*self.stop.page, self.stop.index)?,
             latch: self.words.device_ptr() + LATCH as u64,
@@ -240,7 +243,7 @@ fn send_to(
     let (first, second) = (at(first)?, at_opt(second)?);
     kernels.send_guarded(
         stream,
-        guard.words()?,
+        guard.words(stream)?,
         dst,
         src,
         src_offset,
@@ -264,7 +267,7 @@ pub fn enqueue_wait(
     second: Option<FlagValue<'_>>,
 ) -> Result<()> {
     let first = at_opt(first)?.map(|(a, v)| (a, v, first_equal));
-    kernels.wait_words(stream, first, at_opt(second)?, guard.words()?)
+    kernels.wait_words(stream, first, at_opt(second)?, guard.words(stream)?)
 }
 
 /// Queues on `stream` (a one-thread kernel of `kernels`): if the stream's last guarded wait
@@ -277,7 +280,7 @@ pub fn enqueue_signal(
     first: FlagValue<'_>,
     second: Option<FlagValue<'_>>,
 ) -> Result<()> {
-    kernels.signal(stream, guard.words()?, at(first)?, at_opt(second)?)
+    kernels.signal(stream, guard.words(stream)?, at(first)?, at_opt(second)?)
 }
 
 /// Queues on `stream` one kernel of `kernels`: if the stream's last guarded wait found its
@@ -299,7 +302,7 @@ pub fn enqueue_reduce_then_signal(
 ) -> Result<()> {
     kernels.reduce_then_signal(
         stream,
-        guard.words()?,
+        guard.words(stream)?,
         dtype,
         op,
         dst,
@@ -360,23 +363,15 @@ fn flag_address(base: u64, index: u32, words: u32) -> Result<u64> {
     Ok(base + (FLAG_STRIDE * index as usize) as u64)
 }
 
-/// Stores `value` at the device address `address` from the host (a synchronous copy, which
-/// does not wait for the non-blocking streams that may be waiting on the flag).
+/// Stores `value` at the device address `address` from the host and waits until it landed
+/// (a stream-memory write on a fresh stream: it waits for nothing else, neither the streams
+/// that may be waiting on the flag nor the legacy default stream).
 fn store_device_word(context: &Arc<CudaContext>, address: u64, value: u32) -> Result<()> {
-    context
-        .bind_to_thread()
-        .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-    // SAFETY: address is a flag word inside a live allocation (checked by the callers); the
-    // source is 4 readable bytes.
-    unsafe {
-        sys::cuMemcpyHtoD_v2(
-            address,
-            (&value as *const u32).cast::<std::ffi::c_void>(),
-            4,
-        )
-    }
-    .result()
-    .map_err(|e| cuda_error("cuMemcpyHtoD", e))
+    // On a stream of its own, waited for alone: a synchronous copy would go through the legacy
+    // default stream (and wait for every blocking stream of the context).
+    let stream = GpuStream::new(context)?;
+    stream.write_value(address, value)?;
+    stream.synchronize()
 }
 
 impl FlagPage for DeviceFlags {
@@ -425,10 +420,14 @@ impl PeerDeviceFlags {
 
 impl FlagPage for PeerDeviceFlags {
     fn enqueue_wait(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
-        stream.wait_value(self.address(index)?, value)
+        let a = self.address(index)?;
+        self.mapping.uses.note(stream);
+        stream.wait_value(a, value)
     }
     fn enqueue_set(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
-        stream.write_value(self.address(index)?, value)
+        let a = self.address(index)?;
+        self.mapping.uses.note(stream);
+        stream.write_value(a, value)
     }
     fn store(&self, index: u32, value: u32) -> Result<()> {
         store_device_word(&self.mapping.context, self.address(index)?, value)
@@ -438,13 +437,20 @@ impl FlagPage for PeerDeviceFlags {
     }
 }
 
-/// A peer's GPU allocation mapped into this process (`cuIpcOpenMemHandle`), closed on drop.
+/// A peer's GPU allocation mapped into this process (`cuIpcOpenMemHandle`), closed on drop
+/// once the work queued on it has run (at most [`IPC_CLOSE_DEADLINE`]; leaked past it).
 struct IpcMapping {
     base: u64,
     dst: u64,
     len: u64,
     context: Arc<CudaContext>,
+    // The streams that queued work on the mapping.
+    uses: Uses,
 }
+
+/// How long dropping a cuda-ipc mapping waits for the work queued on it before it leaks the
+/// mapping rather than close it under that work.
+pub const IPC_CLOSE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 // SAFETY: the mapping is usable from any thread that binds the context (every user does).
 unsafe impl Send for IpcMapping {}
@@ -472,6 +478,7 @@ impl IpcMapping {
             dst: base,
             len: 0,
             context: context.clone(),
+            uses: Uses::default(),
         };
         // What the peer granted must lie inside what was actually mapped: the allocation's own
         // size, asked of the driver, not the peer's word. (Dropping `mapping` closes it.)
@@ -500,9 +507,19 @@ fn check_grant(grant: &IpcGrant, mapped: u64) -> Result<()> {
 
 impl Drop for IpcMapping {
     fn drop(&mut self) {
+        // Wait for the mapping's own work only (never the whole context), with a deadline.
+        let deadline = std::time::Instant::now() + IPC_CLOSE_DEADLINE;
+        if !self.uses.wait_until(&self.context, deadline) {
+            tracing::error!(
+                "work queued on a peer's mapped GPU memory did not finish within \
+                 {IPC_CLOSE_DEADLINE:?}: leaking the mapping"
+            );
+            return;
+        }
         if self.context.bind_to_thread().is_ok() {
-            let _ = self.context.synchronize();
-            // SAFETY: base came from cuIpcOpenMemHandle; no queued work uses it (synchronised).
+            // SAFETY: base came from cuIpcOpenMemHandle; the work queued on it has run (waited
+            // for above). The driver's close itself waits for the whole context (measured by
+            // examples/teardown_probe): the one implicit wait left in this teardown.
             let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
         }
     }
@@ -654,8 +671,11 @@ impl CudaIpcSender {
     ) -> Result<()> {
         self.check(src, src_offset, dst_offset, len)?;
         let s = stream.bind()?;
+        self.mapping.uses.note(stream);
+        src.note_use(stream);
         // SAFETY: the destination lies in the mapped slot (checked), the source in a live buffer
-        // (checked); the mapping stays open until Drop, which synchronises first.
+        // (checked); both noted this stream: the buffer is freed and the mapping closed only
+        // after its queued work.
         unsafe {
             sys::cuMemcpyAsync(
                 self.mapping.dst + dst_offset,
@@ -690,6 +710,7 @@ impl CudaIpcSender {
         second: Option<FlagValue<'_>>,
     ) -> Result<()> {
         self.check(src, src_offset, dst_offset, len)?;
+        self.mapping.uses.note(stream);
         let dst = self.mapping.dst + dst_offset;
         send_to(
             stream, kernels, guard, dst, src, src_offset, len, first, second,
@@ -738,9 +759,10 @@ impl ShmSlot {
         dst.check("GPU copy destination", dst_offset, len)?;
         let from = self.mem.device_address(slot_offset, len)?;
         let s = stream.bind()?;
-        // SAFETY: both ranges are in bounds of live memory (checked); the slot outlives queued
-        // work (ShmSlot is dropped after the stream is synchronised by its owner, and GpuStream
-        // synchronises on drop).
+        dst.note_use(stream);
+        // SAFETY: both ranges are in bounds of live memory (checked); the buffer noted this
+        // stream (freed after its work); the slot's host memory stays registered until its
+        // owner has drained the stream (unregistering waits for the whole context anyway).
         unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 dst.device_ptr() + dst_offset as u64,
@@ -787,7 +809,9 @@ impl ShmSender {
         src.check("GPU write source", src_offset, len)?;
         let to = self.mem.device_address(slot_offset, len)?;
         let s = stream.bind()?;
-        // SAFETY: both ranges are in bounds of live memory (checked).
+        src.note_use(stream);
+        // SAFETY: both ranges are in bounds of live memory (checked); the buffer noted this
+        // stream; the slot stays registered until its owner has drained the stream.
         unsafe {
             sys::cuMemcpyDtoHAsync_v2(
                 to as *mut std::ffi::c_void,
