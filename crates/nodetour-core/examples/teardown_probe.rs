@@ -189,6 +189,7 @@ fn run() -> R<()> {
                     .ok_or("--hold-ms N")?;
                 i += 1;
             }
+            "--launch-cost" => {}
             "--ipc-child" => {
                 child = Some(args.get(i + 1).cloned().ok_or("--ipc-child HEX")?);
                 i += 1;
@@ -235,6 +236,9 @@ fn run() -> R<()> {
         return ipc_child(&probe, &hex);
     }
     let own = ck(result::stream::create(StreamKind::NonBlocking), "stream")?;
+    if args.iter().any(|a| a == "--launch-cost") {
+        return launch_cost(&probe, module);
+    }
     memory_comes_back(&probe)?;
     for how in [Blocker::Kernel, Blocker::WaitValue] {
         let p = alloc(4 << 20)?;
@@ -419,6 +423,79 @@ fn run() -> R<()> {
         )?;
     }
     let _ = probe.ctx.synchronize();
+    Ok(())
+}
+
+/// Host time per (event record on one stream, event wait on another, launch on it), before and
+/// after things a teardown might do: many idle streams alive, one stream-ordered free.
+fn launch_cost(probe: &Probe, module: sys::CUmodule) -> R<()> {
+    // SAFETY: the module is loaded in the current context.
+    let nop = ck(
+        unsafe { result::module::get_function(module, CString::new("nop").unwrap()) },
+        "get nop",
+    )?;
+    let a = ck(result::stream::create(StreamKind::NonBlocking), "stream")?;
+    let b = ck(result::stream::create(StreamKind::NonBlocking), "stream")?;
+    let ev = ck(
+        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
+        "event",
+    )?;
+    let measure = |what: &str| -> R<()> {
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t = Instant::now();
+            for _ in 0..2000 {
+                let mut params: [*mut std::ffi::c_void; 0] = [];
+                // SAFETY: live streams, event and a kernel without arguments.
+                unsafe {
+                    ck(
+                        result::launch_kernel(nop, (1, 1, 1), (1, 1, 1), 0, a, &mut params),
+                        "launch",
+                    )?;
+                    ck(result::event::record(ev, a), "record")?;
+                    ck(
+                        result::stream::wait_event(
+                            b,
+                            ev,
+                            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                        ),
+                        "wait",
+                    )?;
+                    ck(
+                        result::launch_kernel(nop, (1, 1, 1), (1, 1, 1), 0, b, &mut params),
+                        "launch",
+                    )?;
+                }
+            }
+            // SAFETY: live streams.
+            unsafe {
+                ck(result::stream::synchronize(a), "sync")?;
+                ck(result::stream::synchronize(b), "sync")?;
+            }
+            best = best.min(t.elapsed().as_secs_f64() * 1e6 / 2000.0);
+        }
+        println!("TEARDOWN launch_cost {what} us_per_iteration={best:.2}");
+        Ok(())
+    };
+    measure("fresh")?;
+    let idle: Vec<_> = (0..64)
+        .map(|_| result::stream::create(StreamKind::NonBlocking))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{e:?}"))?;
+    measure("with 64 idle streams alive")?;
+    for s in idle {
+        // SAFETY: idle streams.
+        let _ = unsafe { result::stream::destroy(s) };
+    }
+    measure("after destroying them")?;
+    let p = alloc(1 << 20)?;
+    let t = ck(result::stream::create(StreamKind::NonBlocking), "stream")?;
+    // SAFETY: p came from cuMemAlloc; nothing uses it; t is idle.
+    cu(unsafe { sys::cuMemFreeAsync(p, t) }, "free async")?;
+    // SAFETY: a live stream.
+    ck(unsafe { result::stream::synchronize(t) }, "sync")?;
+    measure("after one cuMemFreeAsync")?;
+    let _ = probe;
     Ok(())
 }
 

@@ -1,6 +1,8 @@
 //! Copies between raw host memory that peers may write (slot and work regions, never visible
 //! as slices) and GPU buffers, ordered on a stream and waited for on that stream only (never the
-//! whole device). Callers check both ranges.
+//! whole device). Callers check both ranges. The buffers do not note the stream (see
+//! `DeviceBuffer::note_use`): the copy has landed when these return, so nothing is left for
+//! their release to wait for, and they do not keep a finished stream alive.
 
 use cudarc::driver::sys;
 
@@ -19,7 +21,6 @@ pub(crate) fn htod(
     stream: &GpuStream,
 ) -> Result<()> {
     let s = stream.bind()?;
-    dst.note_use(stream);
     // SAFETY: the caller checked that src..src+len is readable host memory that stays valid
     // until the copy has landed (we wait for the stream below) and that the destination range
     // lies inside `dst`.
@@ -39,7 +40,6 @@ pub(crate) fn dtoh(
     stream: &GpuStream,
 ) -> Result<()> {
     let s = stream.bind()?;
-    src.note_use(stream);
     // SAFETY: the caller checked that dst..dst+len is writable host memory nobody else uses
     // until the copy has landed (we wait for the stream below), and that the source range lies
     // inside `src`.

@@ -92,10 +92,10 @@ impl DeviceBuffer {
             uses: Box::default(),
         };
         let stream = GpuStream::new(context)?;
-        buffer.note_use(&stream);
         let s = stream.bind()?;
-        // SAFETY: [base, base+rounded+DEVICE_ALIGNMENT) is the allocation just made (freed by
-        // `buffer`'s drop, after this stream's work).
+        // SAFETY: [base, base+rounded+DEVICE_ALIGNMENT) is the allocation just made; the stream
+        // is synchronised below, before anything can drop `buffer` (on error, dropping it frees
+        // after nothing: a failed synchronise means the context is broken).
         unsafe { sys::cuMemsetD8Async(base, 0, rounded + DEVICE_ALIGNMENT, s) }
             .result()
             .map_err(|e| cuda_error("cuMemsetD8Async", e))?;
