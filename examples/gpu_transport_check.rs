@@ -72,7 +72,7 @@ fn run() -> anyhow::Result<()> {
     put(&mut blob, &shm_path.encode());
     blob.extend_from_slice(&(shm_len as u64).to_be_bytes());
     let deadline = Deadline::after(config.timeout);
-    let job = rendezvous(&info, &config, blob)?;
+    let job = rendezvous(&info, &config, String::new(), blob)?;
     let theirs = &job.peers()[peer as usize];
     if !theirs.host.same_host(&HostIdentity::current()) {
         bail!("the peer is on another host: the in-host transports do not apply");

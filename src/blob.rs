@@ -5,12 +5,17 @@ use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, Pe
 use nodetour_core::{Config, Deadline};
 
 /// Joins the job of `info` (token from the environment, deadline from `config`), announcing
-/// this host and `blob` and no address (for jobs whose ranks meet through shared memory).
-pub fn rendezvous(info: &LaunchInfo, config: &Config, blob: Vec<u8>) -> anyhow::Result<Bootstrap> {
+/// this host, `address` (empty where ranks meet only through shared memory) and `blob`.
+pub fn rendezvous(
+    info: &LaunchInfo,
+    config: &Config,
+    address: String,
+    blob: Vec<u8>,
+) -> anyhow::Result<Bootstrap> {
     let entry = PeerEntry {
         rank: info.rank,
         host: HostIdentity::current(),
-        address: String::new(),
+        address,
         blob,
     };
     let token = JobToken::from_env();

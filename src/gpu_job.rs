@@ -11,12 +11,13 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
-use nodetour_core::bootstrap::{Bootstrap, HostIdentity, LaunchInfo};
-use nodetour_core::memory::{DeviceBuffer, ShmName};
+use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo};
+use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::gpu::{
-    CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, IpcGrant, PeerDeviceFlags, ShmSender,
-    ShmSlot,
+    CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, PeerDeviceFlags, ShmSender, ShmSlot,
 };
+use nodetour_core::transport::setup::GpuNeighbourSetup;
+use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_core::transport::{TransportKind, forced_from_env};
 use nodetour_core::{Config, Deadline};
 use nodetour_ring::gpu_ring::{
@@ -107,14 +108,10 @@ impl Drop for GpuRingJob {
     }
 }
 
-/// What each rank announces through the bootstrap: where the previous rank writes to it (GPU
-/// slots, shared host slots), its flag pages, its GPU, and the caller's extra bytes.
+/// What each rank announces through the bootstrap, which every rank hears: its GPU and the
+/// caller's extra bytes. The handles and names of its slots and flag pages go only to its
+/// neighbours ([`GpuNeighbourSetup`], over an authenticated loopback connection).
 struct Announcement {
-    slots: IpcGrant,
-    flags: ShmName,
-    shm: ShmName,
-    shm_len: usize,
-    device_flags: IpcGrant,
     gpu: usize,
     extra: Vec<u8>,
 }
@@ -122,11 +119,6 @@ struct Announcement {
 impl Announcement {
     fn encode(&self) -> Vec<u8> {
         let mut b = Vec::new();
-        put(&mut b, &self.slots.encode());
-        put(&mut b, &self.flags.encode());
-        put(&mut b, &self.shm.encode());
-        put(&mut b, &(self.shm_len as u64).to_be_bytes());
-        put(&mut b, &self.device_flags.encode());
         put(&mut b, &(self.gpu as u32).to_be_bytes());
         put(&mut b, &self.extra);
         b
@@ -135,11 +127,6 @@ impl Announcement {
     fn decode(b: &[u8]) -> anyhow::Result<Announcement> {
         let mut at = 0;
         Ok(Announcement {
-            slots: IpcGrant::decode(take(b, &mut at)?)?,
-            flags: ShmName::decode(take(b, &mut at)?)?,
-            shm: ShmName::decode(take(b, &mut at)?)?,
-            shm_len: u64::from_be_bytes(take(b, &mut at)?.try_into()?) as usize,
-            device_flags: IpcGrant::decode(take(b, &mut at)?)?,
             gpu: u32::from_be_bytes(take(b, &mut at)?.try_into()?) as usize,
             extra: take(b, &mut at)?.to_vec(),
         })
@@ -228,17 +215,15 @@ impl GpuRingJob {
         let shm_slots = ShmSlot::create(options.slots as usize * options.shm_slot_bytes)?;
         let (shm_path, shm_len) = shm_slots.grant();
         let blob = Announcement {
-            slots: gpu_slots.ipc_grant()?,
-            flags: flags.name().clone(),
-            shm: shm_path,
-            shm_len,
-            device_flags: device_flags.ipc_grant()?,
             gpu,
             extra: extra.to_vec(),
         }
         .encode();
+        // The ring's neighbours share this host: they reach this rank on loopback only.
+        let endpoint = TcpEndpoint::bind("127.0.0.1:0", JobToken::from_env(), config.timeout)?;
+        let address = format!("127.0.0.1:{}", endpoint.local_addr()?.port());
         let deadline = Deadline::after(config.timeout);
-        let job = rendezvous(&info, config, blob)?;
+        let job = rendezvous(&info, config, address, blob)?;
         let hosts: Vec<_> = job.peers().iter().map(|p| p.host.clone()).collect();
         let order = ring_order(&hosts);
         let position = order
@@ -278,16 +263,49 @@ impl GpuRingJob {
                  across hosts (verbs, staged through host slots) is not built yet"
             );
         }
-        let theirs = &announced[next as usize];
-        let (grant, next_flags, next_shm, next_shm_len, next_device_flags) = (
-            theirs.slots,
-            &theirs.flags,
-            &theirs.shm,
-            theirs.shm_len,
-            theirs.device_flags,
-        );
-        let prev_flags = Flags::open(&announced[prev as usize].flags, flag::WORDS)?;
-        let prev_device_flags = announced[prev as usize].device_flags;
+        // To each neighbour, and to no one else: this rank's flag pages (both write them); to
+        // the previous rank also the slots it writes into.
+        let my_device_flags = device_flags.ipc_grant()?;
+        let my_slots = gpu_slots.ipc_grant()?;
+        let setup_for = |p: u32| {
+            GpuNeighbourSetup {
+                flags: flags.name().clone(),
+                device_flags: my_device_flags,
+                slots: (p == prev).then(|| (my_slots, shm_path.clone(), shm_len as u64)),
+            }
+            .encode()
+        };
+        let linked: Vec<u32> = if next == prev {
+            vec![next]
+        } else {
+            vec![next, prev]
+        };
+        let alive = || job.check();
+        let peer_address = |p: u32| job.peers()[p as usize].address.clone();
+        let setups = endpoint.exchange(
+            &linked,
+            me,
+            world,
+            &peer_address,
+            &setup_for,
+            &alive,
+            deadline,
+        )?;
+        drop(endpoint);
+        let setup_of = |p: u32| -> anyhow::Result<GpuNeighbourSetup> {
+            GpuNeighbourSetup::decode(setups.get(&p).context("no setup from a neighbour")?)
+                .with_context(|| format!("rank {p}'s setup"))
+        };
+        let (theirs, from_prev) = (setup_of(next)?, setup_of(prev)?);
+        let (grant, next_shm, next_shm_len) = theirs
+            .slots
+            .clone()
+            .with_context(|| format!("rank {next} sent no slots"))?;
+        let (next_flags, next_device_flags) = (&theirs.flags, theirs.device_flags);
+        let next_shm_len = usize::try_from(next_shm_len)?;
+        let next_shm = &next_shm;
+        let prev_flags = Flags::open(&from_prev.flags, flag::WORDS)?;
+        let prev_device_flags = from_prev.device_flags;
 
         let open_flags = || Flags::open(next_flags, flag::WORDS);
         // Which paths to build: Auto tries direct and falls back to staged.

@@ -1,5 +1,5 @@
 //! What peers send about their slot regions (slot grants and neighbour setups at formation,
-//! cuda-ipc grants and shared-memory names through the bootstrap) and the tcp transport's frame headers: any bytes decode or fail with a typed error; accepted values re-encode to the
+//! host rings' and GPU rings', cuda-ipc grants and shared-memory names) and the tcp transport's frame headers: any bytes decode or fail with a typed error; accepted values re-encode to the
 //! same bytes.
 #![no_main]
 
@@ -7,7 +7,7 @@ use libfuzzer_sys::fuzz_target;
 use nodetour_core::memory::ShmName;
 use nodetour_core::transport::SlotGrant;
 use nodetour_core::transport::gpu::IpcGrant;
-use nodetour_core::transport::setup::NeighbourSetup;
+use nodetour_core::transport::setup::{GpuNeighbourSetup, NeighbourSetup};
 use nodetour_core::transport::wire::WriteHeader;
 
 fuzz_target!(|data: &[u8]| {
@@ -20,6 +20,13 @@ fuzz_target!(|data: &[u8]| {
     // What a neighbour sends at formation (grants, its queue pair for us).
     if let Ok(s) = NeighbourSetup::decode(data) {
         assert_eq!(s.encode(), data);
+    }
+    // What a GPU-ring neighbour sends at formation (flag pages, slots): names stay strict.
+    if let Ok(s) = GpuNeighbourSetup::decode(data) {
+        assert_eq!(s.encode(), data);
+        for n in std::iter::once(&s.flags).chain(s.slots.as_ref().map(|(_, n, _)| n)) {
+            assert!(!n.component().contains('/') && n.component() != "..");
+        }
     }
     if let Ok(h) = WriteHeader::decode(data) {
         assert_eq!(&h.encode()[..], data);

@@ -1,10 +1,13 @@
 //! What a rank sends each ring neighbour at formation, over the authenticated connection
 //! between the two ([`super::tcp::TcpEndpoint::exchange`]) rather than through the bootstrap
 //! that every rank hears: the grants that neighbour writes through, and the queue pair made for
-//! it alone (verbs).
+//! it alone (verbs), or, in the GPU ring, the cuda-ipc grants and shared-memory names of the
+//! sender's flag pages and slots.
 
 use super::SlotGrant;
+use super::gpu::IpcGrant;
 use crate::error::{Error, Result};
+use crate::memory::ShmName;
 
 /// One neighbour's setup, as sent (validated when decoded).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,6 +69,103 @@ impl NeighbourSetup {
     }
 }
 
+/// What a GPU-ring rank sends a neighbour at formation (validated when decoded): its flag pages,
+/// which both neighbours write (credits, notices), and, to the previous rank only (which writes
+/// them), its slots. No other rank learns these handles and names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuNeighbourSetup {
+    /// The sender's host flag page (shared memory).
+    pub flags: ShmName,
+    /// The sender's flag page in GPU memory (cuda-ipc).
+    pub device_flags: IpcGrant,
+    /// The sender's receive slots: in GPU memory (cuda-ipc), and in shared host memory with
+    /// its length (the staged path).
+    pub slots: Option<(IpcGrant, ShmName, u64)>,
+}
+
+const HAS_SLOTS: u8 = 1;
+
+impl GpuNeighbourSetup {
+    /// A flag, the device-flag grant, the flag page's name, then the slots if held.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = vec![u8::from(self.slots.is_some()) * HAS_SLOTS];
+        b.extend_from_slice(&self.device_flags.encode());
+        b.extend_from_slice(&self.flags.encode());
+        if let Some((grant, shm, len)) = &self.slots {
+            b.extend_from_slice(&grant.encode());
+            b.extend_from_slice(&len.to_be_bytes());
+            b.extend_from_slice(&shm.encode());
+        }
+        b
+    }
+
+    /// Decodes what a neighbour sent: unknown flags, short or bad grants and names, and bytes
+    /// left over are refused.
+    pub fn decode(b: &[u8]) -> Result<GpuNeighbourSetup> {
+        let mut r = Reader { b, at: 0 };
+        let flags = r.take(1, "the flags")?[0];
+        if flags & !HAS_SLOTS != 0 {
+            return Err(r.bad(format!("unknown flags {flags:#x}")));
+        }
+        let device_flags = IpcGrant::decode(r.take(IpcGrant::ENCODED_LEN, "a grant")?)?;
+        let flags_name = r.name()?;
+        let slots = if flags & HAS_SLOTS != 0 {
+            let grant = IpcGrant::decode(r.take(IpcGrant::ENCODED_LEN, "a grant")?)?;
+            let len = u64::from_be_bytes(r.take(8, "a length")?.try_into().expect("8 bytes"));
+            Some((grant, r.name()?, len))
+        } else {
+            None
+        };
+        if r.at != b.len() {
+            return Err(r.bad(format!("{} bytes left over", b.len() - r.at)));
+        }
+        Ok(GpuNeighbourSetup {
+            flags: flags_name,
+            device_flags,
+            slots,
+        })
+    }
+}
+
+/// Reads fields off a GPU neighbour setup, bounds-checked.
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn bad(&self, reason: String) -> Error {
+        Error::Decode {
+            what: "GPU neighbour setup",
+            reason,
+        }
+    }
+
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let b = self.b;
+        let field = self
+            .at
+            .checked_add(n)
+            .and_then(|end| b.get(self.at..end))
+            .ok_or_else(|| {
+                self.bad(format!(
+                    "{} bytes left for {what}",
+                    b.len().saturating_sub(self.at)
+                ))
+            })?;
+        self.at += n;
+        Ok(field)
+    }
+
+    /// A name: its directory tag and length, then that many bytes.
+    fn name(&mut self) -> Result<ShmName> {
+        let start = self.at;
+        let len = self.take(2, "a name")?[1];
+        self.take(len as usize, "a name")?;
+        ShmName::decode(&self.b[start..self.at])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +196,50 @@ mod tests {
         for bad in [&[][..], &[4u8][..], &[1u8, 0, 0][..], &long[..10]] {
             assert!(
                 matches!(NeighbourSetup::decode(bad), Err(Error::Decode { .. })),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_gpu_setup_round_trips_and_refuses_garbage() {
+        use crate::memory::ShmDir;
+        let name = |c: &str| ShmName::new(ShmDir::Tmpfs, c).unwrap();
+        let grant = IpcGrant {
+            handle: [9; 64],
+            offset: 65536,
+            len: 4096,
+        };
+        let to_next = GpuNeighbourSetup {
+            flags: name("nodetour-12-0123456789abcdef"),
+            device_flags: grant,
+            slots: None,
+        };
+        let to_prev = GpuNeighbourSetup {
+            slots: Some((grant, name("nodetour-12-fedcba9876543210"), 1 << 20)),
+            ..to_next.clone()
+        };
+        for s in [&to_next, &to_prev] {
+            assert_eq!(&GpuNeighbourSetup::decode(&s.encode()).unwrap(), s);
+        }
+        let full = to_prev.encode();
+        let mut extra = full.clone();
+        extra.push(0);
+        let mut flags = full.clone();
+        flags[0] = 3;
+        let mut traversal = to_next.encode();
+        let at = traversal.len() - 2;
+        traversal[at..].copy_from_slice(b"..");
+        for bad in [
+            &[][..],
+            &full[..full.len() - 1],
+            &full[..100],
+            &extra[..],
+            &flags[..],
+            &traversal[..],
+        ] {
+            assert!(
+                matches!(GpuNeighbourSetup::decode(bad), Err(Error::Decode { .. })),
                 "{bad:?}"
             );
         }
