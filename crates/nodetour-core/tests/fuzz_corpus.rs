@@ -97,6 +97,16 @@ fn transport_grants_corpus() {
             assert!(!n.component().contains('/'), "{name}");
             accepted += 1;
         }
+        for setup in [
+            nodetour_core::transport::setup::NeighbourSetup::decode(&data).map(|s| s.encode()),
+            nodetour_core::transport::setup::GpuNeighbourSetup::decode(&data).map(|s| s.encode()),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            assert_eq!(setup, data, "{name}");
+            accepted += 1;
+        }
     }
     assert!(accepted >= 4, "{accepted}");
 }

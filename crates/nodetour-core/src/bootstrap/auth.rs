@@ -1,6 +1,11 @@
 //! Job-token challenge-response: each side proves it knows `NODETOUR_JOB_TOKEN` by an HMAC-SHA256
 //! over a nonce the other side chose, before any address or key is shared. Proofs are compared
 //! in constant time; the token itself never crosses the network.
+//!
+//! After the handshake both sides derive session keys from the token and both nonces (one key
+//! per direction, [`JobToken::session`]): the tcp transport tags every frame's header (and the
+//! payload of control-sized frames: notifications, grants, descriptors) with them, numbered so
+//! that a replayed, reordered or dropped frame fails too.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -89,6 +94,108 @@ impl JobToken {
     }
 }
 
+const SESSION_LABEL: &[u8] = b"nodetour-session-v1";
+const TO_DIALER: &[u8] = b"acceptor to dialer";
+const TO_ACCEPTOR: &[u8] = b"dialer to acceptor";
+
+/// Bytes of a message tag (HMAC-SHA256, truncated).
+pub const TAG_LEN: usize = 16;
+/// A message tag.
+pub type Tag = [u8; TAG_LEN];
+
+/// One direction's key of a session, and the number of the next message in that direction
+/// (covered by each tag, never sent).
+#[derive(Clone)]
+pub struct SessionKey {
+    mac: Hmac<Sha256>,
+    seq: u64,
+}
+
+impl SessionKey {
+    fn new(key: &[u8]) -> SessionKey {
+        SessionKey {
+            mac: <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes keys of any length"),
+            seq: 0,
+        }
+    }
+
+    fn mac_of(&self, parts: &[&[u8]]) -> Hmac<Sha256> {
+        let mut m = self.mac.clone();
+        m.update(&self.seq.to_be_bytes());
+        for p in parts {
+            m.update(&(p.len() as u64).to_be_bytes());
+            m.update(p);
+        }
+        m
+    }
+
+    /// The tag of the next message, made of `parts`; numbers it.
+    pub fn seal(&mut self, parts: &[&[u8]]) -> Tag {
+        let full = self.mac_of(parts).finalize().into_bytes();
+        self.seq += 1;
+        let mut t = [0u8; TAG_LEN];
+        t.copy_from_slice(&full[..TAG_LEN]);
+        t
+    }
+
+    /// Whether `tag` is the next message's tag for `parts` (compared in constant time); numbers
+    /// it either way (a connection stops at the first bad tag).
+    pub fn open(&mut self, parts: &[&[u8]], tag: &Tag) -> bool {
+        let ok = self.mac_of(parts).verify_truncated_left(tag).is_ok();
+        self.seq += 1;
+        ok
+    }
+}
+
+/// A connection's two session keys, from one side's point of view.
+#[derive(Clone)]
+pub struct SessionKeys {
+    /// Tags what this side sends.
+    pub send: SessionKey,
+    /// Checks what this side receives.
+    pub recv: SessionKey,
+}
+
+impl JobToken {
+    /// The session keys of a connection whose acceptor chose `acceptor_nonce` and whose dialler
+    /// (rank `dialer_rank` of `world`) chose `dialer_nonce`, for the acceptor's side or the
+    /// dialler's: each side's `send` is the other's `recv`.
+    pub fn session(
+        &self,
+        acceptor_nonce: &Nonce,
+        dialer_nonce: &Nonce,
+        dialer_rank: u32,
+        world: u32,
+        acceptor: bool,
+    ) -> SessionKeys {
+        let mut m =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        m.update(SESSION_LABEL);
+        m.update(acceptor_nonce);
+        m.update(dialer_nonce);
+        m.update(&dialer_rank.to_be_bytes());
+        m.update(&world.to_be_bytes());
+        let master = m.finalize().into_bytes();
+        let direction = |label: &[u8]| {
+            let mut d = <Hmac<Sha256> as Mac>::new_from_slice(&master).expect("any length");
+            d.update(label);
+            SessionKey::new(&d.finalize().into_bytes())
+        };
+        let (to_dialer, to_acceptor) = (direction(TO_DIALER), direction(TO_ACCEPTOR));
+        if acceptor {
+            SessionKeys {
+                send: to_dialer,
+                recv: to_acceptor,
+            }
+        } else {
+            SessionKeys {
+                send: to_acceptor,
+                recv: to_dialer,
+            }
+        }
+    }
+}
+
 /// 32 random bytes from the kernel (`getrandom(2)`).
 pub fn nonce() -> Nonce {
     let mut n = [0u8; 32];
@@ -130,6 +237,48 @@ mod tests {
             "client and server proofs differ"
         );
         assert!(t.verify_server(&n, 3, 8, &t.server_proof(&n, 3, 8)));
+    }
+
+    #[test]
+    fn session_tags_check_token_nonces_direction_order_and_content() {
+        let t = JobToken::new("s3cret");
+        let (na, nd) = (nonce(), nonce());
+        let mut acc = t.session(&na, &nd, 1, 2, true);
+        let mut dia = t.session(&na, &nd, 1, 2, false);
+        let first = dia.send.seal(&[b"header", b"payload"]);
+        let second = dia.send.seal(&[b"header", b"payload"]);
+        assert_ne!(first, second, "numbered: the same message tags differently");
+        assert!(acc.recv.clone().open(&[b"header", b"payload"], &first));
+        let mut replay = acc.recv.clone();
+        assert!(replay.open(&[b"header", b"payload"], &first));
+        assert!(
+            !replay.open(&[b"header", b"payload"], &first),
+            "a replay fails"
+        );
+        assert!(!acc.recv.clone().open(&[b"header", b"payloaD"], &first));
+        assert!(
+            !acc.recv.clone().open(&[b"headerp", b"ayload"], &first),
+            "parts are framed"
+        );
+        assert!(
+            !acc.recv.clone().open(&[b"header", b"payload"], &second),
+            "order counts"
+        );
+        let back = acc.send.seal(&[b"x"]);
+        assert!(dia.recv.clone().open(&[b"x"], &back));
+        assert!(
+            !acc.recv.clone().open(&[b"x"], &back),
+            "directions have their own keys"
+        );
+        for other in [
+            JobToken::new("wrong").session(&na, &nd, 1, 2, true),
+            t.session(&nonce(), &nd, 1, 2, true),
+            t.session(&na, &nonce(), 1, 2, true),
+            t.session(&na, &nd, 0, 2, true),
+        ] {
+            let mut r = other.recv;
+            assert!(!r.open(&[b"header", b"payload"], &first));
+        }
     }
 
     #[test]

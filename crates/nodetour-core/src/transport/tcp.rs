@@ -17,9 +17,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::wire::{HEADER_LEN, MAX_FRAME, WriteHeader};
+use super::wire::{CONTROL_MAX, HEADER_LEN, MAX_FRAME, WriteHeader};
 use super::{Event, HostConnection, SlotGrant, SlotRegion, SlotTable, TransportKind};
 use crate::bootstrap::auth::{JobToken, nonce};
+use crate::bootstrap::auth::{SessionKey, SessionKeys, TAG_LEN, Tag};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 
@@ -38,16 +39,20 @@ pub struct TcpConnection {
     granted: SlotTable,
     peer: String,
     timeout: Duration,
+    // Tags what this side sends (see `wire`): the session key of this direction.
+    send: SessionKey,
 }
 
 impl TcpConnection {
     /// Starts the connection with `regions` already granted: a peer that learned of them
-    /// earlier (from the bootstrap) may write at once.
+    /// earlier (from the bootstrap) may write at once. `keys` are the session's (from the
+    /// handshake that authenticated `stream`).
     fn start(
         stream: TcpStream,
         peer: String,
         timeout: Duration,
         regions: &[SlotRegion],
+        keys: SessionKeys,
     ) -> Result<TcpConnection> {
         let setup = |source| Error::Exchange {
             op: "configure",
@@ -61,6 +66,7 @@ impl TcpConnection {
         for r in regions {
             granted.insert(r);
         }
+        let SessionKeys { send, recv } = keys;
         let reader = {
             let (mut s, received, granted, who) = (
                 stream.try_clone().map_err(setup)?,
@@ -68,10 +74,11 @@ impl TcpConnection {
                 granted.clone(),
                 peer.clone(),
             );
+            let mut recv = recv;
             std::thread::Builder::new()
                 .name("nodetour-tcp-rx".into())
                 .spawn(move || {
-                    let why = receive_loop(&mut s, &granted, &received);
+                    let why = receive_loop(&mut s, &granted, &received, &mut recv);
                     tracing::debug!(peer = %who, reason = %why, "tcp receiver stopped");
                     let _ = s.shutdown(Shutdown::Both);
                     let mut ev = received.events.lock().unwrap_or_else(|p| p.into_inner());
@@ -87,6 +94,7 @@ impl TcpConnection {
             granted,
             peer,
             timeout,
+            send,
         })
     }
 
@@ -111,9 +119,19 @@ impl TcpConnection {
     }
 }
 
-/// Reads frames until the connection ends; returns why it ended.
-fn receive_loop(s: &mut TcpStream, granted: &SlotTable, received: &Received) -> String {
+/// Reads frames until the connection ends; returns why it ended. A frame's header is checked
+/// against the grants, then its tag: a control-sized payload is read into local memory and
+/// lands in the region only once its tag is right; a larger one (whose tag covers the header)
+/// goes straight from the socket into the region.
+fn receive_loop(
+    s: &mut TcpStream,
+    granted: &SlotTable,
+    received: &Received,
+    key: &mut SessionKey,
+) -> String {
     let mut header = [0u8; HEADER_LEN];
+    let mut tag: Tag = [0u8; TAG_LEN];
+    let mut small = vec![0u8; CONTROL_MAX as usize];
     loop {
         if let Err(e) = s.read_exact(&mut header) {
             return if e.kind() == io::ErrorKind::UnexpectedEof {
@@ -135,10 +153,34 @@ fn receive_loop(s: &mut TcpStream, granted: &SlotTable, received: &Received) -> 
                 );
             }
         };
-        // The bytes go straight from the socket into the region through its raw address: no
-        // slice is ever formed over slot memory, which other threads and peers may touch.
-        if let Err(e) = read_exact_raw(s, dst, h.len as usize) {
+        if let Err(e) = s.read_exact(&mut tag) {
             return format!("the peer's frame was truncated: {e}");
+        }
+        let len = h.len as usize;
+        if h.len <= CONTROL_MAX {
+            if let Err(e) = s.read_exact(&mut small[..len]) {
+                return format!("the peer's frame was truncated: {e}");
+            }
+            if !key.open(&[&header, &small[..len]], &tag) {
+                return "refused a frame that failed the session's authentication (tampered, \
+                        replayed or out of order)"
+                    .into();
+            }
+            // SAFETY: dst..dst+len lies inside the granted region (checked by the slot table,
+            // which `region` holds); `small` is this thread's own buffer. Raw copy: no slice is
+            // formed over slot memory, which other threads and peers may touch.
+            unsafe { std::ptr::copy_nonoverlapping(small.as_ptr(), dst, len) };
+        } else {
+            if !key.open(&[&header], &tag) {
+                return "refused a frame that failed the session's authentication (tampered, \
+                        replayed or out of order)"
+                    .into();
+            }
+            // The bytes go straight from the socket into the region through its raw address:
+            // no slice is ever formed over slot memory, which other threads and peers may touch.
+            if let Err(e) = read_exact_raw(s, dst, len) {
+                return format!("the peer's frame was truncated: {e}");
+            }
         }
         drop(region);
         if let Some(v) = h.notify {
@@ -229,7 +271,22 @@ impl HostConnection for TcpConnection {
             // SAFETY: from+sent..from+sent+n lies inside `src` (checked above), which the
             // caller keeps alive until this returns; the kernel reads it, no slice is formed.
             let payload = unsafe { from.add(sent) };
-            write_all_raw(&self.stream, &header, payload, n).map_err(io_err)?;
+            let mut head = [0u8; HEADER_LEN + TAG_LEN];
+            head[..HEADER_LEN].copy_from_slice(&header);
+            if n <= CONTROL_MAX as usize {
+                // A control-sized payload is tagged too: copied out first (raw), so the bytes
+                // sent are the bytes tagged.
+                let mut copy = vec![0u8; n];
+                // SAFETY: as above; `copy` is a distinct allocation of n bytes.
+                unsafe { std::ptr::copy_nonoverlapping(payload, copy.as_mut_ptr(), n) };
+                let tag = self.send.seal(&[&header, &copy]);
+                head[HEADER_LEN..].copy_from_slice(&tag);
+                write_all_raw(&self.stream, &head, copy.as_ptr(), n).map_err(io_err)?;
+            } else {
+                let tag = self.send.seal(&[&header]);
+                head[HEADER_LEN..].copy_from_slice(&tag);
+                write_all_raw(&self.stream, &head, payload, n).map_err(io_err)?;
+            }
             sent += n;
             if last {
                 return Ok(());
@@ -431,7 +488,12 @@ impl TcpEndpoint {
         let streams = self.mesh_streams(peers, my_rank, world_size, address, alive, deadline)?;
         streams
             .into_iter()
-            .map(|(p, (s, who))| Ok((p, TcpConnection::start(s, who, self.timeout, &grants(p))?)))
+            .map(|(p, (s, who, keys))| {
+                Ok((
+                    p,
+                    TcpConnection::start(s, who, self.timeout, &grants(p), keys)?,
+                ))
+            })
             .collect()
     }
 
@@ -464,7 +526,7 @@ impl TcpEndpoint {
         // Every payload out first, then every answer in: reading one neighbour's answer
         // before writing to the next would wait in a cycle around the ring. (A payload fits
         // in the socket's buffer, so the writes do not block.)
-        for (p, (s, who)) in streams.iter_mut() {
+        for (p, (s, who, keys)) in streams.iter_mut() {
             let mine = payload(*p);
             if mine.len() > EXCHANGE_MAX {
                 return Err(Error::InvalidArgument {
@@ -474,15 +536,19 @@ impl TcpEndpoint {
             let wait = Some(deadline.remaining().max(Duration::from_millis(1)));
             s.set_read_timeout(wait).map_err(io(who))?;
             s.set_write_timeout(wait).map_err(io(who))?;
-            s.write_all(&(mine.len() as u32).to_be_bytes())
-                .map_err(io(who))?;
+            let len = (mine.len() as u32).to_be_bytes();
+            let tag = keys.send.seal(&[&len, &mine]);
+            s.write_all(&len).map_err(io(who))?;
+            s.write_all(&tag).map_err(io(who))?;
             s.write_all(&mine).map_err(io(who))?;
         }
         let mut out = HashMap::new();
-        for (p, (mut s, who)) in streams {
-            let mut len = [0u8; 4];
-            s.read_exact(&mut len).map_err(io(&who))?;
-            let len = u32::from_be_bytes(len) as usize;
+        for (p, (mut s, who, mut keys)) in streams {
+            let mut len_bytes = [0u8; 4];
+            s.read_exact(&mut len_bytes).map_err(io(&who))?;
+            let mut tag: Tag = [0u8; TAG_LEN];
+            s.read_exact(&mut tag).map_err(io(&who))?;
+            let len = u32::from_be_bytes(len_bytes) as usize;
             if len > EXCHANGE_MAX {
                 return Err(Error::Decode {
                     what: "setup payload",
@@ -491,6 +557,12 @@ impl TcpEndpoint {
             }
             let mut theirs = vec![0u8; len];
             s.read_exact(&mut theirs).map_err(io(&who))?;
+            if !keys.recv.open(&[&len_bytes, &theirs], &tag) {
+                return Err(Error::Authenticate {
+                    peer: who,
+                    reason: "its setup payload failed the session's authentication".into(),
+                });
+            }
             out.insert(p, theirs);
         }
         Ok(out)
@@ -506,15 +578,16 @@ impl TcpEndpoint {
         address: &dyn Fn(u32) -> String,
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
-    ) -> Result<HashMap<u32, (TcpStream, String)>> {
+    ) -> Result<HashMap<u32, (TcpStream, String, SessionKeys)>> {
         let higher: Vec<u32> = peers.iter().copied().filter(|p| *p > my_rank).collect();
         std::thread::scope(|s| {
             let accepting = s.spawn(|| self.accept_streams(&higher, world_size, alive, deadline));
             let mut out = HashMap::new();
             let dialled = peers.iter().filter(|p| **p < my_rank).try_for_each(|&p| {
                 let addr = address(p);
-                let stream = dial(&addr, my_rank, world_size, &self.token, alive, deadline)?;
-                out.insert(p, (stream, addr));
+                let (stream, keys) =
+                    dial(&addr, my_rank, world_size, &self.token, alive, deadline)?;
+                out.insert(p, (stream, addr, keys));
                 Ok(())
             });
             // The accepting side ends by itself (all accepted, `alive` failed, or the deadline).
@@ -540,7 +613,12 @@ impl TcpEndpoint {
         let streams = self.accept_streams(expected, world_size, alive, deadline)?;
         streams
             .into_iter()
-            .map(|(r, (s, who))| Ok((r, TcpConnection::start(s, who, self.timeout, &grants(r))?)))
+            .map(|(r, (s, who, keys))| {
+                Ok((
+                    r,
+                    TcpConnection::start(s, who, self.timeout, &grants(r), keys)?,
+                ))
+            })
             .collect()
     }
 
@@ -550,17 +628,19 @@ impl TcpEndpoint {
         world_size: u32,
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
-    ) -> Result<HashMap<u32, (TcpStream, String)>> {
-        let mut got: HashMap<u32, (TcpStream, String)> = HashMap::new();
+    ) -> Result<HashMap<u32, (TcpStream, String, SessionKeys)>> {
+        let mut got: HashMap<u32, (TcpStream, String, SessionKeys)> = HashMap::new();
         while got.len() < expected.len() {
             match self.listener.accept() {
                 Ok((mut s, peer)) => {
                     let peer = peer.to_string();
                     match self.authenticate(&mut s, &peer, world_size, deadline) {
-                        Ok(rank) if expected.contains(&rank) && !got.contains_key(&rank) => {
-                            got.insert(rank, (s, format!("rank {rank} at {peer}")));
+                        Ok((rank, keys))
+                            if expected.contains(&rank) && !got.contains_key(&rank) =>
+                        {
+                            got.insert(rank, (s, format!("rank {rank} at {peer}"), keys));
                         }
-                        Ok(rank) => {
+                        Ok((rank, _)) => {
                             tracing::warn!(%peer, rank, "refused an unexpected or duplicate tcp connection")
                         }
                         Err(e) => tracing::warn!(%peer, error = %e, "refused a tcp connection"),
@@ -598,7 +678,7 @@ impl TcpEndpoint {
         peer: &str,
         world_size: u32,
         deadline: Deadline,
-    ) -> Result<u32> {
+    ) -> Result<(u32, SessionKeys)> {
         s.set_nonblocking(false).ok();
         let step = Deadline::after(deadline.remaining().min(Duration::from_secs(10)));
         let io = |source| Error::Exchange {
@@ -629,7 +709,10 @@ impl TcpEndpoint {
         }
         s.write_all(&self.token.server_proof(&theirs, rank, world_size))
             .map_err(io)?;
-        Ok(rank)
+        let keys = self
+            .token
+            .session(&challenge, &theirs, rank, world_size, true);
+        Ok((rank, keys))
     }
 }
 
@@ -646,8 +729,8 @@ pub fn connect(
     timeout: Duration,
     deadline: Deadline,
 ) -> Result<TcpConnection> {
-    let s = dial(addr, my_rank, world_size, token, alive, deadline)?;
-    TcpConnection::start(s, addr.to_owned(), timeout, regions)
+    let (s, keys) = dial(addr, my_rank, world_size, token, alive, deadline)?;
+    TcpConnection::start(s, addr.to_owned(), timeout, regions, keys)
 }
 
 /// Dials `addr` and authenticates both ways. A peer that dies while we connect shows up as a
@@ -660,7 +743,7 @@ fn dial(
     token: &JobToken,
     alive: &dyn Fn() -> Result<()>,
     deadline: Deadline,
-) -> Result<TcpStream> {
+) -> Result<(TcpStream, SessionKeys)> {
     let attempt = dial_authenticated(addr, my_rank, world_size, token, alive, deadline);
     if attempt.is_err() {
         std::thread::sleep(Duration::from_millis(300).min(deadline.remaining()));
@@ -676,7 +759,7 @@ fn dial_authenticated(
     token: &JobToken,
     alive: &dyn Fn() -> Result<()>,
     deadline: Deadline,
-) -> Result<TcpStream> {
+) -> Result<(TcpStream, SessionKeys)> {
     let mut s = crate::net::connect_retrying(addr, deadline, alive)?;
     let io = |source| Error::Exchange {
         op: "authenticate",
@@ -706,7 +789,8 @@ fn dial_authenticated(
             reason: "the peer did not prove the job token".into(),
         });
     }
-    Ok(s)
+    let keys = token.session(&challenge, &ours, my_rank, world_size, false);
+    Ok((s, keys))
 }
 
 /// Two connected ends on the loopback interface, in this process (rank 0 accepting, rank 1
@@ -1039,6 +1123,64 @@ mod tests {
                 got[..4096].iter().all(|x| *x == GUARD),
                 "{what}: the other region is untouched"
             );
+        }
+    }
+
+    /// After the handshake, a frame that does not carry the session's tag for its place in the
+    /// stream (forged without the key, or an authentic frame sent again) is refused, and its
+    /// payload and notification never land.
+    #[test]
+    fn forged_and_replayed_frames_fail_the_session_and_land_nothing() {
+        const GUARD: u8 = 0x5a;
+        for case in ["forged", "replayed"] {
+            let (mut a, mut b) = pair("t", "t").unwrap();
+            let target = SlotRegion::host(HostBuffer::new(4096).unwrap());
+            target.write_at(0, &[GUARD; 4096]).unwrap();
+            let grant = a.grant(&target).unwrap();
+            let src = SlotRegion::host(HostBuffer::new(4096).unwrap());
+            src.write_at(0, &[7; 64]).unwrap();
+            let header = WriteHeader {
+                key: grant.key,
+                offset: 0,
+                len: 64,
+                notify: Some(5),
+            }
+            .encode();
+            let mut raw = b.stream.try_clone().unwrap();
+            let mut ev = Vec::new();
+            if case == "replayed" {
+                // The key as it stood before the authentic frame: it tags that frame again.
+                let mut before = b.send.clone();
+                b.write(&src, 0..64, &grant, 0, Some(5)).unwrap();
+                a.wait(&mut ev, Deadline::after(Duration::from_secs(5)))
+                    .unwrap();
+                assert_eq!(ev, vec![Event::Notified(5)]);
+                ev.clear();
+                target.write_at(0, &[GUARD; 64]).unwrap();
+                let tag = before.seal(&[&header, &[7; 64]]);
+                raw.write_all(&header).unwrap();
+                raw.write_all(&tag).unwrap();
+                raw.write_all(&[7; 64]).unwrap();
+            } else {
+                raw.write_all(&header).unwrap();
+                raw.write_all(&[0u8; TAG_LEN]).unwrap();
+                raw.write_all(&[9; 64]).unwrap();
+            }
+            match a.wait(&mut ev, Deadline::after(Duration::from_secs(5))) {
+                Err(Error::Exchange {
+                    op: "receive",
+                    source,
+                    ..
+                }) => assert!(
+                    source.to_string().contains("authentication"),
+                    "{case}: {source}"
+                ),
+                other => panic!("{case}: {other:?} {ev:?}"),
+            }
+            assert!(ev.is_empty(), "{case}: no notification");
+            let mut got = vec![0u8; 4096];
+            target.read_at(0, &mut got).unwrap();
+            assert!(got.iter().all(|x| *x == GUARD), "{case}: nothing landed");
         }
     }
 

@@ -1,7 +1,9 @@
 //! The tcp transport's write frames: `"NDTW" | flags u8 | 0 0 0 | key u32 | offset u64 | len u32
-//! | notify u32 | payload`. The receiver decodes the header, checks key, offset and length
-//! against the regions granted on that connection, and only then reads the payload, straight
-//! into the region.
+//! | notify u32 | tag [16] | payload`. The receiver decodes the header, checks key, offset and
+//! length against the regions granted on that connection, then the tag (the session key of
+//! that direction over the frame's number, the header, and the payload when it is at most
+//! [`CONTROL_MAX`] bytes: notifications, grants and descriptors are authenticated before they
+//! land), and only then lets the payload into the region.
 
 use crate::error::{Error, Result};
 
@@ -12,6 +14,9 @@ pub const HEADER_LEN: usize = 28;
 /// Largest payload of one frame; longer writes are split (the notification rides the last).
 pub const MAX_FRAME: u32 = 1 << 30;
 const HAS_NOTIFY: u8 = 1;
+/// Payloads up to this size are covered by the frame's tag (and land only once it checks);
+/// larger ones are data, whose header alone is tagged.
+pub const CONTROL_MAX: u32 = 4096;
 
 /// A decoded write header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
