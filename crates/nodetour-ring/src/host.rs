@@ -134,13 +134,27 @@ pub struct HostRingOptions {
     pub timeout: Duration,
 }
 
-impl Default for HostRingOptions {
-    fn default() -> Self {
+impl HostRingOptions {
+    /// The default slots, with the timeout of `config` (`NODETOUR_TIMEOUT_MS`).
+    pub fn from_config(config: &nodetour_core::Config) -> Self {
         HostRingOptions {
             slot_bytes: 1 << 20,
             slots: 4,
-            timeout: Duration::from_secs(30),
+            timeout: config.timeout,
         }
+    }
+}
+
+impl Default for HostRingOptions {
+    /// The default slots, with the timeout from `NODETOUR_TIMEOUT_MS` (its default where unset;
+    /// a malformed value is logged and the default used: `Config::from_env` reports it as an
+    /// error where the caller reads the configuration itself).
+    fn default() -> Self {
+        let config = nodetour_core::Config::from_env().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "ignoring the NODETOUR_* settings for the ring's defaults");
+            nodetour_core::Config::default()
+        });
+        Self::from_config(&config)
     }
 }
 
@@ -739,5 +753,24 @@ fn wait_slice(c: &mut dyn HostConnection, events: &mut Vec<Event>) -> Result<()>
     match c.wait(events, Deadline::after(Duration::from_micros(200))) {
         Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => Ok(()),
         Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_options_take_their_timeout_from_the_configuration() {
+        let config = nodetour_core::Config::from_lookup(|k| {
+            (k == "NODETOUR_TIMEOUT_MS").then(|| "1500".to_owned())
+        })
+        .unwrap();
+        let options = HostRingOptions::from_config(&config);
+        assert_eq!(options.timeout, Duration::from_millis(1500));
+        assert_eq!(
+            HostRingOptions::from_config(&nodetour_core::Config::default()).timeout,
+            nodetour_core::config::DEFAULT_TIMEOUT
+        );
     }
 }
