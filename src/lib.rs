@@ -7,6 +7,8 @@
 
 pub use nodetour_core as core;
 pub use nodetour_core::{Config, Deadline, Error, Result};
+pub use nodetour_ring as ring;
+pub use nodetour_ring::{DataType, Element, ReduceOp};
 
 pub mod blob;
 pub mod ceiling;

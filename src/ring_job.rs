@@ -285,6 +285,16 @@ impl RingJob {
         self.with_ring(|ring, seq, alive| ring.all_reduce(data, dtype, op, seq, alive))
     }
 
+    /// Allreduces `data` across the job in place; its element type names the data type
+    /// (`&mut [f32]`, `&mut [half::bf16]`, ...: no byte conversion).
+    pub fn all_reduce_in_place<T: nodetour_ring::Element>(
+        &mut self,
+        data: &mut [T],
+        op: ReduceOp,
+    ) -> anyhow::Result<()> {
+        self.all_reduce(nodetour_ring::element::bytes_mut(data), T::DATA_TYPE, op)
+    }
+
     /// Allreduces the first `count` elements of GPU memory `buffer` in place, staged through
     /// this job's host slots (the path for GPUs whose transport cannot reach GPU memory:
     /// tcp, or verbs without GPUDirect). Runs on `stream` (a stream of the buffer's GPU) after

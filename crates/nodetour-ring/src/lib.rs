@@ -19,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod descriptor;
+pub mod element;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -32,6 +33,7 @@ pub mod reduce;
 pub mod schedule;
 pub mod stream_plan;
 
+pub use element::Element;
 pub use error::{Error, Result};
 pub use gpu::GpuGroup;
 pub use plan::Plan;

@@ -111,8 +111,32 @@ impl LocalRing {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
+        let mut bytes: Vec<&mut [u8]> = data.iter_mut().map(|d| d.as_mut_slice()).collect();
+        self.all_reduce_bytes(&mut bytes, dtype, op)
+    }
+
+    /// Allreduces `data[r]` (rank r's elements) in place, all ranks at once: the element type
+    /// names the data type (`Vec<f32>`, `Vec<half::bf16>`, ...).
+    pub fn all_reduce_in_place<T: crate::Element>(
+        &mut self,
+        data: &mut [Vec<T>],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let mut bytes: Vec<&mut [u8]> = data
+            .iter_mut()
+            .map(|d| crate::element::bytes_mut(d))
+            .collect();
+        self.all_reduce_bytes(&mut bytes, T::DATA_TYPE, op)
+    }
+
+    fn all_reduce_bytes(
+        &mut self,
+        data: &mut [&mut [u8]],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
         self.check_count(data.len())?;
-        let cells: Vec<std::sync::Mutex<&mut Vec<u8>>> =
+        let cells: Vec<std::sync::Mutex<&mut &mut [u8]>> =
             data.iter_mut().map(std::sync::Mutex::new).collect();
         self.run(&|r, ring, seq| {
             let mut d = cells[r].lock().map_err(|_| Error::Aborted {
