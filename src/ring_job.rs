@@ -378,9 +378,7 @@ impl RingJob {
         let aborted = &self.aborted;
         let alive = || {
             if let Some(reason) = aborted.lock().ok().and_then(|r| r.clone()) {
-                return Err(nodetour_core::Error::InvalidArgument {
-                    reason: format!("aborted: {reason}"),
-                });
+                return Err(nodetour_core::Error::Aborted { reason });
             }
             job.check()
         };

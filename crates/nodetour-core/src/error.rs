@@ -437,6 +437,13 @@ pub enum Error {
         /// What differs.
         reason: String,
     },
+
+    /// The caller aborted the work (an abort handle, from any thread).
+    #[error("aborted: {reason}")]
+    Aborted {
+        /// The reason the caller gave.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -101,6 +101,7 @@ impl From<nodetour_core::Error> for Error {
     fn from(e: nodetour_core::Error) -> Self {
         match e {
             nodetour_core::Error::RankLost { rank, .. } => Error::PeerLost { rank },
+            nodetour_core::Error::Aborted { reason } => Error::Aborted { reason },
             other => Error::Transport {
                 reason: other.to_string(),
             },

@@ -625,8 +625,10 @@ impl HostRing<'_> {
             if let Err(e) = alive() {
                 match Error::from(e) {
                     Error::PeerLost { rank } => sched.handle_peer_lost(rank),
-                    // Anything else the caller's check reports (an abort from another thread)
-                    // ends the collective; its epoch is spent, so its late writes are stale.
+                    // An abort from another thread, or anything else the caller's check
+                    // reports, ends the collective; its epoch is spent, so its late writes are
+                    // stale.
+                    Error::Aborted { reason } => sched.abort(reason),
                     other => sched.abort(other.to_string()),
                 }
                 continue;

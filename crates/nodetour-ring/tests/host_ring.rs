@@ -354,7 +354,7 @@ fn an_abort_on_one_rank_ends_the_collective_everywhere_at_once() {
             // Rank 2 is aborted from outside (its liveness check says so) in the middle.
             let alive = || {
                 if r == 2 && polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 50 {
-                    return Err(nodetour_core::Error::InvalidArgument {
+                    return Err(nodetour_core::Error::Aborted {
                         reason: "aborted by the test".into(),
                     });
                 }
@@ -370,7 +370,8 @@ fn an_abort_on_one_rank_ends_the_collective_everywhere_at_once() {
     );
     for (r, (result, data)) in out.iter().enumerate() {
         match (r, result) {
-            (2, Err(Error::Aborted { .. })) => {}
+            // The abort arrives typed, with the caller's reason as it was given.
+            (2, Err(Error::Aborted { reason })) if reason == "aborted by the test" => {}
             (_, Err(Error::PeerFailed { .. })) if r != 2 => {}
             other => panic!("{other:?}"),
         }
