@@ -94,7 +94,7 @@ fn gpu(c: &mut Criterion) {
             scratch: &scratch[r],
         })
         .collect();
-    let mut staged = LocalRing::new(2, largest, options()).expect("ring");
+    let mut staged = LocalRing::for_gpu(2, largest, options(), &contexts[0]).expect("ring");
     let mut g = c.benchmark_group(format!("allreduce_gpu_2_ranks_on_{}_gpus", n.min(2)));
     g.sample_size(10);
     for bytes in GPU_SIZES {

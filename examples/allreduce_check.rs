@@ -115,22 +115,21 @@ fn run() -> anyhow::Result<()> {
         slots: 4,
         timeout: config.timeout,
     };
-    let mut ring = if args.gpu {
-        RingJob::form_for_gpu(&config, &transport, args.count * 8, options)?
-    } else {
-        RingJob::form(&config, &transport, args.count * 8, options)?
-    };
+    // This rank's GPU (local rank mod GPUs), chosen before the ring forms: the ring's host
+    // memory is pinned under it.
     let gpu = if args.gpu {
         let n = nodetour_core::cuda::gpus()?.len().max(1);
-        let local = nodetour_core::bootstrap::LaunchInfo::from_env()?
-            .local_rank
-            .unwrap_or(ring.rank);
-        let ordinal = local as usize % n;
+        let info = nodetour_core::bootstrap::LaunchInfo::from_env()?;
+        let ordinal = info.local_rank.unwrap_or(info.rank) as usize % n;
         let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("GPU {ordinal}: {e:?}"))?;
         let stream = nodetour_core::cuda::GpuStream::new(&ctx)?;
         Some((ctx, stream))
     } else {
         None
+    };
+    let mut ring = match &gpu {
+        Some((ctx, _)) => RingJob::form_for_gpu(&config, &transport, args.count * 8, options, ctx)?,
+        None => RingJob::form(&config, &transport, args.count * 8, options)?,
     };
     let cases = cases(
         args.all,

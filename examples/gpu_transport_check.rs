@@ -62,9 +62,9 @@ fn run() -> anyhow::Result<()> {
     let stream = GpuStream::new(&ctx)?;
 
     // What this rank receives into, announced before the rendezvous.
-    let flags = Flags::create(world)?;
+    let flags = Flags::create(&ctx, world)?;
     let slot = GpuSlot::new(&ctx, IPC_BYTES)?;
-    let shm = ShmSlot::create(SHM_BYTES)?;
+    let shm = ShmSlot::create(&ctx, SHM_BYTES)?;
     let (shm_path, shm_len) = shm.grant();
     let mut blob = Vec::new();
     put(&mut blob, &slot.ipc_grant()?.encode());
@@ -88,11 +88,12 @@ fn run() -> anyhow::Result<()> {
             .context("short blob")?
             .try_into()?,
     ) as usize;
-    let ipc = CudaIpcSender::open(&ctx, &grant, Flags::open(&flags_path, world)?, me)?;
+    let ipc = CudaIpcSender::open(&ctx, &grant, Flags::open(&ctx, &flags_path, world)?, me)?;
     let staged = ShmSender::open(
+        &ctx,
         &peer_shm,
         peer_shm_len,
-        Flags::open(&flags_path, world)?,
+        Flags::open(&ctx, &flags_path, world)?,
         me,
     )?;
     job.barrier(deadline)?;
@@ -157,7 +158,7 @@ fn run() -> anyhow::Result<()> {
         big.copy_from_host(0, &pattern(me, SHM_BYTES))?;
         // The reference: pinned D2H on this GPU, same run.
         let mut pinned = HostBuffer::new(SHM_BYTES)?;
-        pinned.register_with_cuda()?;
+        pinned.register_with_cuda(&ctx)?;
         let mut d2h = Vec::new();
         for _ in 0..3 {
             let t = Instant::now();

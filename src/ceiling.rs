@@ -68,9 +68,9 @@ pub fn measure(
 ) -> anyhow::Result<Vec<Ceilings>> {
     let mut set = Vec::new();
     for (ctx, next) in gpus {
-        let host = ShmSlot::create(2 * bytes)?;
+        let host = ShmSlot::create(ctx, 2 * bytes)?;
         let (path, len) = host.grant();
-        let out = ShmSender::open(&path, len, Flags::create(1)?, 0)?;
+        let out = ShmSender::open(ctx, &path, len, Flags::create(ctx, 1)?, 0)?;
         host.unlink()?;
         let peer_dst = match next {
             Some(n) if !Arc::ptr_eq(n, ctx) && enable_peer_access(ctx, n).unwrap_or(false) => {

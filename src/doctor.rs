@@ -248,7 +248,7 @@ fn live_checks(
 fn staged_bandwidth(ctx: &Arc<CudaContext>) -> Result<String> {
     const LEN: usize = 64 << 20;
     let mut host = HostBuffer::new(LEN)?;
-    host.register_with_cuda()?;
+    host.register_with_cuda(ctx)?;
     let dev = DeviceBuffer::new(ctx, LEN)?;
     let mut best = (0f64, 0f64);
     for _ in 0..3 {

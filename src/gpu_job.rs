@@ -206,13 +206,13 @@ impl GpuRingJob {
 
         // What this rank receives into, announced before the rendezvous; the unused one is
         // freed once the previous rank has said which it chose.
-        let flags = Flags::create(flag::WORDS)?;
+        let flags = Flags::create(&context, flag::WORDS)?;
         let device_flags = DeviceFlags::create(&context, flag::WORDS)?;
         let gpu_slots = GpuSlot::new(
             &context,
             options.ipc_slots as usize * options.ipc_slot_bytes,
         )?;
-        let shm_slots = ShmSlot::create(options.slots as usize * options.shm_slot_bytes)?;
+        let shm_slots = ShmSlot::create(&context, options.slots as usize * options.shm_slot_bytes)?;
         let (shm_path, shm_len) = shm_slots.grant();
         let blob = Announcement {
             gpu,
@@ -304,10 +304,10 @@ impl GpuRingJob {
         let (next_flags, next_device_flags) = (&theirs.flags, theirs.device_flags);
         let next_shm_len = usize::try_from(next_shm_len)?;
         let next_shm = &next_shm;
-        let prev_flags = Flags::open(&from_prev.flags, flag::WORDS)?;
+        let prev_flags = Flags::open(&context, &from_prev.flags, flag::WORDS)?;
         let prev_device_flags = from_prev.device_flags;
 
-        let open_flags = || Flags::open(next_flags, flag::WORDS);
+        let open_flags = || Flags::open(&context, next_flags, flag::WORDS);
         // Which paths to build: Auto tries direct and falls back to staged.
         let env_path = match forced {
             Some(TransportKind::Shm) => Some(GpuPaths::Staged),
@@ -345,6 +345,7 @@ impl GpuRingJob {
                 choice.push("staged (shm) beside it, for comparison".to_owned());
             }
             Some(ShmSender::open(
+                &context,
                 next_shm,
                 next_shm_len,
                 open_flags()?,

@@ -72,18 +72,20 @@ impl RingJob {
         max_bytes: usize,
         options: HostRingOptions,
     ) -> anyhow::Result<RingJob> {
-        Self::form_with(config, transport, max_bytes, options, false)
+        Self::form_with(config, transport, max_bytes, options, None)
     }
 
-    /// Like [`RingJob::form`], with the slot and work regions pinned for GPU copies where CUDA
-    /// is present (for [`RingJob::all_reduce_gpu`]).
+    /// Like [`RingJob::form`], with the slot and work regions registered with CUDA under
+    /// `context` (this rank's GPU: pinned for the copies of [`RingJob::all_reduce_gpu`]; no
+    /// context is made on another GPU).
     pub fn form_for_gpu(
         config: &Config,
         transport: &RingTransport,
         max_bytes: usize,
         options: HostRingOptions,
+        context: &Arc<cudarc::driver::CudaContext>,
     ) -> anyhow::Result<RingJob> {
-        Self::form_with(config, transport, max_bytes, options, true)
+        Self::form_with(config, transport, max_bytes, options, Some(context))
     }
 
     fn form_with(
@@ -91,7 +93,7 @@ impl RingJob {
         transport: &RingTransport,
         max_bytes: usize,
         options: HostRingOptions,
-        pin_for_gpu: bool,
+        pin: Option<&Arc<cudarc::driver::CudaContext>>,
     ) -> anyhow::Result<RingJob> {
         let info = LaunchInfo::from_env()?;
         let token = JobToken::from_env();
@@ -106,14 +108,13 @@ impl RingJob {
                 Some(LocalSide::open(&cfg, Near::Host)?)
             }
         };
-        let pin = pin_for_gpu && nodetour_core::cuda::availability().is_ok();
         // Least privilege: only the regions peers write (slots, doorbell) allow remote writes;
         // the work buffer is a send source and local only.
         let region = |len: usize, access: Access| -> anyhow::Result<SlotRegion> {
             let mut buf = HostBuffer::new(len.max(4096))?;
-            if pin {
+            if let Some(context) = pin {
                 // Pinned for fast GPU copies (the staged GPU path copies in and out of it).
-                buf.register_with_cuda()?;
+                buf.register_with_cuda(context)?;
             }
             Ok(match &local {
                 Some(l) => {

@@ -257,9 +257,9 @@ impl Drop for Pinned {
     }
 }
 
-fn host_buffer(bytes: usize) -> R<HostBuffer> {
+fn host_buffer(ctx: &Arc<CudaContext>, bytes: usize) -> R<HostBuffer> {
     let mut b = HostBuffer::new(bytes).map_err(|e| e.to_string())?;
-    b.register_with_cuda().map_err(|e| e.to_string())?;
+    b.register_with_cuda(ctx).map_err(|e| e.to_string())?;
     Ok(b)
 }
 
@@ -343,7 +343,7 @@ fn run(bytes: usize, iters: usize) -> R<()> {
         gpu0.bind()?;
         let d = gpu0.alloc(bytes)?;
         let pinned = Pinned::new(bytes)?;
-        let huge = host_buffer(bytes)?;
+        let huge = host_buffer(&gpu0.ctx, bytes)?;
         let pages = match huge.pages() {
             Pages::Huge2M => "2MiB".to_owned(),
             Pages::Base(why) => format!("base({why})"),
@@ -395,10 +395,10 @@ fn run(bytes: usize, iters: usize) -> R<()> {
         let (d0, d1) = (gpu0.alloc(bytes)?, gpu1.alloc(bytes)?);
         let (e0, e1) = (gpu0.alloc(bytes)?, gpu1.alloc(bytes)?);
         let hosts = [
-            host_buffer(bytes)?,
-            host_buffer(bytes)?,
-            host_buffer(bytes)?,
-            host_buffer(bytes)?,
+            host_buffer(&gpu0.ctx, bytes)?,
+            host_buffer(&gpu0.ctx, bytes)?,
+            host_buffer(&gpu0.ctx, bytes)?,
+            host_buffer(&gpu0.ctx, bytes)?,
         ];
         let h: Vec<u64> = hosts.iter().map(|b| b.as_mut_ptr() as u64).collect();
         let alone = time(&[&gpu0], iters, || gpu0.copy(0, h[0], d0, bytes))?;

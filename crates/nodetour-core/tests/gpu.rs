@@ -100,8 +100,8 @@ fn device_buffers_export_as_dma_buf_of_their_size() {
 fn hugepage_host_buffers_register_with_cuda_and_flush_is_available() {
     let Some(ctx) = gpu() else { return };
     let mut h = HostBuffer::new(8 << 20).unwrap();
-    h.register_with_cuda().unwrap();
-    h.register_with_cuda().unwrap(); // idempotent
+    h.register_with_cuda(&ctx).unwrap();
+    h.register_with_cuda(&ctx).unwrap(); // idempotent
     assert!(h.is_registered_with_cuda());
     println!("host buffer pages: {:?}", h.pages());
     if let Pages::Base(reason) = h.pages() {
@@ -177,7 +177,7 @@ fn teardown_waits_for_no_work_but_its_own() {
     // A blocker on a stream of its own: a guarded wait for word 0 of a host page, which only
     // the watchdog below stores (after 20 s: the test is over long before, unless a drop
     // waited for the blocker, which the `released` flag then shows).
-    let page = Arc::new(Flags::create(8).unwrap());
+    let page = Arc::new(Flags::create(&ctx, 8).unwrap());
     let guard = StreamGuard::new(&ctx, StopWord::new(page.clone(), 7).unwrap()).unwrap();
     let blocker = GpuStream::new(&ctx).unwrap();
     enqueue_wait(

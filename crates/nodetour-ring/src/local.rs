@@ -38,6 +38,27 @@ impl LocalRing {
     /// A ring of `world` ranks for buffers of up to `max_bytes` (pinned for GPU copies where
     /// CUDA is present, so the staged GPU path runs at pinned speed).
     pub fn new(world: u32, max_bytes: usize, options: HostRingOptions) -> Result<LocalRing> {
+        Self::with_pinning(world, max_bytes, options, None)
+    }
+
+    /// Like [`LocalRing::new`], with the slot and work memory registered with CUDA under
+    /// `context` (pinned: the staged GPU path, [`LocalRing::all_reduce_gpu`], copies at full
+    /// speed; the registration is portable, so every GPU's copies benefit).
+    pub fn for_gpu(
+        world: u32,
+        max_bytes: usize,
+        options: HostRingOptions,
+        context: &std::sync::Arc<cudarc::driver::CudaContext>,
+    ) -> Result<LocalRing> {
+        Self::with_pinning(world, max_bytes, options, Some(context))
+    }
+
+    fn with_pinning(
+        world: u32,
+        max_bytes: usize,
+        options: HostRingOptions,
+        pin: Option<&std::sync::Arc<cudarc::driver::CudaContext>>,
+    ) -> Result<LocalRing> {
         if world == 0 {
             return Err(Error::InvalidArgument {
                 reason: "a ring of zero ranks".into(),
@@ -46,8 +67,8 @@ impl LocalRing {
         let n = world as usize;
         let region = |len: usize| -> Result<SlotRegion> {
             let mut b = HostBuffer::new(len.max(64))?;
-            if nodetour_core::cuda::availability().is_ok() {
-                b.register_with_cuda()?;
+            if let Some(context) = pin {
+                b.register_with_cuda(context)?;
             }
             Ok(SlotRegion::host(b))
         };

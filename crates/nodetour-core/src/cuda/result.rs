@@ -116,30 +116,6 @@ pub(crate) unsafe fn flush_gpudirect_rdma_writes() -> Result<(), Error> {
         .map_err(|e| cuda_error("cuFlushGPUDirectRDMAWrites", e))
 }
 
-/// A context to register host memory under, bound to this thread: the GPU of the context
-/// already current, else GPU 0 (registrations are portable: every context sees them). The
-/// caller keeps it for the unregistration.
-pub(crate) fn registration_context() -> Result<std::sync::Arc<cudarc::driver::CudaContext>, Error> {
-    let mut current: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    unsafe { sys::cuCtxGetCurrent(&mut current) }
-        .result()
-        .map_err(|e| cuda_error("cuCtxGetCurrent", e))?;
-    let mut ordinal: sys::CUdevice = 0;
-    if !current.is_null() {
-        // SAFETY: a valid out-pointer; a context is current.
-        unsafe { sys::cuCtxGetDevice(&mut ordinal) }
-            .result()
-            .map_err(|e| cuda_error("cuCtxGetDevice", e))?;
-    }
-    let context = cudarc::driver::CudaContext::new(ordinal as usize)
-        .map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))?;
-    context
-        .bind_to_thread()
-        .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-    Ok(context)
-}
-
 /// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`: pins host memory for fast copies
 /// from every context.
 pub(crate) unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<(), Error> {

@@ -235,12 +235,19 @@ impl SharedHostMemory {
         &self.pages
     }
 
-    /// Registers the mapping with CUDA (portable, device-mapped): GPU copies from and to it run
-    /// at pinned speed and streams can read and write its words (flags).
-    pub fn register_with_cuda(&mut self) -> Result<()> {
+    /// Registers the mapping with CUDA (portable, device-mapped) under `context` (the caller's
+    /// GPU): GPU copies from and to it run at pinned speed and streams can read and write its
+    /// words (flags).
+    pub fn register_with_cuda(
+        &mut self,
+        context: &std::sync::Arc<cudarc::driver::CudaContext>,
+    ) -> Result<()> {
         if !self.cuda_registered {
             crate::cuda::availability()?;
-            let context = crate::cuda::result::registration_context()?;
+            context
+                .bind_to_thread()
+                .map_err(|e| crate::cuda::result::cuda_error("cuCtxSetCurrent", e))?;
+            let context = context.clone();
             // SAFETY: CUDA is initialised and a context is current; the range is this live
             // mapping, unregistered in Drop before the unmap.
             unsafe { crate::cuda::result::host_register_mapped(self.ptr, self.len)? };
