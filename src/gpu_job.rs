@@ -163,9 +163,11 @@ impl GpuRingJob {
         }
         match (first, handshake) {
             (Some(e), _) => Err(e),
-            (None, Err(e)) if !peers_done => Err(nodetour_ring::Error::Transport {
-                reason: format!("the teardown handshake (exported slots leaked): {e}"),
-            }),
+            (None, Err(e)) if !peers_done => {
+                // leak_exports logged the leak; the handshake's own error is the source.
+                tracing::error!(error = %e, "the teardown handshake failed: exported slots leaked");
+                Err(nodetour_ring::Error::Transport { source: e.into() })
+            }
             _ => Ok(()),
         }
     }

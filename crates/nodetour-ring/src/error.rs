@@ -38,11 +38,12 @@ pub enum Error {
         /// The timeout.
         after: Duration,
     },
-    /// The transport under the ring failed.
-    #[error("transport failed: {reason}")]
+    /// The transport under the ring failed (its error kept as the source).
+    #[error("transport failed: {source}")]
     Transport {
         /// The transport's error.
-        reason: String,
+        #[source]
+        source: CoreError,
     },
     /// The arguments cannot make a collective (buffer counts, sizes, devices); nothing was
     /// queued or sent.
@@ -103,8 +104,72 @@ impl From<nodetour_core::Error> for Error {
             nodetour_core::Error::RankLost { rank, .. } => Error::PeerLost { rank },
             nodetour_core::Error::Aborted { reason } => Error::Aborted { reason },
             other => Error::Transport {
-                reason: other.to_string(),
+                source: CoreError(std::sync::Arc::new(other)),
             },
         }
+    }
+}
+
+/// A `nodetour_core` error kept as the source of a ring error: shared (the ring's errors are
+/// `Clone`, a core error is not) and compared by what it says.
+#[derive(Clone, Debug)]
+pub struct CoreError(pub std::sync::Arc<nodetour_core::Error>);
+
+impl CoreError {
+    /// The core error.
+    pub fn get(&self) -> &nodetour_core::Error {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for CoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for CoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&*self.0)
+    }
+}
+
+impl PartialEq for CoreError {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for CoreError {}
+
+impl From<nodetour_core::Error> for CoreError {
+    fn from(e: nodetour_core::Error) -> Self {
+        CoreError(std::sync::Arc::new(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_transport_error_keeps_the_core_error_as_its_source() {
+        let core = nodetour_core::Error::Timeout {
+            what: "a completion".into(),
+            after: std::time::Duration::from_millis(5),
+        };
+        let shown = core.to_string();
+        let e = Error::from(core);
+        let Error::Transport { source } = &e else {
+            panic!("{e:?}")
+        };
+        assert!(matches!(source.get(), nodetour_core::Error::Timeout { .. }));
+        let as_source = std::error::Error::source(&e).expect("a source");
+        assert_eq!(as_source.to_string(), shown);
+        assert_eq!(e.clone(), e);
+        assert!(matches!(
+            Error::from(nodetour_core::Error::Aborted { reason: "x".into() }),
+            Error::Aborted { .. }
+        ));
     }
 }
