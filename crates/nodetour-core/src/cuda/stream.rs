@@ -69,14 +69,6 @@ impl Uses {
         self.last.store(key, Ordering::Release);
     }
 
-    /// Notes a stream handle taken from another set.
-    pub(crate) fn push(&self, stream: Arc<RawStream>) {
-        self.streams
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(stream);
-    }
-
     /// The streams noted so far (and forgets them).
     pub(crate) fn take(&self) -> Vec<Arc<RawStream>> {
         let mut v = self.streams.lock().unwrap_or_else(|p| p.into_inner());
@@ -91,31 +83,40 @@ impl Uses {
         context: &Arc<CudaContext>,
         deadline: std::time::Instant,
     ) -> bool {
-        let streams = self.take();
-        let mut marks = Vec::with_capacity(streams.len());
-        for s in &streams {
-            let Ok(m) = GpuEvent::marker(context) else {
-                return false;
-            };
-            // SAFETY: live event and stream (held through its Arc).
-            if unsafe { result::event::record(m.raw, s.raw) }.is_err() {
-                return false;
-            }
-            marks.push(m);
+        wait_for_streams(context, &self.take(), deadline)
+    }
+}
+
+/// Waits until the work queued so far on `streams` has run, at most until `deadline` (spinning
+/// briefly, then napping); whether it has. Waits for nothing else.
+pub(crate) fn wait_for_streams(
+    context: &Arc<CudaContext>,
+    streams: &[Arc<RawStream>],
+    deadline: std::time::Instant,
+) -> bool {
+    let mut marks = Vec::with_capacity(streams.len());
+    for s in streams {
+        let Ok(m) = GpuEvent::marker(context) else {
+            return false;
+        };
+        // SAFETY: live event and stream (held through its Arc).
+        if unsafe { result::event::record(m.raw, s.raw) }.is_err() {
+            return false;
         }
-        let mut nap = std::time::Duration::from_micros(10);
-        loop {
-            match marks
-                .iter()
-                .try_fold(true, |all, m| m.is_complete().map(|c| all && c))
-            {
-                Ok(true) => return true,
-                Ok(false) if std::time::Instant::now() < deadline => {}
-                _ => return false,
-            }
-            std::thread::sleep(nap);
-            nap = (nap * 2).min(std::time::Duration::from_millis(1));
+        marks.push(m);
+    }
+    let mut nap = std::time::Duration::from_micros(10);
+    loop {
+        match marks
+            .iter()
+            .try_fold(true, |all, m| m.is_complete().map(|c| all && c))
+        {
+            Ok(true) => return true,
+            Ok(false) if std::time::Instant::now() < deadline => {}
+            _ => return false,
         }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(std::time::Duration::from_millis(1));
     }
 }
 

@@ -198,11 +198,8 @@ impl Drop for DeviceBuffer {
         // Without the stream-ordered allocator (some virtualised GPUs): wait for the buffer's
         // own work (a deadline), then the synchronous free; past the deadline leak.
         tracing::debug!(%why, "no stream-ordered free: waiting for the buffer's own work");
-        let back = Uses::default();
-        for s in uses {
-            back.push(s);
-        }
-        if !back.wait_until(&self.context, std::time::Instant::now() + FALLBACK_DEADLINE) {
+        let deadline = std::time::Instant::now() + FALLBACK_DEADLINE;
+        if !crate::cuda::stream::wait_for_streams(&self.context, &uses, deadline) {
             tracing::warn!("work queued on a GPU buffer did not finish: leaking it");
             return;
         }
