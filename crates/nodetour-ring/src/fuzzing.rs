@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::descriptor::{self, Descriptor};
 use crate::host::Notice;
-use crate::plan::Plan;
+use crate::plan::{Plan, Shape};
 use crate::schedule::{Action, Immediate, RingSchedule};
 
 /// Drives a schedule with the events encoded in `data`: 5 header bytes (ranks, rank, slots,
@@ -20,7 +20,16 @@ pub fn drive(data: &[u8]) -> usize {
     let rank = u32::from(head[1]) % world;
     let slots = u32::from(head[2] % 4) + 1;
     let count = u64::from(u16::from_be_bytes([head[3], head[4]]) % 1024);
-    let Ok(plan) = Plan::new(world, count, 4, 64, slots) else {
+    // The upper bits of the first bytes pick the shape and a broadcast's root.
+    let shape = match (head[0] >> 4) & 3 {
+        0 => Shape::AllReduce,
+        1 => Shape::ReduceScatter,
+        2 => Shape::AllGather,
+        _ => Shape::Broadcast {
+            root: u32::from(head[2] >> 2) % world,
+        },
+    };
+    let Ok(plan) = Plan::new(world, count, 4, 64, slots).and_then(|p| p.with_shape(shape)) else {
         return 0;
     };
     let start = Instant::now();

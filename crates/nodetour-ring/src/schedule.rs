@@ -158,24 +158,25 @@ impl RingSchedule {
         let mut recvs = Vec::new();
         if plan.world > 1 {
             for step in 0..plan.steps() {
-                let seg = plan.send_segment(rank, step);
-                sends.extend((0..plan.chunks_in(seg)).map(|chunk| Unit {
-                    step,
-                    segment: seg,
-                    chunk,
-                }));
-                let seg = plan.recv_segment(rank, step);
-                recvs.extend((0..plan.chunks_in(seg)).map(|chunk| Unit {
-                    step,
-                    segment: seg,
-                    chunk,
-                }));
+                if let Some(seg) = plan.send_segment(rank, step) {
+                    sends.extend((0..plan.chunks_in(seg)).map(|chunk| Unit {
+                        step,
+                        segment: seg,
+                        chunk,
+                    }));
+                }
+                if let Some(seg) = plan.recv_segment(rank, step) {
+                    recvs.extend((0..plan.chunks_in(seg)).map(|chunk| Unit {
+                        step,
+                        segment: seg,
+                        chunk,
+                    }));
+                }
             }
         }
         let find = |list: &[Unit], step: u32, chunk: u32| {
             list.iter().position(|u| u.step == step && u.chunk == chunk)
         };
-        let rs = plan.world.saturating_sub(1);
         // A send at step s ships what the receive at step s − 1 produced (same segment).
         let send_dep = sends
             .iter()
@@ -187,15 +188,13 @@ impl RingSchedule {
                 }
             })
             .collect();
-        // An all-gather copy at step rs + s overwrites the segment this rank sent at step s.
+        // A copy that overwrites a range this rank sent earlier waits for that send (an
+        // allreduce's all-gather copies over what its reduce-scatter sent).
         let copy_dep = recvs
             .iter()
             .map(|u| {
-                if u.step >= rs {
-                    find(&sends, u.step - rs, u.chunk)
-                } else {
-                    None
-                }
+                plan.overwrites_send_of(u.step)
+                    .and_then(|s| find(&sends, s, u.chunk))
             })
             .collect();
         let (ns, nr) = (sends.len(), recvs.len());
@@ -420,7 +419,6 @@ impl RingSchedule {
             self.next_send += 1;
         }
         // Reduces and copies of arrived chunks whose target range is free.
-        let rs = self.plan.world - 1;
         for i in 0..self.next_recv {
             if self.emitted[i] || !self.copy_dep[i].is_none_or(|d| self.sent[d]) {
                 continue;
@@ -431,7 +429,7 @@ impl RingSchedule {
                 self.arrived_slot[i].expect("arrived"),
             );
             self.emitted[i] = true;
-            self.actions.push_back(if u.step < rs {
+            self.actions.push_back(if self.plan.reduces_at(u.step) {
                 Action::Reduce {
                     unit: i as u32,
                     elements,

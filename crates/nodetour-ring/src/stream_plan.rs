@@ -98,7 +98,8 @@ fn chunks(plan: &Plan, segment: u32) -> impl Iterator<Item = Range<u64>> + '_ {
     (0..plan.chunks_in(segment)).map(move |c| plan.chunk(segment, c))
 }
 
-/// Plans one allreduce of `plan` for `rank` and advances `counters` past it.
+/// Plans one allreduce of `plan` for `rank` and advances `counters` past it (`plan.shape` is
+/// [`crate::plan::Shape::AllReduce`]: the stream ring runs allreduces only).
 ///
 /// Every rank of the ring must plan the same collectives in the same order with the same plan
 /// (then the sequence numbers of both ends of each link agree without messages).
@@ -109,6 +110,7 @@ pub fn program(
     counters: &mut LinkCounters,
 ) -> StreamProgram {
     let n = plan.world;
+    assert_eq!(plan.shape, crate::plan::Shape::AllReduce, "the stream ring plans allreduces");
     let mut p = StreamProgram::default();
     if n < 2 {
         return p;
@@ -120,7 +122,7 @@ pub fn program(
     let mut send_start = Vec::with_capacity(plan.steps() as usize);
     for step in 0..plan.steps() {
         send_start.push(p.sends.len());
-        for (c, elements) in chunks(plan, plan.send_segment(rank, step)).enumerate() {
+        for (c, elements) in chunks(plan, plan.send_segment(rank, step).expect("an allreduce sends at every step")).enumerate() {
             let seq = counters.sent;
             counters.sent += 1;
             p.sends.push(SendOp {
@@ -133,7 +135,7 @@ pub fn program(
             });
         }
         recv_start.push(p.recvs.len());
-        for (c, elements) in chunks(plan, plan.recv_segment(rank, step)).enumerate() {
+        for (c, elements) in chunks(plan, plan.recv_segment(rank, step).expect("an allreduce receives at every step")).enumerate() {
             let seq = counters.received;
             counters.received += 1;
             let kind = if step < reduce_steps {

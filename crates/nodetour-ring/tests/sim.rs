@@ -6,6 +6,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use nodetour_ring::plan::Shape;
 use nodetour_ring::schedule::Arrival;
 use nodetour_ring::{Action, Error, Immediate, Plan, RingSchedule};
 use proptest::prelude::*;
@@ -66,10 +67,26 @@ enum Fault {
 struct Outcome {
     ranks: Vec<Rank>,
     initial: Vec<Vec<i64>>,
+    shape: Shape,
 }
 
 fn run(world: u32, count: u64, slot_elems: u64, slots: u32, seed: u64, fault: Fault) -> Outcome {
-    let plan = Plan::new(world, count, 8, slot_elems * 8, slots).unwrap();
+    run_shaped(Shape::AllReduce, world, count, slot_elems, slots, seed, fault)
+}
+
+fn run_shaped(
+    shape: Shape,
+    world: u32,
+    count: u64,
+    slot_elems: u64,
+    slots: u32,
+    seed: u64,
+    fault: Fault,
+) -> Outcome {
+    let plan = Plan::new(world, count, 8, slot_elems * 8, slots)
+        .unwrap()
+        .with_shape(shape)
+        .unwrap();
     let t0 = Instant::now();
     let timeout = Duration::from_secs(10);
     let epoch = 9;
@@ -250,7 +267,44 @@ fn run(world: u32, count: u64, slot_elems: u64, slots: u32, seed: u64, fault: Fa
         }
         assert!(events < 5_000_000, "runaway simulation");
     }
-    Outcome { ranks, initial }
+    Outcome {
+        ranks,
+        initial,
+        shape: plan.shape,
+    }
+}
+
+/// Whether rank `r` holds what the collective promises it: the sum everywhere (allreduce), the
+/// sum of its own block (reduce-scatter), every rank's own block (all-gather), the root's buffer
+/// (broadcast).
+fn holds_the_answer(o: &Outcome, r: usize) -> bool {
+    let n = o.initial.len();
+    let count = o.initial[0].len();
+    let block = count / n.max(1);
+    let sum = |i: usize| o.initial.iter().fold(0i64, |a, v| a.wrapping_add(v[i]));
+    let data = &o.ranks[r].data;
+    match o.shape {
+        Shape::AllReduce => (0..count).all(|i| data[i] == sum(i)),
+        Shape::ReduceScatter => (r * block..(r + 1) * block).all(|i| data[i] == sum(i)),
+        Shape::AllGather => (0..count).all(|i| data[i] == o.initial[i / block][i]),
+        Shape::Broadcast { root } => *data == o.initial[root as usize],
+    }
+}
+
+fn assert_every_rank_right(o: &Outcome) {
+    for (r, rank) in o.ranks.iter().enumerate() {
+        assert_eq!(rank.outcome, Some(Ok(())), "rank {r} ({:?})", o.shape);
+        assert!(holds_the_answer(o, r), "rank {r} has the wrong result ({:?})", o.shape);
+    }
+}
+
+fn shape_of(pick: u8, root: u32) -> Shape {
+    match pick % 4 {
+        0 => Shape::AllReduce,
+        1 => Shape::ReduceScatter,
+        2 => Shape::AllGather,
+        _ => Shape::Broadcast { root },
+    }
 }
 
 fn assert_exact_sum(o: &Outcome) {
@@ -301,6 +355,32 @@ proptest! {
         for (r, rank) in o.ranks.iter().enumerate() {
             if r != k {
                 prop_assert!(matches!(rank.outcome, Some(Ok(())) | Some(Err(Error::Timeout { .. }))), "rank {} {:?}", r, rank.outcome);
+            }
+        }
+    }
+
+    #[test]
+    fn every_shape_gives_the_exact_answer_on_every_rank(world in 1u32..=9, block in 0u64..200, slot_elems in 1u64..64,
+                                                        slots in 1u32..5, seed: u64, pick: u8, root_pick: u32) {
+        let shape = shape_of(pick, root_pick % world);
+        let o = run_shaped(shape, world, block * u64::from(world), slot_elems, slots, seed, Fault::None);
+        assert_every_rank_right(&o);
+    }
+
+    #[test]
+    fn a_lost_peer_in_any_shape_leaves_every_survivor_right_or_failed_naming_it(world in 2u32..=7, seed: u64, at in 0usize..150,
+                                                                              k_pick: usize, pick: u8, root_pick: u32) {
+        let k = k_pick % world as usize;
+        let shape = shape_of(pick, root_pick % world);
+        let o = run_shaped(shape, world, 40 * u64::from(world), 8, 2, seed, Fault::Lost { k, at });
+        for (r, rank) in o.ranks.iter().enumerate() {
+            if r == k {
+                continue;
+            }
+            match &rank.outcome {
+                Some(Ok(())) => prop_assert!(holds_the_answer(&o, r), "rank {} returned Ok with a wrong answer", r),
+                Some(Err(Error::PeerLost { rank })) => prop_assert_eq!(*rank as usize, k),
+                other => prop_assert!(false, "rank {} ended with {:?}", r, other),
             }
         }
     }
