@@ -143,7 +143,7 @@ fn run() -> anyhow::Result<()> {
     let mut endpoints: Vec<Vec<u8>> = vec![Vec::new(); world as usize];
     if let Some(l) = &local {
         for p in (0..world).filter(|p| *p != me) {
-            let (q, e) = l.prepare_for_peer()?;
+            let (q, e) = nodetour_core::transport::verbs::PreparedVerbs::for_peer(l)?;
             endpoints[p as usize] = e;
             prepared[p as usize] = Some(q);
         }

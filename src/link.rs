@@ -13,8 +13,8 @@ use std::sync::Arc;
 use nodetour_core::memory::{HostBuffer, RdmaBuffer};
 use nodetour_core::oob::{MessageKind, OobChannel, OobListener};
 use nodetour_core::verbs::{
-    Access, Context, DeviceChoice, Endpoint, EndpointDescription, GidChoice, MemoryRegion, Near,
-    PathOptions, PortAttributes, ProtectionDomain, QueuePair, QueuePairOptions, RemoteRegion,
+    Access, Endpoint, EndpointDescription, MemoryRegion, Near, PathOptions, QueuePair,
+    QueuePairOptions, RemoteRegion,
 };
 use nodetour_core::{Config, Deadline, Result};
 
@@ -27,60 +27,7 @@ pub enum Role {
     Connect(String),
 }
 
-/// This process's device, port, GID and protection domain.
-pub struct LocalSide {
-    /// The protection domain regions and the queue pair are created in.
-    pub pd: Arc<ProtectionDomain>,
-    /// The device, and why it was chosen.
-    pub device: DeviceChoice,
-    /// The port in use.
-    pub port: PortAttributes,
-    /// The GID in use, and why.
-    pub gid: GidChoice,
-    /// The open device.
-    pub context: Arc<Context>,
-}
-
-impl LocalSide {
-    /// Opens the device for memory at `near` (`NODETOUR_IB_DEVICE` overrides) and chooses the
-    /// port and GID.
-    pub fn open(config: &Config, near: Near<'_>) -> Result<LocalSide> {
-        let (context, device) = Context::open_chosen(config, near)?;
-        let port = context.first_active_port()?;
-        let gid = context.choose_gid(&port, config.gid_index)?;
-        tracing::info!(device = %context.name(), port = port.port, gid_index = gid.index, reason = %gid.reason, "GID chosen");
-        let pd = ProtectionDomain::new(&context)?;
-        Ok(LocalSide {
-            pd,
-            device,
-            port,
-            gid,
-            context,
-        })
-    }
-
-    /// A queue pair prepared for one peer of a job (64 writes and 16 receives outstanding), and
-    /// the encoded endpoint description to announce to that peer.
-    pub fn prepare_for_peer(
-        &self,
-    ) -> Result<(nodetour_core::transport::verbs::PreparedVerbs, Vec<u8>)> {
-        let q = nodetour_core::transport::verbs::PreparedVerbs::new(
-            &self.pd,
-            self.port.port,
-            QueuePairOptions {
-                send_depth: 64,
-                recv_depth: 16,
-                max_inline: 0,
-            },
-        )?;
-        let e = EndpointDescription {
-            endpoint: q.endpoint(&self.gid),
-            regions: vec![],
-        }
-        .encode()?;
-        Ok((q, e))
-    }
-}
+pub use nodetour_core::verbs::LocalSide;
 
 /// One end of an established link.
 pub struct PeerLink<B: RdmaBuffer = HostBuffer> {

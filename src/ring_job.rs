@@ -164,7 +164,7 @@ impl RingJob {
         let mut prepared: HashMap<u32, (PreparedVerbs, Vec<u8>)> = HashMap::new();
         if let Some(l) = &local {
             for p in linked.iter().copied() {
-                prepared.insert(p, l.prepare_for_peer()?);
+                prepared.insert(p, PreparedVerbs::for_peer(l)?);
             }
         }
         // To the previous rank: the receive slots it writes; to the next: the doorbell it

@@ -29,7 +29,7 @@ use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
 
 use crate::descriptor::{self, Algorithm, Descriptor};
 use crate::error::{Error, Result};
-use crate::plan::Plan;
+use crate::plan::{Plan, Shape};
 use crate::reduce::{DataType, ReduceOp, finish_avg, reduce_into};
 use crate::schedule::{Action, RingSchedule};
 
@@ -156,6 +156,29 @@ impl Default for HostRingOptions {
         });
         Self::from_config(&config)
     }
+}
+
+/// What one host collective moves: its shape, the ring buffer's element count (the whole buffer,
+/// every rank's blocks together), type and reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Staged {
+    /// The collective.
+    pub shape: Shape,
+    /// Elements in the ring's buffer.
+    pub count: u64,
+    /// Their type.
+    pub dtype: DataType,
+    /// The reduction (reduce-scatter and allreduce; ignored otherwise).
+    pub op: ReduceOp,
+}
+
+fn whole_elements(len: usize, dtype: DataType) -> Result<()> {
+    if len % dtype.size() != 0 {
+        return Err(Error::Plan {
+            reason: format!("{len} bytes is not a whole number of {dtype:?} elements"),
+        });
+    }
+    Ok(())
 }
 
 /// The connections of one rank to its ring neighbours.
@@ -359,15 +382,7 @@ impl HostRing<'_> {
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
         let es = dtype.size();
-        if data.len() % es != 0 {
-            return Err(Error::Plan {
-                reason: format!(
-                    "{} bytes is not a whole number of {dtype:?} elements",
-                    data.len()
-                ),
-            });
-        }
-        let plan = self.plan(data.len(), dtype)?;
+        whole_elements(data.len(), dtype)?;
         let what = Descriptor::all_reduce(
             (data.len() / es) as u64,
             dtype,
@@ -375,7 +390,68 @@ impl HostRing<'_> {
             Algorithm::HostRing,
             seq,
         );
+        let count = (data.len() / es) as u64;
+        let staged = Staged {
+            shape: Shape::AllReduce,
+            count,
+            dtype,
+            op,
+        };
+        self.plan(data.len(), dtype)?;
         self.work.write_at(0, data)?;
+        self.collective(staged, &what, &[], &mut [(0, data)], alive)
+    }
+
+    /// Runs one collective of `staged.shape` over host memory: each `(offset, bytes)` of
+    /// `inputs` is copied into the work region at that byte offset (the ring's buffer is
+    /// `staged.count` elements of the work region, laid out by ring position: segment `p` is
+    /// position `p`'s block), the ring runs, and each `(offset, destination)` of `outputs` is
+    /// filled from the work region (an average divided by the world size). `what` is the
+    /// collective as every rank must agree on it (sequence number `what.seq`, as in
+    /// [`Self::all_reduce`]). No output is written unless the collective finished on this rank,
+    /// with its answer.
+    pub fn collective(
+        &mut self,
+        staged: Staged,
+        what: &Descriptor,
+        inputs: &[(usize, &[u8])],
+        outputs: &mut [(usize, &mut [u8])],
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+    ) -> Result<()> {
+        let Staged {
+            shape,
+            count,
+            dtype,
+            op,
+        } = staged;
+        let es = dtype.size();
+        let bytes = usize::try_from(count)
+            .ok()
+            .and_then(|c| c.checked_mul(es))
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!("{count} elements of {dtype:?} overflow"),
+            })?;
+        let plan = self.plan(bytes, dtype)?.with_shape(shape)?;
+        let fits = |at: usize, n: usize| at.checked_add(n).is_some_and(|end| end <= bytes);
+        if let Some((at, b)) = inputs.iter().find(|(at, b)| !fits(*at, b.len())) {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "an input of {} bytes at {at} in a {bytes}-byte buffer",
+                    b.len()
+                ),
+            });
+        }
+        if let Some((at, b)) = outputs.iter().find(|(at, b)| !fits(*at, b.len())) {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "an output of {} bytes at {at} in a {bytes}-byte buffer",
+                    b.len()
+                ),
+            });
+        }
+        for (at, b) in inputs {
+            self.work.write_at(*at, b)?;
+        }
         let slot_bytes = self.options.slot_bytes;
         let mut ops = HostOps {
             dtype,
@@ -383,10 +459,14 @@ impl HostRing<'_> {
             scratch: vec![0u8; slot_bytes],
             mine: vec![0u8; slot_bytes],
         };
-        self.run(plan, &what, alive, &mut ops)?;
-        self.work.read_at(0, data)?;
-        if op == ReduceOp::Avg {
-            finish_avg(dtype, data, self.world);
+        self.run(plan, what, alive, &mut ops)?;
+        let average =
+            op == ReduceOp::Avg && matches!(shape, Shape::AllReduce | Shape::ReduceScatter);
+        for (at, b) in outputs.iter_mut() {
+            self.work.read_at(*at, b)?;
+            if average {
+                finish_avg(dtype, b, self.world);
+            }
         }
         Ok(())
     }

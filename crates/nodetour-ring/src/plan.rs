@@ -89,9 +89,7 @@ impl Plan {
     pub fn with_shape(self, shape: Shape) -> Result<Plan> {
         let bad = |reason: String| Error::Plan { reason };
         match shape {
-            Shape::ReduceScatter | Shape::AllGather
-                if self.count % u64::from(self.world) != 0 =>
-            {
+            Shape::ReduceScatter | Shape::AllGather if self.count % u64::from(self.world) != 0 => {
                 return Err(bad(format!(
                     "{} elements do not split into {} equal blocks",
                     self.count, self.world
@@ -112,7 +110,11 @@ impl Plan {
     pub fn segment(&self, s: u32) -> Range<u64> {
         if let Shape::Broadcast { .. } = self.shape {
             // One segment: the whole buffer.
-            return if s == 0 { 0..self.count } else { self.count..self.count };
+            return if s == 0 {
+                0..self.count
+            } else {
+                self.count..self.count
+            };
         }
         let n = u64::from(self.world);
         let s = u64::from(s % self.world);
@@ -218,7 +220,12 @@ mod tests {
         assert!(p.with_shape(Shape::AllGather).is_err());
         assert!(p.with_shape(Shape::Broadcast { root: 4 }).is_err());
         assert!(p.with_shape(Shape::Broadcast { root: 3 }).is_ok());
-        assert!(Plan::new(4, 12, 4, 40, 2).unwrap().with_shape(Shape::AllGather).is_ok());
+        assert!(
+            Plan::new(4, 12, 4, 40, 2)
+                .unwrap()
+                .with_shape(Shape::AllGather)
+                .is_ok()
+        );
     }
 
     #[test]
@@ -233,7 +240,9 @@ mod tests {
                 }
                 assert_eq!(ag.send_segment(r, 0), Some(r));
                 // Over the all-gather a rank receives every block but its own, once.
-                let mut got: Vec<u32> = (0..ag.steps()).filter_map(|s| ag.recv_segment(r, s)).collect();
+                let mut got: Vec<u32> = (0..ag.steps())
+                    .filter_map(|s| ag.recv_segment(r, s))
+                    .collect();
                 got.sort();
                 let want: Vec<u32> = (0..n).filter(|b| *b != r).collect();
                 assert_eq!(got, want);
@@ -250,10 +259,22 @@ mod tests {
         assert_eq!(p.segment(0), 0..100);
         assert_eq!(p.chunks_in(1), 0);
         for r in 0..5 {
-            let sends = (0..p.steps()).filter(|s| p.send_segment(r, *s).is_some()).count();
-            let recvs = (0..p.steps()).filter(|s| p.recv_segment(r, *s).is_some()).count();
+            let sends = (0..p.steps())
+                .filter(|s| p.send_segment(r, *s).is_some())
+                .count();
+            let recvs = (0..p.steps())
+                .filter(|s| p.recv_segment(r, *s).is_some())
+                .count();
             // The root only sends, the rank before it only receives, the rest do both.
-            assert_eq!((sends, recvs), match r { 3 => (1, 0), 2 => (0, 1), _ => (1, 1) }, "rank {r}");
+            assert_eq!(
+                (sends, recvs),
+                match r {
+                    3 => (1, 0),
+                    2 => (0, 1),
+                    _ => (1, 1),
+                },
+                "rank {r}"
+            );
         }
     }
 

@@ -110,7 +110,11 @@ pub fn program(
     counters: &mut LinkCounters,
 ) -> StreamProgram {
     let n = plan.world;
-    assert_eq!(plan.shape, crate::plan::Shape::AllReduce, "the stream ring plans allreduces");
+    assert_eq!(
+        plan.shape,
+        crate::plan::Shape::AllReduce,
+        "the stream ring plans allreduces"
+    );
     let mut p = StreamProgram::default();
     if n < 2 {
         return p;
@@ -122,7 +126,13 @@ pub fn program(
     let mut send_start = Vec::with_capacity(plan.steps() as usize);
     for step in 0..plan.steps() {
         send_start.push(p.sends.len());
-        for (c, elements) in chunks(plan, plan.send_segment(rank, step).expect("an allreduce sends at every step")).enumerate() {
+        for (c, elements) in chunks(
+            plan,
+            plan.send_segment(rank, step)
+                .expect("an allreduce sends at every step"),
+        )
+        .enumerate()
+        {
             let seq = counters.sent;
             counters.sent += 1;
             p.sends.push(SendOp {
@@ -135,7 +145,13 @@ pub fn program(
             });
         }
         recv_start.push(p.recvs.len());
-        for (c, elements) in chunks(plan, plan.recv_segment(rank, step).expect("an allreduce receives at every step")).enumerate() {
+        for (c, elements) in chunks(
+            plan,
+            plan.recv_segment(rank, step)
+                .expect("an allreduce receives at every step"),
+        )
+        .enumerate()
+        {
             let seq = counters.received;
             counters.received += 1;
             let kind = if step < reduce_steps {

@@ -71,7 +71,15 @@ struct Outcome {
 }
 
 fn run(world: u32, count: u64, slot_elems: u64, slots: u32, seed: u64, fault: Fault) -> Outcome {
-    run_shaped(Shape::AllReduce, world, count, slot_elems, slots, seed, fault)
+    run_shaped(
+        Shape::AllReduce,
+        world,
+        count,
+        slot_elems,
+        slots,
+        seed,
+        fault,
+    )
 }
 
 fn run_shaped(
@@ -294,7 +302,11 @@ fn holds_the_answer(o: &Outcome, r: usize) -> bool {
 fn assert_every_rank_right(o: &Outcome) {
     for (r, rank) in o.ranks.iter().enumerate() {
         assert_eq!(rank.outcome, Some(Ok(())), "rank {r} ({:?})", o.shape);
-        assert!(holds_the_answer(o, r), "rank {r} has the wrong result ({:?})", o.shape);
+        assert!(
+            holds_the_answer(o, r),
+            "rank {r} has the wrong result ({:?})",
+            o.shape
+        );
     }
 }
 

@@ -23,6 +23,26 @@ pub struct PreparedVerbs {
 }
 
 impl PreparedVerbs {
+    /// A queue pair for one peer of a ring on `local`'s device and port (64 writes and 16
+    /// receives outstanding), and the encoded endpoint description to send that peer.
+    pub fn for_peer(local: &crate::verbs::LocalSide) -> Result<(PreparedVerbs, Vec<u8>)> {
+        let q = PreparedVerbs::new(
+            &local.pd,
+            local.port.port,
+            QueuePairOptions {
+                send_depth: 64,
+                recv_depth: 16,
+                max_inline: 0,
+            },
+        )?;
+        let e = crate::verbs::EndpointDescription {
+            endpoint: q.endpoint(&local.gid),
+            regions: vec![],
+        }
+        .encode()?;
+        Ok((q, e))
+    }
+
     /// Creates the queue pair on `port` of `pd`'s device and posts its receives.
     pub fn new(
         pd: &Arc<ProtectionDomain>,
