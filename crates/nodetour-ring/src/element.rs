@@ -36,6 +36,11 @@ elements!(
     u8 => U8,
 );
 
+/// The bytes of `data`.
+pub fn bytes<T: Element>(data: &[T]) -> &[u8] {
+    bytemuck::cast_slice(data)
+}
+
 /// The bytes of `data`, in place.
 pub fn bytes_mut<T: Element>(data: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(data)

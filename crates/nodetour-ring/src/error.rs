@@ -85,6 +85,26 @@ pub enum Error {
         /// The collective as the peer called it.
         theirs: String,
     },
+    /// A rank speaks another version of the ring protocol (built from another release).
+    #[error(
+        "rank {rank} speaks ring protocol version {theirs}, this build speaks {ours}: build every rank from the same release"
+    )]
+    Version {
+        /// The rank.
+        rank: u32,
+        /// Its version.
+        theirs: u8,
+        /// This build's.
+        ours: u8,
+    },
+    /// An earlier collective of this communicator failed after it had started to communicate;
+    /// the communicator runs no more (close it and form a new one).
+    #[error("the communicator failed earlier and runs no more collectives: {first}")]
+    Broken {
+        /// The first failure.
+        #[source]
+        first: Box<Error>,
+    },
     /// A neighbour ended this collective (it failed, aborted, or saw a disagreement) and said
     /// so; this rank wrote no result.
     #[error("rank {peer} ended collective #{seq}: {reason}; no result was written")]

@@ -322,6 +322,8 @@ pub struct GpuStaging<'a> {
 struct GpuOps<'a> {
     staging: &'a GpuStaging<'a>,
     buffer: &'a DeviceBuffer,
+    /// Byte offset of the piece in `buffer` (work-region offset 0).
+    base: usize,
     dtype: DataType,
     op: ReduceOp,
     bounce: Vec<u8>,
@@ -346,20 +348,20 @@ impl ChunkOps for GpuOps<'_> {
                 self.dtype,
                 self.op,
                 self.buffer,
-                at,
+                self.base + at,
                 st.scratch,
                 0,
                 count,
             )
             .map_err(gpu)?;
         // After the reduce (the same stream), waited for on that stream.
-        work.copy_from_gpu(at, self.buffer, at, n, st.stream)
+        work.copy_from_gpu(at, self.buffer, self.base + at, n, st.stream)
             .map_err(gpu)
     }
 
     fn copy(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()> {
         let Chunk { slot, at, n } = c;
-        recv.copy_to_gpu(slot, self.buffer, at, n, self.staging.stream)
+        recv.copy_to_gpu(slot, self.buffer, self.base + at, n, self.staging.stream)
             .map_err(gpu)?;
         recv.read_at(slot, &mut self.bounce[..n])?;
         work.write_at(at, &self.bounce[..n])?;
@@ -397,24 +399,39 @@ impl HostRing<'_> {
             dtype,
             op,
         };
-        self.plan(data.len(), dtype)?;
-        self.work.write_at(0, data)?;
-        self.collective(staged, &what, &[], &mut [(0, data)], alive)
+        self.stage_in(0, data)?;
+        self.collective(staged, &what, &mut [(0, data)], alive)
     }
 
-    /// Runs one collective of `staged.shape` over host memory: each `(offset, bytes)` of
-    /// `inputs` is copied into the work region at that byte offset (the ring's buffer is
-    /// `staged.count` elements of the work region, laid out by ring position: segment `p` is
-    /// position `p`'s block), the ring runs, and each `(offset, destination)` of `outputs` is
-    /// filled from the work region (an average divided by the world size). `what` is the
-    /// collective as every rank must agree on it (sequence number `what.seq`, as in
-    /// [`Self::all_reduce`]). No output is written unless the collective finished on this rank,
-    /// with its answer.
+    /// Copies `bytes` into the work region at byte offset `at`: the input of the next
+    /// [`Self::collective`].
+    pub fn stage_in(&mut self, at: usize, bytes: &[u8]) -> Result<()> {
+        if at
+            .checked_add(bytes.len())
+            .is_none_or(|end| end > self.work.len())
+        {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "{} bytes at {at} in a work region of {}",
+                    bytes.len(),
+                    self.work.len()
+                ),
+            });
+        }
+        Ok(self.work.write_at(at, bytes)?)
+    }
+
+    /// Runs one collective of `staged.shape` over host memory staged in the work region (by
+    /// [`Self::stage_in`]; the ring's buffer is its first `staged.count` elements, laid out by
+    /// ring position: segment `p` is position `p`'s block), then fills each
+    /// `(offset, destination)` of `outputs` from the work region at that byte offset (an
+    /// average divided by the world size). `what` is the collective as every rank must agree on
+    /// it (sequence number `what.seq`, as in [`Self::all_reduce`]). No output is written unless
+    /// the collective finished on this rank, with its answer.
     pub fn collective(
         &mut self,
         staged: Staged,
         what: &Descriptor,
-        inputs: &[(usize, &[u8])],
         outputs: &mut [(usize, &mut [u8])],
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
@@ -433,14 +450,6 @@ impl HostRing<'_> {
             })?;
         let plan = self.plan(bytes, dtype)?.with_shape(shape)?;
         let fits = |at: usize, n: usize| at.checked_add(n).is_some_and(|end| end <= bytes);
-        if let Some((at, b)) = inputs.iter().find(|(at, b)| !fits(*at, b.len())) {
-            return Err(Error::InvalidArgument {
-                reason: format!(
-                    "an input of {} bytes at {at} in a {bytes}-byte buffer",
-                    b.len()
-                ),
-            });
-        }
         if let Some((at, b)) = outputs.iter().find(|(at, b)| !fits(*at, b.len())) {
             return Err(Error::InvalidArgument {
                 reason: format!(
@@ -448,9 +457,6 @@ impl HostRing<'_> {
                     b.len()
                 ),
             });
-        }
-        for (at, b) in inputs {
-            self.work.write_at(*at, b)?;
         }
         let slot_bytes = self.options.slot_bytes;
         let mut ops = HostOps {
@@ -489,15 +495,40 @@ impl HostRing<'_> {
         staging: &GpuStaging<'_>,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
-        let bytes = count
-            .checked_mul(dtype.size())
-            .filter(|b| *b <= buffer.len())
+        let what =
+            Descriptor::all_reduce(count as u64, dtype, op, Algorithm::HostRingGpuStaged, seq);
+        self.all_reduce_gpu_piece(buffer, 0..count, &what, staging, alive)?;
+        staging.stream.synchronize().map_err(gpu)
+    }
+
+    /// One piece of a staged GPU allreduce: elements `piece` of `buffer` (at most the work
+    /// region), as collective `what` (its count is the whole call's, its type and reduction
+    /// this piece's). Like [`Self::all_reduce_gpu`], but returns with the piece's last copies
+    /// and kernels queued on `staging.stream` (the next piece's first copy queues after them;
+    /// the caller synchronises that stream once, after the last piece).
+    pub fn all_reduce_gpu_piece(
+        &mut self,
+        buffer: &DeviceBuffer,
+        piece: std::ops::Range<usize>,
+        what: &Descriptor,
+        staging: &GpuStaging<'_>,
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+    ) -> Result<()> {
+        let (dtype, op) = (what.dtype, what.op);
+        let es = dtype.size();
+        let range = piece
+            .start
+            .checked_mul(es)
+            .zip(piece.end.checked_mul(es))
+            .filter(|(a, b)| a <= b && *b <= buffer.len())
             .ok_or_else(|| Error::InvalidArgument {
                 reason: format!(
-                    "{count} elements of {dtype:?} in a buffer of {} bytes",
+                    "elements {piece:?} of {dtype:?} in a buffer of {} bytes",
                     buffer.len()
                 ),
             })?;
+        let (base, bytes) = (range.0, range.1 - range.0);
+        let count = piece.len();
         if staging.scratch.len() < self.options.slot_bytes
             || !std::sync::Arc::ptr_eq(staging.scratch.context(), buffer.context())
             || !std::sync::Arc::ptr_eq(staging.stream.context(), buffer.context())
@@ -509,26 +540,25 @@ impl HostRing<'_> {
             });
         }
         let plan = self.plan(bytes, dtype)?;
-        let what =
-            Descriptor::all_reduce(count as u64, dtype, op, Algorithm::HostRingGpuStaged, seq);
         self.work
-            .copy_from_gpu(0, buffer, 0, bytes, staging.stream)
+            .copy_from_gpu(0, buffer, base, bytes, staging.stream)
             .map_err(gpu)?;
         let mut ops = GpuOps {
             staging,
             buffer,
+            base,
             dtype,
             op,
             bounce: vec![0u8; self.options.slot_bytes],
         };
-        self.run(plan, &what, alive, &mut ops)?;
+        self.run(plan, what, alive, &mut ops)?;
         if op == ReduceOp::Avg {
             staging
                 .kernels
-                .average(staging.stream, dtype, buffer, 0, count, self.world)
+                .average(staging.stream, dtype, buffer, base, count, self.world)
                 .map_err(gpu)?;
         }
-        staging.stream.synchronize().map_err(gpu)
+        Ok(())
     }
 
     fn plan(&self, bytes: usize, dtype: DataType) -> Result<Plan> {

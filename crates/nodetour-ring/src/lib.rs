@@ -18,6 +18,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod comm;
 pub mod descriptor;
 pub mod element;
 pub mod error;

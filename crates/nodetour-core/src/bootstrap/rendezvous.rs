@@ -32,6 +32,8 @@ type Formed = (Vec<PeerEntry>, Vec<(u32, TcpStream)>);
 struct State {
     /// Ranks lost, in the order noticed.
     lost: Vec<(u32, String)>,
+    /// Ranks that left on purpose (said goodbye), in the order heard.
+    left: Vec<u32>,
     /// Rank 0: the latest barrier generation each rank reached.
     arrived: Vec<u64>,
     /// The latest barrier generation released.
@@ -47,6 +49,27 @@ struct Liveness {
 impl Liveness {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn mark_left(&self, rank: u32) {
+        let mut st = self.lock();
+        if !st.left.contains(&rank) {
+            tracing::debug!(rank, "rank left");
+            st.left.push(rank);
+            self.changed.notify_all();
+        }
+    }
+
+    /// The first rank lost, else the first that left, and why.
+    fn first_absent(st: &State) -> Option<(u32, String)> {
+        st.lost.first().cloned().or_else(|| {
+            st.left.first().map(|r| {
+                (
+                    *r,
+                    "it left the job (closed or dropped its communicator)".to_owned(),
+                )
+            })
+        })
     }
 
     fn mark(&self, rank: u32, reason: String) {
@@ -180,6 +203,16 @@ impl Bootstrap {
         }
     }
 
+    /// `Err(RankLost)` naming the first rank lost or, failing that, the first that left on
+    /// purpose: for work that needs every rank present (a collective), where a rank that left
+    /// is as absent as one that died.
+    pub fn check_present(&self) -> Result<()> {
+        match Liveness::first_absent(&self.liveness.lock()) {
+            Some((rank, reason)) => Err(Error::RankLost { rank, reason }),
+            None => Ok(()),
+        }
+    }
+
     /// Waits until every rank has called `barrier` as many times as this one, or fails with
     /// the lost rank, or at `deadline`.
     pub fn barrier(&self, deadline: Deadline) -> Result<()> {
@@ -228,10 +261,11 @@ impl Bootstrap {
         }
     }
 
-    /// Waits until some rank is lost or `deadline` passes; returns the lost rank and why.
+    /// Waits until some rank is lost or leaves, or `deadline` passes; returns the rank and why
+    /// (a lost rank before one that left).
     pub fn wait_for_loss(&self, deadline: Deadline) -> Option<(u32, String)> {
         let mut st = self.liveness.lock();
-        while st.lost.is_empty() && !deadline.expired() {
+        while st.lost.is_empty() && st.left.is_empty() && !deadline.expired() {
             st = self
                 .liveness
                 .changed
@@ -239,7 +273,7 @@ impl Bootstrap {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        st.lost.first().cloned()
+        Liveness::first_absent(&st)
     }
 }
 
@@ -664,9 +698,22 @@ fn watch(
                     }
                     release_if_complete(&mut st, generation, writers, liveness);
                 }
+                Ok(Message::RankLeft { rank: left }) if me != 0 => liveness.mark_left(left),
                 Ok(Message::Goodbye) => {
                     open[i] = false;
-                    tracing::debug!(rank, "rank left");
+                    liveness.mark_left(rank);
+                    if me == 0 {
+                        // Tell the others: a collective that still needs this rank fails now,
+                        // naming it, instead of at its deadline.
+                        let msg = Message::RankLeft { rank };
+                        for (other, s2) in
+                            writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut()
+                        {
+                            if *other != rank {
+                                let _ = send(s2, &msg, &format!("rank {other}"));
+                            }
+                        }
+                    }
                 }
                 Ok(other) => {
                     tracing::warn!(rank, message = ?other, "unexpected bootstrap message after the rendezvous")

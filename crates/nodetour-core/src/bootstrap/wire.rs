@@ -81,6 +81,11 @@ pub enum Message {
         /// Which barrier.
         generation: u64,
     },
+    /// Server → client: a rank left on purpose (it said goodbye).
+    RankLeft {
+        /// Which.
+        rank: u32,
+    },
     /// Server → client: a rank is gone.
     RankLost {
         /// Which.
@@ -103,6 +108,7 @@ impl Message {
             Message::Goodbye => 8,
             Message::Barrier { .. } => 9,
             Message::BarrierRelease { .. } => 10,
+            Message::RankLeft { .. } => 11,
         }
     }
 
@@ -139,6 +145,7 @@ impl Message {
             Message::Barrier { generation } | Message::BarrierRelease { generation } => {
                 p.extend_from_slice(&generation.to_be_bytes())
             }
+            Message::RankLeft { rank } => p.extend_from_slice(&rank.to_be_bytes()),
         }
         let len = u32::try_from(p.len())
             .ok()
@@ -174,7 +181,7 @@ impl Message {
                 h[4]
             )));
         }
-        if !(1..=10).contains(&h[5]) {
+        if !(1..=11).contains(&h[5]) {
             return Err(bad(format!("unknown message kind {}", h[5])));
         }
         if h[6..8] != [0, 0] {
@@ -225,6 +232,7 @@ impl Message {
             10 => Message::BarrierRelease {
                 generation: r.u64()?,
             },
+            11 => Message::RankLeft { rank: r.u32()? },
             k => return Err(bad(format!("unknown message kind {k}"))),
         };
         if !r.0.is_empty() {
@@ -389,6 +397,7 @@ mod tests {
             Message::Goodbye,
             Message::Barrier { generation: 3 },
             Message::BarrierRelease { generation: 3 },
+            Message::RankLeft { rank: 5 },
         ]
     }
 

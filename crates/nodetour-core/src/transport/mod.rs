@@ -155,16 +155,21 @@ pub fn choose(facts: &PairFacts, forced: Option<TransportKind>) -> TransportChoi
 
 /// Parses `NODETOUR_TRANSPORT` (`auto` or unset: choose per pair).
 pub fn forced_from_env() -> Result<Option<TransportKind>> {
-    match std::env::var("NODETOUR_TRANSPORT")
-        .as_deref()
-        .map(str::trim)
-    {
-        Err(_) | Ok("") | Ok("auto") => Ok(None),
-        Ok("verbs") => Ok(Some(TransportKind::Verbs)),
-        Ok("tcp") => Ok(Some(TransportKind::Tcp)),
-        Ok("cuda-ipc") => Ok(Some(TransportKind::CudaIpc)),
-        Ok("shm") => Ok(Some(TransportKind::Shm)),
-        Ok(other) => Err(crate::Error::InvalidConfig {
+    match std::env::var("NODETOUR_TRANSPORT") {
+        Err(_) => Ok(None),
+        Ok(v) => forced_from_value(&v),
+    }
+}
+
+/// Parses a value of `NODETOUR_TRANSPORT` (`auto` or empty: none forced).
+pub fn forced_from_value(v: &str) -> Result<Option<TransportKind>> {
+    match v.trim() {
+        "" | "auto" => Ok(None),
+        "verbs" => Ok(Some(TransportKind::Verbs)),
+        "tcp" => Ok(Some(TransportKind::Tcp)),
+        "cuda-ipc" => Ok(Some(TransportKind::CudaIpc)),
+        "shm" => Ok(Some(TransportKind::Shm)),
+        other => Err(crate::Error::InvalidConfig {
             name: "NODETOUR_TRANSPORT",
             value: other.to_owned(),
             reason: "expected auto, verbs, tcp, cuda-ipc or shm".into(),

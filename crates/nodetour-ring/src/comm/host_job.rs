@@ -1,0 +1,477 @@
+//! The host-memory ring of a communicator: formation (bootstrap, ring order by host, one link
+//! per neighbour of the kind both ends choose, registered slot, doorbell and staging regions)
+//! and the running of one ring collective over it, with the sequence number and the early
+//! notifications carried from one to the next.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use nodetour_core::Deadline;
+use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, PeerEntry};
+use nodetour_core::cuda::GpuStream;
+use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::memory::{DeviceBuffer, HostBuffer};
+use nodetour_core::transport::setup::NeighbourSetup;
+use nodetour_core::transport::tcp::TcpEndpoint;
+use nodetour_core::transport::verbs::PreparedVerbs;
+use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion, TransportKind};
+use nodetour_core::verbs::{
+    Access, EndpointDescription, LocalSide, MemoryRegion, Near, PathOptions,
+};
+
+use super::links::{Announcement, choose_host_link};
+use super::options::Options;
+use super::paths::{Direction, LinkPath, Paths};
+use crate::error::{Error, Result};
+use crate::host::{GpuStaging, HostRing, HostRingOptions, Links};
+use crate::order::{neighbours, ring_order};
+
+/// Where and how this process joins its job.
+pub(crate) struct Launch {
+    /// This rank.
+    pub rank: u32,
+    /// Ranks in the job.
+    pub world: u32,
+    /// Rank 0's rendezvous, `host:port`.
+    pub rendezvous: String,
+    /// The job token (authenticates every connection, both ways).
+    pub token: JobToken,
+}
+
+/// The abort flag a communicator shares with its [`super::AbortHandle`]s.
+pub(crate) type AbortFlag = Arc<Mutex<Option<String>>>;
+
+/// A formed host ring.
+pub(crate) struct HostJob {
+    // Drop order (fields drop in declaration order): links (queue pairs drained and destroyed,
+    // sockets closed) before the regions they may write, regions before the device, the
+    // bootstrap last.
+    conns: HashMap<u32, Box<dyn HostConnection>>,
+    recv: SlotRegion,
+    work: SlotRegion,
+    bell: SlotRegion,
+    next_slots: SlotGrant,
+    prev_slots: SlotGrant,
+    options: HostRingOptions,
+    backlog: Vec<u32>,
+    seq: u64,
+    gpu: Option<GpuSide>,
+    _loopback: Option<nodetour_core::transport::MemConnection>,
+    _local: Option<LocalSide>,
+    pub rank: u32,
+    pub world: u32,
+    pub neighbours: (u32, u32),
+    pub order: Vec<u32>,
+    pub paths: Paths,
+    pub job: Bootstrap,
+}
+
+/// The GPU side of the staged path: kernels and one slot of scratch (the stream is the caller's).
+struct GpuSide {
+    scratch: DeviceBuffer,
+    kernels: ReduceKernels,
+}
+
+/// Opens this rank's RDMA device for host memory, unless the links are forced to tcp; `Err`
+/// says why there is none.
+fn open_verbs(options: &Options, rank: u32) -> std::result::Result<LocalSide, String> {
+    if options.transport == Some(TransportKind::Tcp) {
+        return Err("NODETOUR_TRANSPORT=tcp".into());
+    }
+    let mut config = options.config.clone();
+    if !options.devices.is_empty() {
+        config.ib_device = Some(options.devices[rank as usize % options.devices.len()].clone());
+    }
+    LocalSide::open(&config, Near::Host).map_err(|e| e.to_string())
+}
+
+impl HostJob {
+    /// Forms the ring of `launch`'s job. With `pin`, the slot and staging regions are also
+    /// registered with CUDA under that context (pinned for the staged GPU path's copies).
+    pub fn form(
+        launch: Launch,
+        options: &Options,
+        pin: Option<&Arc<cudarc::driver::CudaContext>>,
+    ) -> Result<HostJob> {
+        options.validate()?;
+        let Launch {
+            rank: me,
+            world,
+            rendezvous,
+            token,
+        } = launch;
+        let timeout = options.timeout();
+        let deadline = Deadline::after(timeout);
+        let verbs = open_verbs(options, me);
+        let why_no_verbs = verbs.as_ref().err().cloned().unwrap_or_default();
+        let ours = Announcement::ours(options.transport, verbs.is_ok());
+        let endpoint = TcpEndpoint::bind("0.0.0.0:0", token.clone(), timeout)?;
+        let (host, port) = rendezvous
+            .rsplit_once(':')
+            .unwrap_or((rendezvous.as_str(), "0"));
+        let ip = nodetour_core::bootstrap::host::local_ip_towards(host, port.parse().unwrap_or(0));
+        // The bootstrap, which every rank hears, carries no key and no queue pair: where to
+        // reach this rank and what it can link with. What only a neighbour may use goes to that
+        // neighbour alone (TcpEndpoint::exchange, authenticated both ways).
+        let entry = PeerEntry {
+            rank: me,
+            host: HostIdentity::current(),
+            address: format!("{ip}:{}", endpoint.local_addr()?.port()),
+            blob: ours.encode(),
+        };
+        let job = Bootstrap::rendezvous(&rendezvous, me, world, entry, &token, deadline)?;
+        let keys: Vec<&str> = job
+            .peers()
+            .iter()
+            .map(|p| p.host.boot_id.as_str())
+            .collect();
+        let order = ring_order(&keys);
+        let (prev, next) = neighbours(&order, me).ok_or_else(|| Error::InvalidArgument {
+            reason: format!("rank {me} is not in the ring order"),
+        })?;
+        let linked: Vec<u32> = if world == 1 {
+            vec![]
+        } else if next == prev {
+            vec![next]
+        } else {
+            vec![next, prev]
+        };
+        // Each link's kind, from both ends' announcements.
+        let mut kinds: HashMap<u32, TransportKind> = HashMap::new();
+        let mut links = Vec::new();
+        for p in linked.iter().copied() {
+            let theirs = Announcement::decode(p, &job.peers()[p as usize].blob)?;
+            let (kind, landing, reason) = choose_host_link(&ours, &theirs, (me, p), &why_no_verbs)?;
+            kinds.insert(p, kind);
+            let direction = if next == prev {
+                Direction::Both
+            } else if p == next {
+                Direction::Next
+            } else {
+                Direction::Prev
+            };
+            links.push(LinkPath {
+                peer: p,
+                direction,
+                transport: kind,
+                landing,
+                reason,
+            });
+        }
+        // Registered with the device only where a verbs link writes them (least privilege).
+        let local = verbs
+            .ok()
+            .filter(|_| kinds.values().any(|k| *k == TransportKind::Verbs));
+        let ring_options = HostRingOptions {
+            slot_bytes: options.slot_bytes,
+            slots: options.slots,
+            timeout,
+        };
+        // Only the regions peers write (slots, doorbell) allow remote writes; the staging
+        // region is a send source and local only.
+        let region = |len: usize, access: Access| -> Result<SlotRegion> {
+            let mut buf = HostBuffer::new(len.max(4096))?;
+            if let Some(context) = pin {
+                buf.register_with_cuda(context)?;
+            }
+            Ok(match &local {
+                Some(l) => {
+                    SlotRegion::registered(Arc::new(MemoryRegion::register(&l.pd, buf, access)?))
+                }
+                None => SlotRegion::host(buf),
+            })
+        };
+        let slot_total = (options.slots as usize)
+            .checked_mul(options.slot_bytes)
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: "slots × slot bytes overflows".into(),
+            })?;
+        let recv = region(slot_total, Access::REMOTE)?;
+        let bell = region(4096, Access::REMOTE_STRICT)?;
+        let work = region(options.piece_bytes, Access::LOCAL)?;
+        let grant = |r: &SlotRegion| SlotGrant {
+            key: r.key(),
+            len: r.len() as u64,
+            remote: r.memory_region().map(|m| m.remote()),
+        };
+        let mut prepared: HashMap<u32, (PreparedVerbs, Vec<u8>)> = HashMap::new();
+        if let Some(l) = &local {
+            for p in linked.iter().copied() {
+                if kinds[&p] == TransportKind::Verbs {
+                    prepared.insert(p, PreparedVerbs::for_peer(l)?);
+                }
+            }
+        }
+        // To the previous rank: the receive slots it writes; to the next: the doorbell it
+        // writes grants into; and the queue pair made for it.
+        let setup_for = |p: u32| {
+            NeighbourSetup {
+                recv: (p == prev).then(|| grant(&recv)),
+                bell: (p == next).then(|| grant(&bell)),
+                endpoint: prepared.get(&p).map(|(_, e)| e.clone()),
+            }
+            .encode()
+        };
+        let alive = || job.check_present();
+        let address = |p: u32| job.peers()[p as usize].address.clone();
+        let setups =
+            endpoint.exchange(&linked, me, world, &address, &setup_for, &alive, deadline)?;
+        let setup_of = |p: u32| -> Result<NeighbourSetup> {
+            let bytes = setups.get(&p).ok_or_else(|| Error::Protocol {
+                rank: p,
+                reason: "sent no setup".into(),
+            })?;
+            NeighbourSetup::decode(bytes).map_err(|e| Error::Protocol {
+                rank: p,
+                reason: format!("its setup: {e}"),
+            })
+        };
+        let missing = |what: &str, p: u32| Error::Protocol {
+            rank: p,
+            reason: format!("sent no {what}"),
+        };
+        let (next_slots, prev_slots) = if world == 1 {
+            (grant(&recv), grant(&bell))
+        } else {
+            (
+                setup_of(next)?
+                    .recv
+                    .ok_or_else(|| missing("receive-slot grant", next))?,
+                setup_of(prev)?
+                    .bell
+                    .ok_or_else(|| missing("doorbell grant", prev))?,
+            )
+        };
+        let mut conns: HashMap<u32, Box<dyn HostConnection>> = HashMap::new();
+        if let Some(l) = &local {
+            for (p, (q, _)) in prepared.drain() {
+                let sent = setup_of(p)?
+                    .endpoint
+                    .ok_or_else(|| missing("queue pair", p))?;
+                let remote = EndpointDescription::decode(&sent)
+                    .map_err(|e| Error::Protocol {
+                        rank: p,
+                        reason: format!("its queue pair: {e}"),
+                    })?
+                    .endpoint;
+                let path = PathOptions::new(l.port.port, &l.gid, &options.config);
+                let c = q.connect(&remote, &path, format!("rank {p}"), timeout)?;
+                conns.insert(p, Box::new(c));
+            }
+        }
+        let tcp_peers: Vec<u32> = linked
+            .iter()
+            .copied()
+            .filter(|p| kinds[p] == TransportKind::Tcp)
+            .collect();
+        if !tcp_peers.is_empty() {
+            let grants_for = |p: u32| {
+                let mut g = Vec::new();
+                if p == prev {
+                    g.push(recv.clone());
+                }
+                if p == next {
+                    g.push(bell.clone());
+                }
+                g
+            };
+            let made = endpoint.connect_mesh(
+                &tcp_peers,
+                me,
+                world,
+                &address,
+                &grants_for,
+                &alive,
+                deadline,
+            )?;
+            conns.extend(
+                made.into_iter()
+                    .map(|(p, c)| (p, Box::new(c) as Box<dyn HostConnection>)),
+            );
+        }
+        // One rank: a loopback link that carries nothing (its plans have no sends), so that the
+        // collective still runs (stages in, copies out) through the same code.
+        let mut loopback = None;
+        if world == 1 {
+            let (a, b) = nodetour_core::transport::MemConnection::pair();
+            conns.insert(me, Box::new(a));
+            loopback = Some(b);
+        }
+        // A verbs write must not reach a queue pair that is not ready yet: every rank has
+        // connected every link before any rank's first collective.
+        if world > 1 {
+            job.barrier(deadline)?;
+        }
+        let paths = Paths {
+            rank: me,
+            world,
+            order: order.clone(),
+            links,
+        };
+        tracing::info!(%paths, "communicator formed");
+        Ok(HostJob {
+            conns,
+            recv,
+            work,
+            bell,
+            next_slots,
+            prev_slots,
+            options: ring_options,
+            backlog: Vec::new(),
+            seq: 0,
+            gpu: None,
+            _loopback: loopback,
+            _local: local,
+            rank: me,
+            world,
+            neighbours: (prev, next),
+            order,
+            paths,
+            job,
+        })
+    }
+
+    /// Bytes of the staging region (the largest piece).
+    pub fn piece_bytes(&self) -> usize {
+        self.work.len()
+    }
+
+    /// Runs one ring collective through `f` (given the ring, the collective's sequence number
+    /// and the liveness check, which also reports an abort). Every call consumes a sequence
+    /// number on every rank, also on one rank alone.
+    pub fn run(
+        &mut self,
+        aborted: &AbortFlag,
+        f: impl FnOnce(&mut HostRing<'_>, u64, &dyn Fn() -> nodetour_core::Result<()>) -> Result<()>,
+    ) -> Result<()> {
+        let (prev, next) = self.neighbours;
+        let seq = self.seq;
+        self.seq += 1;
+        if let Some(reason) = aborted.lock().ok().and_then(|r| r.clone()) {
+            return Err(Error::Aborted { reason });
+        }
+        let gone = |what: &str| Error::InvalidArgument {
+            reason: format!("no connection to the {what} rank"),
+        };
+        let links = if next == prev {
+            Links::One(
+                self.conns
+                    .get_mut(&next)
+                    .ok_or_else(|| gone("next"))?
+                    .as_mut(),
+            )
+        } else {
+            let (mut n, mut p) = (None, None);
+            for (r, c) in self.conns.iter_mut() {
+                if *r == next {
+                    n = Some(c.as_mut());
+                } else if *r == prev {
+                    p = Some(c.as_mut());
+                }
+            }
+            Links::Two {
+                next: n.ok_or_else(|| gone("next"))?,
+                prev: p.ok_or_else(|| gone("previous"))?,
+            }
+        };
+        let mut ring = HostRing {
+            rank: position(&self.order, self.rank),
+            world: self.world,
+            links,
+            next_slots: self.next_slots,
+            prev_slots: self.prev_slots,
+            recv: self.recv.clone(),
+            bell: self.bell.clone(),
+            work: self.work.clone(),
+            options: self.options,
+            backlog: std::mem::take(&mut self.backlog),
+        };
+        let job = &self.job;
+        let alive = || {
+            if let Some(reason) = aborted.lock().ok().and_then(|r| r.clone()) {
+                return Err(nodetour_core::Error::Aborted { reason });
+            }
+            job.check_present()
+        };
+        let result = f(&mut ring, seq, &alive);
+        self.backlog = std::mem::take(&mut ring.backlog);
+        result.map_err(|e| self.blame(e))
+    }
+
+    /// Runs `f` with the staged GPU path's scratch and kernels on `buffer`'s GPU (made on
+    /// first use, kept for the next call) and `stream`.
+    pub fn with_staging<R>(
+        &mut self,
+        buffer: &DeviceBuffer,
+        stream: &GpuStream,
+        f: impl FnOnce(&mut Self, &GpuStaging<'_>) -> Result<R>,
+    ) -> Result<R> {
+        let same = |g: &GpuSide| Arc::ptr_eq(g.scratch.context(), buffer.context());
+        let gpu = match self.gpu.take() {
+            Some(g) if same(&g) => g,
+            _ => {
+                let ctx = buffer.context();
+                GpuSide {
+                    scratch: DeviceBuffer::new(ctx, self.options.slot_bytes)?,
+                    kernels: ReduceKernels::load(ctx)?,
+                }
+            }
+        };
+        let staging = GpuStaging {
+            kernels: &gpu.kernels,
+            stream,
+            scratch: &gpu.scratch,
+        };
+        let result = f(self, &staging);
+        self.gpu = Some(gpu);
+        result
+    }
+
+    /// A transport failure is usually the echo of a rank that died (its connection closed, or
+    /// a neighbour that failed because of it closed its own): ask the liveness mesh, briefly,
+    /// who was lost first, and name that rank. Ring positions become job ranks.
+    fn blame(&self, e: Error) -> Error {
+        let rank_at = |p: u32| self.order.get(p as usize).copied().unwrap_or(p);
+        let e = match e {
+            Error::Disagreement {
+                rank,
+                peer,
+                ours,
+                theirs,
+            } => {
+                return Error::Disagreement {
+                    rank: rank_at(rank),
+                    peer: rank_at(peer),
+                    ours,
+                    theirs,
+                };
+            }
+            Error::PeerFailed { peer, seq, reason } => Error::PeerFailed {
+                peer: rank_at(peer),
+                seq,
+                reason,
+            },
+            Error::Protocol { rank, reason } => Error::Protocol {
+                rank: rank_at(rank),
+                reason,
+            },
+            other => other,
+        };
+        if matches!(e, Error::PeerLost { .. } | Error::Aborted { .. }) {
+            return e;
+        }
+        let wait = std::time::Duration::from_millis(500).min(self.options.timeout);
+        match self.job.wait_for_loss(Deadline::after(wait)) {
+            Some((rank, why)) => {
+                tracing::warn!(rank, %why, ring_saw = %e, "a rank was lost during the collective");
+                Error::PeerLost { rank }
+            }
+            None => e,
+        }
+    }
+}
+
+/// The ring position of `rank` (the schedule numbers ranks by position in the ring order).
+fn position(order: &[u32], rank: u32) -> u32 {
+    order.iter().position(|r| *r == rank).unwrap_or(0) as u32
+}

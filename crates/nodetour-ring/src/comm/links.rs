@@ -1,0 +1,219 @@
+//! What each rank announces about its links in the bootstrap (the wire-protocol version, the
+//! transport it is told to use, whether it has an RDMA device), and the choice of each link's
+//! kind from both ends' announcements: pure, so that both ends choose alike.
+
+use nodetour_core::transport::TransportKind;
+
+use crate::comm::paths::Landing;
+use crate::descriptor::PROTOCOL_VERSION;
+use crate::error::{Error, Result};
+
+const MAGIC: u8 = b'n';
+const HAS_VERBS: u8 = 1;
+
+/// What a rank announces about its links (every rank hears it: no keys, no addresses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Announcement {
+    /// The ring protocol version it speaks.
+    pub version: u8,
+    /// `NODETOUR_TRANSPORT` on that rank.
+    pub forced: Option<TransportKind>,
+    /// Whether it opened an RDMA device for host memory.
+    pub has_verbs: bool,
+}
+
+fn kind_code(k: Option<TransportKind>) -> u8 {
+    match k {
+        None => 0,
+        Some(TransportKind::Verbs) => 1,
+        Some(TransportKind::Tcp) => 2,
+        Some(TransportKind::CudaIpc) => 3,
+        Some(TransportKind::Shm) => 4,
+        Some(TransportKind::Mem) => 5,
+    }
+}
+
+impl Announcement {
+    /// This rank's.
+    pub fn ours(forced: Option<TransportKind>, has_verbs: bool) -> Announcement {
+        Announcement {
+            version: PROTOCOL_VERSION,
+            forced,
+            has_verbs,
+        }
+    }
+
+    /// `'n' | version | forced | flags`.
+    pub fn encode(&self) -> Vec<u8> {
+        vec![
+            MAGIC,
+            self.version,
+            kind_code(self.forced),
+            if self.has_verbs { HAS_VERBS } else { 0 },
+        ]
+    }
+
+    /// What rank `rank` announced; another protocol version is [`Error::Version`].
+    pub fn decode(rank: u32, b: &[u8]) -> Result<Announcement> {
+        let bad = |reason: String| Error::Protocol {
+            rank,
+            reason: format!("its bootstrap announcement: {reason}"),
+        };
+        if b.len() < 2 || b[0] != MAGIC {
+            return Err(bad(format!(
+                "{} bytes, not a nodetour ring announcement",
+                b.len()
+            )));
+        }
+        if b[1] != PROTOCOL_VERSION {
+            return Err(Error::Version {
+                rank,
+                theirs: b[1],
+                ours: PROTOCOL_VERSION,
+            });
+        }
+        if b.len() != 4 {
+            return Err(bad(format!("{} bytes, expected 4", b.len())));
+        }
+        let forced = match b[2] {
+            0 => None,
+            1 => Some(TransportKind::Verbs),
+            2 => Some(TransportKind::Tcp),
+            3 => Some(TransportKind::CudaIpc),
+            4 => Some(TransportKind::Shm),
+            5 => Some(TransportKind::Mem),
+            v => return Err(bad(format!("transport code {v}"))),
+        };
+        if b[3] & !HAS_VERBS != 0 {
+            return Err(bad(format!("unknown flags {:#04x}", b[3])));
+        }
+        Ok(Announcement {
+            version: b[1],
+            forced,
+            has_verbs: b[3] & HAS_VERBS != 0,
+        })
+    }
+}
+
+/// The kind of the host-memory link between this rank and `peer`, where the bytes land, and
+/// why. Both ends compute the same answer from the same two announcements.
+/// `why_no_verbs` says why this rank has no RDMA device (when it has none).
+pub(crate) fn choose_host_link(
+    ours: &Announcement,
+    theirs: &Announcement,
+    (me, peer): (u32, u32),
+    why_no_verbs: &str,
+) -> Result<(TransportKind, Landing, String)> {
+    if ours.forced != theirs.forced {
+        let show = |k: Option<TransportKind>| match k {
+            Some(k) => format!("NODETOUR_TRANSPORT={k}"),
+            None => "no NODETOUR_TRANSPORT".to_owned(),
+        };
+        return Err(Error::InvalidArgument {
+            reason: format!(
+                "rank {me} has {}, rank {peer} has {}: every rank must be told the same",
+                show(ours.forced),
+                show(theirs.forced)
+            ),
+        });
+    }
+    let lacking = || {
+        if ours.has_verbs {
+            format!("rank {peer} has no RDMA device")
+        } else {
+            format!("this rank has no RDMA device ({why_no_verbs})")
+        }
+    };
+    let verbs = |reason: String| Ok((TransportKind::Verbs, Landing::RegisteredHost, reason));
+    let tcp = |reason: String| Ok((TransportKind::Tcp, Landing::SoftwareHost, reason));
+    let both = ours.has_verbs && theirs.has_verbs;
+    match ours.forced {
+        Some(TransportKind::Tcp) => tcp("NODETOUR_TRANSPORT=tcp".into()),
+        Some(TransportKind::Verbs) if both => verbs("NODETOUR_TRANSPORT=verbs".into()),
+        Some(TransportKind::Verbs) => Err(Error::Unsupported {
+            reason: format!("NODETOUR_TRANSPORT=verbs, but {}", lacking()),
+        }),
+        Some(other) => Err(Error::InvalidArgument {
+            reason: format!(
+                "NODETOUR_TRANSPORT={other} names a link between GPUs of one host; host \
+                 buffers travel over verbs or tcp"
+            ),
+        }),
+        None if both => verbs("both ranks have an RDMA device".into()),
+        None => tcp(format!("{}: tcp", lacking())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn announcements_round_trip_and_another_version_is_typed() {
+        for forced in [None, Some(TransportKind::Tcp), Some(TransportKind::Shm)] {
+            for has_verbs in [false, true] {
+                let a = Announcement::ours(forced, has_verbs);
+                assert_eq!(Announcement::decode(3, &a.encode()), Ok(a));
+            }
+        }
+        let mut old = Announcement::ours(None, true).encode();
+        old[1] = PROTOCOL_VERSION.wrapping_sub(1);
+        assert!(matches!(
+            Announcement::decode(3, &old),
+            Err(Error::Version { rank: 3, .. })
+        ));
+        for bad in [
+            &b""[..],
+            b"x",
+            b"n",
+            &[b'n', PROTOCOL_VERSION, 9, 0],
+            &[b'n', PROTOCOL_VERSION, 0, 2],
+            &[b'n', PROTOCOL_VERSION, 0, 0, 0],
+        ] {
+            assert!(Announcement::decode(1, bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn both_ends_choose_alike_and_say_why() {
+        let a = |forced, v| Announcement::ours(forced, v);
+        let pick = |x: &Announcement, y: &Announcement| {
+            let here = choose_host_link(x, y, (0, 1), "no device").map(|c| c.0);
+            let there = choose_host_link(y, x, (1, 0), "no device").map(|c| c.0);
+            assert_eq!(here.is_ok(), there.is_ok());
+            if let (Ok(h), Ok(t)) = (&here, &there) {
+                assert_eq!(h, t);
+            }
+            here
+        };
+        assert_eq!(
+            pick(&a(None, true), &a(None, true)),
+            Ok(TransportKind::Verbs)
+        );
+        assert_eq!(
+            pick(&a(None, true), &a(None, false)),
+            Ok(TransportKind::Tcp)
+        );
+        let tcp = Some(TransportKind::Tcp);
+        assert_eq!(pick(&a(tcp, true), &a(tcp, true)), Ok(TransportKind::Tcp));
+        let verbs = Some(TransportKind::Verbs);
+        assert!(matches!(
+            pick(&a(verbs, true), &a(verbs, false)),
+            Err(Error::Unsupported { .. })
+        ));
+        assert!(matches!(
+            pick(&a(tcp, true), &a(None, true)),
+            Err(Error::InvalidArgument { .. })
+        ));
+        let shm = Some(TransportKind::Shm);
+        assert!(pick(&a(shm, true), &a(shm, true)).is_err());
+        let (_, _, why) = choose_host_link(
+            &a(None, false),
+            &a(None, true),
+            (0, 1),
+            "libibverbs is missing",
+        )
+        .unwrap();
+        assert!(why.contains("libibverbs is missing"), "{why}");
+    }
+}

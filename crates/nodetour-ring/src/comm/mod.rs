@@ -1,0 +1,671 @@
+//! The communicator: the one object a training runtime holds.
+//!
+//! In the order a runtime works:
+//!
+//! 1. **Form** it once per process: [`Communicator::from_env`] reads the launcher's variables
+//!    (torchrun, Slurm, Open MPI, `NODETOUR_*`); [`Communicator::from_unique_id`] serves
+//!    runtimes with their own store. Every rank calls the same constructor; it returns once
+//!    every link is connected, or fails within the options' timeout naming what is missing.
+//! 2. **Read its paths**: [`Communicator::paths`] says, per link, the transport, where the bytes
+//!    land and why that path was chosen (also logged at formation).
+//! 3. **Run collectives**: [`Communicator::all_reduce`], [`Communicator::reduce_scatter`],
+//!    [`Communicator::all_gather`], [`Communicator::broadcast`], out of place or `*_in_place`,
+//!    on any size of buffer (it goes through the communicator's bounded staging memory in
+//!    pieces). On host memory the call is synchronous: it returns `Ok` only with the answer in
+//!    the output, the same bits on every rank.
+//! 4. **Handle errors**: every failure is a typed [`Error`] naming the rank at fault where one
+//!    is ([`Error::PeerLost`], [`Error::Disagreement`], [`Error::Timeout`], ...). After a
+//!    failure that happened while ranks were talking, the communicator is broken: later calls
+//!    return [`Error::Broken`] with the first failure, on every rank that saw it.
+//! 5. **Abort** from another thread with an [`AbortHandle`]; **close** with
+//!    [`Communicator::close`], which waits (to a deadline) until every rank is done.
+//!
+//! ```no_run
+//! use nodetour_ring::comm::{Communicator, Options};
+//! use nodetour_ring::ReduceOp;
+//! # fn main() -> nodetour_ring::Result<()> {
+//! let comm = Communicator::from_env(Options::from_env()?)?;
+//! println!("{}", comm.paths());
+//! let mut grads = vec![1.0f32; 1 << 20];
+//! comm.all_reduce_in_place(&mut grads, ReduceOp::Avg)?;
+//! comm.close(nodetour_core::Deadline::after(std::time::Duration::from_secs(30)))?;
+//! # Ok(()) }
+//! ```
+//!
+//! **Thread safety**: `Communicator` is `Send + Sync`. Collectives take `&self` and run one at
+//! a time, in the order their calls take the communicator's lock; every rank must issue the
+//! same collectives in the same order (a rank that does not gets [`Error::Disagreement`]
+//! rather than a wrong answer), so a runtime that calls from several threads orders them
+//! itself. [`AbortHandle`] is `Send + Sync + Clone`.
+//!
+//! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
+
+mod host_job;
+mod links;
+mod options;
+mod paths;
+
+pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};
+pub use paths::{Direction, Landing, LinkPath, Paths};
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nodetour_core::Deadline;
+use nodetour_core::bootstrap::{JobToken, LaunchInfo, UniqueId};
+use nodetour_core::cuda::GpuStream;
+use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
+
+use self::host_job::{AbortFlag, HostJob, Launch};
+use crate::descriptor::{Algorithm, Collective, Descriptor};
+use crate::element::{Element, bytes, bytes_mut};
+use crate::error::{Error, Result};
+use crate::host::{HostRing, Staged};
+use crate::plan::Shape;
+use crate::reduce::{DataType, ReduceOp};
+
+/// A group of ranks that run collectives together. See the [module docs](self).
+///
+/// ```
+/// fn shared<T: Send + Sync>() {}
+/// shared::<nodetour_ring::comm::Communicator>();
+/// shared::<nodetour_ring::comm::AbortHandle>();
+/// ```
+pub struct Communicator {
+    rank: u32,
+    world: u32,
+    paths: Paths,
+    aborted: AbortFlag,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// `None` once closed.
+    job: Option<HostJob>,
+    /// The first failure after ranks started talking: the communicator is broken.
+    failed: Option<Error>,
+}
+
+/// Aborts a communicator's collective in flight, and every later one, from any thread: they
+/// return [`Error::Aborted`] with the reason, and the neighbours' collectives end with it too.
+#[derive(Clone)]
+pub struct AbortHandle(AbortFlag);
+
+impl AbortHandle {
+    /// Aborts with `reason` (the first reason given is kept).
+    pub fn abort(&self, reason: &str) {
+        if let Ok(mut r) = self.0.lock() {
+            r.get_or_insert_with(|| reason.to_owned());
+        }
+    }
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One piece's layout: where each rank's share goes in the staging region.
+#[derive(Clone, Copy)]
+struct Layout {
+    /// Element size.
+    es: usize,
+    /// Elements of each block in this piece.
+    len: usize,
+}
+
+impl Layout {
+    fn at(&self, position: u32) -> usize {
+        position as usize * self.len * self.es
+    }
+}
+
+fn same_len(a: usize, b: usize, an: &str, bn: &str) -> Result<()> {
+    if a != b {
+        return Err(Error::InvalidArgument {
+            reason: format!("{an} has {a} elements, {bn} {b}: they must match"),
+        });
+    }
+    Ok(())
+}
+
+/// Element ranges of at most `per` elements covering `0..count` (none for an empty buffer).
+fn pieces(count: usize, per: usize) -> impl Iterator<Item = Range<usize>> {
+    let per = per.max(1);
+    (0..count.div_ceil(per)).map(move |i| i * per..((i + 1) * per).min(count))
+}
+
+fn bytes_of<T: Element>(_: &[T], r: &Range<usize>) -> Range<usize> {
+    let es = std::mem::size_of::<T>();
+    r.start * es..r.end * es
+}
+
+/// The liveness check a ring collective polls (the bootstrap's, and the abort flag).
+type Alive<'a> = dyn Fn() -> nodetour_core::Result<()> + 'a;
+
+/// Runs an all-gather piece staged by the caller and scatters the result: block `q` of the
+/// ring's buffer (position `q`) goes to rank `order[q]`'s block of `out`, elements `r`.
+#[allow(clippy::too_many_arguments)]
+fn gather_out<T: Element>(
+    comm: &Communicator,
+    ring: &mut HostRing<'_>,
+    what: &Descriptor,
+    l: Layout,
+    out: &mut [T],
+    n: usize,
+    r: Range<usize>,
+    alive: &Alive<'_>,
+) -> Result<()> {
+    let staged = Staged {
+        shape: Shape::AllGather,
+        count: (r.len() * comm.world as usize) as u64,
+        dtype: T::DATA_TYPE,
+        op: ReduceOp::Sum,
+    };
+    let mut outputs: Vec<(usize, &mut [u8])> = out
+        .chunks_mut(n)
+        .enumerate()
+        .map(|(rank, block)| {
+            (
+                l.at(comm.position_of(rank as u32)),
+                bytes_mut(&mut block[r.clone()]),
+            )
+        })
+        .collect();
+    ring.collective(staged, what, &mut outputs, alive)
+}
+
+impl Communicator {
+    /// Forms the communicator of this process's job from the launcher's environment: rank,
+    /// world size and rank 0's address from `NODETOUR_RANK`/`NODETOUR_WORLD_SIZE`/
+    /// `NODETOUR_MASTER_ADDR`, torchrun, Open MPI or Slurm; the job token from
+    /// `NODETOUR_JOB_TOKEN` (set it: without it any process that reaches the rendezvous port
+    /// can join).
+    pub fn from_env(options: Options) -> Result<Communicator> {
+        let info = LaunchInfo::from_env()?;
+        Self::form(
+            Launch {
+                rank: info.rank,
+                world: info.world_size,
+                rendezvous: info.rendezvous_addr(),
+                token: JobToken::from_env(),
+            },
+            options,
+        )
+    }
+
+    /// Forms the communicator of rank `rank` of `world` from an id rank 0 made with
+    /// [`UniqueId::new`] and passed to every rank through the runtime's own store. The id
+    /// carries the job token: publish it only where no one outside the job can read it.
+    pub fn from_unique_id(
+        id: &UniqueId,
+        rank: u32,
+        world: u32,
+        options: Options,
+    ) -> Result<Communicator> {
+        Self::form(
+            Launch {
+                rank,
+                world,
+                rendezvous: id.address.clone(),
+                token: id.job_token(),
+            },
+            options,
+        )
+    }
+
+    fn form(launch: Launch, options: Options) -> Result<Communicator> {
+        if launch.world == 0 || launch.rank >= launch.world {
+            return Err(Error::InvalidArgument {
+                reason: format!("rank {} of {}", launch.rank, launch.world),
+            });
+        }
+        let job = HostJob::form(launch, &options, None)?;
+        Ok(Communicator {
+            rank: job.rank,
+            world: job.world,
+            paths: job.paths.clone(),
+            aborted: Arc::new(Mutex::new(None)),
+            state: Mutex::new(State {
+                job: Some(job),
+                failed: None,
+            }),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Ranks in the communicator.
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+
+    /// How data travels: per link, the transport, where the bytes land, and why.
+    pub fn paths(&self) -> &Paths {
+        &self.paths
+    }
+
+    /// A handle that aborts this communicator's collectives from any thread.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle(self.aborted.clone())
+    }
+
+    /// The failure that broke this communicator, if one did (as `ncclCommGetAsyncError`).
+    pub fn error(&self) -> Option<Error> {
+        self.lock().ok().and_then(|s| s.failed.clone())
+    }
+
+    /// Waits until every collective issued so far has finished, and returns the first failure
+    /// if there was one. Host collectives finish before they return, so this only reports.
+    pub fn wait(&self, deadline: Deadline) -> Result<()> {
+        let _ = deadline;
+        let state = self.lock()?;
+        match &state.failed {
+            Some(first) => Err(Error::Broken {
+                first: Box::new(first.clone()),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Closes the communicator: waits until every rank has finished its collectives (a barrier
+    /// over the bootstrap, to `deadline`), then tears down its links and memory. A broken
+    /// communicator tears down at once and returns its failure.
+    pub fn close(self, deadline: Deadline) -> Result<()> {
+        let mut state = self.lock()?;
+        let job = state.job.take();
+        let result = match (&state.failed, &job) {
+            (Some(first), _) => Err(Error::Broken {
+                first: Box::new(first.clone()),
+            }),
+            (None, Some(job)) if job.world > 1 => job.job.barrier(deadline).map_err(Error::from),
+            _ => Ok(()),
+        };
+        // Teardown order inside the job: links, then regions, then the device, then the
+        // bootstrap (its drop stops the liveness watcher, with a deadline).
+        drop(job);
+        result
+    }
+
+    /// Sums (or another `op`) `send` over every rank into `recv` on every rank. `send` and
+    /// `recv` have the same length on this rank and on every other.
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        same_len(send.len(), recv.len(), "send", "recv")?;
+        let n = send.len();
+        let what = self.descriptor::<T>(Collective::AllReduce, n, op, None);
+        self.run_pieces(&what, n, 1, |ring, r, d, alive| {
+            ring.stage_in(0, &bytes(send)[bytes_of(send, &r)])?;
+            let staged = Staged {
+                shape: Shape::AllReduce,
+                count: r.len() as u64,
+                dtype: T::DATA_TYPE,
+                op,
+            };
+            ring.collective(
+                staged,
+                d,
+                &mut [(0, &mut bytes_mut(recv)[bytes_of(send, &r)])],
+                alive,
+            )
+        })
+    }
+
+    /// [`Self::all_reduce`] with `data` as both input and output.
+    pub fn all_reduce_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        let n = data.len();
+        let what = self.descriptor::<T>(Collective::AllReduce, n, op, None);
+        self.run_pieces(&what, n, 1, |ring, r, d, alive| {
+            let b = bytes_of(data, &r);
+            ring.stage_in(0, &bytes(data)[b.clone()])?;
+            let staged = Staged {
+                shape: Shape::AllReduce,
+                count: r.len() as u64,
+                dtype: T::DATA_TYPE,
+                op,
+            };
+            ring.collective(staged, d, &mut [(0, &mut bytes_mut(data)[b])], alive)
+        })
+    }
+
+    /// Reduces `send` (`world` blocks of `recv.len()` elements) over every rank, leaving
+    /// block `rank` of the result in `recv`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = recv.len();
+        self.blocks(send.len(), n, "send", "recv")?;
+        let what = self.descriptor::<T>(Collective::ReduceScatter, n, op, None);
+        let me = self.position();
+        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
+            let l = Layout {
+                es: T::DATA_TYPE.size(),
+                len: r.len(),
+            };
+            for rank in 0..self.world {
+                let block = rank as usize * n;
+                let src = block + r.start..block + r.end;
+                ring.stage_in(l.at(self.position_of(rank)), bytes(&send[src]))?;
+            }
+            let staged = Staged {
+                shape: Shape::ReduceScatter,
+                count: (r.len() * self.world as usize) as u64,
+                dtype: T::DATA_TYPE,
+                op,
+            };
+            ring.collective(staged, d, &mut [(l.at(me), bytes_mut(&mut recv[r]))], alive)
+        })
+    }
+
+    /// [`Self::reduce_scatter`] in one buffer of `world` blocks: block `rank` ends with this
+    /// rank's result (the other blocks keep their input).
+    pub fn reduce_scatter_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        let n = self.block_of(data.len())?;
+        let what = self.descriptor::<T>(Collective::ReduceScatter, n, op, None);
+        let (me, my_block) = (self.position(), self.rank as usize * n);
+        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
+            let l = Layout {
+                es: T::DATA_TYPE.size(),
+                len: r.len(),
+            };
+            for rank in 0..self.world {
+                let block = rank as usize * n;
+                ring.stage_in(
+                    l.at(self.position_of(rank)),
+                    bytes(&data[block + r.start..block + r.end]),
+                )?;
+            }
+            let staged = Staged {
+                shape: Shape::ReduceScatter,
+                count: (r.len() * self.world as usize) as u64,
+                dtype: T::DATA_TYPE,
+                op,
+            };
+            let out = &mut data[my_block + r.start..my_block + r.end];
+            ring.collective(staged, d, &mut [(l.at(me), bytes_mut(out))], alive)
+        })
+    }
+
+    /// Gathers every rank's `send` into `recv` (`world` blocks of `send.len()` elements, block
+    /// `r` from rank `r`) on every rank.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let n = send.len();
+        self.blocks(recv.len(), n, "recv", "send")?;
+        let what = self.descriptor::<T>(Collective::AllGather, n, ReduceOp::Sum, None);
+        let me = self.position();
+        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
+            let l = Layout {
+                es: T::DATA_TYPE.size(),
+                len: r.len(),
+            };
+            ring.stage_in(l.at(me), bytes(&send[r.clone()]))?;
+            gather_out(self, ring, d, l, recv, n, r, alive)
+        })
+    }
+
+    /// [`Self::all_gather`] in one buffer of `world` blocks, this rank's input in block `rank`.
+    pub fn all_gather_in_place<T: Element>(&self, data: &mut [T]) -> Result<()> {
+        let n = self.block_of(data.len())?;
+        let what = self.descriptor::<T>(Collective::AllGather, n, ReduceOp::Sum, None);
+        let (me, my_block) = (self.position(), self.rank as usize * n);
+        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
+            let l = Layout {
+                es: T::DATA_TYPE.size(),
+                len: r.len(),
+            };
+            ring.stage_in(l.at(me), bytes(&data[my_block + r.start..my_block + r.end]))?;
+            gather_out(self, ring, d, l, data, n, r, alive)
+        })
+    }
+
+    /// Copies `send` of rank `root` into `recv` on every rank. `send` is read on the root only
+    /// (it must have `recv`'s length there; elsewhere pass an empty slice).
+    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: u32) -> Result<()> {
+        self.check_root(root)?;
+        if self.rank == root {
+            same_len(send.len(), recv.len(), "send", "recv")?;
+        }
+        let n = recv.len();
+        let what = self.descriptor::<T>(Collective::Broadcast, n, ReduceOp::Sum, Some(root));
+        let is_root = self.rank == root;
+        self.run_pieces(&what, n, 1, |ring, r, d, alive| {
+            if is_root {
+                ring.stage_in(0, bytes(&send[r.clone()]))?;
+            }
+            let staged = Staged {
+                shape: Shape::Broadcast {
+                    root: self.position_of(root),
+                },
+                count: r.len() as u64,
+                dtype: T::DATA_TYPE,
+                op: ReduceOp::Sum,
+            };
+            ring.collective(staged, d, &mut [(0, bytes_mut(&mut recv[r]))], alive)
+        })
+    }
+
+    /// [`Self::broadcast`] of rank `root`'s `data` into `data` on every rank.
+    pub fn broadcast_in_place<T: Element>(&self, data: &mut [T], root: u32) -> Result<()> {
+        self.check_root(root)?;
+        let n = data.len();
+        let what = self.descriptor::<T>(Collective::Broadcast, n, ReduceOp::Sum, Some(root));
+        let is_root = self.rank == root;
+        self.run_pieces(&what, n, 1, |ring, r, d, alive| {
+            if is_root {
+                ring.stage_in(0, bytes(&data[r.clone()]))?;
+            }
+            let staged = Staged {
+                shape: Shape::Broadcast {
+                    root: self.position_of(root),
+                },
+                count: r.len() as u64,
+                dtype: T::DATA_TYPE,
+                op: ReduceOp::Sum,
+            };
+            let mut outputs = if is_root {
+                vec![]
+            } else {
+                vec![(0, bytes_mut(&mut data[r]))]
+            };
+            ring.collective(staged, d, &mut outputs, alive)
+        })
+    }
+
+    /// Allreduces the first `count` elements of GPU memory `buffer` (elements of `dtype`) in
+    /// place, staged through this communicator's host memory: the path for GPU buffers across
+    /// hosts until network links land in GPU memory. Runs after the work queued on `stream` (a
+    /// stream of the buffer's GPU) and returns once it has finished, waiting for `stream` only
+    /// (never the whole device). Lower level: takes nodetour's own device buffer and stream.
+    pub fn all_reduce_device_buffer(
+        &self,
+        buffer: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
+        if !Arc::ptr_eq(stream.context(), buffer.context()) {
+            return Err(Error::InvalidArgument {
+                reason: "the stream is not on the buffer's GPU".into(),
+            });
+        }
+        if count
+            .checked_mul(dtype.size())
+            .is_none_or(|b| b > buffer.len())
+        {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "{count} elements of {dtype:?} in a buffer of {} bytes",
+                    buffer.len()
+                ),
+            });
+        }
+        let what = Descriptor {
+            collective: Collective::AllReduce,
+            count: count as u64,
+            dtype,
+            op,
+            root: None,
+            algorithm: Algorithm::HostRingGpuStaged,
+            seq: 0,
+        };
+        let mut state = self.usable()?;
+        let job = state.job.as_mut().expect("usable");
+        let per = job.piece_bytes() / dtype.size();
+        let result = job.with_staging(buffer, stream, |job, staging| {
+            for r in pieces(count, per) {
+                job.run(&self.aborted, |ring, seq, alive| {
+                    let d = Descriptor { seq, ..what };
+                    ring.all_reduce_gpu_piece(buffer, r, &d, staging, alive)
+                })?;
+            }
+            stream.synchronize().map_err(|e| Error::Gpu {
+                reason: e.to_string(),
+            })
+        });
+        if let Err(e) = &result {
+            state.failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+
+    // --- the machinery every collective shares ---
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.state.lock().map_err(|_| Error::Aborted {
+            reason: "a thread panicked inside a collective of this communicator".into(),
+        })
+    }
+
+    /// The state, if the communicator can run a collective.
+    fn usable(&self) -> Result<MutexGuard<'_, State>> {
+        let state = self.lock()?;
+        if let Some(first) = &state.failed {
+            return Err(Error::Broken {
+                first: Box::new(first.clone()),
+            });
+        }
+        if state.job.is_none() {
+            return Err(Error::InvalidArgument {
+                reason: "the communicator is closed".into(),
+            });
+        }
+        Ok(state)
+    }
+
+    fn position(&self) -> u32 {
+        self.position_of(self.rank)
+    }
+
+    /// The ring position of job rank `rank`.
+    fn position_of(&self, rank: u32) -> u32 {
+        self.paths
+            .order
+            .iter()
+            .position(|r| *r == rank)
+            .unwrap_or(0) as u32
+    }
+
+    fn descriptor<T: Element>(
+        &self,
+        collective: Collective,
+        count: usize,
+        op: ReduceOp,
+        root: Option<u32>,
+    ) -> Descriptor {
+        Descriptor {
+            collective,
+            count: count as u64,
+            dtype: T::DATA_TYPE,
+            op,
+            root,
+            algorithm: Algorithm::HostRing,
+            seq: 0,
+        }
+    }
+
+    fn check_root(&self, root: u32) -> Result<()> {
+        if root >= self.world {
+            return Err(Error::InvalidArgument {
+                reason: format!("root {root} in a communicator of {} ranks", self.world),
+            });
+        }
+        Ok(())
+    }
+
+    /// `whole` is `world` blocks of `block` elements.
+    fn blocks(&self, whole: usize, block: usize, a: &str, b: &str) -> Result<()> {
+        if (block as u128) * u128::from(self.world) != whole as u128 {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "{a} has {whole} elements, {b} {block}: {a} must be {} × {b}",
+                    self.world
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The block length of a buffer of `world` blocks.
+    fn block_of(&self, len: usize) -> Result<usize> {
+        if len % self.world as usize != 0 {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "{len} elements do not split into {} equal blocks",
+                    self.world
+                ),
+            });
+        }
+        Ok(len / self.world as usize)
+    }
+
+    /// Runs `what` (per-rank count `n`) in pieces: each piece covers elements `r` of every
+    /// rank's block (`blocks` blocks share the staging region) and is one ring collective with
+    /// its own sequence number; `body` stages its input, runs it and fills its output. Any
+    /// failure breaks the communicator (ranks were talking); the output then holds the results
+    /// of the pieces that finished and the rest as it was.
+    fn run_pieces(
+        &self,
+        what: &Descriptor,
+        n: usize,
+        blocks: u32,
+        mut body: impl FnMut(&mut HostRing<'_>, Range<usize>, &Descriptor, &Alive<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let mut state = self.usable()?;
+        let job = state.job.as_mut().expect("usable");
+        let es = what.dtype.size();
+        let per = job.piece_bytes() / es / blocks as usize;
+        if per == 0 {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "a staging region of {} bytes holds no piece of {blocks} blocks of {:?}: raise NODETOUR_PIECE_BYTES",
+                    job.piece_bytes(),
+                    what.dtype
+                ),
+            });
+        }
+        let aborted = self.aborted.clone();
+        let mut result = Ok(());
+        for r in pieces(n, per) {
+            result = job.run(&aborted, |ring, seq, alive| {
+                body(ring, r, &Descriptor { seq, ..*what }, alive)
+            });
+            if result.is_err() {
+                break;
+            }
+        }
+        if let Err(e) = &result {
+            state.failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+}

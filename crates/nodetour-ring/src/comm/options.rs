@@ -1,0 +1,165 @@
+//! The one options type of a communicator, read from the environment or built by hand.
+
+use std::time::Duration;
+
+use nodetour_core::Config;
+use nodetour_core::transport::{TransportKind, forced_from_value};
+
+use crate::error::{Error, Result};
+
+/// Default bytes of one slot (one chunk on the wire).
+pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
+/// Default slots each rank grants its previous rank.
+pub const DEFAULT_SLOTS: u32 = 4;
+/// Default bytes of the staging region a host collective runs through at a time; larger
+/// buffers go through it in pieces.
+pub const DEFAULT_PIECE_BYTES: usize = 64 << 20;
+
+/// How a communicator forms and runs.
+///
+/// [`Options::from_env`] reads every `NODETOUR_*` setting; the fields may be changed after.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// Device, GID, traffic class, and `timeout`: no progress in a collective for this long
+    /// fails it, and formation must finish within it (`NODETOUR_TIMEOUT_MS`).
+    pub config: Config,
+    /// The link kind to use for every link (`NODETOUR_TRANSPORT`); `None` chooses per link.
+    pub transport: Option<TransportKind>,
+    /// RDMA devices to spread the ranks of a host over (`NODETOUR_IB_DEVICES`, comma
+    /// separated: rank `r` uses `devices[r mod len]`); empty: the device chosen for host
+    /// memory (`NODETOUR_IB_DEVICE`, else the nearest).
+    pub devices: Vec<String>,
+    /// Bytes per slot (`NODETOUR_SLOT_BYTES`).
+    pub slot_bytes: usize,
+    /// Slots per receiver, 1 to 256 (`NODETOUR_SLOTS`).
+    pub slots: u32,
+    /// Bytes of the registered staging region of host collectives (`NODETOUR_PIECE_BYTES`):
+    /// a buffer of any size goes through it in pieces of at most this many bytes, so the
+    /// memory a communicator holds does not grow with the buffers it is given.
+    pub piece_bytes: usize,
+}
+
+impl Default for Options {
+    /// The defaults, with no environment read.
+    fn default() -> Self {
+        Options {
+            config: Config::default(),
+            transport: None,
+            devices: Vec::new(),
+            slot_bytes: DEFAULT_SLOT_BYTES,
+            slots: DEFAULT_SLOTS,
+            piece_bytes: DEFAULT_PIECE_BYTES,
+        }
+    }
+}
+
+impl Options {
+    /// Reads the `NODETOUR_*` settings of the process environment; a malformed value is an
+    /// error naming it.
+    pub fn from_env() -> Result<Options> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the settings through `lookup` (a variable name to its value).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Options> {
+        let config = Config::from_lookup(&lookup).map_err(|e| Error::InvalidArgument {
+            reason: e.to_string(),
+        })?;
+        let get = |k: &str| {
+            lookup(k)
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
+        };
+        let transport = match get("NODETOUR_TRANSPORT") {
+            None => None,
+            Some(v) => forced_from_value(&v)?,
+        };
+        let devices = get("NODETOUR_IB_DEVICES")
+            .map(|v| {
+                v.split(',')
+                    .map(|d| d.trim().to_owned())
+                    .filter(|d| !d.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let number = |k: &'static str, default: usize, min: usize, max: usize| -> Result<usize> {
+            let Some(v) = get(k) else { return Ok(default) };
+            match v.parse::<usize>() {
+                Ok(n) if (min..=max).contains(&n) => Ok(n),
+                _ => Err(Error::InvalidArgument {
+                    reason: format!("{k}={v}: expected a whole number from {min} to {max}"),
+                }),
+            }
+        };
+        Ok(Options {
+            config,
+            transport,
+            devices,
+            slot_bytes: number("NODETOUR_SLOT_BYTES", DEFAULT_SLOT_BYTES, 64, 1 << 30)?,
+            slots: number("NODETOUR_SLOTS", DEFAULT_SLOTS as usize, 1, 256)? as u32,
+            piece_bytes: number("NODETOUR_PIECE_BYTES", DEFAULT_PIECE_BYTES, 4096, 1 << 40)?,
+        })
+    }
+
+    /// The collective and formation timeout.
+    pub fn timeout(&self) -> Duration {
+        self.config.timeout
+    }
+
+    /// Checks the sizes (what [`Options::from_lookup`] checks for values it reads).
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(Error::InvalidArgument { reason });
+        if !(1..=256).contains(&self.slots) {
+            return bad(format!("{} slots: between 1 and 256", self.slots));
+        }
+        if self.slot_bytes < 64 {
+            return bad(format!("slots of {} bytes: at least 64", self.slot_bytes));
+        }
+        if self.piece_bytes < 4096 {
+            return bad(format!(
+                "pieces of {} bytes: at least 4096",
+                self.piece_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lookup<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn the_environment_sets_every_field_and_bad_values_name_themselves() {
+        let o = Options::from_lookup(lookup(&[
+            ("NODETOUR_TIMEOUT_MS", "2500"),
+            ("NODETOUR_TRANSPORT", "tcp"),
+            ("NODETOUR_IB_DEVICES", "mlx5_0, mlx5_1"),
+            ("NODETOUR_SLOTS", "8"),
+            ("NODETOUR_PIECE_BYTES", "65536"),
+        ]))
+        .unwrap();
+        assert_eq!(o.timeout(), Duration::from_millis(2500));
+        assert_eq!(o.transport, Some(TransportKind::Tcp));
+        assert_eq!(o.devices, ["mlx5_0", "mlx5_1"]);
+        assert_eq!((o.slots, o.piece_bytes), (8, 65536));
+        assert_eq!(Options::from_lookup(|_| None).unwrap(), Options::default());
+        for (k, v) in [
+            ("NODETOUR_TRANSPORT", "carrier-pigeon"),
+            ("NODETOUR_SLOTS", "0"),
+            ("NODETOUR_SLOT_BYTES", "big"),
+            ("NODETOUR_TIMEOUT_MS", "-1"),
+        ] {
+            let e = Options::from_lookup(lookup(&[(k, v)])).unwrap_err();
+            assert!(e.to_string().contains(k), "{e}");
+        }
+    }
+}

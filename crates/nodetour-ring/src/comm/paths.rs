@@ -1,0 +1,129 @@
+//! What a communicator tells its user about the way data travels: for each link to a peer, the
+//! link kind, where the bytes land (the registration rung), whether the call waits on the host,
+//! and why that path was chosen. A typed report that also displays as the log line.
+
+use std::fmt;
+
+use nodetour_core::transport::TransportKind;
+
+/// Which way a link points in the ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// To the next rank: this rank writes its slots.
+    Next,
+    /// From the previous rank: it writes this rank's slots.
+    Prev,
+    /// Two ranks: one link carries both directions.
+    Both,
+}
+
+/// Where the bytes a peer sends land, and what was registered for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Landing {
+    /// Host memory registered with the RDMA device (the NIC writes it).
+    RegisteredHost,
+    /// Host memory written by this process's transport thread (tcp: software one-sided writes).
+    SoftwareHost,
+}
+
+/// One link of this rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinkPath {
+    /// The peer's job rank.
+    pub peer: u32,
+    /// Its place relative to this rank in the ring.
+    pub direction: Direction,
+    /// The link kind.
+    pub transport: TransportKind,
+    /// Where its bytes land.
+    pub landing: Landing,
+    /// Why this kind was chosen (the override, or the facts of the pair).
+    pub reason: String,
+}
+
+/// Every link of this rank, and how collectives on each kind of memory run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Paths {
+    /// This rank.
+    pub rank: u32,
+    /// Ranks in the communicator.
+    pub world: u32,
+    /// The ring order (ranks of one host next to each other).
+    pub order: Vec<u32>,
+    /// The links (none for a communicator of one rank).
+    pub links: Vec<LinkPath>,
+}
+
+impl Paths {
+    /// Whether every link is `kind`.
+    pub fn all(&self, kind: TransportKind) -> bool {
+        !self.links.is_empty() && self.links.iter().all(|l| l.transport == kind)
+    }
+}
+
+impl fmt::Display for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Direction::Next => "next",
+            Direction::Prev => "prev",
+            Direction::Both => "next+prev",
+        })
+    }
+}
+
+impl fmt::Display for Landing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Landing::RegisteredHost => "host memory registered with the NIC",
+            Landing::SoftwareHost => "host memory, written by the tcp receiver",
+        })
+    }
+}
+
+impl fmt::Display for Paths {
+    /// `rank 1/4: host buffers: synchronous ring; next rank 2 verbs (host memory registered
+    /// with the NIC): both ranks have an RDMA device; prev rank 0 ...`
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {}/{}: host buffers: synchronous ring",
+            self.rank, self.world
+        )?;
+        if self.links.is_empty() {
+            return write!(f, "; no links (one rank)");
+        }
+        for l in &self.links {
+            write!(
+                f,
+                "; {} rank {} {} ({}): {}",
+                l.direction, l.peer, l.transport, l.landing, l.reason
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_report_reads_as_one_line() {
+        let p = Paths {
+            rank: 1,
+            world: 3,
+            order: vec![0, 1, 2],
+            links: vec![LinkPath {
+                peer: 2,
+                direction: Direction::Next,
+                transport: TransportKind::Tcp,
+                landing: Landing::SoftwareHost,
+                reason: "no RDMA device on rank 2".into(),
+            }],
+        };
+        let line = p.to_string();
+        assert!(!line.contains('\n'));
+        assert!(line.contains("next rank 2 tcp"), "{line}");
+        assert!(p.all(TransportKind::Tcp) && !p.all(TransportKind::Verbs));
+    }
+}

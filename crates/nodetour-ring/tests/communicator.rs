@@ -1,0 +1,295 @@
+//! The communicator across ranks: threads of this process, each forming its own communicator
+//! from one unique id over tcp on loopback (the bootstrap, the authenticated links and the
+//! ring are the ones separate processes use). Every collective, in place and out of place, with
+//! buffers cut into several pieces; the answers checked exactly on every rank; and the drills:
+//! disagreement, a lost rank, an abort, all checked on the data as well as the errors.
+
+use std::time::Duration;
+
+use nodetour_core::Deadline;
+use nodetour_core::bootstrap::UniqueId;
+use nodetour_core::transport::TransportKind;
+use nodetour_ring::comm::{Communicator, Options};
+use nodetour_ring::{Error, ReduceOp};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Small slots and staging memory: every buffer here goes through the ring in several pieces.
+fn options() -> Options {
+    let mut o = Options {
+        transport: Some(TransportKind::Tcp),
+        slot_bytes: 256,
+        slots: 2,
+        piece_bytes: 4096,
+        ..Options::default()
+    };
+    o.config.timeout = Duration::from_secs(20);
+    o
+}
+
+/// Runs `body` on `world` ranks (threads), each with its own communicator; returns what each
+/// returned, by rank.
+fn ranks<R: Send>(world: u32, options: Options, body: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
+    let id = UniqueId::new(format!("127.0.0.1:{}", free_port()));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let (id, options, body) = (&id, options.clone(), &body);
+                s.spawn(move || {
+                    let comm = Communicator::from_unique_id(id, r, world, options)
+                        .unwrap_or_else(|e| panic!("rank {r} formation: {e}"));
+                    assert_eq!((comm.rank(), comm.world()), (r, world));
+                    body(comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn input(rank: u32, n: usize) -> Vec<i64> {
+    (0..n)
+        .map(|i| ((i as i64 * 7 + i64::from(rank) * 1_000_003) % 1_000_033) - 500_000)
+        .collect()
+}
+
+/// What one rank computed: allreduce (out of place, in place), reduce-scatter (both),
+/// all-gather (both), broadcast (both).
+type Results = [Vec<i64>; 8];
+
+#[test]
+fn every_collective_in_and_out_of_place_gives_the_exact_answer_on_every_rank() {
+    for world in 1..=4u32 {
+        // 1500 elements per rank: three pieces of the allreduce, more of the others.
+        let n = 1500usize;
+        let root = world - 1;
+        let got: Vec<Results> = ranks(world, options(), |comm| {
+            let r = comm.rank();
+            let mine = input(r, n);
+            let whole: Vec<i64> = (0..world).flat_map(|q| input(q + 10 * r, n)).collect();
+            let mut out: Results = Default::default();
+            out[0] = vec![0; n];
+            comm.all_reduce(&mine, &mut out[0], ReduceOp::Sum).unwrap();
+            out[1] = mine.clone();
+            comm.all_reduce_in_place(&mut out[1], ReduceOp::Sum)
+                .unwrap();
+            out[2] = vec![0; n];
+            comm.reduce_scatter(&whole, &mut out[2], ReduceOp::Sum)
+                .unwrap();
+            out[3] = whole.clone();
+            comm.reduce_scatter_in_place(&mut out[3], ReduceOp::Sum)
+                .unwrap();
+            out[4] = vec![0; n * world as usize];
+            comm.all_gather(&mine, &mut out[4]).unwrap();
+            out[5] = vec![-1; n * world as usize];
+            out[5][r as usize * n..(r as usize + 1) * n].copy_from_slice(&mine);
+            comm.all_gather_in_place(&mut out[5]).unwrap();
+            out[6] = vec![0; n];
+            let send = if r == root { mine.clone() } else { vec![] };
+            comm.broadcast(&send, &mut out[6], root).unwrap();
+            out[7] = if r == root { mine.clone() } else { vec![7; n] };
+            comm.broadcast_in_place(&mut out[7], root).unwrap();
+            comm.close(Deadline::after(Duration::from_secs(10)))
+                .unwrap();
+            out
+        });
+        let sum: Vec<i64> = (0..n)
+            .map(|i| (0..world).map(|q| input(q, n)[i]).sum())
+            .collect();
+        let gathered: Vec<i64> = (0..world).flat_map(|q| input(q, n)).collect();
+        for (r, out) in got.iter().enumerate() {
+            let r32 = r as u32;
+            assert_eq!(out[0], sum, "world {world} rank {r}: allreduce");
+            assert_eq!(out[1], sum, "world {world} rank {r}: allreduce in place");
+            // Block r of every rank q's input (q's input is blocks input(b + 10 q)).
+            let rs: Vec<i64> = (0..n)
+                .map(|i| (0..world).map(|q| input(r32 + 10 * q, n)[i]).sum())
+                .collect();
+            assert_eq!(out[2], rs, "world {world} rank {r}: reduce-scatter");
+            assert_eq!(
+                &out[3][r * n..(r + 1) * n],
+                &rs[..],
+                "world {world} rank {r}: reduce-scatter in place"
+            );
+            let untouched: Vec<i64> = (0..world).flat_map(|q| input(q + 10 * r32, n)).collect();
+            for q in (0..world as usize).filter(|q| *q != r) {
+                assert_eq!(
+                    &out[3][q * n..(q + 1) * n],
+                    &untouched[q * n..(q + 1) * n],
+                    "other blocks keep their input"
+                );
+            }
+            assert_eq!(out[4], gathered, "world {world} rank {r}: all-gather");
+            assert_eq!(
+                out[5], gathered,
+                "world {world} rank {r}: all-gather in place"
+            );
+            assert_eq!(out[6], input(root, n), "world {world} rank {r}: broadcast");
+            assert_eq!(
+                out[7],
+                input(root, n),
+                "world {world} rank {r}: broadcast in place"
+            );
+        }
+    }
+}
+
+#[test]
+fn floating_point_results_are_the_same_bits_on_every_rank() {
+    let world = 3;
+    let n = 2000;
+    let got = ranks(world, options(), |comm| {
+        let r = comm.rank() as f32;
+        let mut a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + r).sin() * 1e3).collect();
+        comm.all_reduce_in_place(&mut a, ReduceOp::Avg).unwrap();
+        let mut b: Vec<half::bf16> = (0..n)
+            .map(|i| half::bf16::from_f32(i as f32 * 0.01 - r))
+            .collect();
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+        comm.close(Deadline::after(Duration::from_secs(10)))
+            .unwrap();
+        (a, b)
+    });
+    for (r, (a, b)) in got.iter().enumerate() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(a), bits(&got[0].0), "rank {r}: f32 average");
+        assert_eq!(b, &got[0].1, "rank {r}: bf16 sum");
+    }
+    // The average is close to the exact one.
+    for i in (0..n).step_by(97) {
+        let want: f64 = (0..world)
+            .map(|q| ((i as f32 * 0.37 + q as f32).sin() * 1e3) as f64)
+            .sum::<f64>()
+            / 3.0;
+        assert!((f64::from(got[0].0[i]) - want).abs() < 1e-3, "element {i}");
+    }
+}
+
+#[test]
+fn ranks_that_disagree_fail_with_a_disagreement_write_nothing_and_break() {
+    let got = ranks(2, options(), |comm| {
+        let r = comm.rank();
+        // Rank 1 passes one element more: the same collective with another count.
+        let mut data = input(r, 100 + r as usize);
+        let before = data.clone();
+        let e = comm
+            .all_reduce_in_place(&mut data, ReduceOp::Sum)
+            .unwrap_err();
+        let next = comm
+            .all_reduce_in_place(&mut data, ReduceOp::Sum)
+            .unwrap_err();
+        (e, data == before, next)
+    });
+    for (r, (e, untouched, next)) in got.into_iter().enumerate() {
+        assert!(
+            matches!(e, Error::Disagreement { .. } | Error::PeerFailed { .. }),
+            "rank {r}: {e}"
+        );
+        assert!(untouched, "rank {r} wrote a result");
+        assert!(matches!(next, Error::Broken { .. }), "rank {r}: {next}");
+    }
+}
+
+#[test]
+fn arguments_that_cannot_make_a_collective_fail_here_and_break_nothing() {
+    ranks(2, options(), |comm| {
+        let mut out = vec![0i64; 3];
+        let e = comm
+            .all_reduce(&[1i64, 2], &mut out, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        let e = comm
+            .reduce_scatter(&[1i64; 5], &mut out, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        let e = comm.broadcast_in_place(&mut out, 2).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        // Nothing was sent: the next collective runs.
+        let mut ok = vec![comm.rank() as i64; 10];
+        comm.all_reduce_in_place(&mut ok, ReduceOp::Sum).unwrap();
+        assert_eq!(ok, vec![1i64; 10]);
+        assert!(comm.error().is_none());
+        comm.wait(Deadline::after(Duration::from_secs(1))).unwrap();
+    });
+}
+
+#[test]
+fn a_lost_rank_fails_every_survivor_naming_it() {
+    let mut o = options();
+    o.config.timeout = Duration::from_secs(30);
+    let got = ranks(3, o, |comm| {
+        let r = comm.rank();
+        if r == 2 {
+            // Gone without a word: its links and its bootstrap close.
+            drop(comm);
+            return None;
+        }
+        let mut data = input(r, 3000);
+        let before = data.clone();
+        let t = std::time::Instant::now();
+        let e = comm
+            .all_reduce_in_place(&mut data, ReduceOp::Sum)
+            .unwrap_err();
+        Some((e, data[..512] == before[..512], t.elapsed()))
+    });
+    for (r, got) in got.into_iter().enumerate().take(2) {
+        let (e, first_piece_untouched, took) = got.unwrap();
+        assert!(matches!(e, Error::PeerLost { rank: 2 }), "rank {r}: {e}");
+        assert!(
+            first_piece_untouched,
+            "rank {r}: no piece can finish without rank 2"
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "rank {r} took {took:?}: found by the liveness mesh, not the timeout"
+        );
+    }
+}
+
+#[test]
+fn an_abort_ends_the_collective_on_every_rank_with_the_reason() {
+    // Both ranks stay in the job until both have their answer (a rank that leaves is reported
+    // as gone, which is not what this drill checks).
+    let both_done = std::sync::Barrier::new(2);
+    let got = ranks(2, options(), |comm| {
+        let r = comm.rank();
+        let mut data = input(r, 1000);
+        let before = data.clone();
+        let e = if r == 0 {
+            let handle = comm.abort_handle();
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                handle.abort("the runtime gave up");
+            });
+            // Rank 1 never joins this collective: only the abort ends it.
+            let e = comm
+                .all_reduce_in_place(&mut data, ReduceOp::Sum)
+                .unwrap_err();
+            t.join().unwrap();
+            e
+        } else {
+            std::thread::sleep(Duration::from_millis(600));
+            comm.all_reduce_in_place(&mut data, ReduceOp::Sum)
+                .unwrap_err()
+        };
+        both_done.wait();
+        (e, data == before)
+    });
+    assert!(
+        matches!(&got[0].0, Error::Aborted { reason } if reason == "the runtime gave up"),
+        "{}",
+        got[0].0
+    );
+    assert!(
+        matches!(got[1].0, Error::PeerFailed { peer: 0, .. }),
+        "{}",
+        got[1].0
+    );
+    assert!(got[0].1 && got[1].1, "nothing was written");
+}
