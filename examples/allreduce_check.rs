@@ -6,7 +6,8 @@
 //! # inside the soft-RoCE VM:
 //! scripts/launch-local.sh -n 4 -- target/release/examples/allreduce_check --transport verbs --devices rxe0,rxe1
 //! ```
-//! With `--gpu` the buffers are GPU memory, staged through the host slots (`RingJob::all_reduce_gpu`):
+//! With `--gpu` the buffers are GPU memory, staged through the host slots
+//! (`Communicator::all_reduce_device_buffer`):
 //! `NCCL_NVLS_ENABLE=0 scripts/launch-local.sh -n 2 -- target/release/examples/allreduce_check --gpu --all`.
 //!
 //! Prints `ALLREDUCE OK rank=.. world=.. transport=.. cases=..` per rank, or fails naming the
@@ -17,13 +18,10 @@ use std::time::Instant;
 
 use anyhow::bail;
 use clap::Parser;
-use cudarc::driver::CudaContext;
+use nodetour::core::memory::DeviceBuffer;
+use nodetour::core::transport::TransportKind;
 use nodetour::perf::{cases, pattern, verify};
-use nodetour::ring_job::{RingJob, RingTransport};
-use nodetour_core::memory::DeviceBuffer;
-use nodetour_core::{Config, Deadline};
-use nodetour_ring::host::HostRingOptions;
-use nodetour_ring::{DataType, ReduceOp};
+use nodetour::{Communicator, DataType, Deadline, Options, ReduceOp};
 
 #[derive(Parser)]
 #[command(about = "Ring allreduce of host buffers across processes, checked against float64")]
@@ -102,35 +100,30 @@ fn run() -> anyhow::Result<()> {
             return Ok(());
         }
     }
-    let config = Config::from_env()?;
-    let transport = match args.transport.as_str() {
-        "tcp" => RingTransport::Tcp,
-        "verbs" => RingTransport::Verbs {
-            devices: args.devices.clone(),
-        },
+    let mut options = Options::from_env()?;
+    options.transport = Some(match args.transport.as_str() {
+        "tcp" => TransportKind::Tcp,
+        "verbs" => TransportKind::Verbs,
         other => bail!("allreduce_check speaks tcp and verbs, not {other}"),
-    };
-    let options = HostRingOptions {
-        slot_bytes: args.slot_bytes,
-        slots: 4,
-        timeout: config.timeout,
-    };
-    // This rank's GPU (local rank mod GPUs), chosen before the ring forms: the ring's host
+    });
+    options.devices = args.devices.clone();
+    options.slot_bytes = args.slot_bytes;
+    let timeout = options.timeout();
+    // This rank's GPU (local rank mod GPUs), chosen before the communicator forms: its host
     // memory is pinned under it.
     let gpu = if args.gpu {
-        let n = nodetour_core::cuda::gpus()?.len().max(1);
-        let info = nodetour_core::bootstrap::LaunchInfo::from_env()?;
+        let n = nodetour::core::cuda::gpus()?.len().max(1);
+        let info = nodetour::core::bootstrap::LaunchInfo::from_env()?;
         let ordinal = info.local_rank.unwrap_or(info.rank) as usize % n;
-        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("GPU {ordinal}: {e:?}"))?;
-        let stream = nodetour_core::cuda::GpuStream::new(&ctx)?;
+        options.gpu = Some(ordinal);
+        let ctx = cudarc::driver::CudaContext::new(ordinal)
+            .map_err(|e| anyhow::anyhow!("GPU {ordinal}: {e:?}"))?;
+        let stream = nodetour::core::cuda::GpuStream::new(&ctx)?;
         Some((ctx, stream))
     } else {
         None
     };
-    let mut ring = match &gpu {
-        Some((ctx, _)) => RingJob::form_for_gpu(&config, &transport, args.count * 8, options, ctx)?,
-        None => RingJob::form(&config, &transport, args.count * 8, options)?,
-    };
+    let comm = Communicator::from_env(options)?;
     let cases = cases(
         args.all,
         &[
@@ -139,26 +132,26 @@ fn run() -> anyhow::Result<()> {
         ],
     );
     let start = Instant::now();
-    let me = ring.rank;
-    let run_case = |ring: &mut RingJob, k: usize| -> anyhow::Result<()> {
+    let me = comm.rank();
+    let run_case = |comm: &Communicator, k: usize| -> anyhow::Result<()> {
         let (dtype, op) = cases[k % cases.len()];
-        let mut data = pattern(dtype, ring.rank, args.count);
+        let mut data = pattern(dtype, comm.rank(), args.count);
         match &gpu {
-            None => ring.all_reduce(&mut data, dtype, op)?,
+            None => comm.all_reduce_in_place_bytes(&mut data, dtype, op)?,
             Some((ctx, stream)) => {
                 let buffer = DeviceBuffer::new(ctx, data.len().max(1))?;
                 buffer.copy_from_host(0, &data)?;
-                ring.all_reduce_gpu(&buffer, args.count, dtype, op, stream)?;
+                comm.all_reduce_device_buffer(&buffer, args.count, dtype, op, stream)?;
                 buffer.copy_to_host(0, &mut data)?;
             }
         }
-        if let Err(mismatch) = verify(dtype, op, ring.world, &data) {
+        if let Err(mismatch) = verify(dtype, op, comm.world(), &data) {
             bail!("collective {k}: {mismatch}");
         }
         Ok(())
     };
     for k in 0..cases.len() {
-        run_case(&mut ring, k)?;
+        run_case(&comm, k)?;
     }
     if args.repeat.is_some() || args.seconds.is_some() {
         // Counted after the first round: buffers, connections and kernels exist by then.
@@ -195,7 +188,7 @@ fn run() -> anyhow::Result<()> {
                 std::thread::sleep(std::time::Duration::from_secs(60));
             }
             if args.abort_rank == Some(me) && k == 50 {
-                let handle = ring.abort_handle();
+                let handle = comm.abort_handle();
                 std::thread::spawn(move || {
                     if hold.is_some() {
                         std::thread::sleep(five_ms);
@@ -204,15 +197,15 @@ fn run() -> anyhow::Result<()> {
                 });
             }
             let c = Instant::now();
-            if let Err(e) = run_case(&mut ring, k as usize) {
+            if let Err(e) = run_case(&comm, k as usize) {
                 if let Some(a) = args.abort_rank {
                     let text = format!("{e:#}");
                     println!(
                         "HOST_RING_DRILL rank={me} failed_at_collective={k} ok_verified={k} detected_after_ms={} bound_ms={} error=\"{text}\"",
                         c.elapsed().as_millis(),
-                        2 * config.timeout.as_millis()
+                        2 * timeout.as_millis()
                     );
-                    if c.elapsed() > 2 * config.timeout || (a == me && !text.contains("aborted")) {
+                    if c.elapsed() > 2 * timeout || (a == me && !text.contains("aborted")) {
                         bail!("rank {me}: the abort drill did not end as it must");
                     }
                     return Ok(());
@@ -224,11 +217,9 @@ fn run() -> anyhow::Result<()> {
                 println!(
                     "HOST_RING_DRILL rank={me} failed_at_collective={k} ok_verified={k} detected_after_ms={} bound_ms={} error=\"{e:#}\"",
                     waited.as_millis(),
-                    2 * config.timeout.as_millis()
+                    2 * timeout.as_millis()
                 );
-                if waited > 2 * config.timeout
-                    || !format!("{e:#}").contains(&format!("rank {victim}"))
-                {
+                if waited > 2 * timeout || !format!("{e:#}").contains(&format!("rank {victim}")) {
                     bail!("rank {me}: the loss of rank {victim} was not reported in time");
                 }
                 return Ok(());
@@ -239,15 +230,15 @@ fn run() -> anyhow::Result<()> {
             // every 64 collectives with one more (a max of everyone's "time is up").
             if let Some(u) = until.filter(|_| k % 64 == 0) {
                 let mut up = vec![u8::from(t.elapsed() >= u)];
-                ring.all_reduce(&mut up, DataType::U8, ReduceOp::Max)?;
+                comm.all_reduce_in_place(&mut up, ReduceOp::Max)?;
                 stop = up[0] == 1;
             }
         }
         let (rss1, fds1) = footprint();
         println!(
             "SOAK rank={} world={} transport={} collectives={k} errors=0 count={} seconds={:.1} per_collective_ms={:.3} slowest_ms={:.1} rss_kib_start={rss0} rss_kib_end={rss1} fds_start={fds0} fds_end={fds1}",
-            ring.rank,
-            ring.world,
+            comm.rank(),
+            comm.world(),
             args.transport,
             args.count,
             t.elapsed().as_secs_f64(),
@@ -255,11 +246,11 @@ fn run() -> anyhow::Result<()> {
             slowest * 1e3
         );
     }
-    ring.job.check()?;
+    comm.wait(Deadline::after(timeout))?;
     println!(
         "ALLREDUCE OK rank={} world={} transport={}{} cases={} count={} seconds={:.2} ring={:?}",
-        ring.rank,
-        ring.world,
+        comm.rank(),
+        comm.world(),
         args.transport,
         match &gpu {
             Some((c, _)) => format!(" buffers=GPU{} (staged)", c.ordinal()),
@@ -268,8 +259,8 @@ fn run() -> anyhow::Result<()> {
         cases.len(),
         args.count,
         start.elapsed().as_secs_f64(),
-        ring.order
+        comm.paths().order
     );
-    ring.job.barrier(Deadline::after(config.timeout))?;
+    comm.close(Deadline::after(timeout))?;
     Ok(())
 }

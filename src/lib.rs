@@ -1,14 +1,47 @@
 //! # nodetour
 //!
-//! Moves gradients from the network straight into GPU memory. This facade re-exports the
-//! library crates and holds what the `nodetour` command and the examples share.
+//! Moves gradients from the network straight into GPU memory, and says which path it took and
+//! why. A training runtime holds one [`Communicator`]; in the order it works:
+//!
+//! 1. **Form** it on every rank: [`Communicator::from_env`] (torchrun, Slurm, Open MPI or
+//!    `NODETOUR_*`), or [`Communicator::from_unique_id`] with an id passed through the
+//!    runtime's own store. [`Options::from_env`] reads every `NODETOUR_*` setting.
+//! 2. **Read the paths**: [`Communicator::paths`], per link the transport, where the bytes land
+//!    and why that link was chosen.
+//! 3. **Run collectives** on its own buffers, typed by their element ([`Element`]: `f32`,
+//!    `f64`, `half::f16`, `half::bf16`, `i32`, `i64`, `u8`): allreduce, reduce-scatter,
+//!    all-gather, broadcast, in place or out of place, any size.
+//! 4. **Handle errors**: one typed [`Error`] naming the rank at fault.
+//! 5. **Abort** from another thread ([`Communicator::abort_handle`]) and **close**.
+//!
+//! ```no_run
+//! use nodetour::{Communicator, Deadline, Error, Options, ReduceOp};
+//!
+//! fn main() -> nodetour::Result<()> {
+//!     let comm = Communicator::from_env(Options::from_env()?)?;
+//!     println!("{}", comm.paths());
+//!     let mut grads = vec![0.5f32; 25 << 18]; // a 25 MiB bucket
+//!     match comm.all_reduce_in_place(&mut grads, ReduceOp::Avg) {
+//!         Ok(()) => {}
+//!         Err(Error::PeerLost { rank }) => eprintln!("rank {rank} is gone"),
+//!         Err(e) => return Err(e),
+//!     }
+//!     comm.close(Deadline::after(std::time::Duration::from_secs(30)))
+//! }
+//! ```
+//!
+//! The lower layers stay reachable for tools and tests: [`core`] (verbs, CUDA, memory,
+//! transports, bootstrap) and [`ring`] (the pure schedule and its executors). This package also
+//! holds what the `nodetour` command and the examples share.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub use cudarc;
 pub use nodetour_core as core;
-pub use nodetour_core::{Config, Deadline, Error, Result};
+pub use nodetour_core::{Config, Deadline};
 pub use nodetour_ring as ring;
-pub use nodetour_ring::{DataType, Element, ReduceOp};
+pub use nodetour_ring::comm::{AbortHandle, Communicator, Options, Paths};
+pub use nodetour_ring::{DataType, Element, Error, ReduceOp, Result};
 
 pub mod blob;
 pub mod ceiling;
@@ -19,6 +52,5 @@ pub mod logging;
 pub mod perf;
 pub mod perf_gpu;
 pub mod plot;
-pub mod ring_job;
 pub mod write_bw;
 pub mod write_lat;

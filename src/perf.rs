@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use nodetour_ring::{DataType, ReduceOp};
 use serde_json::json;
 
-use crate::ring_job::RingJob;
+use nodetour_ring::comm::Communicator;
 
 /// One measured size.
 #[derive(Clone, Debug, PartialEq)]
@@ -197,9 +197,9 @@ pub fn verify(dtype: DataType, op: ReduceOp, world: u32, data: &[u8]) -> Result<
     Ok(())
 }
 
-/// Measures every size on `ring`.
+/// Measures every size on `comm`.
 pub fn sweep(
-    ring: &mut RingJob,
+    comm: &Communicator,
     sizes: &[usize],
     dtype: DataType,
     op: ReduceOp,
@@ -207,28 +207,28 @@ pub fn sweep(
     iters: usize,
 ) -> anyhow::Result<Vec<Row>> {
     let es = dtype.size();
-    let n = f64::from(ring.world);
+    let n = f64::from(comm.world());
     let mut rows = Vec::new();
     for (k, &size) in sizes.iter().enumerate() {
-        if ring.rank == 0 {
+        if comm.rank() == 0 {
             crate::perf_gpu::progress(k, sizes.len(), &format!("{size} bytes"));
         }
         let count = size / es;
         let bytes = count * es;
-        let input = pattern(dtype, ring.rank, count);
+        let input = pattern(dtype, comm.rank(), count);
         let mut data = input.clone();
         let mut times = Vec::with_capacity(iters);
         for i in 0..warmup + iters.max(1) {
             data.copy_from_slice(&input);
             let t = Instant::now();
-            ring.all_reduce(&mut data, dtype, op)?;
+            comm.all_reduce_in_place_bytes(&mut data, dtype, op)?;
             if i >= warmup {
                 times.push(t.elapsed().as_secs_f64());
             }
         }
         let seconds = median(times);
         let algbw = bytes as f64 / seconds / 1e9;
-        let correct = verify(dtype, op, ring.world, &data).is_ok();
+        let correct = verify(dtype, op, comm.world(), &data).is_ok();
         rows.push(Row {
             bytes,
             count,
@@ -238,7 +238,7 @@ pub fn sweep(
             correct,
         });
     }
-    if ring.rank == 0 {
+    if comm.rank() == 0 {
         crate::perf_gpu::progress(sizes.len(), sizes.len(), "done");
     }
     Ok(rows)

@@ -547,39 +547,30 @@ fn perf(
     slot_bytes: usize,
 ) -> anyhow::Result<bool> {
     use nodetour::perf::{parse_dtype, parse_op, parse_sizes, render, sweep as run};
-    use nodetour::ring_job::{RingJob, RingTransport};
-    let config = Config::from_env()?;
     let (sizes, dtype, op) = (
         parse_sizes(&sweep.sizes, sweep.factor)?,
         parse_dtype(&sweep.dtype)?,
         parse_op(&sweep.op)?,
     );
-    let kind = match transport {
-        "tcp" => RingTransport::Tcp,
-        "verbs" => RingTransport::Verbs {
-            devices: devices.to_vec(),
-        },
+    let mut options = nodetour::Options::from_env()?;
+    options.transport = Some(match transport {
+        "tcp" => nodetour::core::transport::TransportKind::Tcp,
+        "verbs" => nodetour::core::transport::TransportKind::Verbs,
         other => anyhow::bail!("perf runs host buffers over tcp or verbs, not {other}"),
-    };
-    let options = nodetour_ring::host::HostRingOptions {
-        slot_bytes,
-        slots: 4,
-        timeout: config.timeout,
-    };
-    let mut ring = RingJob::form(
-        &config,
-        &kind,
-        sizes.iter().copied().max().unwrap_or(8),
-        options,
-    )?;
-    let rows = run(&mut ring, &sizes, dtype, op, sweep.warmup, sweep.iters)?;
-    if ring.rank == 0 {
+    });
+    options.devices = devices.to_vec();
+    options.slot_bytes = slot_bytes;
+    // One piece per collective at every size measured (as the ring ran before pieces).
+    options.piece_bytes = sizes.iter().copied().max().unwrap_or(8).max(4096);
+    let timeout = options.timeout();
+    let comm = nodetour::Communicator::from_env(options)?;
+    let rows = run(&comm, &sizes, dtype, op, sweep.warmup, sweep.iters)?;
+    if comm.rank() == 0 {
         print!(
             "{}",
-            render(&rows, &sweep.format, ring.world, transport, dtype, op)
+            render(&rows, &sweep.format, comm.world(), transport, dtype, op)
         );
     }
-    ring.job
-        .barrier(nodetour_core::Deadline::after(config.timeout))?;
+    comm.close(nodetour_core::Deadline::after(timeout))?;
     Ok(rows.iter().all(|r| r.correct))
 }

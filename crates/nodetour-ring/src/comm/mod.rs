@@ -224,7 +224,20 @@ impl Communicator {
                 reason: format!("rank {} of {}", launch.rank, launch.world),
             });
         }
-        let job = HostJob::form(launch, &options, None)?;
+        let pin = match options.gpu {
+            Some(ordinal) => Some(
+                {
+                    // CUDA is loaded at run time: its absence is a typed error, not a crash.
+                    nodetour_core::cuda::availability()?;
+                    cudarc::driver::CudaContext::new(ordinal)
+                }
+                .map_err(|e| Error::Gpu {
+                    reason: format!("GPU {ordinal}: {e:?}"),
+                })?,
+            ),
+            None => None,
+        };
+        let job = HostJob::form(launch, &options, pin.as_ref())?;
         Ok(Communicator {
             rank: job.rank,
             world: job.world,
@@ -319,18 +332,38 @@ impl Communicator {
 
     /// [`Self::all_reduce`] with `data` as both input and output.
     pub fn all_reduce_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
-        let n = data.len();
-        let what = self.descriptor::<T>(Collective::AllReduce, n, op, None);
+        self.all_reduce_in_place_bytes(bytes_mut(data), T::DATA_TYPE, op)
+    }
+
+    /// [`Self::all_reduce_in_place`] for runtimes that carry the element type at run time:
+    /// `data` holds whole elements of `dtype` (native byte order).
+    pub fn all_reduce_in_place_bytes(
+        &self,
+        data: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let es = dtype.size();
+        if data.len() % es != 0 {
+            return Err(Error::InvalidArgument {
+                reason: format!("{} bytes are not whole {dtype:?} elements", data.len()),
+            });
+        }
+        let n = data.len() / es;
+        let what = Descriptor {
+            dtype,
+            ..self.descriptor::<u8>(Collective::AllReduce, n, op, None)
+        };
         self.run_pieces(&what, n, 1, |ring, r, d, alive| {
-            let b = bytes_of(data, &r);
-            ring.stage_in(0, &bytes(data)[b.clone()])?;
+            let b = r.start * es..r.end * es;
+            ring.stage_in(0, &data[b.clone()])?;
             let staged = Staged {
                 shape: Shape::AllReduce,
                 count: r.len() as u64,
-                dtype: T::DATA_TYPE,
+                dtype,
                 op,
             };
-            ring.collective(staged, d, &mut [(0, &mut bytes_mut(data)[b])], alive)
+            ring.collective(staged, d, &mut [(0, &mut data[b])], alive)
         })
     }
 

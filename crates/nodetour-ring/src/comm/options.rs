@@ -37,6 +37,10 @@ pub struct Options {
     /// a buffer of any size goes through it in pieces of at most this many bytes, so the
     /// memory a communicator holds does not grow with the buffers it is given.
     pub piece_bytes: usize,
+    /// The GPU (ordinal) whose memory this rank passes to collectives: the host staging memory
+    /// is pinned under its primary context for fast copies, and no context is made on any
+    /// other GPU. `None`: host buffers only (no CUDA at all).
+    pub gpu: Option<usize>,
 }
 
 impl Default for Options {
@@ -49,6 +53,7 @@ impl Default for Options {
             slot_bytes: DEFAULT_SLOT_BYTES,
             slots: DEFAULT_SLOTS,
             piece_bytes: DEFAULT_PIECE_BYTES,
+            gpu: None,
         }
     }
 }
@@ -98,6 +103,7 @@ impl Options {
             slot_bytes: number("NODETOUR_SLOT_BYTES", DEFAULT_SLOT_BYTES, 64, 1 << 30)?,
             slots: number("NODETOUR_SLOTS", DEFAULT_SLOTS as usize, 1, 256)? as u32,
             piece_bytes: number("NODETOUR_PIECE_BYTES", DEFAULT_PIECE_BYTES, 4096, 1 << 40)?,
+            gpu: None,
         })
     }
 
