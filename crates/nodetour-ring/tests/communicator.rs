@@ -12,14 +12,6 @@ use nodetour_core::transport::TransportKind;
 use nodetour_ring::comm::{Communicator, Options};
 use nodetour_ring::{Error, ReduceOp};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Small slots and staging memory: every buffer here goes through the ring in several pieces.
 fn options() -> Options {
     let mut o = Options {
@@ -36,7 +28,8 @@ fn options() -> Options {
 /// Runs `body` on `world` ranks (threads), each with its own communicator; returns what each
 /// returned, by rank.
 fn ranks<R: Send>(world: u32, options: Options, body: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
-    let id = UniqueId::new(format!("127.0.0.1:{}", free_port()));
+    // Rank 0's listener is bound here, before any rank forms (the port cannot be taken).
+    let id = UniqueId::create().unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|r| {
@@ -138,6 +131,32 @@ fn every_collective_in_and_out_of_place_gives_the_exact_answer_on_every_rank() {
             );
         }
     }
+}
+
+#[test]
+fn a_unique_id_holds_its_port_until_rank_0_forms_and_round_trips_as_text() {
+    let id = UniqueId::create().unwrap();
+    let port: u16 = id.address.rsplit(':').next().unwrap().parse().unwrap();
+    assert!(
+        std::net::TcpListener::bind(("0.0.0.0", port)).is_err(),
+        "the port is held for rank 0"
+    );
+    let text = id.encode();
+    let back = UniqueId::decode(&text).unwrap();
+    let got = std::thread::scope(|s| {
+        let other = s.spawn(|| {
+            Communicator::from_unique_id(&back, 1, 2, options()).map(|c| {
+                let w = c.world();
+                c.close(Deadline::after(Duration::from_secs(10))).unwrap();
+                w
+            })
+        });
+        let zero = Communicator::from_unique_id(&id, 0, 2, options()).unwrap();
+        zero.close(Deadline::after(Duration::from_secs(10)))
+            .unwrap();
+        other.join().unwrap()
+    });
+    assert_eq!(got.unwrap(), 2);
 }
 
 #[test]

@@ -60,6 +60,37 @@ impl UniqueId {
         }
     }
 
+    /// A new id for this process to be rank 0 of a job: binds the rendezvous listener now (on
+    /// every interface, a port the system picks), so the port cannot be taken before the job
+    /// forms, and keeps it for this process's rank-0 rendezvous on that port (as
+    /// `ncclGetUniqueId`). The address others dial is `NODETOUR_MASTER_ADDR` where set, else
+    /// the address of the interface that holds the default route, else 127.0.0.1 (one host).
+    /// The id carries the job token: pass it only through a store no one outside the job reads.
+    pub fn create() -> Result<UniqueId> {
+        let listener =
+            std::net::TcpListener::bind("0.0.0.0:0").map_err(|source| Error::Exchange {
+                op: "listen",
+                peer: "0.0.0.0:0".into(),
+                source,
+            })?;
+        let port = listener
+            .local_addr()
+            .map_err(|source| Error::Exchange {
+                op: "listen",
+                peer: "0.0.0.0:0".into(),
+                source,
+            })?
+            .port();
+        let host = match std::env::var("NODETOUR_MASTER_ADDR") {
+            Ok(h) if !h.trim().is_empty() => h.trim().to_owned(),
+            // A UDP "connect" to a public address picks the default route's interface; no
+            // packet is sent.
+            _ => host::local_ip_towards("192.0.2.1", 9).to_string(),
+        };
+        rendezvous::park_listener(port, listener);
+        Ok(UniqueId::new(format!("{host}:{port}")))
+    }
+
     /// The id as text: `ndt1:<32 hex digits>@<host:port>`.
     pub fn encode(&self) -> String {
         let hex: String = self.token.iter().map(|b| format!("{b:02x}")).collect();

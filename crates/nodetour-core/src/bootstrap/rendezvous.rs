@@ -298,6 +298,23 @@ impl Drop for Bootstrap {
     }
 }
 
+/// Listeners bound by `UniqueId::create`, by port, until this process's rank-0 rendezvous on
+/// that port takes them.
+static PARKED: Mutex<Vec<(u16, TcpListener)>> = Mutex::new(Vec::new());
+
+pub(super) fn park_listener(port: u16, listener: TcpListener) {
+    PARKED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((port, listener));
+}
+
+fn take_parked_listener(port: u16) -> Option<TcpListener> {
+    let mut parked = PARKED.lock().unwrap_or_else(|p| p.into_inner());
+    let at = parked.iter().position(|(p, _)| *p == port)?;
+    Some(parked.swap_remove(at).1)
+}
+
 /// Reads one message within `deadline`.
 fn read_message(s: &mut TcpStream, deadline: Deadline, peer: &str) -> Result<Message> {
     let mut header = [0u8; HEADER_LEN];
@@ -377,11 +394,15 @@ fn serve(
 ) -> Result<Formed> {
     let port = addr.rsplit(':').next().unwrap_or("0");
     let bind = format!("0.0.0.0:{port}");
-    let listener = TcpListener::bind(&bind).map_err(|source| Error::Exchange {
-        op: "listen",
-        peer: bind.clone(),
-        source,
-    })?;
+    let parked = port.parse().ok().and_then(take_parked_listener);
+    let listener = match parked {
+        Some(l) => l,
+        None => TcpListener::bind(&bind).map_err(|source| Error::Exchange {
+            op: "listen",
+            peer: bind.clone(),
+            source,
+        })?,
+    };
     listener
         .set_nonblocking(true)
         .map_err(|source| Error::Exchange {

@@ -45,6 +45,7 @@ mod links;
 mod options;
 mod paths;
 
+pub use nodetour_core::bootstrap::UniqueId;
 pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};
 pub use paths::{Direction, Landing, LinkPath, Paths};
 
@@ -52,7 +53,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use nodetour_core::Deadline;
-use nodetour_core::bootstrap::{JobToken, LaunchInfo, UniqueId};
+use nodetour_core::bootstrap::{JobToken, LaunchInfo};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 
@@ -198,9 +199,10 @@ impl Communicator {
         )
     }
 
-    /// Forms the communicator of rank `rank` of `world` from an id rank 0 made with
-    /// [`UniqueId::new`] and passed to every rank through the runtime's own store. The id
-    /// carries the job token: publish it only where no one outside the job can read it.
+    /// Forms the communicator of rank `rank` of `world` from an id that rank 0's process made
+    /// with [`UniqueId::create`] (which binds rank 0's listener at once) and passed to every
+    /// rank through the runtime's own store ([`UniqueId::encode`] / [`UniqueId::decode`]). The
+    /// id carries the job token: publish it only where no one outside the job can read it.
     pub fn from_unique_id(
         id: &UniqueId,
         rank: u32,
