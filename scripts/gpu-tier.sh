@@ -42,6 +42,8 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./gpu_reduce_tests || failed=1
     echo "== the direct GPU ring (GpuGroup) against the host reducer: 1-5 ranks over the GPUs present"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./gpu_group_tests || failed=1
+    echo "== the communicator on device memory (cudarc slices, the caller's streams; ranks as threads)"
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_gpu_tests || failed=1
     echo "gpu tests: $tests_passed passed, $tests_failed failed, $tests_skipped skipped"
     echo "== teardown_probe: which driver calls that free or close wait for unrelated work (informative)"
     ./teardown_probe --hold-ms 500 || failed=1
@@ -101,6 +103,11 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     echo "== allreduce_check --gpu: GPU buffers staged through host slots over tcp (the cross-host path)"
     ./launch-local.sh -n 2 --timeout 300 -- ./allreduce_check --gpu --all --count 3000017 || failed=1
     ./launch-local.sh -n 3 --timeout 300 -- ./allreduce_check --gpu --all || failed=1
+    echo "== examples/data_parallel: DDP-shaped buckets (4 x 25 MiB, f32 and bf16) through the communicator"
+    ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel || failed=1
+    ./launch-local.sh -n 3 --timeout 300 -- ./data_parallel --steps 3 || failed=1
+    NODETOUR_TRANSPORT=shm ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel --steps 3 || failed=1
+    NODETOUR_TRANSPORT=tcp ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel --steps 2 --buckets 2 || failed=1
     if [[ $gpus -ge 2 ]]; then
         echo "== nodetour perf: direct GPU ring on GPUs 0,1 against NCCL (same buffers, same run)"
         for dt in f32 bf16; do

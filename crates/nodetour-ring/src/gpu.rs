@@ -602,12 +602,12 @@ impl GpuGroup {
                     ),
                 });
             }
-            if !Arc::ptr_eq(buffers[r].context(), &m.context) {
+            if !nodetour_core::cuda::same_context(buffers[r].context(), &m.context) {
                 return Err(Error::InvalidArgument {
                     reason: format!("rank {r}'s buffer is not on rank {r}'s GPU"),
                 });
             }
-            if !Arc::ptr_eq(streams[r].context(), &m.context) {
+            if !nodetour_core::cuda::same_context(streams[r].context(), &m.context) {
                 return Err(Error::InvalidArgument {
                     reason: format!("rank {r}'s stream is not on rank {r}'s GPU"),
                 });

@@ -861,12 +861,12 @@ impl GpuRing {
                 ),
             });
         }
-        if !Arc::ptr_eq(buffer.context(), &self.context) {
+        if !nodetour_core::cuda::same_context(buffer.context(), &self.context) {
             return Err(Error::InvalidArgument {
                 reason: format!("the buffer is not on rank {}'s GPU", self.rank),
             });
         }
-        if !Arc::ptr_eq(stream.context(), &self.context) {
+        if !nodetour_core::cuda::same_context(stream.context(), &self.context) {
             return Err(Error::InvalidArgument {
                 reason: format!("the stream is not on rank {}'s GPU", self.rank),
             });

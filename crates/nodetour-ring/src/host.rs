@@ -530,8 +530,8 @@ impl HostRing<'_> {
         let (base, bytes) = (range.0, range.1 - range.0);
         let count = piece.len();
         if staging.scratch.len() < self.options.slot_bytes
-            || !std::sync::Arc::ptr_eq(staging.scratch.context(), buffer.context())
-            || !std::sync::Arc::ptr_eq(staging.stream.context(), buffer.context())
+            || !nodetour_core::cuda::same_context(staging.scratch.context(), buffer.context())
+            || !nodetour_core::cuda::same_context(staging.stream.context(), buffer.context())
         {
             return Err(Error::InvalidArgument {
                 reason: "the staging scratch (at least one slot) and stream must be on the \

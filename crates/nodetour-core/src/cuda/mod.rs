@@ -17,3 +17,13 @@ pub mod stream;
 
 pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus};
 pub use stream::{GpuEvent, GpuStream, can_access_peer, enable_peer_access, reap_releases};
+
+/// Whether two handles name the same CUDA context: the same `Arc`, or two `Arc`s of one
+/// context (`CudaContext::new(ordinal)` wraps the GPU's primary context anew on every call, so
+/// a runtime's handle and nodetour's for the same GPU are different `Arc`s of one context).
+pub fn same_context(
+    a: &std::sync::Arc<cudarc::driver::CudaContext>,
+    b: &std::sync::Arc<cudarc::driver::CudaContext>,
+) -> bool {
+    std::sync::Arc::ptr_eq(a, b) || a.cu_ctx() == b.cu_ctx()
+}

@@ -86,7 +86,17 @@ template<class T, class Op> __device__ void both(T* __restrict__ a, T* __restric
         a[i] = r; b[i] = r;
     }
 }
+// A test pattern: element i of a buffer whose first element is element `first` of the pattern
+// holds ((first + i) * 7 + seed) mod 13, exact in every type.
+template<class T> __device__ T small(unsigned v) { return (T)v; }
+template<> __device__ h16 small<h16>(unsigned v) { return narrow_h((float)v); }
+template<> __device__ b16 small<b16>(unsigned v) { return narrow_b((float)v); }
+template<class T> __device__ void pattern(T* d, u64 n, u64 first, unsigned seed) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        d[i] = small<T>((unsigned)(((first + i) * 7 + seed) % 13));
+}
 #define KERNELS(T, N) \
+extern "C" __global__ void nt_pattern_##N(T* d, u64 n, u64 first, unsigned seed) { pattern<T>(d, n, first, seed); } \
 extern "C" __global__ void nt_both_##N##_sum(T* a, T* b, u64 n, unsigned avg) { both<T, Sum>(a, b, n, avg); } \
 extern "C" __global__ void nt_both_##N##_prod(T* a, T* b, u64 n, unsigned avg) { both<T, Prod>(a, b, n, avg); } \
 extern "C" __global__ void nt_both_##N##_min(T* a, T* b, u64 n, unsigned avg) { both<T, Min>(a, b, n, avg); } \
@@ -239,6 +249,7 @@ struct Loaded {
     reduce: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     both: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     average: Vec<(DataType, sys::CUfunction)>,
+    pattern: Vec<(DataType, sys::CUfunction)>,
     copy: sys::CUfunction,
     wait: sys::CUfunction,
     signal: sys::CUfunction,
@@ -264,10 +275,10 @@ impl ReduceKernels {
     pub fn load(context: &Arc<CudaContext>) -> Result<ReduceKernels> {
         let mut table = LOADED.lock().unwrap_or_else(|p| p.into_inner());
         table.retain(|(c, _, _)| c.strong_count() > 0);
-        if let Some((_, k, path)) = table
-            .iter()
-            .find(|(c, _, _)| c.upgrade().is_some_and(|c| Arc::ptr_eq(&c, context)))
-        {
+        if let Some((_, k, path)) = table.iter().find(|(c, _, _)| {
+            c.upgrade()
+                .is_some_and(|c| crate::cuda::same_context(&c, context))
+        }) {
             return Ok(ReduceKernels {
                 k: k.clone(),
                 from_cache: true,
@@ -358,6 +369,7 @@ impl ReduceKernels {
         let mut reduce_then = Vec::new();
         let mut both = Vec::new();
         let mut average = Vec::new();
+        let mut pattern = Vec::new();
         for dtype in DataType::ALL {
             for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
                 reduce.push((
@@ -374,6 +386,7 @@ impl ReduceKernels {
                 ));
             }
             average.push((dtype, get(format!("nt_average_{}", dtype.name()))?));
+            pattern.push((dtype, get(format!("nt_pattern_{}", dtype.name()))?));
         }
         let copy = get("nt_copy".to_owned())?;
         let loaded = Loaded {
@@ -381,6 +394,7 @@ impl ReduceKernels {
             reduce,
             both,
             average,
+            pattern,
             copy,
             wait: get("nt_wait".to_owned())?,
             signal: get("nt_signal".to_owned())?,
@@ -469,6 +483,40 @@ impl ReduceKernels {
             (&mut y as *mut u64).cast::<c_void>(),
             (&mut n as *mut u64).cast::<c_void>(),
             (&mut avg as *mut u32).cast::<c_void>(),
+        ];
+        self.launch(stream, f, &mut params, count)
+    }
+
+    /// Queues on `stream`: fill `count` elements at `offset` of `dst` with a test pattern (what a
+    /// training step's gradient kernel would produce, for examples and benchmarks): element `i`
+    /// holds [`pattern_value`]`(first + i, seed)`, a small integer exact in every type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fill_pattern(
+        &self,
+        stream: &GpuStream,
+        dtype: DataType,
+        dst: &DeviceBuffer,
+        offset: usize,
+        count: usize,
+        first: u64,
+        seed: u32,
+    ) -> Result<()> {
+        check(dst, offset, count, dtype)?;
+        dst.note_use(stream);
+        let f = self
+            .k
+            .pattern
+            .iter()
+            .find(|(k, _)| *k == dtype)
+            .map(|(_, f)| *f)
+            .expect("every type is loaded");
+        let (mut d, mut n, mut a, mut sd) =
+            (dst.device_ptr() + offset as u64, count as u64, first, seed);
+        let mut params = [
+            (&mut d as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast::<c_void>(),
+            (&mut a as *mut u64).cast::<c_void>(),
+            (&mut sd as *mut u32).cast::<c_void>(),
         ];
         self.launch(stream, f, &mut params, count)
     }
@@ -666,7 +714,7 @@ impl ReduceKernels {
         blocks: u32,
         threads: u32,
     ) -> Result<()> {
-        if !Arc::ptr_eq(stream.context(), &self.k.context) {
+        if !crate::cuda::same_context(stream.context(), &self.k.context) {
             return Err(Error::InvalidArgument {
                 reason: "the stream belongs to another GPU than the kernels".into(),
             });
@@ -691,7 +739,7 @@ impl ReduceKernels {
         if count == 0 {
             return Ok(());
         }
-        if !Arc::ptr_eq(stream.context(), &self.k.context) {
+        if !crate::cuda::same_context(stream.context(), &self.k.context) {
             return Err(Error::InvalidArgument {
                 reason: "the stream belongs to another GPU than the kernels".into(),
             });
@@ -726,6 +774,11 @@ fn pick(
 }
 
 /// `count` elements of `dtype` at byte `offset` are aligned and inside `b`.
+/// Element `i` of the test pattern of [`ReduceKernels::fill_pattern`] with `seed`.
+pub fn pattern_value(i: u64, seed: u32) -> u32 {
+    (i.wrapping_mul(7).wrapping_add(u64::from(seed)) % 13) as u32
+}
+
 fn check(b: &DeviceBuffer, offset: usize, count: usize, dtype: DataType) -> Result<()> {
     let bytes = count
         .checked_mul(dtype.size())

@@ -25,6 +25,9 @@ pub struct GpuStream {
 pub(crate) struct RawStream {
     raw: sys::CUstream,
     context: Arc<CudaContext>,
+    /// A stream of the caller's (cudarc's): kept alive while anything refers to it, never
+    /// destroyed here.
+    borrowed: Option<Arc<cudarc::driver::CudaStream>>,
 }
 
 // SAFETY: a CUstream may be used from any thread that binds its context (every method does).
@@ -34,6 +37,9 @@ unsafe impl Sync for RawStream {}
 
 impl Drop for RawStream {
     fn drop(&mut self) {
+        if self.borrowed.is_some() {
+            return; // the caller's stream: its owner destroys it
+        }
         // Failure policy: log nothing; the context is being torn down anyway.
         if self.context.bind_to_thread().is_ok() {
             // SAFETY: a live stream that nothing will queue on again (no owner is left).
@@ -143,6 +149,7 @@ pub(crate) fn queue_release_after(
         raw: result::stream::create(StreamKind::NonBlocking)
             .map_err(|e| cuda_error("cuStreamCreate", e))?,
         context: context.clone(),
+        borrowed: None,
     };
     for s in streams {
         let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
@@ -220,8 +227,29 @@ impl GpuStream {
             inner: Arc::new(RawStream {
                 raw,
                 context: context.clone(),
+                borrowed: None,
             }),
         })
+    }
+
+    /// The caller's cudarc stream, for queueing nodetour's work on it: work queued through
+    /// the returned value runs in that stream's order. The cudarc stream is kept alive while
+    /// anything of nodetour refers to it (a buffer that noted it for its free) and is never
+    /// destroyed here. The legacy and per-thread default streams are accepted (cudarc's
+    /// `CudaContext::default_stream`).
+    pub fn of_cudarc(stream: &Arc<cudarc::driver::CudaStream>) -> GpuStream {
+        GpuStream {
+            inner: Arc::new(RawStream {
+                raw: stream.cu_stream(),
+                context: stream.context().clone(),
+                borrowed: Some(stream.clone()),
+            }),
+        }
+    }
+
+    /// Whether this is a stream of the caller's ([`Self::of_cudarc`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.inner.borrowed.is_some()
     }
 
     /// The stream's context.
@@ -298,7 +326,7 @@ impl GpuStream {
     /// Records `marker` at this point of the stream (re-recording moves it here; waits queued
     /// earlier keep the point they captured).
     pub fn record_marker(&self, marker: &GpuEvent) -> Result<()> {
-        if !Arc::ptr_eq(&marker.context, &self.inner.context) {
+        if !crate::cuda::same_context(&marker.context, &self.inner.context) {
             return Err(Error::InvalidArgument {
                 reason: "a marker is recorded on a stream of the GPU it was made for".into(),
             });

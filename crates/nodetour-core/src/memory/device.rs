@@ -37,6 +37,8 @@ pub struct DeviceBuffer {
     context: Arc<CudaContext>,
     // The streams that queued work on it: the free is ordered after them.
     uses: Box<Uses>,
+    // False for a view of the caller's memory (`with_cudarc_slice`): never freed here.
+    owned: bool,
 }
 
 // SAFETY: a device pointer is usable from any thread that binds the context.
@@ -90,6 +92,7 @@ impl DeviceBuffer {
             base,
             context: context.clone(),
             uses: Box::default(),
+            owned: true,
         };
         let stream = GpuStream::new(context)?;
         let s = stream.bind()?;
@@ -176,12 +179,101 @@ impl DeviceBuffer {
     }
 }
 
+/// Runs `f` with a view of the caller's cudarc memory `slice` (read by the work `f` queues on
+/// `stream`): a [`DeviceBuffer`] over the same bytes that nodetour's calls accept and that is
+/// never freed here. `stream` first waits for the slice's last write (cudarc's own ordering);
+/// after `f`, cudarc records that `stream` read the slice, so cudarc orders later writes and the
+/// slice's free after the work `f` queued. Queue work only on `stream` in `f`.
+pub fn with_cudarc_slice<T, S, R>(
+    slice: &S,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    f: impl FnOnce(&DeviceBuffer) -> R,
+) -> Result<R>
+where
+    S: cudarc::driver::DevicePtr<T>,
+{
+    let context = slice.stream().context().clone();
+    if !crate::cuda::same_context(&context, stream.context()) {
+        return Err(Error::InvalidArgument {
+            reason: "the slice and the stream are on different GPUs".into(),
+        });
+    }
+    let len = slice.num_bytes();
+    let (ptr, record) = slice.device_ptr(stream);
+    // SAFETY: [ptr, ptr + len) is the live memory of `slice`, borrowed for this call; the view
+    // never frees it; cudarc's record (dropped after `f`) orders the slice's later writes and
+    // its free after what `f` queued on `stream`.
+    let view = unsafe { DeviceBuffer::borrowed(&context, ptr, len) };
+    let r = f(&view);
+    drop(view);
+    drop(record);
+    Ok(r)
+}
+
+/// [`with_cudarc_slice`] for memory the work `f` queues on `stream` writes (cudarc records a
+/// write: its later reads and writes on other streams wait for it).
+pub fn with_cudarc_slice_mut<T, S, R>(
+    slice: &mut S,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    f: impl FnOnce(&DeviceBuffer) -> R,
+) -> Result<R>
+where
+    S: cudarc::driver::DevicePtrMut<T>,
+{
+    let context = slice.stream().context().clone();
+    if !crate::cuda::same_context(&context, stream.context()) {
+        return Err(Error::InvalidArgument {
+            reason: "the slice and the stream are on different GPUs".into(),
+        });
+    }
+    let len = slice.num_bytes();
+    let (ptr, record) = slice.device_ptr_mut(stream);
+    // SAFETY: as in `with_cudarc_slice`; the slice is borrowed mutably, so nothing else of the
+    // caller's reaches it during `f`.
+    let view = unsafe { DeviceBuffer::borrowed(&context, ptr, len) };
+    let r = f(&view);
+    drop(view);
+    drop(record);
+    Ok(r)
+}
+
+impl DeviceBuffer {
+    /// A view of `len` bytes of device memory at `ptr` in `context`, owned by someone else:
+    /// nodetour's calls take it like its own buffers and never free it.
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + len)` must be live device memory of `context` (or mapped into it) for as
+    /// long as the view lives **and** until every piece of work queued on it has run: free it
+    /// only in the order of the streams that work was queued on (as CUDA's stream-ordered
+    /// semantics require of any asynchronous call). Not memory from cudarc's
+    /// `upgrade_device_ptr`, whose owner frees on drop.
+    pub unsafe fn borrowed(context: &Arc<CudaContext>, ptr: u64, len: usize) -> DeviceBuffer {
+        DeviceBuffer {
+            ptr,
+            len,
+            base: ptr,
+            context: context.clone(),
+            uses: Box::default(),
+            owned: false,
+        }
+    }
+
+    /// Whether this is a view of memory nodetour does not own ([`Self::borrowed`]).
+    pub fn is_borrowed(&self) -> bool {
+        !self.owned
+    }
+}
+
 /// How long a drop waits for the buffer's own work where the driver has no stream-ordered free
 /// (then it frees with `cuMemFree`, which waits for the whole context).
 const FALLBACK_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        if !self.owned {
+            return; // a view of the caller's memory: its owner frees it
+        }
         // Failure policy: log and leak (a failing free means the context is already gone).
         let uses = self.uses.take();
         let base = self.base;

@@ -11,7 +11,9 @@ mod host;
 mod shared;
 mod shm_name;
 
-pub use device::{DEVICE_ALIGNMENT, DeviceBuffer, DmabufExport};
+pub use device::{
+    DEVICE_ALIGNMENT, DeviceBuffer, DmabufExport, with_cudarc_slice, with_cudarc_slice_mut,
+};
 pub use host::{HUGE_PAGE, HostBuffer, HugePages, Pages};
 pub use shared::SharedHostMemory;
 pub use shm_name::{ShmDir, ShmName};

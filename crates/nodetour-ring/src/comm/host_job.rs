@@ -21,8 +21,9 @@ use nodetour_core::verbs::{
 
 use super::links::{Announcement, choose_host_link};
 use super::options::Options;
-use super::paths::{Direction, LinkPath, Paths};
+use super::paths::{DevicePath, Direction, LinkPath, Paths};
 use crate::error::{Error, Result};
+use crate::gpu_ring::GpuRing;
 use crate::host::{GpuStaging, HostRing, HostRingOptions, Links};
 use crate::order::{neighbours, ring_order};
 
@@ -45,7 +46,7 @@ pub(crate) type AbortFlag = Arc<Mutex<Option<String>>>;
 pub(crate) struct HostJob {
     // Drop order (fields drop in declaration order): links (queue pairs drained and destroyed,
     // sockets closed) before the regions they may write, regions before the device, the
-    // bootstrap last.
+    // bootstrap last. The GPU ring is closed (its teardown handshake) before the job drops.
     conns: HashMap<u32, Box<dyn HostConnection>>,
     recv: SlotRegion,
     work: SlotRegion,
@@ -56,6 +57,8 @@ pub(crate) struct HostJob {
     backlog: Vec<u32>,
     seq: u64,
     gpu: Option<GpuSide>,
+    /// The GPU ring of a one-host job with a GPU on every rank (device collectives).
+    pub gpu_ring: Option<GpuRing>,
     _loopback: Option<nodetour_core::transport::MemConnection>,
     _local: Option<LocalSide>,
     pub rank: u32,
@@ -104,7 +107,11 @@ impl HostJob {
         let deadline = Deadline::after(timeout);
         let verbs = open_verbs(options, me);
         let why_no_verbs = verbs.as_ref().err().cloned().unwrap_or_default();
-        let ours = Announcement::ours(options.transport, verbs.is_ok());
+        let ours = Announcement::ours(
+            options.transport,
+            verbs.is_ok(),
+            options.gpu.map(|g| g as u32),
+        );
         let endpoint = TcpEndpoint::bind("0.0.0.0:0", token.clone(), timeout)?;
         let (host, port) = rendezvous
             .rsplit_once(':')
@@ -302,11 +309,63 @@ impl HostJob {
         if world > 1 {
             job.barrier(deadline)?;
         }
+        // GPU buffers: a GPU ring when every rank has a GPU and all share this host (and the
+        // links are not forced onto the host transports), else staged through this ring. Every
+        // rank decides from the same table, so all take the same branch.
+        let announced = job
+            .peers()
+            .iter()
+            .map(|p| Announcement::decode(p.rank, &p.blob))
+            .collect::<Result<Vec<_>>>()?;
+        let here = &job.peers()[me as usize].host;
+        let one_host = job.peers().iter().all(|p| p.host.same_host(here));
+        let all_gpus = announced.iter().all(|a| a.gpu.is_some());
+        let host_forced = matches!(
+            options.transport,
+            Some(TransportKind::Tcp | TransportKind::Verbs)
+        );
+        let (gpu_ring, device) = match pin {
+            None => (None, DevicePath::None),
+            Some(context) if one_host && all_gpus && !host_forced => {
+                let (ring, reason) = super::gpu_links::form(super::gpu_links::Seat {
+                    job: &job,
+                    endpoint: &endpoint,
+                    context,
+                    me,
+                    world,
+                    position: position(&order, me),
+                    prev,
+                    next,
+                    forced: options.transport,
+                    deadline,
+                })?;
+                let transport = ring.kind();
+                (Some(ring), DevicePath::GpuRing { transport, reason })
+            }
+            Some(_) => {
+                let reason = if host_forced {
+                    format!("NODETOUR_TRANSPORT={}", options.transport.expect("forced"))
+                } else if !one_host {
+                    "the ranks are on several hosts".to_owned()
+                } else {
+                    let without: Vec<u32> = announced
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, a)| a.gpu.is_none())
+                        .map(|(r, _)| r as u32)
+                        .collect();
+                    format!("ranks {without:?} pass host memory only")
+                };
+                (None, DevicePath::Staged { reason })
+            }
+        };
+        drop(endpoint);
         let paths = Paths {
             rank: me,
             world,
             order: order.clone(),
             links,
+            device,
         };
         tracing::info!(%paths, "communicator formed");
         Ok(HostJob {
@@ -320,6 +379,7 @@ impl HostJob {
             backlog: Vec::new(),
             seq: 0,
             gpu: None,
+            gpu_ring,
             _loopback: loopback,
             _local: local,
             rank: me,
@@ -406,7 +466,8 @@ impl HostJob {
         stream: &GpuStream,
         f: impl FnOnce(&mut Self, &GpuStaging<'_>) -> Result<R>,
     ) -> Result<R> {
-        let same = |g: &GpuSide| Arc::ptr_eq(g.scratch.context(), buffer.context());
+        let same =
+            |g: &GpuSide| nodetour_core::cuda::same_context(g.scratch.context(), buffer.context());
         let gpu = match self.gpu.take() {
             Some(g) if same(&g) => g,
             _ => {

@@ -10,6 +10,8 @@ use crate::error::{Error, Result};
 
 const MAGIC: u8 = b'n';
 const HAS_VERBS: u8 = 1;
+const HAS_GPU: u8 = 2;
+const ENCODED_LEN: usize = 8;
 
 /// What a rank announces about its links (every rank hears it: no keys, no addresses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,6 +22,8 @@ pub(crate) struct Announcement {
     pub forced: Option<TransportKind>,
     /// Whether it opened an RDMA device for host memory.
     pub has_verbs: bool,
+    /// The GPU (ordinal on its host) whose memory it passes to collectives, if any.
+    pub gpu: Option<u32>,
 }
 
 fn kind_code(k: Option<TransportKind>) -> u8 {
@@ -35,22 +39,21 @@ fn kind_code(k: Option<TransportKind>) -> u8 {
 
 impl Announcement {
     /// This rank's.
-    pub fn ours(forced: Option<TransportKind>, has_verbs: bool) -> Announcement {
+    pub fn ours(forced: Option<TransportKind>, has_verbs: bool, gpu: Option<u32>) -> Announcement {
         Announcement {
             version: PROTOCOL_VERSION,
             forced,
             has_verbs,
+            gpu,
         }
     }
 
-    /// `'n' | version | forced | flags`.
+    /// `'n' | version | forced | flags | gpu (u32, big-endian; 0 without one)`.
     pub fn encode(&self) -> Vec<u8> {
-        vec![
-            MAGIC,
-            self.version,
-            kind_code(self.forced),
-            if self.has_verbs { HAS_VERBS } else { 0 },
-        ]
+        let flags = u8::from(self.has_verbs) * HAS_VERBS + u8::from(self.gpu.is_some()) * HAS_GPU;
+        let mut b = vec![MAGIC, self.version, kind_code(self.forced), flags];
+        b.extend_from_slice(&self.gpu.unwrap_or(0).to_be_bytes());
+        b
     }
 
     /// What rank `rank` announced; another protocol version is [`Error::Version`].
@@ -72,8 +75,8 @@ impl Announcement {
                 ours: PROTOCOL_VERSION,
             });
         }
-        if b.len() != 4 {
-            return Err(bad(format!("{} bytes, expected 4", b.len())));
+        if b.len() != ENCODED_LEN {
+            return Err(bad(format!("{} bytes, expected {ENCODED_LEN}", b.len())));
         }
         let forced = match b[2] {
             0 => None,
@@ -84,13 +87,18 @@ impl Announcement {
             5 => Some(TransportKind::Mem),
             v => return Err(bad(format!("transport code {v}"))),
         };
-        if b[3] & !HAS_VERBS != 0 {
+        if b[3] & !(HAS_VERBS | HAS_GPU) != 0 {
             return Err(bad(format!("unknown flags {:#04x}", b[3])));
+        }
+        let gpu = u32::from_be_bytes([b[4], b[5], b[6], b[7]]);
+        if b[3] & HAS_GPU == 0 && gpu != 0 {
+            return Err(bad("a GPU ordinal without a GPU".into()));
         }
         Ok(Announcement {
             version: b[1],
             forced,
             has_verbs: b[3] & HAS_VERBS != 0,
+            gpu: (b[3] & HAS_GPU != 0).then_some(gpu),
         })
     }
 }
@@ -133,14 +141,12 @@ pub(crate) fn choose_host_link(
         Some(TransportKind::Verbs) => Err(Error::Unsupported {
             reason: format!("NODETOUR_TRANSPORT=verbs, but {}", lacking()),
         }),
-        Some(other) => Err(Error::InvalidArgument {
-            reason: format!(
-                "NODETOUR_TRANSPORT={other} names a link between GPUs of one host; host \
-                 buffers travel over verbs or tcp"
-            ),
+        Some(TransportKind::Mem) => Err(Error::InvalidArgument {
+            reason: "NODETOUR_TRANSPORT=mem joins threads of one process (tests), not ranks".into(),
         }),
-        None if both => verbs("both ranks have an RDMA device".into()),
-        None => tcp(format!("{}: tcp", lacking())),
+        // cuda-ipc and shm name the links between GPUs of one host; host links choose freely.
+        _ if both => verbs("both ranks have an RDMA device".into()),
+        _ => tcp(format!("{}: tcp", lacking())),
     }
 }
 
@@ -152,11 +158,13 @@ mod tests {
     fn announcements_round_trip_and_another_version_is_typed() {
         for forced in [None, Some(TransportKind::Tcp), Some(TransportKind::Shm)] {
             for has_verbs in [false, true] {
-                let a = Announcement::ours(forced, has_verbs);
-                assert_eq!(Announcement::decode(3, &a.encode()), Ok(a));
+                for gpu in [None, Some(0), Some(7)] {
+                    let a = Announcement::ours(forced, has_verbs, gpu);
+                    assert_eq!(Announcement::decode(3, &a.encode()), Ok(a));
+                }
             }
         }
-        let mut old = Announcement::ours(None, true).encode();
+        let mut old = Announcement::ours(None, true, None).encode();
         old[1] = PROTOCOL_VERSION.wrapping_sub(1);
         assert!(matches!(
             Announcement::decode(3, &old),
@@ -176,7 +184,7 @@ mod tests {
 
     #[test]
     fn both_ends_choose_alike_and_say_why() {
-        let a = |forced, v| Announcement::ours(forced, v);
+        let a = |forced, v| Announcement::ours(forced, v, None);
         let pick = |x: &Announcement, y: &Announcement| {
             let here = choose_host_link(x, y, (0, 1), "no device").map(|c| c.0);
             let there = choose_host_link(y, x, (1, 0), "no device").map(|c| c.0);
@@ -205,8 +213,10 @@ mod tests {
             pick(&a(tcp, true), &a(None, true)),
             Err(Error::InvalidArgument { .. })
         ));
+        // cuda-ipc and shm are GPU links: the host links choose as if unset.
         let shm = Some(TransportKind::Shm);
-        assert!(pick(&a(shm, true), &a(shm, true)).is_err());
+        assert_eq!(pick(&a(shm, true), &a(shm, true)), Ok(TransportKind::Verbs));
+        assert_eq!(pick(&a(shm, false), &a(shm, true)), Ok(TransportKind::Tcp));
         let (_, _, why) = choose_host_link(
             &a(None, false),
             &a(None, true),

@@ -40,6 +40,7 @@
 //!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
 
+mod gpu_links;
 mod host_job;
 mod links;
 mod options;
@@ -47,15 +48,16 @@ mod paths;
 
 pub use nodetour_core::bootstrap::UniqueId;
 pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};
-pub use paths::{Direction, Landing, LinkPath, Paths};
+pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use nodetour_core::Deadline;
 use nodetour_core::bootstrap::{JobToken, LaunchInfo};
 use nodetour_core::cuda::GpuStream;
-use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
+use nodetour_core::memory::{DeviceBuffer, RdmaBuffer, with_cudarc_slice, with_cudarc_slice_mut};
 
 use self::host_job::{AbortFlag, HostJob, Launch};
 use crate::descriptor::{Algorithm, Collective, Descriptor};
@@ -77,6 +79,7 @@ pub struct Communicator {
     world: u32,
     paths: Paths,
     aborted: AbortFlag,
+    gpu_abort: Option<crate::gpu_ring::AbortHandle>,
     state: Mutex<State>,
 }
 
@@ -90,13 +93,21 @@ struct State {
 /// Aborts a communicator's collective in flight, and every later one, from any thread: they
 /// return [`Error::Aborted`] with the reason, and the neighbours' collectives end with it too.
 #[derive(Clone)]
-pub struct AbortHandle(AbortFlag);
+pub struct AbortHandle {
+    flag: AbortFlag,
+    gpu: Option<crate::gpu_ring::AbortHandle>,
+}
 
 impl AbortHandle {
-    /// Aborts with `reason` (the first reason given is kept).
+    /// Aborts with `reason` (the first reason given is kept): the host ring's collective in
+    /// flight ends at its next poll, the GPU ring's streams stop waiting at once (its
+    /// neighbours are told).
     pub fn abort(&self, reason: &str) {
-        if let Ok(mut r) = self.0.lock() {
+        if let Ok(mut r) = self.flag.lock() {
             r.get_or_insert_with(|| reason.to_owned());
+        }
+        if let Some(g) = &self.gpu {
+            g.abort(reason);
         }
     }
 }
@@ -132,6 +143,52 @@ fn same_len(a: usize, b: usize, an: &str, bn: &str) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Ends a job's GPU ring with the teardown handshake: this rank's streams drained and its
+/// mappings of its neighbours' memory closed, then a barrier (or the liveness mesh reporting a
+/// rank gone, which counts as closed) says every rank has done the same, and only then is the
+/// memory this rank exported freed; past `deadline` it is leaked, never freed under a
+/// neighbour's mapping. Without a GPU ring, the barrier alone (every rank is done with every
+/// collective before links close) when `orderly`.
+fn teardown(job: &mut HostJob, deadline: Deadline, orderly: bool) -> Result<()> {
+    let Some(ring) = job.gpu_ring.as_mut() else {
+        if orderly && job.world > 1 {
+            return job.job.barrier(deadline).map_err(Error::from);
+        }
+        return Ok(());
+    };
+    let mut first = ring.close_imports(deadline.remaining()).err();
+    let handshake = job.job.barrier(deadline);
+    // A rank that is gone has no mapping left.
+    let peers_done = handshake.is_ok() || job.job.check_present().is_err();
+    if peers_done {
+        first = first.or(ring.close(deadline.remaining()).err());
+    } else {
+        ring.leak_exports();
+    }
+    job.gpu_ring = None;
+    match (first, handshake) {
+        (Some(e), _) => Err(e),
+        (None, Err(e)) if !peers_done => Err(Error::from(e)),
+        _ => Ok(()),
+    }
+}
+
+impl Drop for Communicator {
+    /// Leaves at once: a collective still queued on a GPU stream is aborted (its neighbours are
+    /// told), and the GPU ring's exported memory waits for the teardown handshake (to
+    /// [`crate::gpu_ring::TEARDOWN_DEADLINE`], then leaked). Ranks still in a collective with
+    /// this one fail naming it. [`Communicator::close`] is the orderly way.
+    fn drop(&mut self) {
+        let job = self.state.get_mut().ok().and_then(|s| s.job.take());
+        if let Some(mut job) = job {
+            let deadline = Deadline::after(crate::gpu_ring::TEARDOWN_DEADLINE);
+            if let Err(e) = teardown(&mut job, deadline, false) {
+                tracing::warn!(error = %e, "dropping the communicator");
+            }
+        }
+    }
 }
 
 /// Element ranges of at most `per` elements covering `0..count` (none for an empty buffer).
@@ -244,6 +301,7 @@ impl Communicator {
             rank: job.rank,
             world: job.world,
             paths: job.paths.clone(),
+            gpu_abort: job.gpu_ring.as_ref().map(|r| r.abort_handle()),
             aborted: Arc::new(Mutex::new(None)),
             state: Mutex::new(State {
                 job: Some(job),
@@ -269,44 +327,69 @@ impl Communicator {
 
     /// A handle that aborts this communicator's collectives from any thread.
     pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle(self.aborted.clone())
-    }
-
-    /// The failure that broke this communicator, if one did (as `ncclCommGetAsyncError`).
-    pub fn error(&self) -> Option<Error> {
-        self.lock().ok().and_then(|s| s.failed.clone())
-    }
-
-    /// Waits until every collective issued so far has finished, and returns the first failure
-    /// if there was one. Host collectives finish before they return, so this only reports.
-    pub fn wait(&self, deadline: Deadline) -> Result<()> {
-        let _ = deadline;
-        let state = self.lock()?;
-        match &state.failed {
-            Some(first) => Err(Error::Broken {
-                first: Box::new(first.clone()),
-            }),
-            None => Ok(()),
+        AbortHandle {
+            flag: self.aborted.clone(),
+            gpu: self.gpu_abort.clone(),
         }
     }
 
-    /// Closes the communicator: waits until every rank has finished its collectives (a barrier
-    /// over the bootstrap, to `deadline`), then tears down its links and memory. A broken
-    /// communicator tears down at once and returns its failure.
+    /// The failure that broke this communicator, if one did (as `ncclCommGetAsyncError`):
+    /// also one that the GPU ring met after a device collective's call had returned.
+    pub fn error(&self) -> Option<Error> {
+        let failed = self.lock().ok().and_then(|s| s.failed.clone());
+        failed.or_else(|| self.gpu_abort.as_ref().and_then(|a| a.error()))
+    }
+
+    /// Waits until every collective issued so far has finished on this rank (device
+    /// collectives run on their streams after the calls returned), to `deadline`, and returns
+    /// the first failure if there was one; a failure breaks the communicator. Host collectives
+    /// finish before they return.
+    pub fn wait(&self, deadline: Deadline) -> Result<()> {
+        let mut state = self.lock()?;
+        if let Some(first) = &state.failed {
+            return Err(Error::Broken {
+                first: Box::new(first.clone()),
+            });
+        }
+        let State { job, failed } = &mut *state;
+        let Some(job) = job.as_mut() else {
+            return Ok(());
+        };
+        let Some(ring) = job.gpu_ring.as_mut() else {
+            return Ok(());
+        };
+        let bootstrap = &job.job;
+        let result = ring.wait_alive(deadline.remaining(), &|| bootstrap.check_present());
+        if let Err(e) = &result {
+            failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+
+    /// Closes the communicator: finishes the device collectives in flight (to `deadline`),
+    /// waits until every rank has finished its collectives (a barrier over the bootstrap), then
+    /// tears down links and memory; memory a neighbour maps (the GPU ring's slots) is freed only
+    /// after every neighbour said it unmapped it, and leaked past the deadline rather than
+    /// freed under a mapping. A broken communicator tears down at once and returns its failure.
     pub fn close(self, deadline: Deadline) -> Result<()> {
+        let finished = self.wait(deadline);
         let mut state = self.lock()?;
         let job = state.job.take();
-        let result = match (&state.failed, &job) {
-            (Some(first), _) => Err(Error::Broken {
-                first: Box::new(first.clone()),
-            }),
-            (None, Some(job)) if job.world > 1 => job.job.barrier(deadline).map_err(Error::from),
-            _ => Ok(()),
+        let failed = state.failed.clone();
+        drop(state);
+        let Some(mut job) = job else {
+            return finished;
         };
-        // Teardown order inside the job: links, then regions, then the device, then the
-        // bootstrap (its drop stops the liveness watcher, with a deadline).
+        let teardown = teardown(&mut job, deadline, failed.is_none());
+        // Then the links, the regions, the device and the bootstrap (its drop stops the
+        // liveness watcher, with a deadline), in the job's field order.
         drop(job);
-        result
+        match failed {
+            Some(first) => Err(Error::Broken {
+                first: Box::new(first),
+            }),
+            None => finished.and(teardown),
+        }
     }
 
     /// Sums (or another `op`) `send` over every rank into `recv` on every rank. `send` and
@@ -515,11 +598,9 @@ impl Communicator {
         })
     }
 
-    /// Allreduces the first `count` elements of GPU memory `buffer` (elements of `dtype`) in
-    /// place, staged through this communicator's host memory: the path for GPU buffers across
-    /// hosts until network links land in GPU memory. Runs after the work queued on `stream` (a
-    /// stream of the buffer's GPU) and returns once it has finished, waiting for `stream` only
-    /// (never the whole device). Lower level: takes nodetour's own device buffer and stream.
+    /// [`Self::all_reduce_device_in_place`] on the first `count` elements of nodetour's own
+    /// device buffer and stream (lower level: what the tools and examples that allocate with
+    /// nodetour use).
     pub fn all_reduce_device_buffer(
         &self,
         buffer: &DeviceBuffer,
@@ -528,7 +609,7 @@ impl Communicator {
         op: ReduceOp,
         stream: &GpuStream,
     ) -> Result<()> {
-        if !Arc::ptr_eq(stream.context(), buffer.context()) {
+        if !nodetour_core::cuda::same_context(stream.context(), buffer.context()) {
             return Err(Error::InvalidArgument {
                 reason: "the stream is not on the buffer's GPU".into(),
             });
@@ -544,6 +625,109 @@ impl Communicator {
                 ),
             });
         }
+        self.device_all_reduce(buffer, count, dtype, op, stream)
+    }
+
+    /// Allreduces `send` into `recv` on every rank: device memory of this rank's GPU
+    /// ([`Options::gpu`]), as cudarc slices or views, queued on `stream` (the caller's stream of
+    /// that GPU). On a GPU ring ([`DevicePath::GpuRing`]) the call queues the collective after
+    /// the work already on `stream` and returns: no host wait, no device-wide synchronisation;
+    /// work queued on `stream` afterwards sees the result, and a failure after the call returned
+    /// is reported by [`Self::wait`], [`Self::error`] or the next call. Staged through host
+    /// memory ([`DevicePath::Staged`]) it waits for `stream` before returning. cudarc's own
+    /// ordering of the slices (its read and write events) is kept.
+    pub fn all_reduce_device<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()>
+    where
+        T: Element,
+        S: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+    {
+        same_len(send.len(), recv.len(), "send", "recv")?;
+        let (n, bytes) = (recv.len(), recv.num_bytes());
+        let s = GpuStream::of_cudarc(stream);
+        with_cudarc_slice_mut(recv, stream, |out| {
+            with_cudarc_slice(send, stream, |inp| s.copy(out, 0, inp, 0, bytes))??;
+            self.device_all_reduce(out, n, T::DATA_TYPE, op, &s)
+        })?
+    }
+
+    /// [`Self::all_reduce_device`] with `data` as both input and output.
+    pub fn all_reduce_device_in_place<T, R>(
+        &self,
+        data: &mut R,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()>
+    where
+        T: Element,
+        R: DevicePtrMut<T>,
+    {
+        let n = data.len();
+        let s = GpuStream::of_cudarc(stream);
+        with_cudarc_slice_mut(data, stream, |buf| {
+            self.device_all_reduce(buf, n, T::DATA_TYPE, op, &s)
+        })?
+    }
+
+    /// The device allreduce of the first `count` elements of `buffer`, on `stream`: through the
+    /// GPU ring where there is one, else staged through the host ring.
+    fn device_all_reduce(
+        &self,
+        buffer: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
+        if !nodetour_core::cuda::same_context(stream.context(), buffer.context()) {
+            return Err(Error::InvalidArgument {
+                reason: "the stream is not on the buffer's GPU".into(),
+            });
+        }
+        if count
+            .checked_mul(dtype.size())
+            .is_none_or(|b| b > buffer.len())
+        {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "{count} elements of {dtype:?} in a buffer of {} bytes",
+                    buffer.len()
+                ),
+            });
+        }
+        let mut state = self.usable()?;
+        let job = state.job.as_mut().expect("usable");
+        let result = match job.gpu_ring.as_mut() {
+            Some(ring) => match ring.all_reduce(buffer, count, dtype, op, stream) {
+                // Refused before anything was queued: the communicator stays usable.
+                Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => {
+                    return Err(e);
+                }
+                other => other,
+            },
+            None => self.staged_all_reduce(job, buffer, count, dtype, op, stream),
+        };
+        if let Err(e) = &result {
+            state.failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+
+    fn staged_all_reduce(
+        &self,
+        job: &mut HostJob,
+        buffer: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
         let what = Descriptor {
             collective: Collective::AllReduce,
             count: count as u64,
@@ -553,10 +737,8 @@ impl Communicator {
             algorithm: Algorithm::HostRingGpuStaged,
             seq: 0,
         };
-        let mut state = self.usable()?;
-        let job = state.job.as_mut().expect("usable");
         let per = job.piece_bytes() / dtype.size();
-        let result = job.with_staging(buffer, stream, |job, staging| {
+        job.with_staging(buffer, stream, |job, staging| {
             for r in pieces(count, per) {
                 job.run(&self.aborted, |ring, seq, alive| {
                     let d = Descriptor { seq, ..what };
@@ -566,11 +748,7 @@ impl Communicator {
             stream.synchronize().map_err(|e| Error::Gpu {
                 reason: e.to_string(),
             })
-        });
-        if let Err(e) = &result {
-            state.failed.get_or_insert_with(|| e.clone());
-        }
-        result
+        })
     }
 
     // --- the machinery every collective shares ---

@@ -41,6 +41,27 @@ pub struct LinkPath {
     pub reason: String,
 }
 
+/// How collectives on GPU memory run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DevicePath {
+    /// No GPU was given ([`crate::comm::Options::gpu`]): host memory only.
+    None,
+    /// A GPU ring (all ranks on one host, one GPU each): queued on the caller's stream, no host
+    /// wait. `transport` is cuda-ipc (direct) or shm (staged through shared host memory).
+    GpuRing {
+        /// The link to the next rank.
+        transport: Option<TransportKind>,
+        /// Why.
+        reason: String,
+    },
+    /// Staged through this rank's host ring (ranks on several hosts, or host links forced):
+    /// synchronous, waiting for the caller's stream only.
+    Staged {
+        /// Why not a GPU ring.
+        reason: String,
+    },
+}
+
 /// Every link of this rank, and how collectives on each kind of memory run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Paths {
@@ -52,6 +73,8 @@ pub struct Paths {
     pub order: Vec<u32>,
     /// The links (none for a communicator of one rank).
     pub links: Vec<LinkPath>,
+    /// How collectives on GPU memory run.
+    pub device: DevicePath,
 }
 
 impl Paths {
@@ -90,7 +113,7 @@ impl fmt::Display for Paths {
             self.rank, self.world
         )?;
         if self.links.is_empty() {
-            return write!(f, "; no links (one rank)");
+            write!(f, "; no links (one rank)")?;
         }
         for l in &self.links {
             write!(
@@ -99,7 +122,20 @@ impl fmt::Display for Paths {
                 l.direction, l.peer, l.transport, l.landing, l.reason
             )?;
         }
-        Ok(())
+        match &self.device {
+            DevicePath::None => Ok(()),
+            DevicePath::GpuRing { transport, reason } => {
+                let kind = transport.map_or("one rank".to_owned(), |t| t.to_string());
+                write!(
+                    f,
+                    "; GPU buffers: GPU ring on the caller's stream, {kind}: {reason}"
+                )
+            }
+            DevicePath::Staged { reason } => write!(
+                f,
+                "; GPU buffers: staged through host memory, synchronous: {reason}"
+            ),
+        }
     }
 }
 
@@ -120,10 +156,14 @@ mod tests {
                 landing: Landing::SoftwareHost,
                 reason: "no RDMA device on rank 2".into(),
             }],
+            device: DevicePath::Staged {
+                reason: "the ranks are on several hosts".into(),
+            },
         };
         let line = p.to_string();
         assert!(!line.contains('\n'));
         assert!(line.contains("next rank 2 tcp"), "{line}");
+        assert!(line.contains("GPU buffers: staged"), "{line}");
         assert!(p.all(TransportKind::Tcp) && !p.all(TransportKind::Verbs));
     }
 }

@@ -1,0 +1,151 @@
+//! The communicator on device memory: cudarc slices on the caller's streams, ranks as threads
+//! of this process sharing GPU 0 (each with its own communicator and its own handle of the
+//! GPU's context, as separate runtimes would have). Within one process cuda-ipc cannot map a
+//! peer's memory, so the GPU ring takes its staged link (shm) here; processes take the direct
+//! one (`examples/data_parallel`, in the GPU tier). With the host links forced
+//! (`NODETOUR_TRANSPORT=tcp`) the same calls go staged through the host ring. Every result is
+//! checked against the exact reference and compared bit for bit across ranks. SKIP without a
+//! GPU.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use half::bf16;
+use nodetour_core::Deadline;
+use nodetour_core::bootstrap::UniqueId;
+use nodetour_core::transport::TransportKind;
+use nodetour_ring::comm::{Communicator, DevicePath, Options};
+use nodetour_ring::{Error, ReduceOp};
+
+mod common;
+
+fn options(transport: Option<TransportKind>) -> Options {
+    let mut o = Options {
+        transport,
+        gpu: Some(0),
+        ..Options::default()
+    };
+    o.config.timeout = Duration::from_secs(60);
+    o
+}
+
+fn ranks<R: Send>(world: u32, options: Options, body: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
+    let id = UniqueId::create().unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let (id, options, body) = (&id, options.clone(), &body);
+                s.spawn(move || {
+                    let comm = Communicator::from_unique_id(id, r, world, options)
+                        .unwrap_or_else(|e| panic!("rank {r} formation: {e}"));
+                    body(comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn value(rank: u32, i: usize) -> f32 {
+    ((i * 7 + rank as usize * 5) % 13) as f32
+}
+
+/// f32 sum out of place, f32 average in place, bf16 sum in place: `n` elements each.
+fn run(world: u32, transport: Option<TransportKind>, n: usize) {
+    let got = ranks(world, options(transport), |comm| {
+        let expect_ring = transport.is_none();
+        match (&comm.paths().device, expect_ring) {
+            (DevicePath::GpuRing { .. }, true) | (DevicePath::Staged { .. }, false) => {}
+            (other, _) => panic!("rank {}: device path {other:?}", comm.rank()),
+        }
+        let r = comm.rank();
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let host: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+        let send = stream.clone_htod(&host).unwrap();
+        let mut sum = stream.alloc_zeros::<f32>(n).unwrap();
+        comm.all_reduce_device(&send, &mut sum, ReduceOp::Sum, &stream)
+            .unwrap();
+        let mut avg = stream.clone_htod(&host).unwrap();
+        comm.all_reduce_device_in_place(&mut avg, ReduceOp::Avg, &stream)
+            .unwrap();
+        let hb: Vec<bf16> = host.iter().map(|x| bf16::from_f32(*x)).collect();
+        let mut b = stream.clone_htod(&hb).unwrap();
+        comm.all_reduce_device_in_place(&mut b, ReduceOp::Sum, &stream)
+            .unwrap();
+        comm.wait(Deadline::after(Duration::from_secs(60))).unwrap();
+        let out = (
+            stream.clone_dtoh(&sum).unwrap(),
+            stream.clone_dtoh(&avg).unwrap(),
+            stream.clone_dtoh(&b).unwrap(),
+            stream.clone_dtoh(&send).unwrap(),
+        );
+        comm.close(Deadline::after(Duration::from_secs(60)))
+            .unwrap();
+        out
+    });
+    for (r, (sum, avg, b, send)) in got.iter().enumerate() {
+        assert_eq!(
+            send,
+            &(0..n).map(|i| value(r as u32, i)).collect::<Vec<_>>(),
+            "rank {r}: the input is untouched"
+        );
+        for i in (0..n).step_by(997).chain([n - 1]) {
+            let want: f32 = (0..world).map(|q| value(q, i)).sum();
+            assert_eq!(sum[i], want, "rank {r} element {i}: sum");
+            assert!(
+                (avg[i] - want / world as f32).abs() <= 1e-6 * want.max(1.0),
+                "rank {r} element {i}: average"
+            );
+            assert_eq!(b[i].to_f32(), want, "rank {r} element {i}: bf16 sum");
+        }
+        assert_eq!(sum, &got[0].0, "rank {r}: same bits as rank 0");
+        assert_eq!(avg, &got[0].1, "rank {r}: same bits as rank 0");
+        assert_eq!(b, &got[0].2, "rank {r}: same bits as rank 0");
+    }
+}
+
+#[test]
+fn device_collectives_on_the_callers_stream_through_the_gpu_ring() {
+    if common::gpus().is_none() {
+        return;
+    }
+    for world in [1, 2, 3] {
+        // 40 MiB of f32: several slots of the ring.
+        run(world, None, 10 << 20);
+    }
+}
+
+#[test]
+fn device_collectives_staged_through_host_links() {
+    if common::gpus().is_none() {
+        return;
+    }
+    run(2, Some(TransportKind::Tcp), 3 << 20);
+}
+
+#[test]
+fn device_arguments_that_cannot_make_a_collective_fail_before_anything_is_queued() {
+    if common::gpus().is_none() {
+        return;
+    }
+    ranks(2, options(None), |comm| {
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let a = stream.alloc_zeros::<f32>(10).unwrap();
+        let mut b = stream.alloc_zeros::<f32>(11).unwrap();
+        let e = comm
+            .all_reduce_device(&a, &mut b, ReduceOp::Sum, &stream)
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        // The communicator is still usable.
+        let mut c = stream.clone_htod(&[comm.rank() as f32; 4]).unwrap();
+        comm.all_reduce_device_in_place(&mut c, ReduceOp::Sum, &stream)
+            .unwrap();
+        comm.wait(Deadline::after(Duration::from_secs(30))).unwrap();
+        assert_eq!(stream.clone_dtoh(&c).unwrap(), vec![1.0f32; 4]);
+        let _ = Arc::strong_count(&stream);
+        comm.close(Deadline::after(Duration::from_secs(30)))
+            .unwrap();
+    });
+}
