@@ -320,13 +320,17 @@ impl HostJob {
         let here = &job.peers()[me as usize].host;
         let one_host = job.peers().iter().all(|p| p.host.same_host(here));
         let all_gpus = announced.iter().all(|a| a.gpu.is_some());
+        let mut pids: Vec<u32> = announced.iter().map(|a| a.pid).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        let one_process_each = pids.len() == announced.len();
         let host_forced = matches!(
             options.transport,
             Some(TransportKind::Tcp | TransportKind::Verbs)
         );
         let (gpu_ring, device) = match pin {
             None => (None, DevicePath::None),
-            Some(context) if one_host && all_gpus && !host_forced => {
+            Some(context) if one_host && all_gpus && one_process_each && !host_forced => {
                 let (ring, reason) = super::gpu_links::form(super::gpu_links::Seat {
                     job: &job,
                     endpoint: &endpoint,
@@ -347,6 +351,9 @@ impl HostJob {
                     format!("NODETOUR_TRANSPORT={}", options.transport.expect("forced"))
                 } else if !one_host {
                     "the ranks are on several hosts".to_owned()
+                } else if !one_process_each {
+                    "ranks share a process (cuda-ipc cannot map memory within one process)"
+                        .to_owned()
                 } else {
                     let without: Vec<u32> = announced
                         .iter()

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 const MAGIC: u8 = b'n';
 const HAS_VERBS: u8 = 1;
 const HAS_GPU: u8 = 2;
-const ENCODED_LEN: usize = 8;
+const ENCODED_LEN: usize = 12;
 
 /// What a rank announces about its links (every rank hears it: no keys, no addresses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +24,9 @@ pub(crate) struct Announcement {
     pub has_verbs: bool,
     /// The GPU (ordinal on its host) whose memory it passes to collectives, if any.
     pub gpu: Option<u32>,
+    /// Its process id (ranks that are threads of one process cannot map each other's GPU
+    /// memory with cuda-ipc, and share one set of GPUs: `Communicator::from_devices`' case).
+    pub pid: u32,
 }
 
 fn kind_code(k: Option<TransportKind>) -> u8 {
@@ -45,14 +48,16 @@ impl Announcement {
             forced,
             has_verbs,
             gpu,
+            pid: std::process::id(),
         }
     }
 
-    /// `'n' | version | forced | flags | gpu (u32, big-endian; 0 without one)`.
+    /// `'n' | version | forced | flags | gpu (u32, big-endian; 0 without one) | pid (u32)`.
     pub fn encode(&self) -> Vec<u8> {
         let flags = u8::from(self.has_verbs) * HAS_VERBS + u8::from(self.gpu.is_some()) * HAS_GPU;
         let mut b = vec![MAGIC, self.version, kind_code(self.forced), flags];
         b.extend_from_slice(&self.gpu.unwrap_or(0).to_be_bytes());
+        b.extend_from_slice(&self.pid.to_be_bytes());
         b
     }
 
@@ -99,6 +104,7 @@ impl Announcement {
             forced,
             has_verbs: b[3] & HAS_VERBS != 0,
             gpu: (b[3] & HAS_GPU != 0).then_some(gpu),
+            pid: u32::from_be_bytes([b[8], b[9], b[10], b[11]]),
         })
     }
 }
