@@ -106,3 +106,65 @@ mod tests {
         assert!(matches!(r, Err(Error::RankLost { rank: 3, .. })));
     }
 }
+
+/// Raises this process's soft limit of open file descriptors (`RLIMIT_NOFILE`) to its hard
+/// limit if it is below `needed`; a hard limit below `needed` is a typed error that names the
+/// limit and how to raise it (rank 0 of a large job holds a socket per rank).
+pub fn raise_open_files(needed: u64) -> Result<()> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(Error::Exchange {
+            op: "getrlimit(RLIMIT_NOFILE)",
+            peer: "this process".into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    if lim.rlim_cur >= needed {
+        return Ok(());
+    }
+    if lim.rlim_max < needed {
+        return Err(Error::Unsupported {
+            what: "a job of this size",
+            reason: format!(
+                "RLIMIT_NOFILE: this job needs {needed} open files on rank 0, the hard limit is \
+                 {}: raise it (ulimit -Hn, or LimitNOFILE= in the service, or --ulimit nofile= \
+                 for a container)",
+                lim.rlim_max
+            ),
+        });
+    }
+    let raised = libc::rlimit {
+        rlim_cur: lim.rlim_max,
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: a valid rlimit, raising the soft limit to the hard one (always permitted).
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(Error::Exchange {
+            op: "setrlimit(RLIMIT_NOFILE)",
+            peer: "this process".into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    tracing::info!(
+        from = lim.rlim_cur,
+        to = lim.rlim_max,
+        "raised RLIMIT_NOFILE"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod open_files_tests {
+    use super::*;
+
+    #[test]
+    fn a_small_need_is_met_and_an_impossible_one_names_the_limit() {
+        raise_open_files(16).unwrap();
+        let e = raise_open_files(u64::MAX).unwrap_err();
+        assert!(e.to_string().contains("RLIMIT_NOFILE"), "{e}");
+    }
+}

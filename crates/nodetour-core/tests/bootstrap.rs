@@ -194,6 +194,79 @@ fn strangers_are_dropped_and_the_job_still_forms() {
 }
 
 #[test]
+fn a_flood_of_silent_connections_holds_a_bounded_number_of_handshakes_and_the_job_forms() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let threads = || std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count());
+    let all = thread::scope(|s| {
+        let a = addr.clone();
+        let r0 = s.spawn(move || join(&a, 0, 2, "t", 60));
+        thread::sleep(Duration::from_millis(200));
+        let before = threads();
+        // 150 connections that never say a word, then the real rank.
+        let silent: Vec<TcpStream> = (0..150)
+            .filter_map(|_| TcpStream::connect(&addr).ok())
+            .collect();
+        thread::sleep(Duration::from_millis(500));
+        let during = threads();
+        assert!(
+            during <= before + 64 + 4,
+            "{during} threads with 150 silent connections ({before} before): handshakes are bounded"
+        );
+        let t = Instant::now();
+        let a = addr.clone();
+        let r1 = s.spawn(move || join(&a, 1, 2, "t", 60));
+        let out = [r0.join().unwrap(), r1.join().unwrap()];
+        // Silent connections are dropped after 2 s each, 64 at a time.
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "formed after {:?}",
+            t.elapsed()
+        );
+        drop(silent);
+        out
+    });
+    assert!(all.iter().all(|r| r.is_ok()));
+}
+
+#[test]
+fn a_peer_that_announces_a_large_message_before_proving_the_token_is_cut_off() {
+    use std::io::Read;
+    let addr = format!("127.0.0.1:{}", free_port());
+    thread::scope(|s| {
+        let a = addr.clone();
+        let r0 = s.spawn(move || join(&a, 0, 2, "t", 5));
+        thread::sleep(Duration::from_millis(200));
+        let mut c = TcpStream::connect(&addr).unwrap();
+        let mut challenge = [0u8; 64];
+        let _ = c.read(&mut challenge).unwrap();
+        // A header that claims 4 MiB of Hello (magic, version, kind, length as the wire has
+        // them): refused on the header, before a byte of it is read or allocated.
+        let header = nodetour_core::bootstrap::wire::Message::Hello {
+            rank: 1,
+            world_size: 2,
+            proof: [0; 32],
+            nonce: [0; 32],
+        }
+        .encode()
+        .unwrap();
+        let mut big = header[..nodetour_core::bootstrap::wire::HEADER_LEN].to_vec();
+        let n = big.len();
+        big[n - 4..].copy_from_slice(&(4u32 << 20).to_be_bytes());
+        let t = Instant::now();
+        c.write_all(&big).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut rest = [0u8; 16];
+        let closed = matches!(c.read(&mut rest), Ok(0) | Err(_));
+        assert!(
+            closed && t.elapsed() < Duration::from_secs(2),
+            "cut off at once"
+        );
+        // Rank 0 goes on waiting for the real rank 1, and times out cleanly.
+        assert!(r0.join().unwrap().is_err());
+    });
+}
+
+#[test]
 fn nobody_at_the_rendezvous_times_out() {
     let addr = format!("127.0.0.1:{}", free_port());
     let start = Instant::now();

@@ -317,9 +317,39 @@ fn take_parked_listener(port: u16) -> Option<TcpListener> {
 
 /// Reads one message within `deadline`.
 fn read_message(s: &mut TcpStream, deadline: Deadline, peer: &str) -> Result<Message> {
+    read_message_capped(s, deadline, peer, crate::bootstrap::wire::MAX_PAYLOAD)
+}
+
+/// The most a peer may make this process read before it has proven the job token (a challenge,
+/// a hello, a server proof, a refusal): nothing large is allocated for an unauthenticated peer.
+const UNAUTHENTICATED_MAX: u32 = 2048;
+
+/// At most this many connections in the handshake at once on rank 0; more wait in the
+/// listener's backlog.
+const MAX_HANDSHAKES: usize = 64;
+
+/// How long a connection may take to answer the challenge (a rank answers at once): what a
+/// silent connection costs a slot of `MAX_HANDSHAKES`.
+const HELLO_WITHIN: Duration = Duration::from_secs(2);
+
+/// Reads one message of at most `max` payload bytes within `deadline`.
+fn read_message_capped(
+    s: &mut TcpStream,
+    deadline: Deadline,
+    peer: &str,
+    max: u32,
+) -> Result<Message> {
     let mut header = [0u8; HEADER_LEN];
     read_exact(s, &mut header, deadline, peer)?;
     let (kind, len) = Message::decode_header(&header)?;
+    if len > max {
+        return Err(Error::Decode {
+            what: "bootstrap message",
+            reason: format!(
+                "{len} bytes from {peer}, at most {max} at this point of the handshake"
+            ),
+        });
+    }
     let mut payload = vec![0u8; len as usize];
     read_exact(s, &mut payload, deadline, peer)?;
     Message::decode_payload(kind, &payload)
@@ -410,22 +440,28 @@ fn serve(
             peer: bind.clone(),
             source,
         })?;
+    // Rank 0 holds a socket per rank for the job's life, and one per handshake.
+    crate::net::raise_open_files(u64::from(world_size) + MAX_HANDSHAKES as u64 + 64)?;
     let (tx, rx) = mpsc::channel::<std::result::Result<Joined, (String, Error)>>();
     let mut joined: Vec<Option<Joined>> = (0..world_size).map(|_| None).collect();
     let mut missing = world_size - 1;
+    // Handshakes in progress: a bounded number of unauthenticated peers at once.
+    let mut pending = 0usize;
     while missing > 0 {
-        match listener.accept() {
-            Ok((stream, peer)) => {
+        match (pending < MAX_HANDSHAKES).then(|| listener.accept()) {
+            None => {}
+            Some(Ok((stream, peer))) => {
                 let (tx, token) = (tx.clone(), token.clone());
                 let peer = peer.to_string();
+                pending += 1;
                 std::thread::spawn(move || {
                     let r = handshake_server(stream, &peer, world_size, &token, deadline)
                         .map_err(|e| (peer, e));
                     let _ = tx.send(r);
                 });
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(source) => {
+            Some(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Some(Err(source)) => {
                 return Err(Error::Exchange {
                     op: "accept",
                     peer: bind,
@@ -434,6 +470,7 @@ fn serve(
             }
         }
         while let Ok(result) = rx.try_recv() {
+            pending -= 1;
             match result {
                 Ok(mut j) => {
                     let r = j.entry.rank as usize;
@@ -506,35 +543,37 @@ fn handshake_server(
     let step = Deadline::after(STEP.min(deadline.remaining().max(Duration::from_millis(100))));
     let ours = nonce();
     send(&mut s, &Message::Challenge { nonce: ours }, peer)?;
-    let (rank, claimed_world, theirs) = match read_message(&mut s, step, peer)? {
-        Message::Hello {
-            rank,
-            world_size: w,
-            proof,
-            nonce,
-        } => {
-            if !token.verify_client(&ours, rank, w, &proof) {
-                let _ = send(
-                    &mut s,
-                    &Message::Reject {
-                        reason: "wrong job token".into(),
-                    },
-                    peer,
-                );
-                return Err(Error::Authenticate {
-                    peer: peer.to_owned(),
-                    reason: format!("wrong job token (claimed rank {rank})"),
+    let hello = Deadline::after(HELLO_WITHIN.min(step.remaining()));
+    let (rank, claimed_world, theirs) =
+        match read_message_capped(&mut s, hello, peer, UNAUTHENTICATED_MAX)? {
+            Message::Hello {
+                rank,
+                world_size: w,
+                proof,
+                nonce,
+            } => {
+                if !token.verify_client(&ours, rank, w, &proof) {
+                    let _ = send(
+                        &mut s,
+                        &Message::Reject {
+                            reason: "wrong job token".into(),
+                        },
+                        peer,
+                    );
+                    return Err(Error::Authenticate {
+                        peer: peer.to_owned(),
+                        reason: format!("wrong job token (claimed rank {rank})"),
+                    });
+                }
+                (rank, w, nonce)
+            }
+            other => {
+                return Err(Error::Decode {
+                    what: "bootstrap handshake",
+                    reason: format!("expected Hello, got {other:?}"),
                 });
             }
-            (rank, w, nonce)
-        }
-        other => {
-            return Err(Error::Decode {
-                what: "bootstrap handshake",
-                reason: format!("expected Hello, got {other:?}"),
-            });
-        }
-    };
+        };
     let refuse = |s: &mut TcpStream, reason: String| -> Error {
         let _ = send(
             s,
@@ -595,7 +634,7 @@ fn join(
     let peer = format!("rank 0 at {addr}");
     let mut s = crate::net::connect_retrying(addr, deadline, &|| Ok(()))?;
     s.set_nodelay(true).ok();
-    let challenge = match read_message(&mut s, deadline, &peer)? {
+    let challenge = match read_message_capped(&mut s, deadline, &peer, UNAUTHENTICATED_MAX)? {
         Message::Challenge { nonce } => nonce,
         other => {
             return Err(Error::Decode {
@@ -615,7 +654,7 @@ fn join(
         },
         &peer,
     )?;
-    match read_message(&mut s, deadline, &peer)? {
+    match read_message_capped(&mut s, deadline, &peer, UNAUTHENTICATED_MAX)? {
         Message::ServerProof { proof } if token.verify_server(&ours, rank, world_size, &proof) => {}
         Message::ServerProof { .. } => {
             return Err(Error::Authenticate {

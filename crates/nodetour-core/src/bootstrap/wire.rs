@@ -449,4 +449,43 @@ mod tests {
             let _ = Message::decode_payload(kind, &payload);
         }
     }
+
+    #[test]
+    fn a_table_of_4096_ranks_encodes_within_the_limit_and_round_trips() {
+        // What the communicator announces: a host identity, an address, 12 bytes of blob.
+        let entries: Vec<PeerEntry> = (0..4096u32)
+            .map(|r| PeerEntry {
+                rank: r,
+                host: HostIdentity {
+                    boot_id: format!("{:08x}-7d1c-4e5f-9a0b-{:012x}", r / 8, r / 8),
+                    net_ns: 4026531840,
+                    ipc_ns: 4026531839,
+                    mnt_ns: 4026531841,
+                },
+                address: format!(
+                    "10.{}.{}.{}:{}",
+                    r >> 16,
+                    (r >> 8) & 255,
+                    r & 255,
+                    40000 + r % 1000
+                ),
+                blob: vec![b'n'; 12],
+            })
+            .collect();
+        let frame = Message::Table(entries.clone()).encode().unwrap();
+        assert!(
+            frame.len() < MAX_PAYLOAD as usize / 8,
+            "{} bytes",
+            frame.len()
+        );
+        assert_eq!(Message::decode(&frame).unwrap(), Message::Table(entries));
+        // Blobs at their limit on 4096 ranks exceed the frame limit: a typed error, no frame.
+        let fat: Vec<PeerEntry> = (0..4096u32)
+            .map(|r| PeerEntry {
+                blob: vec![0; MAX_BLOB],
+                ..entry(r)
+            })
+            .collect();
+        assert!(Message::Table(fat).encode().is_err());
+    }
 }
