@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# run.sh: nodetour's main job today: RDMA WRITEs between two endpoints over real verbs, verified
-# end to end, and our write loop measured beside perftest's ib_write_bw.
-#   scripts/run.sh          install what is missing, build (release), then
-#                           - with RDMA devices on this machine: list them and run the two-node
-#                             smoke test over the first one (both ranks here, loopback path);
-#                           - without: boot the soft-RoCE VM with two rxe devices and run
-#                             `nodetour devices`, two_node_smoke between them, and the
-#                             write-bw vs ib_write_bw comparison.
+# run.sh: nodetour's main job: what a user comes for.
+#   1. `nodetour doctor`: this machine's GPUDirect readiness, what is missing and how to fix it;
+#   2. an allreduce across two ranks through nodetour's Communicator on the best path this
+#      machine has, each link's path printed, the bandwidth beside its reference
+#      (scripts/allreduce-job.sh):
+#      - with GPUs: two processes on them (examples/data_parallel), NCCL as the reference;
+#      - else with RDMA devices: two processes over verbs, ib_write_bw as the reference;
+#      - else: the same inside a throw-away VM with two soft-RoCE (rdma_rxe) devices.
+# Installs what is missing first and builds (release). The tests are scripts/test.sh.
 # Env: NODETOUR_SKIP_INSTALL=1; any NODETOUR_* knob (README) is passed through.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,13 +15,16 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export CARGO_TARGET_DIR="$PWD/target"
 [[ ${NODETOUR_SKIP_INSTALL:-0} == 1 ]] || scripts/install-deps.sh
 cargo build --release --bins --examples
-if compgen -G '/sys/class/infiniband/*' >/dev/null; then
-    target/release/nodetour devices
-    target/release/examples/two_node_smoke --rank 0 --addr 127.0.0.1:18517 &
-    rank0=$!
-    target/release/examples/two_node_smoke --rank 1 --addr 127.0.0.1:18517
-    wait "$rank0"
+echo "== nodetour doctor"
+target/release/nodetour doctor || true
+if target/release/nodetour gpus >/dev/null 2>&1; then
+    scripts/allreduce-job.sh gpu
+elif compgen -G '/sys/class/infiniband/*' >/dev/null; then
+    mapfile -t devs < <(ls /sys/class/infiniband)
+    scripts/allreduce-job.sh verbs "${devs[0]}" "${devs[1]:-${devs[0]}}"
 else
-    reason=$(scripts/rdma-vm.sh --check) || { echo "run.sh: no RDMA device here and the VM cannot run: $reason"; exit 2; }
-    scripts/rdma-vm.sh --nodes 2 -- bash -c 'target/release/nodetour devices && scripts/vm-tier.sh'
+    reason=$(scripts/rdma-vm.sh --check) || { echo "run.sh: no GPU, no RDMA device here, and the VM cannot run: $reason"; exit 2; }
+    echo "== no GPU and no RDMA device here: the allreduce runs in a VM with two soft-RoCE devices"
+    scripts/rdma-vm.sh --nodes 2 --timeout 900 -- bash -c \
+        'target/release/nodetour doctor | sed -n "/RDMA devices/,/host memory/p"; scripts/allreduce-job.sh verbs "$NODETOUR_VM_DEV0" "$NODETOUR_VM_DEV1"'
 fi

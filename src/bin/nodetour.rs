@@ -564,6 +564,9 @@ fn perf(
     options.piece_bytes = sizes.iter().copied().max().unwrap_or(8).max(4096);
     let timeout = options.timeout();
     let comm = nodetour::Communicator::from_env(options)?;
+    if comm.rank() == 0 && sweep.format != "json" && sweep.format != "csv" {
+        println!("# paths: {}", comm.paths());
+    }
     let rows = run(&comm, &sizes, dtype, op, sweep.warmup, sweep.iters)?;
     if comm.rank() == 0 {
         print!(
