@@ -20,8 +20,8 @@ use anyhow::bail;
 use clap::Parser;
 use nodetour::core::memory::DeviceBuffer;
 use nodetour::core::transport::TransportKind;
-use nodetour::perf::{cases, pattern, verify};
 use nodetour::{Communicator, DataType, Deadline, Options, ReduceOp};
+use nodetour_tools::perf::{cases, pattern, verify};
 
 #[derive(Parser)]
 #[command(about = "Ring allreduce of host buffers across processes, checked against float64")]
@@ -82,7 +82,7 @@ fn footprint() -> (u64, usize) {
 }
 
 fn main() -> ExitCode {
-    nodetour::logging::init();
+    nodetour_tools::logging::init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -92,7 +92,7 @@ fn check(
 }
 
 fn main() -> ExitCode {
-    nodetour::logging::init();
+    nodetour_tools::logging::init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

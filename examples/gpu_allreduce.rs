@@ -29,7 +29,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    nodetour::logging::init();
+    nodetour_tools::logging::init();
     let args = Args::parse();
     let gpus = match cuda::gpus() {
         Ok(g) if !g.is_empty() => g.len(),

@@ -23,13 +23,13 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::Parser;
-use nodetour::gpu_job::{GpuRingJob, GpuRingOptions};
-use nodetour::perf::{cases, pattern, verify};
-use nodetour::perf_gpu::{SweepSpec, render, ring_sweep};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::{Config, Deadline};
 use nodetour_ring::{DataType, ReduceOp};
+use nodetour_tools::gpu_job::{GpuRingJob, GpuRingOptions};
+use nodetour_tools::perf::{cases, pattern, verify};
+use nodetour_tools::perf_gpu::{SweepSpec, render, ring_sweep};
 
 #[derive(Parser)]
 #[command(about = "GPU ring allreduce across processes, checked and measured")]
@@ -89,7 +89,7 @@ struct Args {
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn main() -> ExitCode {
-    nodetour::logging::init();
+    nodetour_tools::logging::init();
     if let Err(reason) = nodetour_core::cuda::availability() {
         println!("SKIP gpu_ring_check: {reason}");
         return ExitCode::SUCCESS;
@@ -192,7 +192,7 @@ fn run() -> anyhow::Result<()> {
     g.job.barrier(deadline())?;
 
     if args.perf {
-        let sizes = nodetour::perf::parse_sizes(&format!("1M:{}", args.max_bytes), 4)?;
+        let sizes = nodetour_tools::perf::parse_sizes(&format!("1M:{}", args.max_bytes), 4)?;
         let algos: &[bool] = if args.also_ring && g.world == 2 {
             &[true, false]
         } else {

@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
-use nodetour::blob::{put, rendezvous, take};
-use nodetour::perf::median;
 use nodetour_core::bootstrap::{HostIdentity, LaunchInfo};
 use nodetour_core::cuda::{GpuStream, enable_peer_access};
 use nodetour_core::memory::{DeviceBuffer, HostBuffer, ShmName};
 use nodetour_core::transport::gpu::{CudaIpcSender, Flags, GpuSlot, IpcGrant, ShmSender, ShmSlot};
 use nodetour_core::{Config, Deadline};
+use nodetour_tools::blob::{put, rendezvous, take};
+use nodetour_tools::perf::median;
 
 const IPC_BYTES: usize = 256 << 20;
 const SHM_BYTES: usize = 1 << 30;
@@ -31,7 +31,7 @@ const CHUNK: usize = 8 << 20;
 const RUNS: usize = 5;
 
 fn main() -> ExitCode {
-    nodetour::logging::init();
+    nodetour_tools::logging::init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -23,7 +23,6 @@ use anyhow::{Context as _, bail};
 use clap::Parser;
 use std::sync::Arc;
 
-use nodetour::link::LocalSide;
 use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::tcp::TcpEndpoint;
@@ -33,6 +32,7 @@ use nodetour_core::transport::{
 };
 use nodetour_core::verbs::{Access, EndpointDescription, MemoryRegion, Near, PathOptions};
 use nodetour_core::{Config, Deadline};
+use nodetour_tools::link::LocalSide;
 
 #[derive(Parser)]
 #[command(about = "Connect every pair of ranks over a transport, write, verify")]
@@ -59,7 +59,7 @@ fn pattern(from: u32, to: u32, i: usize) -> u8 {
 }
 
 fn main() -> ExitCode {
-    nodetour::logging::init();
+    nodetour_tools::logging::init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use cudarc::driver::CudaContext;
-use nodetour::link::{LocalSide, PeerLink, Role};
 use nodetour_core::cuda::{self, GpuInfo};
 use nodetour_core::memory::{DeviceBuffer, HostBuffer, RdmaBuffer};
 use nodetour_core::oob::MessageKind;
@@ -34,6 +33,7 @@ use nodetour_core::verbs::{
     Access, Completion, DmabufSupport, MemoryRegion, Near, QueuePairOptions,
 };
 use nodetour_core::{Config, Deadline, Error};
+use nodetour_tools::link::{LocalSide, PeerLink, Role};
 
 #[derive(Parser)]
 #[command(about = "Two-node RDMA WRITE smoke test")]
@@ -67,7 +67,7 @@ fn pattern(rank: u32, i: usize) -> u8 {
 }
 
 fn main() -> ExitCode {
-    nodetour::logging::init();
+    nodetour_tools::logging::init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export CARGO_TARGET_DIR="$PWD/target"
 out=${1:-.device}
 mkdir -p "$out"
-cargo build --release --bins --examples
+cargo build --release --workspace --bins --examples
 cargo build --release -p nodetour-core --example gpu_spike --example teardown_probe
 exe=$(cargo test --release -p nodetour-core --test gpu --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp target/release/nodetour target/release/examples/two_node_smoke target/release/examples/gpu_spike target/release/examples/teardown_probe \

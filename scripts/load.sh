@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 secs=${1:-300}
 ranks=${2:-8}
 bin=${NODETOUR_EXAMPLES:-target/release/examples}
-[[ -x $bin/allreduce_check ]] || cargo build --release --example allreduce_check >&2
+[[ -x $bin/allreduce_check ]] || cargo build --release -p nodetour --example allreduce_check >&2
 out=$(scripts/launch-local.sh -n "$ranks" --timeout $((secs + 300)) -- "$bin/allreduce_check" \
     --all --count 100003 --slot-bytes 65536 --seconds "$secs" 2>&1)
 rc=$?

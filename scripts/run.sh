@@ -14,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # The scripts name binaries under ./target: build there even where CARGO_TARGET_DIR points elsewhere.
 export CARGO_TARGET_DIR="$PWD/target"
 [[ ${NODETOUR_SKIP_INSTALL:-0} == 1 ]] || scripts/install-deps.sh
-cargo build --release --bins --examples
+cargo build --release --workspace --bins --examples
 echo "== nodetour doctor"
 target/release/nodetour doctor || true
 if target/release/nodetour gpus >/dev/null 2>&1; then

@@ -16,7 +16,7 @@ case $transport in
 esac
 ranks=${3:-4}
 bin=${NODETOUR_EXAMPLES:-target/release/examples}
-[[ -x $bin/allreduce_check ]] || cargo build --release --example allreduce_check >&2
+[[ -x $bin/allreduce_check ]] || cargo build --release -p nodetour --example allreduce_check >&2
 out=$(scripts/launch-local.sh -n "$ranks" --timeout 3600 -- "$bin/allreduce_check" --transport "$transport" \
     "${extra[@]}" --all --count 4099 --slot-bytes 4096 --repeat "$n" 2>&1)
 rc=$?

@@ -66,7 +66,7 @@ else
 fi
 
 step "binary tier: release build, no load-time libibverbs/librdmacm"
-cargo build --release --bins --examples --color never 2>&1 | tail -n 3
+cargo build --release --workspace --bins --examples --color never 2>&1 | tail -n 3
 no_verbs_link() { ! ldd "$1" | grep -E 'libibverbs|librdmacm'; }
 check "ldd nodetour has no libibverbs/librdmacm" no_verbs_link target/release/nodetour
 check "ldd two_node_smoke has no libibverbs/librdmacm" no_verbs_link target/release/examples/two_node_smoke

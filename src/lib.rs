@@ -31,8 +31,8 @@
 //! ```
 //!
 //! The lower layers stay reachable for tools and tests: [`core`] (verbs, CUDA, memory,
-//! transports, bootstrap) and [`ring`] (the pure schedule and its executors). This package also
-//! holds what the `nodetour` command and the examples share.
+//! transports, bootstrap) and [`ring`] (the pure schedule and its executors). The `nodetour`
+//! command (doctor, perf, write-bw) lives in the unpublished `nodetour-tools` package.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -42,15 +42,3 @@ pub use nodetour_core::{Config, Deadline};
 pub use nodetour_ring as ring;
 pub use nodetour_ring::comm::{AbortHandle, Communicator, Options, Paths, UniqueId};
 pub use nodetour_ring::{DataType, Element, Error, ReduceOp, Result};
-
-pub mod blob;
-pub mod ceiling;
-pub mod doctor;
-pub mod gpu_job;
-pub mod link;
-pub mod logging;
-pub mod perf;
-pub mod perf_gpu;
-pub mod plot;
-pub mod write_bw;
-pub mod write_lat;

@@ -21,30 +21,122 @@ use nodetour_core::transport::tcp::TcpEndpoint;
 
 use crate::error::{Error, Result};
 use crate::gpu_ring::{
-    EndPages, GpuRing, IPC_SLOT_BYTES, IPC_SLOTS, Incoming, Outgoing, SHM_SLOT_BYTES, SLOTS,
-    StreamLinks, flag,
+    EndPages, GpuRing, IPC_SLOT_BYTES, IPC_SLOTS, Incoming, Outgoing, SHM_SLOT_BYTES,
+    SLOT_MEMORY_MAX, SLOTS, StreamLinks, flag,
 };
 
 const MODE_IPC: u32 = 1;
 const MODE_SHM: u32 = 2;
 
-/// Where this rank sits and what it may use.
-pub(crate) struct Seat<'a> {
+/// Which paths a GPU ring builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuPaths {
+    /// Direct where the next GPU's memory can be mapped, else staged (the default).
+    Auto,
+    /// Direct only (an error where cuda-ipc cannot map the peer's memory).
+    Direct,
+    /// Staged only.
+    Staged,
+    /// Both: a direct ring and a staged ring side by side (benchmarks).
+    Both,
+}
+
+/// Slot shapes and paths of a GPU ring.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuRingOptions {
+    /// Slots per link on the staged path.
+    pub slots: u32,
+    /// Bytes per slot on the direct path.
+    pub ipc_slot_bytes: usize,
+    /// Bytes per slot on the staged path.
+    pub shm_slot_bytes: usize,
+    /// Slots per link on the direct path.
+    pub ipc_slots: u32,
+    /// Direct path: flags in GPU memory (polled locally, set over NVLink/PCIe) rather than in
+    /// shared host memory.
+    pub device_flags: bool,
+    /// Which paths to build (`NODETOUR_TRANSPORT=cuda-ipc|shm` overrides it).
+    pub paths: GpuPaths,
+}
+
+impl Default for GpuRingOptions {
+    fn default() -> Self {
+        GpuRingOptions {
+            slots: SLOTS,
+            ipc_slot_bytes: IPC_SLOT_BYTES,
+            shm_slot_bytes: SHM_SLOT_BYTES,
+            ipc_slots: IPC_SLOTS,
+            device_flags: true,
+            paths: GpuPaths::Auto,
+        }
+    }
+}
+
+impl GpuRingOptions {
+    fn validate(&self) -> Result<()> {
+        for (what, slots, bytes) in [
+            ("cuda-ipc", self.ipc_slots, self.ipc_slot_bytes),
+            ("shm", self.slots, self.shm_slot_bytes),
+        ] {
+            let total = bytes.saturating_mul(slots as usize);
+            if total > SLOT_MEMORY_MAX || slots == 0 || bytes == 0 {
+                return Err(Error::InvalidArgument {
+                    reason: format!(
+                        "{what}: {slots} slots of {bytes} bytes: slot memory is bounded by {} MiB",
+                        SLOT_MEMORY_MAX >> 20
+                    ),
+                });
+            }
+        }
+        if self.paths == GpuPaths::Both && !self.device_flags {
+            return Err(Error::InvalidArgument {
+                reason: "both paths at once need the direct ring's flags in GPU memory".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A formed GPU ring: the ring (direct where cuda-ipc works), with [`GpuPaths::Both`] the
+/// staged ring beside it, and why the link to the next rank takes its path.
+pub struct FormedGpuRing {
+    /// The ring.
+    pub ring: GpuRing,
+    /// The staged ring beside it (benchmarks).
+    pub staged: Option<GpuRing>,
+    /// Why.
+    pub choice: String,
+}
+
+/// Where this rank sits in a job whose ranks all share this host, and what it may use.
+pub struct Seat<'a> {
+    /// The job's bootstrap (barriers, liveness, every rank's address).
     pub job: &'a Bootstrap,
+    /// This rank's authenticated endpoint (the neighbours' setups travel over it).
     pub endpoint: &'a TcpEndpoint,
+    /// This rank's GPU.
     pub context: &'a Arc<CudaContext>,
+    /// This rank.
     pub me: u32,
+    /// Ranks in the job.
     pub world: u32,
+    /// This rank's position in the ring order.
     pub position: u32,
+    /// The previous rank in the ring.
     pub prev: u32,
+    /// The next rank in the ring.
     pub next: u32,
     /// `NODETOUR_TRANSPORT` (cuda-ipc or shm here; anything else means "choose").
     pub forced: Option<TransportKind>,
+    /// Formation's deadline.
     pub deadline: Deadline,
 }
 
-/// Forms the GPU ring; returns it and why its link to the next rank takes its path.
-pub(crate) fn form(seat: Seat<'_>) -> Result<(GpuRing, String)> {
+/// Forms the GPU ring of `seat`'s job with `options` (every rank calls it, with the same
+/// options): the lower layer of the communicator's device path, open to tools that compare the
+/// paths side by side.
+pub fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuRing> {
+    options.validate()?;
     let Seat {
         job,
         endpoint,
@@ -58,10 +150,20 @@ pub(crate) fn form(seat: Seat<'_>) -> Result<(GpuRing, String)> {
         deadline,
     } = seat;
     if world == 1 {
-        return Ok((GpuRing::new(context, 0, 1, None)?, "a ring of one".into()));
+        return Ok(FormedGpuRing {
+            ring: GpuRing::new(context, 0, 1, None)?,
+            staged: None,
+            choice: "a ring of one".into(),
+        });
     }
-    let (ipc_slots, ipc_slot_bytes) = (IPC_SLOTS, IPC_SLOT_BYTES);
-    let (shm_slots_n, shm_slot_bytes) = (SLOTS, SHM_SLOT_BYTES);
+    let (ipc_slots, ipc_slot_bytes) = (options.ipc_slots, options.ipc_slot_bytes);
+    let (shm_slots_n, shm_slot_bytes) = (options.slots, options.shm_slot_bytes);
+    // Which paths to build: the environment's override, else the options'.
+    let paths = match forced {
+        Some(TransportKind::Shm) => GpuPaths::Staged,
+        Some(TransportKind::CudaIpc) => GpuPaths::Direct,
+        _ => options.paths,
+    };
     // What this rank receives into; the unused kind is freed once the previous rank has said
     // which it chose.
     let flags = Flags::create(context, flag::WORDS)?;
@@ -112,7 +214,7 @@ pub(crate) fn form(seat: Seat<'_>) -> Result<(GpuRing, String)> {
     let open_flags = || Flags::open(context, &theirs.flags, flag::WORDS);
     let mut choice = Vec::new();
     let mut out_ipc = None;
-    if forced != Some(TransportKind::Shm) {
+    if paths != GpuPaths::Staged {
         match CudaIpcSender::open(context, &grant, open_flags()?, flag::READY) {
             Ok(s) => {
                 out_ipc = Some(s);
@@ -121,29 +223,30 @@ pub(crate) fn form(seat: Seat<'_>) -> Result<(GpuRing, String)> {
                         .to_owned(),
                 );
             }
-            Err(e) if forced != Some(TransportKind::CudaIpc) => {
-                choice.push(format!("staged (shm): {e}"));
-            }
+            Err(e) if paths == GpuPaths::Auto => choice.push(format!("staged (shm): {e}")),
             Err(e) => return Err(e.into()),
         }
-    } else {
-        choice.push("staged (shm): NODETOUR_TRANSPORT=shm".to_owned());
     }
-    let out_shm = match out_ipc {
-        Some(_) => None,
-        None => Some(ShmSender::open(
+    let out_shm = if paths == GpuPaths::Staged || paths == GpuPaths::Both || out_ipc.is_none() {
+        match (paths, forced) {
+            (GpuPaths::Staged, Some(TransportKind::Shm)) => {
+                choice.push("staged (shm): NODETOUR_TRANSPORT=shm".to_owned())
+            }
+            (GpuPaths::Staged, _) => choice.push("staged (shm): requested".to_owned()),
+            (GpuPaths::Both, _) => choice.push("staged (shm) beside it, for comparison".to_owned()),
+            _ => {}
+        }
+        Some(ShmSender::open(
             context,
             &next_shm,
             next_shm_len,
             open_flags()?,
             flag::READY,
-        )?),
-    };
-    let mode = if out_ipc.is_some() {
-        MODE_IPC
+        )?)
     } else {
-        MODE_SHM
+        None
     };
+    let mode = u32::from(out_ipc.is_some()) * MODE_IPC + u32::from(out_shm.is_some()) * MODE_SHM;
     // Opened now: the name goes away after the barrier.
     let next_host_flags = open_flags()?;
     next_host_flags.store(flag::MODE, mode)?;
@@ -170,31 +273,54 @@ pub(crate) fn form(seat: Seat<'_>) -> Result<(GpuRing, String)> {
         prev: Arc::new(prev_flags),
     };
     let host_page = |f: &Arc<Flags>| -> Arc<dyn FlagPage> { f.clone() };
-    let links = match (out_ipc, out_shm) {
-        (Some(out), _) => {
-            // Direct links keep their flags in GPU memory (each GPU polls its own memory); the
-            // pages of both neighbours are mapped before anyone's names go away.
-            StreamLinks {
-                flags: Arc::new(device_flags),
-                next_flags: Arc::new(PeerDeviceFlags::open(
+    let mut host_pages_free = true;
+    let mut rings = Vec::new();
+    if let Some(out) = out_ipc {
+        // Direct links keep their flags in GPU memory (each GPU polls its own memory); the
+        // pages of both neighbours are mapped before anyone's names go away.
+        let pages: [Arc<dyn FlagPage>; 3] = if options.device_flags {
+            [
+                Arc::new(device_flags),
+                Arc::new(PeerDeviceFlags::open(
                     context,
                     &theirs.device_flags,
                     flag::WORDS,
                 )?),
-                prev_flags: Arc::new(PeerDeviceFlags::open(
+                Arc::new(PeerDeviceFlags::open(
                     context,
                     &from_prev.device_flags,
                     flag::WORDS,
                 )?),
-                outgoing: Outgoing::CudaIpc(out),
-                incoming: Incoming::CudaIpc(gpu_slots),
-                slots: ipc_slots,
-                slot_bytes: ipc_slot_bytes,
-                ends: ends.clone(),
-                desc_half: 0,
-            }
+            ]
+        } else {
+            host_pages_free = false;
+            [
+                host_page(&ends.mine),
+                host_page(&ends.next),
+                host_page(&ends.prev),
+            ]
+        };
+        let [mine, next_page, prev_page] = pages;
+        rings.push(StreamLinks {
+            flags: mine,
+            next_flags: next_page,
+            prev_flags: prev_page,
+            outgoing: Outgoing::CudaIpc(out),
+            incoming: Incoming::CudaIpc(gpu_slots),
+            slots: ipc_slots,
+            slot_bytes: ipc_slot_bytes,
+            ends: ends.clone(),
+            desc_half: 0,
+        });
+    }
+    if let Some(out) = out_shm {
+        // Both paths at once only with the direct ring's flags in GPU memory (validated).
+        if !host_pages_free {
+            return Err(Error::InvalidArgument {
+                reason: "the host flag pages are taken by the direct ring".into(),
+            });
         }
-        (None, Some(out)) => StreamLinks {
+        rings.push(StreamLinks {
             flags: host_page(&ends.mine),
             next_flags: host_page(&ends.next),
             prev_flags: host_page(&ends.prev),
@@ -206,13 +332,58 @@ pub(crate) fn form(seat: Seat<'_>) -> Result<(GpuRing, String)> {
             slots: shm_slots_n,
             slot_bytes: shm_slot_bytes,
             ends: ends.clone(),
-            desc_half: 0,
-        },
-        (None, None) => unreachable!("one of the two senders is always opened"),
+            desc_half: u32::from(!rings.is_empty()),
+        });
+    }
+    let flags_where = if options.device_flags {
+        "flags in GPU memory (direct), shared host memory (staged)"
+    } else {
+        "flags in shared host memory"
     };
+    let choice = format!("{}; {flags_where}", choice.join("; "));
     job.barrier(deadline)?;
-    let ring = GpuRing::new(context, position, world, Some(links))?;
-    let choice = choice.join("; ");
+    let mut rings = rings
+        .into_iter()
+        .map(|links| GpuRing::new(context, position, world, Some(links)))
+        .collect::<Result<Vec<_>>>()?;
+    let staged = if rings.len() == 2 { rings.pop() } else { None };
+    let ring = rings.pop().ok_or_else(|| Error::Unsupported {
+        reason: "no GPU path was built".into(),
+    })?;
     tracing::info!(rank = me, path = ring.path(), reason = %choice, "GPU ring formed");
-    Ok((ring, choice))
+    Ok(FormedGpuRing {
+        ring,
+        staged,
+        choice,
+    })
+}
+
+/// Ends GPU rings with the teardown handshake: each ring's streams drained and its mappings of
+/// the neighbours' memory closed, then a barrier over `job` (or the liveness mesh reporting a
+/// rank gone, which counts as closed) says every rank has done the same, and only then is the
+/// memory this rank exported freed; past `deadline` it is leaked, never freed under a
+/// neighbour's mapping. Every rank of the job calls it.
+pub fn teardown(rings: &mut [&mut GpuRing], job: &Bootstrap, deadline: Deadline) -> Result<()> {
+    let mut first = None;
+    for ring in rings.iter_mut() {
+        first = first.or(ring.close_imports(deadline.remaining()).err());
+    }
+    let handshake = job.barrier(deadline);
+    // A rank that is gone has no mapping left.
+    let peers_done = handshake.is_ok() || job.check_present().is_err();
+    for ring in rings.iter_mut() {
+        if peers_done {
+            first = first.or(ring.close(deadline.remaining()).err());
+        } else {
+            ring.leak_exports();
+        }
+    }
+    match (first, handshake) {
+        (Some(e), _) => Err(e),
+        (None, Err(e)) if !peers_done => {
+            tracing::error!(error = %e, "the teardown handshake failed: exported slots leaked");
+            Err(Error::from(e))
+        }
+        _ => Ok(()),
+    }
 }

@@ -331,18 +331,22 @@ impl HostJob {
         let (gpu_ring, device) = match pin {
             None => (None, DevicePath::None),
             Some(context) if one_host && all_gpus && one_process_each && !host_forced => {
-                let (ring, reason) = super::gpu_links::form(super::gpu_links::Seat {
-                    job: &job,
-                    endpoint: &endpoint,
-                    context,
-                    me,
-                    world,
-                    position: position(&order, me),
-                    prev,
-                    next,
-                    forced: options.transport,
-                    deadline,
-                })?;
+                let formed = super::gpu_links::form(
+                    super::gpu_links::Seat {
+                        job: &job,
+                        endpoint: &endpoint,
+                        context,
+                        me,
+                        world,
+                        position: position(&order, me),
+                        prev,
+                        next,
+                        forced: options.transport,
+                        deadline,
+                    },
+                    super::gpu_links::GpuRingOptions::default(),
+                )?;
+                let (ring, reason) = (formed.ring, formed.choice);
                 let transport = ring.kind();
                 (Some(ring), DevicePath::GpuRing { transport, reason })
             }

@@ -40,7 +40,7 @@
 //!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
 
-mod gpu_links;
+pub mod gpu_links;
 mod host_job;
 mod links;
 mod options;
@@ -158,21 +158,9 @@ fn teardown(job: &mut HostJob, deadline: Deadline, orderly: bool) -> Result<()> 
         }
         return Ok(());
     };
-    let mut first = ring.close_imports(deadline.remaining()).err();
-    let handshake = job.job.barrier(deadline);
-    // A rank that is gone has no mapping left.
-    let peers_done = handshake.is_ok() || job.job.check_present().is_err();
-    if peers_done {
-        first = first.or(ring.close(deadline.remaining()).err());
-    } else {
-        ring.leak_exports();
-    }
+    let result = gpu_links::teardown(&mut [ring], &job.job, deadline);
     job.gpu_ring = None;
-    match (first, handshake) {
-        (Some(e), _) => Err(e),
-        (None, Err(e)) if !peers_done => Err(Error::from(e)),
-        _ => Ok(()),
-    }
+    result
 }
 
 impl Drop for Communicator {

@@ -6,10 +6,10 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use nodetour::write_bw::{self, WriteBwOptions};
-use nodetour::write_lat;
 use nodetour_core::verbs::{self, Context, library};
 use nodetour_core::{Config, Error};
+use nodetour_tools::write_bw::{self, WriteBwOptions};
+use nodetour_tools::write_lat;
 
 #[derive(Parser)]
 #[command(
@@ -156,10 +156,10 @@ struct GpuArgs {
 
 impl GpuArgs {
     /// The sweep these arguments ask for.
-    fn spec(&self, sweep: &SweepArgs) -> anyhow::Result<nodetour::perf_gpu::SweepSpec> {
-        use nodetour::perf::{parse_dtype, parse_op, parse_sizes};
+    fn spec(&self, sweep: &SweepArgs) -> anyhow::Result<nodetour_tools::perf_gpu::SweepSpec> {
+        use nodetour_tools::perf::{parse_dtype, parse_op, parse_sizes};
         let (compare_nccl, ceiling) = self.compares()?;
-        Ok(nodetour::perf_gpu::SweepSpec {
+        Ok(nodetour_tools::perf_gpu::SweepSpec {
             sizes: parse_sizes(&sweep.sizes, sweep.factor)?,
             dtype: parse_dtype(&sweep.dtype)?,
             op: parse_op(&sweep.op)?,
@@ -195,7 +195,7 @@ fn exit(result: anyhow::Result<bool>) -> ExitCode {
 }
 
 fn main() -> ExitCode {
-    nodetour::logging::init();
+    nodetour_tools::logging::init();
     let cli = Cli::parse();
     if let Command::Perf {
         sweep,
@@ -221,16 +221,17 @@ fn main() -> ExitCode {
         return exit(perf(sweep, transport, devices, *slot_bytes));
     }
     if let Command::Doctor { json, no_live } = cli.command {
-        return match Config::from_env().and_then(|c| nodetour::doctor::examine(&c, !no_live)) {
+        return match Config::from_env().and_then(|c| nodetour_tools::doctor::examine(&c, !no_live))
+        {
             Ok(report) => {
                 if json {
                     println!(
                         "{}",
-                        serde_json::to_string_pretty(&nodetour::doctor::render_json(&report))
+                        serde_json::to_string_pretty(&nodetour_tools::doctor::render_json(&report))
                             .unwrap_or_default()
                     );
                 } else {
-                    print!("{}", nodetour::doctor::render_text(&report));
+                    print!("{}", nodetour_tools::doctor::render_text(&report));
                 }
                 ExitCode::from(report.exit_code())
             }
@@ -468,24 +469,24 @@ fn gpus(config: &Config) -> Result<(), Error> {
 /// Prints the rows and draws the plot when asked.
 fn report(
     sweep: &SweepArgs,
-    spec: &nodetour::perf_gpu::SweepSpec,
-    rows: &[nodetour::perf_gpu::GpuRow],
+    spec: &nodetour_tools::perf_gpu::SweepSpec,
+    rows: &[nodetour_tools::perf_gpu::GpuRow],
     what: &str,
     path: &str,
 ) -> anyhow::Result<()> {
-    use nodetour::perf_gpu::{render, series};
+    use nodetour_tools::perf_gpu::{render, series};
     let (dtype, op) = (spec.dtype, spec.op);
     print!("{}", render(rows, &sweep.format, what, path, dtype, op));
     if let Some(file) = &sweep.plot {
         let title = format!("all_reduce {dtype:?} {op:?}, {what}");
-        std::fs::write(file, nodetour::plot::svg(&title, &series(rows)))?;
+        std::fs::write(file, nodetour_tools::plot::svg(&title, &series(rows)))?;
         eprintln!("plot: {}", file.display());
     }
     Ok(())
 }
 
 fn perf_gpus(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
-    use nodetour::perf_gpu::sweep as run;
+    use nodetour_tools::perf_gpu::sweep as run;
     if gpu.path == "staged" || gpu.path == "both" {
         anyhow::bail!(
             "--gpus runs the direct ring of one process; the staged path runs one GPU per \
@@ -502,8 +503,8 @@ fn perf_gpus(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
 }
 
 fn perf_ring(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
-    use nodetour::gpu_job::{GpuPaths, GpuRingJob, GpuRingOptions};
-    use nodetour::perf_gpu::ring_sweep;
+    use nodetour_tools::gpu_job::{GpuPaths, GpuRingJob, GpuRingOptions};
+    use nodetour_tools::perf_gpu::ring_sweep;
     let config = Config::from_env()?;
     let paths = match gpu.path.as_str() {
         "auto" => GpuPaths::Auto,
@@ -546,7 +547,7 @@ fn perf(
     devices: &[String],
     slot_bytes: usize,
 ) -> anyhow::Result<bool> {
-    use nodetour::perf::{parse_dtype, parse_op, parse_sizes, render, sweep as run};
+    use nodetour_tools::perf::{parse_dtype, parse_op, parse_sizes, render, sweep as run};
     let (sizes, dtype, op) = (
         parse_sizes(&sweep.sizes, sweep.factor)?,
         parse_dtype(&sweep.dtype)?,

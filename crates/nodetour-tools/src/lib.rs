@@ -1,0 +1,22 @@
+//! # nodetour-tools
+//!
+//! What the `nodetour` command, the examples and the benches share, kept out of the published
+//! `nodetour` package so that a runtime linking nodetour compiles neither clap nor the
+//! benchmark harness: the doctor, the perf sweeps (host, GPU, against NCCL and the copy
+//! ceilings), plots, the write bandwidth and latency tools, the two-process verbs link, the GPU
+//! ring job of the perf tool, logging set-up. Not published (`publish = false`); binaries use
+//! `anyhow`, library code here too (it is tooling, not library API).
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod blob;
+pub mod ceiling;
+pub mod doctor;
+pub mod gpu_job;
+pub mod link;
+pub mod logging;
+pub mod perf;
+pub mod perf_gpu;
+pub mod plot;
+pub mod write_bw;
+pub mod write_lat;
