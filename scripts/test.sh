@@ -87,6 +87,12 @@ doctor_runs() {
     [[ $rc == 0 || $rc == 2 || $rc == 3 ]]
 }
 check "nodetour doctor explains this machine (text and JSON)" doctor_runs
+user_crate_builds() { # a runtime's crate: nodetour + cudarc on another CUDA version, bf16 slices
+    CARGO_TARGET_DIR="$PWD/target/user-crate" cargo check --color never \
+        --manifest-path tests/user-crate/Cargo.toml 2>&1 | tail -n 3
+    return "${PIPESTATUS[0]}"
+}
+check "a user's crate builds with nodetour alone and cudarc's cuda-13000 (tests/user-crate)" user_crate_builds
 
 step "process tier: N processes over tcp (scripts/launch-local.sh)"
 for n in 2 4 8; do
