@@ -46,6 +46,8 @@ host_rc=${PIPESTATUS[0]}
 step "lint: every unsafe block in nodetour-core documents its soundness (clippy)"
 clippy_core() { cargo clippy -p nodetour-core --all-targets --color never 2>&1 | tail -n 3; return "${PIPESTATUS[0]}"; }
 check "nodetour-core: clippy with #![deny(clippy::undocumented_unsafe_blocks)]" clippy_core
+docs_build() { RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --color never 2>&1 | tail -n 3; return "${PIPESTATUS[0]}"; }
+check "cargo doc --workspace without warnings" docs_build
 
 step "valgrind: the host tier's unit tests and fuzz corpora, no invalid read or write"
 valgrind_host() { # nodetour-core and nodetour-ring unit tests, corpus replays (raw-pointer code)

@@ -1,6 +1,6 @@
 //! CUDA, loaded at run time through cudarc's dynamic loading: what nodetour needs of the driver
 //! beyond cudarc's safe layer (GPUDirect attributes, dma-buf export, host registration, flushes),
-//! as a thin result layer ([`result`]) and probes ([`driver`]).
+//! as a thin result layer (`result`, private) and probes ([`driver`]).
 //!
 //! Nothing here links libcuda: [`driver::availability`] checks that the library loads and a GPU
 //! answers before any other call, and turns absence into [`crate::Error::Unsupported`]. Entry

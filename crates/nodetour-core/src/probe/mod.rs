@@ -1,5 +1,5 @@
 //! What the doctor inspects: the operating system ([`system`]), PCIe topology and ACS
-//! ([`pci`]), and the pure per-GPU verdict ([`verdict`]). Readers take the root of the tree so
+//! ([`pci`]), and the pure per-GPU verdict ([`mod@verdict`]). Readers take the root of the tree so
 //! captured fixture trees test them; live probes (CUDA, verbs) are gathered by the caller and
 //! passed in as data.
 

@@ -4,7 +4,7 @@
 //! With the `fault-injection` feature (on in this crate's tests), a test arms a fault for one
 //! C call on its own thread: the next call of that kind returns the errno (or, for
 //! `ibv_poll_cq`, a work completion with the status) instead of reaching libibverbs. Without
-//! the feature, [`check`] is an inline no-op and nothing here exists at run time.
+//! the feature, `check` is an inline no-op and nothing here exists at run time.
 
 /// The C calls whose failure can be injected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
