@@ -124,6 +124,58 @@ fn device_collectives_staged_through_forced_tcp_links() {
 }
 
 #[test]
+fn device_reduce_scatter_all_gather_and_broadcast_are_exact_on_every_rank() {
+    if common::gpus().is_none() {
+        return;
+    }
+    let world = 3u32;
+    let n = 100_003usize; // per rank
+    let got = ranks(world, options(None), |comm| {
+        let r = comm.rank();
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let whole: Vec<i32> = (0..n * world as usize)
+            .map(|i| (i as i32 % 1000) * (r as i32 + 1))
+            .collect();
+        let send = stream.clone_htod(&whole).unwrap();
+        let mut rs = stream.alloc_zeros::<i32>(n).unwrap();
+        comm.reduce_scatter_device(&send, &mut rs, ReduceOp::Sum, &stream)
+            .unwrap();
+        let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+        let mine_d = stream.clone_htod(&mine).unwrap();
+        let mut ag = stream.alloc_zeros::<f32>(n * world as usize).unwrap();
+        comm.all_gather_device(&mine_d, &mut ag, &stream).unwrap();
+        let mut b = stream
+            .clone_htod(&vec![bf16::from_f32(r as f32); n])
+            .unwrap();
+        comm.broadcast_device_in_place(&mut b, 1, &stream).unwrap();
+        let out = (
+            stream.clone_dtoh(&rs).unwrap(),
+            stream.clone_dtoh(&ag).unwrap(),
+            stream.clone_dtoh(&b).unwrap(),
+        );
+        comm.close(Deadline::after(Duration::from_secs(20)))
+            .unwrap();
+        out
+    });
+    let factor: i32 = (1..=world as i32).sum();
+    for (r, (rs, ag, b)) in got.iter().enumerate() {
+        let want_rs: Vec<i32> = (0..n)
+            .map(|i| ((r * n + i) as i32 % 1000) * factor)
+            .collect();
+        assert_eq!(rs, &want_rs, "rank {r}: reduce-scatter");
+        let want_ag: Vec<f32> = (0..world)
+            .flat_map(|q| (0..n).map(move |i| value(q, i)))
+            .collect();
+        assert_eq!(ag, &want_ag, "rank {r}: all-gather");
+        assert!(
+            b.iter().all(|x| x.to_f32() == 1.0),
+            "rank {r}: broadcast from rank 1"
+        );
+    }
+}
+
+#[test]
 fn device_arguments_that_cannot_make_a_collective_fail_before_anything_is_queued() {
     if common::gpus().is_none() {
         return;

@@ -53,7 +53,7 @@ pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use nodetour_core::Deadline;
 use nodetour_core::bootstrap::{JobToken, LaunchInfo};
 use nodetour_core::cuda::GpuStream;
@@ -134,6 +134,32 @@ impl Layout {
     fn at(&self, position: u32) -> usize {
         position as usize * self.len * self.es
     }
+}
+
+/// Copies `src` out of device memory after the work queued on `stream` (and waits for it).
+fn to_host<T, S>(src: &S, stream: &Arc<CudaStream>) -> Result<Vec<T>>
+where
+    T: Element + DeviceRepr,
+    S: DevicePtr<T>,
+{
+    let mut host = vec![T::zeroed(); src.len()];
+    stream
+        .memcpy_dtoh(src, &mut host[..])
+        .map_err(|e| Error::Gpu {
+            reason: format!("copying to the host: {e:?}"),
+        })?;
+    Ok(host)
+}
+
+/// Copies `src` into device memory `dst` on `stream` (returns once it is there).
+fn from_host<T, D>(src: &[T], dst: &mut D, stream: &Arc<CudaStream>) -> Result<()>
+where
+    T: Element + DeviceRepr,
+    D: DevicePtrMut<T>,
+{
+    stream.memcpy_htod(src, dst).map_err(|e| Error::Gpu {
+        reason: format!("copying to the GPU: {e:?}"),
+    })
 }
 
 fn same_len(a: usize, b: usize, an: &str, bn: &str) -> Result<()> {
@@ -661,6 +687,71 @@ impl Communicator {
         with_cudarc_slice_mut(data, stream, |buf| {
             self.device_all_reduce(buf, n, T::DATA_TYPE, op, &s)
         })?
+    }
+
+    /// [`Self::reduce_scatter`] on device memory (cudarc slices of [`Options::gpu`]'s GPU):
+    /// `send` holds `world` blocks of `recv.len()` elements; `recv` gets block `rank` of the
+    /// reduction. Staged through host memory on every path for now (copied out on `stream`,
+    /// reduced by the host ring, copied back): synchronous, waiting for `stream` only.
+    pub fn reduce_scatter_device<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()>
+    where
+        T: Element + DeviceRepr,
+        S: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+    {
+        self.blocks(send.len(), recv.len(), "send", "recv")?;
+        let input = to_host(send, stream)?;
+        let mut out = vec![T::zeroed(); recv.len()];
+        self.reduce_scatter(&input, &mut out, op)?;
+        from_host(&out, recv, stream)
+    }
+
+    /// [`Self::all_gather`] on device memory: `recv` holds `world` blocks of `send.len()`
+    /// elements. Staged through host memory (as [`Self::reduce_scatter_device`]).
+    pub fn all_gather_device<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()>
+    where
+        T: Element + DeviceRepr,
+        S: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+    {
+        self.blocks(recv.len(), send.len(), "recv", "send")?;
+        let input = to_host(send, stream)?;
+        let mut out = vec![T::zeroed(); recv.len()];
+        self.all_gather(&input, &mut out)?;
+        from_host(&out, recv, stream)
+    }
+
+    /// [`Self::broadcast`] on device memory: rank `root`'s `data` into `data` everywhere.
+    /// Staged through host memory (as [`Self::reduce_scatter_device`]).
+    pub fn broadcast_device_in_place<T, R>(
+        &self,
+        data: &mut R,
+        root: u32,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()>
+    where
+        T: Element + DeviceRepr,
+        R: DevicePtr<T> + DevicePtrMut<T>,
+    {
+        self.check_root(root)?;
+        let mut host = if self.rank == root {
+            to_host(&*data, stream)?
+        } else {
+            vec![T::zeroed(); data.len()]
+        };
+        self.broadcast_in_place(&mut host, root)?;
+        from_host(&host, data, stream)
     }
 
     /// The device allreduce of the first `count` elements of `buffer`, on `stream`: through the
