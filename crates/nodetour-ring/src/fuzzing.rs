@@ -86,3 +86,37 @@ pub fn descriptors(data: &[u8]) -> usize {
     }
     accepted
 }
+
+/// What the `comm_announcement` fuzz target runs: every 12-byte window of `data` (and `data`
+/// whole) as the bootstrap announcement of a peer. What decodes re-encodes to the same bytes;
+/// the link chosen with it is the same from both ends (or a typed error from both). Returns
+/// how many decoded.
+pub fn announcements(data: &[u8]) -> usize {
+    use crate::comm::links::{Announcement, choose_host_link};
+    let mut accepted = 0;
+    let whole = std::iter::once(data);
+    for w in whole.chain(data.windows(12).step_by(5)) {
+        let Ok(theirs) = Announcement::decode(1, w) else {
+            continue;
+        };
+        assert_eq!(theirs.encode(), w, "announcements round trip");
+        for ours in [
+            Announcement::ours(None, true, Some(0)),
+            Announcement::ours(theirs.forced, false, None),
+            Announcement::ours(theirs.forced, true, Some(3)),
+        ] {
+            let here = choose_host_link(&ours, &theirs, (0, 1), "none here");
+            let there = choose_host_link(&theirs, &ours, (1, 0), "none there");
+            assert_eq!(
+                here.is_ok(),
+                there.is_ok(),
+                "both ends agree whether the link exists"
+            );
+            if let (Ok(a), Ok(b)) = (&here, &there) {
+                assert_eq!((a.0, a.1), (b.0, b.1), "both ends choose the same link");
+            }
+        }
+        accepted += 1;
+    }
+    accepted
+}

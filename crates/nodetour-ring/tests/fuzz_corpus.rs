@@ -17,3 +17,14 @@ fn ring_notifications_corpus() {
     }
     assert!(n > 0, "the corpus is empty");
 }
+
+#[test]
+fn comm_announcement_corpus() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/comm_announcement");
+    let mut decoded = 0;
+    for entry in fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let data = fs::read(entry.unwrap().path()).unwrap();
+        decoded += nodetour_ring::fuzzing::announcements(&data);
+    }
+    assert!(decoded > 0, "no input of the corpus decodes");
+}

@@ -10,8 +10,8 @@ use crate::error::{Error, Result};
 
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"NDTB";
-/// Protocol version.
-pub const VERSION: u8 = 1;
+/// Protocol version (2: rank 0 relays a rank's departure, `RankLeft`).
+pub const VERSION: u8 = 2;
 /// Header length.
 pub const HEADER_LEN: usize = 12;
 /// Largest payload (a peer table of thousands of ranks fits).
@@ -417,7 +417,14 @@ mod tests {
             good[..good.len() - 1].to_vec(),
             [good.clone(), vec![0]].concat(),
         ];
-        for (at, v) in [(0, b'X'), (4, 2), (5, 0), (5, 11), (6, 1)] {
+        for (at, v) in [
+            (0, b'X'),
+            (4, VERSION + 1),
+            (4, VERSION - 1),
+            (5, 0),
+            (5, 12),
+            (6, 1),
+        ] {
             let mut m = good.clone();
             m[at] = v;
             cases.push(m);

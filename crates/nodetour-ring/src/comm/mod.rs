@@ -42,7 +42,7 @@
 
 pub mod gpu_links;
 mod host_job;
-mod links;
+pub(crate) mod links;
 mod options;
 mod paths;
 
