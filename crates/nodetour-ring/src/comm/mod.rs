@@ -12,11 +12,22 @@
 //!    [`Communicator::all_gather`], [`Communicator::broadcast`], out of place or `*_in_place`,
 //!    on any size of buffer (it goes through the communicator's bounded staging memory in
 //!    pieces). On host memory the call is synchronous: it returns `Ok` only with the answer in
-//!    the output, the same bits on every rank.
+//!    the output, the same bits on every rank. On device memory ([`Options::gpu`]; cudarc
+//!    slices on the caller's stream): [`Communicator::all_reduce_device`] (and `_in_place`)
+//!    queues on the stream and returns where the ranks share one host (a GPU ring), and is
+//!    staged through host memory, synchronous on the stream, across hosts;
+//!    [`Communicator::reduce_scatter_device`], [`Communicator::all_gather_device`] and
+//!    [`Communicator::broadcast_device_in_place`] are staged through host memory everywhere
+//!    for now. [`Communicator::paths`] says which ([`DevicePath`]).
 //! 4. **Handle errors**: every failure is a typed [`Error`] naming the rank at fault where one
 //!    is ([`Error::PeerLost`], [`Error::Disagreement`], [`Error::Timeout`], ...). After a
 //!    failure that happened while ranks were talking, the communicator is broken: later calls
-//!    return [`Error::Broken`] with the first failure, on every rank that saw it.
+//!    return [`Error::Broken`] with the first failure, on every rank that saw it. What the
+//!    output holds then: on host memory, the pieces that finished (the rest as it was); on a
+//!    GPU ring, undefined (a collective ended by a failure writes partial results; every rank
+//!    whose collective had not finished fails it, never `Ok`). A device collective's failure
+//!    after its call returned comes from [`Communicator::wait`], [`Communicator::error`] or the
+//!    next call.
 //! 5. **Abort** from another thread with an [`AbortHandle`]; **close** with
 //!    [`Communicator::close`], which waits (to a deadline) until every rank is done.
 //!
@@ -38,7 +49,12 @@
 //! rather than a wrong answer), so a runtime that calls from several threads orders them
 //! itself. [`AbortHandle`] is `Send + Sync + Clone`.
 //!
-//! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
+//! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all;
+//! several GPUs of one process in one communicator set (`from_devices`: use
+//! [`crate::GpuGroup`] meanwhile); device reduce-scatter, all-gather and broadcast on the GPU
+//! ring (they are staged through host memory); host and device collectives interleaved on one
+//! communicator run on separate rings, so every rank must interleave them the same way (a rank
+//! that does not times out rather than disagreeing).
 
 pub mod gpu_links;
 mod host_job;
