@@ -108,6 +108,9 @@ fn run() -> anyhow::Result<()> {
     });
     options.devices = args.devices.clone();
     options.slot_bytes = args.slot_bytes;
+    // The staging region this check needs (its buffers are small): registering the default
+    // 16 MiB per rank is slow in the soft-RoCE VM, whose drills form under a 3 s timeout.
+    options.piece_bytes = (args.count * 8).max(4096);
     let timeout = options.timeout();
     // This rank's GPU (local rank mod GPUs), chosen before the communicator forms: its host
     // memory is pinned under it.

@@ -264,3 +264,40 @@ fn teardown_waits_for_no_work_but_its_own() {
     drop(watchdog);
     println!("teardown: drops returned while unrelated work ran; memory freed in stream order");
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_runtimes_raw_streams_and_memory_are_borrowed_and_never_freed_or_destroyed() {
+    let Some(ctx) = gpu() else { return };
+    // The runtime's own stream and memory, as raw handles (a runtime without cudarc).
+    let theirs = ctx.new_stream().unwrap();
+    let slice = theirs.clone_htod(&[7u8; 4096]).unwrap();
+    let ptr = {
+        let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(&slice, &theirs);
+        p
+    };
+    for raw in [
+        theirs.cu_stream(),
+        cuda::stream::CU_STREAM_LEGACY,
+        cuda::stream::CU_STREAM_PER_THREAD,
+    ] {
+        // SAFETY: live handles (the runtime's stream outlives this block; the default streams
+        // always are).
+        let s = unsafe { cuda::GpuStream::borrowed(&ctx, raw) }.unwrap();
+        assert!(s.is_borrowed());
+        // SAFETY: the slice's memory outlives the view and the work queued on it (synchronised
+        // below, before the slice is dropped).
+        let view = unsafe { DeviceBuffer::borrowed(&ctx, ptr, 4096) };
+        let mine = DeviceBuffer::new(&ctx, 4096).unwrap();
+        s.copy(&mine, 0, &view, 0, 4096).unwrap();
+        s.synchronize().unwrap();
+        let mut back = vec![0u8; 4096];
+        mine.copy_to_host(0, &mut back).unwrap();
+        assert_eq!(back, vec![7u8; 4096]);
+        drop(view);
+        drop(s);
+    }
+    // Still the runtime's: usable after the borrowed values are gone.
+    assert_eq!(theirs.clone_dtoh(&slice).unwrap(), vec![7u8; 4096]);
+    theirs.synchronize().unwrap();
+}

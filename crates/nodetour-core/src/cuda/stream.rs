@@ -28,6 +28,8 @@ pub(crate) struct RawStream {
     /// A stream of the caller's (cudarc's): kept alive while anything refers to it, never
     /// destroyed here.
     borrowed: Option<Arc<cudarc::driver::CudaStream>>,
+    /// A raw stream handle of the caller's ([`GpuStream::borrowed`]): never destroyed here.
+    foreign: bool,
 }
 
 // SAFETY: a CUstream may be used from any thread that binds its context (every method does).
@@ -37,7 +39,7 @@ unsafe impl Sync for RawStream {}
 
 impl Drop for RawStream {
     fn drop(&mut self) {
-        if self.borrowed.is_some() {
+        if self.borrowed.is_some() || self.foreign {
             return; // the caller's stream: its owner destroys it
         }
         // Failure policy: log nothing; the context is being torn down anyway.
@@ -49,6 +51,11 @@ impl Drop for RawStream {
         }
     }
 }
+
+/// The legacy default stream's handle (`CU_STREAM_LEGACY`), for [`GpuStream::borrowed`].
+pub const CU_STREAM_LEGACY: sys::CUstream = 0x1 as sys::CUstream;
+/// The per-thread default stream's handle (`CU_STREAM_PER_THREAD`), for [`GpuStream::borrowed`].
+pub const CU_STREAM_PER_THREAD: sys::CUstream = 0x2 as sys::CUstream;
 
 /// The streams that have queued work on something (a buffer, a mapping): what its release must
 /// come after. Noting is a lock and a pointer comparison per call (no CUDA call).
@@ -150,6 +157,7 @@ pub(crate) fn queue_release_after(
             .map_err(|e| cuda_error("cuStreamCreate", e))?,
         context: context.clone(),
         borrowed: None,
+        foreign: false,
     };
     for s in streams {
         let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
@@ -228,6 +236,7 @@ impl GpuStream {
                 raw,
                 context: context.clone(),
                 borrowed: None,
+                foreign: false,
             }),
         })
     }
@@ -243,13 +252,50 @@ impl GpuStream {
                 raw: stream.cu_stream(),
                 context: stream.context().clone(),
                 borrowed: Some(stream.clone()),
+                foreign: false,
             }),
         }
     }
 
-    /// Whether this is a stream of the caller's ([`Self::of_cudarc`]).
+    /// A raw stream handle of the caller's, for runtimes that do not use cudarc: a `CUstream`
+    /// of `context`, or [`CU_STREAM_LEGACY`] / [`CU_STREAM_PER_THREAD`] (the default streams,
+    /// always valid). The handle's context is checked (`cuStreamGetCtx`): a stream of another
+    /// context is `InvalidArgument`. Never destroyed here.
+    ///
+    /// # Safety
+    ///
+    /// `raw` must be a stream handle that stays valid (not destroyed) for as long as the
+    /// returned value or anything that noted it lives: the device buffers and communicators
+    /// that queued work on it (drop or close them first). The default-stream handles always
+    /// are.
+    pub unsafe fn borrowed(context: &Arc<CudaContext>, raw: sys::CUstream) -> Result<GpuStream> {
+        context
+            .bind_to_thread()
+            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid stream handle or a default-stream handle (the caller's
+        // contract); `ctx` is a valid place for the answer.
+        unsafe { sys::cuStreamGetCtx(raw, &mut ctx) }
+            .result()
+            .map_err(|e| cuda_error("cuStreamGetCtx", e))?;
+        if ctx != context.cu_ctx() {
+            return Err(Error::InvalidArgument {
+                reason: "the stream belongs to another CUDA context than the GPU given".into(),
+            });
+        }
+        Ok(GpuStream {
+            inner: Arc::new(RawStream {
+                raw,
+                context: context.clone(),
+                borrowed: None,
+                foreign: true,
+            }),
+        })
+    }
+
+    /// Whether this is a stream of the caller's ([`Self::of_cudarc`], [`Self::borrowed`]).
     pub fn is_borrowed(&self) -> bool {
-        self.inner.borrowed.is_some()
+        self.inner.borrowed.is_some() || self.inner.foreign
     }
 
     /// The stream's context.

@@ -13,7 +13,7 @@ pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
 pub const DEFAULT_SLOTS: u32 = 4;
 /// Default bytes of the staging region a host collective runs through at a time; larger
 /// buffers go through it in pieces.
-pub const DEFAULT_PIECE_BYTES: usize = 64 << 20;
+pub const DEFAULT_PIECE_BYTES: usize = 16 << 20;
 
 /// How a communicator forms and runs.
 ///
