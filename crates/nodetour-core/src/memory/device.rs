@@ -192,22 +192,13 @@ pub fn with_cudarc_slice<T, S, R>(
 where
     S: cudarc::driver::DevicePtr<T>,
 {
-    let context = slice.stream().context().clone();
-    if !crate::cuda::same_context(&context, stream.context()) {
-        return Err(Error::InvalidArgument {
-            reason: "the slice and the stream are on different GPUs".into(),
-        });
-    }
-    let len = slice.num_bytes();
+    let (context, len) = cudarc_view_of(slice, stream)?;
     let (ptr, record) = slice.device_ptr(stream);
     // SAFETY: [ptr, ptr + len) is the live memory of `slice`, borrowed for this call; the view
     // never frees it; cudarc's record (dropped after `f`) orders the slice's later writes and
     // its free after what `f` queued on `stream`.
     let view = unsafe { DeviceBuffer::borrowed(&context, ptr, len) };
-    let r = f(&view);
-    drop(view);
-    drop(record);
-    Ok(r)
+    Ok(view_then_record(view, record, f))
 }
 
 /// [`with_cudarc_slice`] for memory the work `f` queues on `stream` writes (cudarc records a
@@ -220,21 +211,39 @@ pub fn with_cudarc_slice_mut<T, S, R>(
 where
     S: cudarc::driver::DevicePtrMut<T>,
 {
+    let (context, len) = cudarc_view_of(&*slice, stream)?;
+    let (ptr, record) = slice.device_ptr_mut(stream);
+    // SAFETY: as in `with_cudarc_slice`; the slice is borrowed mutably, so nothing else of the
+    // caller's reaches it during `f`.
+    let view = unsafe { DeviceBuffer::borrowed(&context, ptr, len) };
+    Ok(view_then_record(view, record, f))
+}
+
+/// The context and byte length of a cudarc slice used on `stream`; another GPU's stream is
+/// `InvalidArgument`.
+fn cudarc_view_of<T, S: cudarc::driver::DeviceSlice<T> + ?Sized>(
+    slice: &S,
+    stream: &Arc<cudarc::driver::CudaStream>,
+) -> Result<(Arc<CudaContext>, usize)> {
     let context = slice.stream().context().clone();
     if !crate::cuda::same_context(&context, stream.context()) {
         return Err(Error::InvalidArgument {
             reason: "the slice and the stream are on different GPUs".into(),
         });
     }
-    let len = slice.num_bytes();
-    let (ptr, record) = slice.device_ptr_mut(stream);
-    // SAFETY: as in `with_cudarc_slice`; the slice is borrowed mutably, so nothing else of the
-    // caller's reaches it during `f`.
-    let view = unsafe { DeviceBuffer::borrowed(&context, ptr, len) };
+    Ok((context, slice.num_bytes()))
+}
+
+/// Runs `f` on `view`, then drops the view before cudarc's `record` (which records the use).
+fn view_then_record<R>(
+    view: DeviceBuffer,
+    record: cudarc::driver::SyncOnDrop<'_>,
+    f: impl FnOnce(&DeviceBuffer) -> R,
+) -> R {
     let r = f(&view);
     drop(view);
     drop(record);
-    Ok(r)
+    r
 }
 
 impl DeviceBuffer {

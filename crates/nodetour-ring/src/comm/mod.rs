@@ -639,22 +639,6 @@ impl Communicator {
         op: ReduceOp,
         stream: &GpuStream,
     ) -> Result<()> {
-        if !nodetour_core::cuda::same_context(stream.context(), buffer.context()) {
-            return Err(Error::InvalidArgument {
-                reason: "the stream is not on the buffer's GPU".into(),
-            });
-        }
-        if count
-            .checked_mul(dtype.size())
-            .is_none_or(|b| b > buffer.len())
-        {
-            return Err(Error::InvalidArgument {
-                reason: format!(
-                    "{count} elements of {dtype:?} in a buffer of {} bytes",
-                    buffer.len()
-                ),
-            });
-        }
         self.device_all_reduce(buffer, count, dtype, op, stream)
     }
 
