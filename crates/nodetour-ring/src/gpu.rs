@@ -54,6 +54,9 @@ struct Member {
 }
 
 /// A ring of ranks on the GPUs of this process.
+///
+/// The layer below [`crate::comm::Communicator`]: several GPUs of one process are driven
+/// through it directly until the communicator gets `from_devices`.
 pub struct GpuGroup {
     members: Vec<Member>,
     path: String,

@@ -189,6 +189,10 @@ fn gpu_error(what: &str, e: nodetour_core::Error) -> Error {
 }
 
 /// One rank of a ring of processes, one GPU each.
+///
+/// The layer below [`crate::comm::Communicator`] (its device path on one host); runtimes use
+/// the communicator, tools that compare paths side by side form this through
+/// [`crate::comm::gpu_links::form`].
 pub struct GpuRing {
     // What queued work uses: taken by the teardown, and dropped only once the streams have
     // drained (else leaked: see `shut_down`).

@@ -195,6 +195,9 @@ pub enum Links<'a> {
 }
 
 /// One rank's side of the ring.
+///
+/// The executor below [`crate::comm::Communicator`]'s host collectives; runtimes use the
+/// communicator.
 pub struct HostRing<'a> {
     /// This rank.
     pub rank: u32,

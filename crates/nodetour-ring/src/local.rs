@@ -25,6 +25,9 @@ struct Rank {
 }
 
 /// `world` ranks in this process, joined in a ring over [`MemConnection`]s.
+///
+/// A test and benchmark harness of the host ring (no sockets, no NICs); runtimes use
+/// [`crate::comm::Communicator`].
 pub struct LocalRing {
     ranks: Vec<Rank>,
     options: HostRingOptions,
