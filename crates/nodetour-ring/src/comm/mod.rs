@@ -227,11 +227,6 @@ fn pieces(count: usize, per: usize) -> impl Iterator<Item = Range<usize>> {
     (0..count.div_ceil(per)).map(move |i| i * per..((i + 1) * per).min(count))
 }
 
-fn bytes_of<T: Element>(_: &[T], r: &Range<usize>) -> Range<usize> {
-    let es = std::mem::size_of::<T>();
-    r.start * es..r.end * es
-}
-
 /// The liveness check a ring collective polls (the bootstrap's, and the abort flag).
 type Alive<'a> = dyn Fn() -> nodetour_core::Result<()> + 'a;
 
@@ -426,28 +421,12 @@ impl Communicator {
     /// `recv` have the same length on this rank and on every other.
     pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         same_len(send.len(), recv.len(), "send", "recv")?;
-        let n = send.len();
-        let what = self.descriptor::<T>(Collective::AllReduce, n, op, None);
-        self.run_pieces(&what, n, 1, |ring, r, d, alive| {
-            ring.stage_in(0, &bytes(send)[bytes_of(send, &r)])?;
-            let staged = Staged {
-                shape: Shape::AllReduce,
-                count: r.len() as u64,
-                dtype: T::DATA_TYPE,
-                op,
-            };
-            ring.collective(
-                staged,
-                d,
-                &mut [(0, &mut bytes_mut(recv)[bytes_of(send, &r)])],
-                alive,
-            )
-        })
+        self.all_reduce_bytes(Some(bytes(send)), bytes_mut(recv), T::DATA_TYPE, op)
     }
 
     /// [`Self::all_reduce`] with `data` as both input and output.
     pub fn all_reduce_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_in_place_bytes(bytes_mut(data), T::DATA_TYPE, op)
+        self.all_reduce_bytes(None, bytes_mut(data), T::DATA_TYPE, op)
     }
 
     /// [`Self::all_reduce_in_place`] for runtimes that carry the element type at run time:
@@ -458,27 +437,38 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        let es = dtype.size();
-        if data.len() % es != 0 {
+        if data.len() % dtype.size() != 0 {
             return Err(Error::InvalidArgument {
                 reason: format!("{} bytes are not whole {dtype:?} elements", data.len()),
             });
         }
-        let n = data.len() / es;
+        self.all_reduce_bytes(None, data, dtype, op)
+    }
+
+    /// The allreduce of `send` (or, without it, of `out` itself) into `out`.
+    fn all_reduce_bytes(
+        &self,
+        send: Option<&[u8]>,
+        out: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let n = out.len() / es;
         let what = Descriptor {
             dtype,
             ..self.descriptor::<u8>(Collective::AllReduce, n, op, None)
         };
         self.run_pieces(&what, n, 1, |ring, r, d, alive| {
             let b = r.start * es..r.end * es;
-            ring.stage_in(0, &data[b.clone()])?;
+            ring.stage_in(0, &send.unwrap_or(&*out)[b.clone()])?;
             let staged = Staged {
                 shape: Shape::AllReduce,
                 count: r.len() as u64,
                 dtype,
                 op,
             };
-            ring.collective(staged, d, &mut [(0, &mut data[b])], alive)
+            ring.collective(staged, d, &mut [(0, &mut out[b])], alive)
         })
     }
 
@@ -490,47 +480,40 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let n = recv.len();
-        self.blocks(send.len(), n, "send", "recv")?;
-        let what = self.descriptor::<T>(Collective::ReduceScatter, n, op, None);
-        let me = self.position();
-        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
-            let l = Layout {
-                es: T::DATA_TYPE.size(),
-                len: r.len(),
-            };
-            for rank in 0..self.world {
-                let block = rank as usize * n;
-                let src = block + r.start..block + r.end;
-                ring.stage_in(l.at(self.position_of(rank)), bytes(&send[src]))?;
-            }
-            let staged = Staged {
-                shape: Shape::ReduceScatter,
-                count: (r.len() * self.world as usize) as u64,
-                dtype: T::DATA_TYPE,
-                op,
-            };
-            ring.collective(staged, d, &mut [(l.at(me), bytes_mut(&mut recv[r]))], alive)
-        })
+        self.blocks(send.len(), recv.len(), "send", "recv")?;
+        self.reduce_scatter_into(Some(send), recv, recv.len(), 0, op)
     }
 
     /// [`Self::reduce_scatter`] in one buffer of `world` blocks: block `rank` ends with this
     /// rank's result (the other blocks keep their input).
     pub fn reduce_scatter_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         let n = self.block_of(data.len())?;
+        let at = self.rank as usize * n;
+        self.reduce_scatter_into(None, data, n, at, op)
+    }
+
+    /// The reduce-scatter of `send` (or, without it, of `out` itself: `world` blocks of `n`)
+    /// into the `n` elements of `out` at `out_at`.
+    fn reduce_scatter_into<T: Element>(
+        &self,
+        send: Option<&[T]>,
+        out: &mut [T],
+        n: usize,
+        out_at: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
         let what = self.descriptor::<T>(Collective::ReduceScatter, n, op, None);
-        let (me, my_block) = (self.position(), self.rank as usize * n);
+        let me = self.position();
         self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
             let l = Layout {
                 es: T::DATA_TYPE.size(),
                 len: r.len(),
             };
+            let input = send.unwrap_or(&*out);
             for rank in 0..self.world {
                 let block = rank as usize * n;
-                ring.stage_in(
-                    l.at(self.position_of(rank)),
-                    bytes(&data[block + r.start..block + r.end]),
-                )?;
+                let src = &input[block + r.start..block + r.end];
+                ring.stage_in(l.at(self.position_of(rank)), bytes(src))?;
             }
             let staged = Staged {
                 shape: Shape::ReduceScatter,
@@ -538,40 +521,47 @@ impl Communicator {
                 dtype: T::DATA_TYPE,
                 op,
             };
-            let out = &mut data[my_block + r.start..my_block + r.end];
-            ring.collective(staged, d, &mut [(l.at(me), bytes_mut(out))], alive)
+            let dst = &mut out[out_at + r.start..out_at + r.end];
+            ring.collective(staged, d, &mut [(l.at(me), bytes_mut(dst))], alive)
         })
     }
 
     /// Gathers every rank's `send` into `recv` (`world` blocks of `send.len()` elements, block
     /// `r` from rank `r`) on every rank.
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let n = send.len();
-        self.blocks(recv.len(), n, "recv", "send")?;
-        let what = self.descriptor::<T>(Collective::AllGather, n, ReduceOp::Sum, None);
-        let me = self.position();
-        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
-            let l = Layout {
-                es: T::DATA_TYPE.size(),
-                len: r.len(),
-            };
-            ring.stage_in(l.at(me), bytes(&send[r.clone()]))?;
-            gather_out(self, ring, d, l, recv, n, r, alive)
-        })
+        self.blocks(recv.len(), send.len(), "recv", "send")?;
+        self.all_gather_into(Some(send), recv, send.len())
     }
 
     /// [`Self::all_gather`] in one buffer of `world` blocks, this rank's input in block `rank`.
     pub fn all_gather_in_place<T: Element>(&self, data: &mut [T]) -> Result<()> {
         let n = self.block_of(data.len())?;
+        self.all_gather_into(None, data, n)
+    }
+
+    /// The all-gather of `send` (or, without it, of block `rank` of `out`; blocks of `n`) into
+    /// `out`.
+    fn all_gather_into<T: Element>(
+        &self,
+        send: Option<&[T]>,
+        out: &mut [T],
+        n: usize,
+    ) -> Result<()> {
         let what = self.descriptor::<T>(Collective::AllGather, n, ReduceOp::Sum, None);
-        let (me, my_block) = (self.position(), self.rank as usize * n);
+        let me = self.position();
+        let mine = if send.is_some() {
+            0
+        } else {
+            self.rank as usize * n
+        };
         self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
             let l = Layout {
                 es: T::DATA_TYPE.size(),
                 len: r.len(),
             };
-            ring.stage_in(l.at(me), bytes(&data[my_block + r.start..my_block + r.end]))?;
-            gather_out(self, ring, d, l, data, n, r, alive)
+            let input = send.unwrap_or(&*out);
+            ring.stage_in(l.at(me), bytes(&input[mine + r.start..mine + r.end]))?;
+            gather_out(self, ring, d, l, out, n, r, alive)
         })
     }
 
@@ -582,34 +572,28 @@ impl Communicator {
         if self.rank == root {
             same_len(send.len(), recv.len(), "send", "recv")?;
         }
-        let n = recv.len();
-        let what = self.descriptor::<T>(Collective::Broadcast, n, ReduceOp::Sum, Some(root));
-        let is_root = self.rank == root;
-        self.run_pieces(&what, n, 1, |ring, r, d, alive| {
-            if is_root {
-                ring.stage_in(0, bytes(&send[r.clone()]))?;
-            }
-            let staged = Staged {
-                shape: Shape::Broadcast {
-                    root: self.position_of(root),
-                },
-                count: r.len() as u64,
-                dtype: T::DATA_TYPE,
-                op: ReduceOp::Sum,
-            };
-            ring.collective(staged, d, &mut [(0, bytes_mut(&mut recv[r]))], alive)
-        })
+        self.broadcast_into(Some(send), recv, root)
     }
 
     /// [`Self::broadcast`] of rank `root`'s `data` into `data` on every rank.
     pub fn broadcast_in_place<T: Element>(&self, data: &mut [T], root: u32) -> Result<()> {
         self.check_root(root)?;
-        let n = data.len();
+        self.broadcast_into(None, data, root)
+    }
+
+    /// The broadcast of the root's `send` (or, without it, of its `out`) into `out`.
+    fn broadcast_into<T: Element>(
+        &self,
+        send: Option<&[T]>,
+        out: &mut [T],
+        root: u32,
+    ) -> Result<()> {
+        let n = out.len();
         let what = self.descriptor::<T>(Collective::Broadcast, n, ReduceOp::Sum, Some(root));
         let is_root = self.rank == root;
         self.run_pieces(&what, n, 1, |ring, r, d, alive| {
             if is_root {
-                ring.stage_in(0, bytes(&data[r.clone()]))?;
+                ring.stage_in(0, bytes(&send.unwrap_or(&*out)[r.clone()]))?;
             }
             let staged = Staged {
                 shape: Shape::Broadcast {
@@ -619,10 +603,11 @@ impl Communicator {
                 dtype: T::DATA_TYPE,
                 op: ReduceOp::Sum,
             };
-            let mut outputs = if is_root {
+            // In place, the root's buffer already holds the answer.
+            let mut outputs = if is_root && send.is_none() {
                 vec![]
             } else {
-                vec![(0, bytes_mut(&mut data[r]))]
+                vec![(0, bytes_mut(&mut out[r]))]
             };
             ring.collective(staged, d, &mut outputs, alive)
         })
