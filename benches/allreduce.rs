@@ -2,7 +2,8 @@
 //! has:
 //! - host buffers, 4 ranks over the in-memory transport (CPU reduction), and 2 ranks over tcp on
 //!   loopback is measured between processes by `nodetour perf` (scripts/test.sh prints it);
-//! - GPU buffers where GPUs exist: the direct ring (`GpuGroup`, each GPU reads its neighbour)
+//! - GPU buffers where GPUs exist: the direct ring (`Communicator::from_devices` driven by a
+//!   `Group`, each GPU reads its neighbour)
 //!   beside the staged path (chunks through host slots, reduced on the GPU), side by side on
 //!   the same GPUs and buffers; else `SKIP` with the reason.
 //!
@@ -17,9 +18,10 @@ use cudarc::driver::CudaContext;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::DeviceBuffer;
+use nodetour_ring::comm::{Communicator, Group, Options};
 use nodetour_ring::host::{GpuStaging, HostRingOptions};
 use nodetour_ring::local::LocalRing;
-use nodetour_ring::{DataType, GpuGroup, ReduceOp};
+use nodetour_ring::{DataType, ReduceOp};
 
 const HOST_SIZES: [usize; 2] = [256 << 10, 4 << 20];
 const GPU_SIZES: [usize; 3] = [1 << 20, 16 << 20, 256 << 20];
@@ -72,7 +74,7 @@ fn gpu(c: &mut Criterion) {
         .collect();
     let b: Vec<&DeviceBuffer> = buffers.iter().collect();
     let s: Vec<&GpuStream> = streams.iter().collect();
-    let mut direct = match GpuGroup::new(&contexts) {
+    let direct = match Communicator::from_devices(&contexts, Options::default()) {
         Ok(g) => Some(g),
         Err(e) => {
             println!("SKIP allreduce_gpu_direct: {e}");
@@ -100,11 +102,23 @@ fn gpu(c: &mut Criterion) {
     for bytes in GPU_SIZES {
         let count = bytes / 4;
         g.throughput(Throughput::Bytes(bytes as u64));
-        if let Some(d) = direct.as_mut() {
+        if let Some(comms) = direct.as_ref() {
             g.bench_function(format!("direct_f32_sum_{}MiB", bytes >> 20), |bn| {
                 bn.iter(|| {
-                    d.all_reduce(&b, &s, count, DataType::F32, ReduceOp::Sum)
-                        .expect("direct");
+                    let mut group = Group::new();
+                    for ((comm, buf), st) in comms.iter().zip(&b).zip(&s) {
+                        group
+                            .all_reduce_device_buffer(
+                                comm,
+                                buf,
+                                count,
+                                DataType::F32,
+                                ReduceOp::Sum,
+                                st,
+                            )
+                            .expect("direct");
+                    }
+                    group.end().expect("direct");
                     for st in &s {
                         st.synchronize().expect("sync");
                     }

@@ -1,6 +1,8 @@
-//! The smallest complete use of the direct GPU ring: an allreduce of f32 gradients over every
-//! GPU of this machine (or `--ranks N` ranks spread over them), queued on one stream per rank,
-//! checked on the host. Exits 2 with `SKIP <reason>` where there is no GPU or CUDA.
+//! The smallest complete use of several GPUs in one process: one communicator per GPU
+//! (`Communicator::from_devices`, as `ncclCommInitAll`), an allreduce of f32 gradients held in
+//! cudarc slices, queued from one thread as a group (as `ncclGroupStart`/`ncclGroupEnd`) on one
+//! stream per GPU, checked on the host. `--ranks N` spreads N ranks over the GPUs. Exits 2 with
+//! `SKIP <reason>` where there is no GPU or CUDA.
 //!
 //! ```text
 //! cargo run --release --example gpu_allreduce              # one rank per GPU
@@ -12,10 +14,8 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use cudarc::driver::CudaContext;
-use nodetour_core::cuda::{self, GpuStream};
-use nodetour_core::memory::DeviceBuffer;
-use nodetour_ring::{DataType, GpuGroup, ReduceOp};
+use nodetour::cudarc::driver::{CudaContext, CudaSlice};
+use nodetour::{Communicator, Group, Options, ReduceOp};
 
 #[derive(Parser)]
 #[command(about = "Allreduce f32 gradients over the GPUs of this machine, directly")]
@@ -31,7 +31,7 @@ struct Args {
 fn main() -> ExitCode {
     nodetour_tools::logging::init();
     let args = Args::parse();
-    let gpus = match cuda::gpus() {
+    let gpus = match nodetour::core::cuda::gpus() {
         Ok(g) if !g.is_empty() => g.len(),
         Ok(_) => return skip("no GPU".into()),
         Err(e) => return skip(e.to_string()),
@@ -59,42 +59,45 @@ fn run(args: &Args, gpus: usize) -> anyhow::Result<()> {
     let rank_gpus: Vec<_> = (0..ranks)
         .map(|r| contexts[r % contexts.len()].clone())
         .collect();
-    // 2. The group: peer access between neighbours, kernels compiled or loaded from the cache.
-    let mut group = GpuGroup::new(&rank_gpus)?;
-    println!("path: {}", group.path());
-    // 3. Each rank's gradients and stream. Rank r holds r + 1 everywhere.
-    let bytes = args.count * 4;
-    let mut buffers = Vec::new();
-    let mut streams = Vec::new();
-    for (r, ctx) in rank_gpus.iter().enumerate() {
-        let b = DeviceBuffer::new(ctx, bytes)?;
-        let grads: Vec<u8> = std::iter::repeat_n((r as f32 + 1.0).to_ne_bytes(), args.count)
-            .flatten()
-            .collect();
-        b.copy_from_host(0, &grads)?;
-        buffers.push(b);
-        streams.push(GpuStream::new(ctx)?);
-    }
-    // 4. Queue the allreduce (returns at once), then wait on each stream.
-    let b: Vec<&DeviceBuffer> = buffers.iter().collect();
-    let s: Vec<&GpuStream> = streams.iter().collect();
+    // 2. One communicator per rank: peer access between neighbours, kernels compiled or
+    //    loaded from the cache.
+    let comms = Communicator::from_devices(&rank_gpus, Options::from_env()?)?;
+    println!("{}", comms[0].paths());
+    // 3. Each rank's gradients (rank r holds r + 1 everywhere) on its own stream.
+    let streams = rank_gpus
+        .iter()
+        .map(|c| c.new_stream())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut grads = streams
+        .iter()
+        .enumerate()
+        .map(|(r, s)| s.clone_htod(&vec![r as f32 + 1.0; args.count]))
+        .collect::<Result<Vec<CudaSlice<f32>>, _>>()?;
+    // 4. Queue the allreduce from this thread as a group (returns at once), then wait on each
+    //    stream. (With one thread per GPU, each thread calls its communicator's
+    //    `all_reduce_device_in_place` instead.)
     let t = std::time::Instant::now();
-    group.all_reduce(&b, &s, args.count, DataType::F32, ReduceOp::Sum)?;
-    for stream in &streams {
-        stream.synchronize()?;
+    let mut group = Group::new();
+    for ((comm, g), s) in comms.iter().zip(grads.iter_mut()).zip(&streams) {
+        group.all_reduce_device_in_place(comm, g, ReduceOp::Sum, s)?;
+    }
+    group.end()?;
+    for s in &streams {
+        s.synchronize()?;
     }
     let elapsed = t.elapsed();
     // 5. Every element is 1 + 2 + ... + ranks.
     let want = (ranks * (ranks + 1) / 2) as f32;
-    for (r, buf) in buffers.iter().enumerate() {
-        let mut out = vec![0u8; bytes];
-        buf.copy_to_host(0, &mut out)?;
-        if let Some(i) = out
-            .chunks_exact(4)
-            .position(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes")) != want)
-        {
+    for (r, (g, s)) in grads.iter().zip(&streams).enumerate() {
+        let out = s.clone_dtoh(g)?;
+        if let Some(i) = out.iter().position(|x| *x != want) {
             bail!("rank {r}: element {i} is not {want}");
         }
+    }
+    for comm in comms {
+        comm.close(nodetour::Deadline::after(std::time::Duration::from_secs(
+            30,
+        )))?;
     }
     println!(
         "GPU ALLREDUCE OK ranks={ranks} gpus={} count={} first allreduce {:.1} ms",

@@ -40,8 +40,8 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     run_tests ./gpu_tests || failed=1
     echo "== GPU reduction kernels against the host reducer (every type x op)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./gpu_reduce_tests || failed=1
-    echo "== the direct GPU ring (GpuGroup) against the host reducer: 1-5 ranks over the GPUs present"
-    NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./gpu_group_tests || failed=1
+    echo "== several GPUs of one process (Communicator::from_devices: groups and threads) against the host reducer: 1-5 ranks over the GPUs present"
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_devices_tests || failed=1
     echo "== the communicator on device memory (cudarc slices, the caller's streams; ranks as threads)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_gpu_tests || failed=1
     echo "gpu tests: $tests_passed passed, $tests_failed failed, $tests_skipped skipped"

@@ -55,8 +55,7 @@ struct Member {
 
 /// A ring of ranks on the GPUs of this process.
 ///
-/// The layer below [`crate::comm::Communicator`]: several GPUs of one process are driven
-/// through it directly until the communicator gets `from_devices`.
+/// Private: the communicators of [`crate::comm::Communicator::from_devices`] share one.
 pub struct GpuGroup {
     members: Vec<Member>,
     path: String,
@@ -86,7 +85,7 @@ impl GroupAbort {
         self.failed.lock().ok().and_then(|f| f.clone())
     }
 
-    fn fail(&self, e: Error) {
+    pub(crate) fn fail(&self, e: Error) {
         if let Ok(mut f) = self.failed.lock() {
             f.get_or_insert(e);
         }
@@ -202,11 +201,6 @@ impl GpuGroup {
         })
     }
 
-    /// The number of ranks.
-    pub fn size(&self) -> usize {
-        self.members.len()
-    }
-
     /// Sets the largest all-gather segment copied by a kernel rather than the copy engine
     /// (default [`KERNEL_COPY_MAX`]; 0: always the copy engine).
     pub fn set_kernel_copy_max(&mut self, bytes: usize) {
@@ -254,11 +248,6 @@ impl GpuGroup {
     /// A handle that ends the group from another thread (see [`GroupAbort`]).
     pub fn abort_handle(&self) -> GroupAbort {
         self.abort.clone()
-    }
-
-    /// Ends the group now (see [`GroupAbort::abort`]).
-    pub fn abort(&self, reason: &str) {
-        self.abort.abort(reason);
     }
 
     /// Waits until every collective queued so far has finished on every rank's stream, at most

@@ -8,8 +8,9 @@
 //! chunk, grant a slot, done, failed). Executors (host buffers, GPU direct, staged) drive it
 //! over a transport. [`plan`] lays a buffer out in segments and chunks.
 //!
-//! GPU collectives: [`gpu::GpuGroup`] rings the GPUs of one process (each GPU reads its
-//! neighbour over NVLink/PCIe peer access); [`gpu_ring::GpuRing`] rings processes of one host,
+//! GPU collectives: the GPUs of one process ([`comm::Communicator::from_devices`]) are ringed
+//! by a private group in which each GPU reads its neighbour over NVLink/PCIe peer access;
+//! [`gpu_ring::GpuRing`] rings processes of one host,
 //! one GPU each, over cuda-ipc (direct) or shared host memory (staged), queued on CUDA streams
 //! from the pure program of [`stream_plan`].
 //!
@@ -24,7 +25,7 @@ pub mod element;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod gpu;
+pub(crate) mod gpu;
 pub mod gpu_ring;
 pub mod host;
 pub mod local;
@@ -36,7 +37,6 @@ pub mod stream_plan;
 
 pub use element::Element;
 pub use error::{Error, Result};
-pub use gpu::GpuGroup;
 pub use plan::Plan;
 pub use reduce::{DataType, ReduceOp};
 pub use schedule::{Action, Immediate, RingSchedule};

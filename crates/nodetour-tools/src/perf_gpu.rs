@@ -3,7 +3,8 @@
 //! reports the median of its batches) and the machine's copy ceilings ([`crate::ceiling`]).
 //! Every row checks the results against the float64 reference first.
 //!
-//! - `nodetour perf --gpus 0,1`: the direct GPU ring ([`GpuGroup`]) over the GPUs of this process;
+//! - `nodetour perf --gpus 0,1`: the direct GPU ring (`Communicator::from_devices`, driven by a
+//!   `Group`) over the GPUs of this process;
 //! - `nodetour perf --gpu` under a launcher: one GPU per process ([`crate::gpu_job`]), the
 //!   direct path (cuda-ipc), the staged path (shm) or both side by side.
 
@@ -17,8 +18,9 @@ use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::nccl::LocalNccl;
 use nodetour_core::transport::TransportKind;
+use nodetour_ring::comm::{Communicator, DevicePath, Group, Options};
 use nodetour_ring::gpu_ring::GpuRing;
-use nodetour_ring::{DataType, GpuGroup, ReduceOp};
+use nodetour_ring::{DataType, ReduceOp};
 use serde_json::json;
 
 use crate::ceiling::{CEILING_BYTES, Ceilings, measure};
@@ -142,14 +144,18 @@ pub fn sweep(
     } else {
         None
     };
-    let mut group = GpuGroup::new(&contexts)?;
+    let mut options = Options::from_env()?;
     if let Some(b) = kernel_copy_max {
-        group.set_kernel_copy_max(b);
+        options.kernel_copy_max = b;
     }
     if let Some(b) = one_step_max {
-        group.set_one_step_max(b);
+        options.one_step_max = b;
     }
-    let path = group.path().to_owned();
+    let comms = Communicator::from_devices(&contexts, options)?;
+    let path = match &comms[0].paths().device {
+        DevicePath::InProcess { reason } => reason.clone(),
+        other => format!("{other:?}"),
+    };
     tracing::info!(ranks = contexts.len(), path = %path, "GPU group ready");
     let mut nccl = if compare_nccl {
         let list: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
@@ -179,7 +185,7 @@ pub fn sweep(
         let busbw = |secs: f64| bytes as f64 / secs / 1e9 * 2.0 * (n - 1.0) / n;
         // Correctness first, on fresh data, for each implementation.
         ranks.load(dtype, count)?;
-        group.all_reduce(&b, &s, count, dtype, op)?;
+        all_reduce(&comms, &b, &s, count, dtype, op)?;
         let ours_ok = ranks.check(dtype, op, count)?;
         let nccl_ok = match nccl.as_mut() {
             Some(nc) => {
@@ -197,7 +203,7 @@ pub fn sweep(
             let reps = if round == 0 { warmup } else { batch };
             let t = Instant::now();
             for _ in 0..reps {
-                group.all_reduce(&b, &s, count, dtype, op)?;
+                all_reduce(&comms, &b, &s, count, dtype, op)?;
             }
             ranks.sync()?;
             if round > 0 {
@@ -510,4 +516,20 @@ pub fn ring_sweep(
     }
     progress(sizes.len(), sizes.len(), "done");
     Ok(rows)
+}
+
+/// One allreduce over every GPU of the set, queued from this thread as a group.
+fn all_reduce(
+    comms: &[Communicator],
+    buffers: &[&DeviceBuffer],
+    streams: &[&GpuStream],
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+) -> nodetour_ring::Result<()> {
+    let mut group = Group::new();
+    for ((comm, buf), stream) in comms.iter().zip(buffers).zip(streams) {
+        group.all_reduce_device_buffer(comm, buf, count, dtype, op, stream)?;
+    }
+    group.end()
 }

@@ -49,19 +49,26 @@
 //! rather than a wrong answer), so a runtime that calls from several threads orders them
 //! itself. [`AbortHandle`] is `Send + Sync + Clone`.
 //!
+//! **Several GPUs of one process**: [`Communicator::from_devices`] makes one communicator per
+//! GPU (as `ncclCommInitAll`); drive them with one thread per GPU, or from one thread through
+//! a [`Group`] (as `ncclGroupStart`/`ncclGroupEnd`). Each GPU reads its neighbour's memory
+//! directly; the calls queue on the callers' streams and return.
+//!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all;
-//! several GPUs of one process in one communicator set (`from_devices`: use
-//! [`crate::GpuGroup`] meanwhile); device reduce-scatter, all-gather and broadcast on the GPU
+//! device reduce-scatter, all-gather and broadcast on the GPU
 //! ring (they are staged through host memory); host and device collectives interleaved on one
 //! communicator run on separate rings, so every rank must interleave them the same way (a rank
 //! that does not times out rather than disagreeing).
 
+mod device_set;
 pub mod gpu_links;
 mod host_job;
 pub(crate) mod links;
 mod options;
 mod paths;
 
+pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
+pub use device_set::Group;
 pub use nodetour_core::bootstrap::UniqueId;
 pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};
 pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
@@ -69,12 +76,13 @@ pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use nodetour_core::Deadline;
 use nodetour_core::bootstrap::{JobToken, LaunchInfo};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer, with_cudarc_slice, with_cudarc_slice_mut};
 
+use self::device_set::{DeviceSet, SetMember};
 use self::host_job::{AbortFlag, HostJob, Launch};
 use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::element::{Element, bytes, bytes_mut};
@@ -97,6 +105,8 @@ pub struct Communicator {
     aborted: AbortFlag,
     gpu_abort: Option<crate::gpu_ring::AbortHandle>,
     state: Mutex<State>,
+    /// A communicator of [`Communicator::from_devices`]: its GPU in the shared set.
+    member: Option<SetMember>,
 }
 
 struct State {
@@ -112,6 +122,7 @@ struct State {
 pub struct AbortHandle {
     flag: AbortFlag,
     gpu: Option<crate::gpu_ring::AbortHandle>,
+    set: Option<Arc<DeviceSet>>,
 }
 
 impl AbortHandle {
@@ -124,6 +135,9 @@ impl AbortHandle {
         }
         if let Some(g) = &self.gpu {
             g.abort(reason);
+        }
+        if let Some(s) = &self.set {
+            s.abort(reason);
         }
     }
 }
@@ -332,7 +346,56 @@ impl Communicator {
                 job: Some(job),
                 failed: None,
             }),
+            member: None,
         })
+    }
+
+    /// Forms one communicator per entry of `contexts` (GPUs of this process, in ring order; a
+    /// GPU may appear more than once), as NCCL's `ncclCommInitAll`: communicator `i` is rank
+    /// `i` and runs device collectives on `contexts[i]`'s memory. Each GPU reads its ring
+    /// neighbour's memory directly (peer access between neighbours on distinct GPUs is enabled
+    /// here; a pair without it is [`Error::Unsupported`]); nothing is staged through the host
+    /// and no slot memory is held.
+    ///
+    /// Drive them with one thread per GPU (each calls its communicator's `*_device`
+    /// collective; every call returns once the collective is queued on every GPU's stream) or
+    /// from one thread through a [`Group`] (as `ncclGroupStart`/`ncclGroupEnd`). Host-memory
+    /// collectives are for communicators of processes; here they are
+    /// [`Error::Unsupported`]. `options.config.timeout` bounds how long a call waits for the
+    /// other GPUs' calls.
+    pub fn from_devices(
+        contexts: &[Arc<CudaContext>],
+        options: Options,
+    ) -> Result<Vec<Communicator>> {
+        let set = DeviceSet::new(contexts, &options)?;
+        let n = contexts.len() as u32;
+        let reason = set.path();
+        Ok((0..n)
+            .map(|seat| Communicator {
+                rank: seat,
+                world: n,
+                paths: Paths {
+                    rank: seat,
+                    world: n,
+                    order: (0..n).collect(),
+                    links: Vec::new(),
+                    device: DevicePath::InProcess {
+                        reason: reason.clone(),
+                    },
+                },
+                aborted: Arc::new(Mutex::new(None)),
+                gpu_abort: None,
+                state: Mutex::new(State {
+                    job: None,
+                    failed: None,
+                }),
+                member: Some(SetMember::new(
+                    set.clone(),
+                    seat as usize,
+                    options.config.timeout,
+                )),
+            })
+            .collect())
     }
 
     /// This rank.
@@ -355,12 +418,16 @@ impl Communicator {
         AbortHandle {
             flag: self.aborted.clone(),
             gpu: self.gpu_abort.clone(),
+            set: self.member.as_ref().map(|m| m.set.clone()),
         }
     }
 
     /// The failure that broke this communicator, if one did (as `ncclCommGetAsyncError`):
     /// also one that the GPU ring met after a device collective's call had returned.
     pub fn error(&self) -> Option<Error> {
+        if let Some(m) = &self.member {
+            return m.set.error();
+        }
         let failed = self.lock().ok().and_then(|s| s.failed.clone());
         failed.or_else(|| self.gpu_abort.as_ref().and_then(|a| a.error()))
     }
@@ -370,6 +437,9 @@ impl Communicator {
     /// the first failure if there was one; a failure breaks the communicator. Host collectives
     /// finish before they return.
     pub fn wait(&self, deadline: Deadline) -> Result<()> {
+        if let Some(m) = &self.member {
+            return m.set.wait(deadline.remaining());
+        }
         let mut state = self.lock()?;
         if let Some(first) = &state.failed {
             return Err(Error::Broken {
@@ -624,6 +694,11 @@ impl Communicator {
         op: ReduceOp,
         stream: &GpuStream,
     ) -> Result<()> {
+        if let Some(m) = &self.member {
+            return m
+                .all_reduce_buffer(buffer, count, dtype, op, stream)?
+                .run_alone(m.timeout());
+        }
         self.device_all_reduce(buffer, count, dtype, op, stream)
     }
 
@@ -647,6 +722,11 @@ impl Communicator {
         S: DevicePtr<T>,
         R: DevicePtrMut<T>,
     {
+        if let Some(m) = &self.member {
+            return m
+                .all_reduce_from(send, recv, op, stream)?
+                .run_alone(m.timeout());
+        }
         same_len(send.len(), recv.len(), "send", "recv")?;
         let (n, bytes) = (recv.len(), recv.num_bytes());
         let s = GpuStream::of_cudarc(stream);
@@ -667,6 +747,9 @@ impl Communicator {
         T: Element,
         R: DevicePtrMut<T>,
     {
+        if let Some(m) = &self.member {
+            return m.all_reduce(data, op, stream)?.run_alone(m.timeout());
+        }
         let n = data.len();
         let s = GpuStream::of_cudarc(stream);
         with_cudarc_slice_mut(data, stream, |buf| {
@@ -690,6 +773,11 @@ impl Communicator {
         S: DevicePtr<T>,
         R: DevicePtrMut<T>,
     {
+        if let Some(m) = &self.member {
+            return m
+                .reduce_scatter(send, recv, op, stream)?
+                .run_alone(m.timeout());
+        }
         self.blocks(send.len(), recv.len(), "send", "recv")?;
         let input = to_host(send, stream)?;
         let mut out = vec![T::zeroed(); recv.len()];
@@ -710,6 +798,9 @@ impl Communicator {
         S: DevicePtr<T>,
         R: DevicePtrMut<T>,
     {
+        if let Some(m) = &self.member {
+            return m.all_gather(send, recv, stream)?.run_alone(m.timeout());
+        }
         self.blocks(recv.len(), send.len(), "recv", "send")?;
         let input = to_host(send, stream)?;
         let mut out = vec![T::zeroed(); recv.len()];
@@ -730,6 +821,11 @@ impl Communicator {
         R: DevicePtr<T> + DevicePtrMut<T>,
     {
         self.check_root(root)?;
+        if let Some(m) = &self.member {
+            return m
+                .broadcast(data, root as usize, stream)?
+                .run_alone(m.timeout());
+        }
         let mut host = if self.rank == root {
             to_host(&*data, stream)?
         } else {
@@ -825,6 +921,14 @@ impl Communicator {
 
     /// The state, if the communicator can run a collective.
     fn usable(&self) -> Result<MutexGuard<'_, State>> {
+        if self.member.is_some() {
+            return Err(Error::Unsupported {
+                reason: "host-memory collectives run on communicators of processes (from_env, \
+                         from_unique_id); the communicators of from_devices run device \
+                         collectives"
+                    .into(),
+            });
+        }
         let state = self.lock()?;
         if let Some(first) = &state.failed {
             return Err(Error::Broken {

@@ -41,6 +41,13 @@ pub struct Options {
     /// is pinned under its primary context for fast copies, and no context is made on any
     /// other GPU. `None`: host buffers only (no CUDA at all).
     pub gpu: Option<usize>,
+    /// GPUs of one process ([`super::Communicator::from_devices`]): the largest all-gather
+    /// segment copied by a kernel rather than the copy engine (`NODETOUR_KERNEL_COPY_MAX`;
+    /// default [`super::KERNEL_COPY_MAX`]; 0: always the copy engine).
+    pub kernel_copy_max: usize,
+    /// GPUs of one process: the largest two-GPU allreduce run in one step
+    /// (`NODETOUR_ONE_STEP_MAX`; default [`super::ONE_STEP_MAX`]; 0: always the ring).
+    pub one_step_max: usize,
 }
 
 impl Default for Options {
@@ -54,6 +61,8 @@ impl Default for Options {
             slots: DEFAULT_SLOTS,
             piece_bytes: DEFAULT_PIECE_BYTES,
             gpu: None,
+            kernel_copy_max: crate::gpu::KERNEL_COPY_MAX,
+            one_step_max: crate::gpu::ONE_STEP_MAX,
         }
     }
 }
@@ -104,6 +113,18 @@ impl Options {
             slots: number("NODETOUR_SLOTS", DEFAULT_SLOTS as usize, 1, 256)? as u32,
             piece_bytes: number("NODETOUR_PIECE_BYTES", DEFAULT_PIECE_BYTES, 4096, 1 << 40)?,
             gpu: None,
+            kernel_copy_max: number(
+                "NODETOUR_KERNEL_COPY_MAX",
+                crate::gpu::KERNEL_COPY_MAX,
+                0,
+                usize::MAX,
+            )?,
+            one_step_max: number(
+                "NODETOUR_ONE_STEP_MAX",
+                crate::gpu::ONE_STEP_MAX,
+                0,
+                usize::MAX,
+            )?,
         })
     }
 

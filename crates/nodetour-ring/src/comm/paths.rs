@@ -54,6 +54,12 @@ pub enum DevicePath {
         /// Why.
         reason: String,
     },
+    /// Several GPUs of one process ([`crate::comm::Communicator::from_devices`]): each GPU reads
+    /// its ring neighbour's memory directly; queued on the caller's stream, no host wait.
+    InProcess {
+        /// The path and why.
+        reason: String,
+    },
     /// Staged through this rank's host ring (ranks on several hosts, or host links forced):
     /// synchronous, waiting for the caller's stream only.
     Staged {
@@ -107,6 +113,13 @@ impl fmt::Display for Paths {
     /// `rank 1/4: host buffers: synchronous ring; next rank 2 verbs (host memory registered
     /// with the NIC): both ranks have an RDMA device; prev rank 0 ...`
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let DevicePath::InProcess { reason } = &self.device {
+            return write!(
+                f,
+                "rank {}/{}: GPU buffers: GPUs of one process on the caller's streams, {reason}",
+                self.rank, self.world
+            );
+        }
         write!(
             f,
             "rank {}/{}: host buffers: synchronous ring",
@@ -123,7 +136,7 @@ impl fmt::Display for Paths {
             )?;
         }
         match &self.device {
-            DevicePath::None => Ok(()),
+            DevicePath::None | DevicePath::InProcess { .. } => Ok(()),
             DevicePath::GpuRing { transport, reason } => {
                 let kind = transport.map_or("one rank".to_owned(), |t| t.to_string());
                 write!(

@@ -1,0 +1,567 @@
+//! Several GPUs of one process through the communicator ([`Communicator::from_devices`]),
+//! against the host reducer: sets of 1-5 ranks spread over the GPUs present (several ranks per
+//! GPU when there are fewer GPUs), every data type and operation, sizes that do not split
+//! evenly; driven from one thread through a [`Group`] and from one thread per GPU. Inputs reach
+//! the buffers by copies queued on the callers' streams just before the collective, so a
+//! collective that did not wait for earlier work on its streams would read stale data. Needs a
+//! GPU: `#[ignore]`d elsewhere (counted as skipped); run by `scripts/gpu-tier.sh` on the GPU
+//! machines.
+
+#![allow(clippy::needless_range_loop)] // ranks index several parallel vectors
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use nodetour_core::Deadline;
+use nodetour_core::cuda::GpuStream;
+use nodetour_core::memory::DeviceBuffer;
+use nodetour_ring::comm::{Communicator, DevicePath, Group, Options};
+use nodetour_ring::reduce::{finish_avg, reduce_into};
+use nodetour_ring::{DataType, Element, Error, ReduceOp};
+
+mod common;
+use common::gpus;
+
+/// Floats are quarters in [-4, 4] (sums of a few are exact in every float type); integers are
+/// arbitrary bit patterns (wrapping arithmetic is exact in any order).
+fn values(dtype: DataType, seed: u64, count: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let q = ((x % 33) as f64 - 16.0) / 4.0;
+        match dtype {
+            DataType::F32 => out.extend_from_slice(&(q as f32).to_ne_bytes()),
+            DataType::F64 => out.extend_from_slice(&q.to_ne_bytes()),
+            DataType::F16 => out.extend_from_slice(&half::f16::from_f64(q).to_ne_bytes()),
+            DataType::Bf16 => out.extend_from_slice(&half::bf16::from_f64(q).to_ne_bytes()),
+            DataType::I32 => out.extend_from_slice(&((x >> 11) as i32).to_ne_bytes()),
+            DataType::I64 => out.extend_from_slice(&((x >> 3) as i64).to_ne_bytes()),
+            DataType::U8 => out.push((x >> 29) as u8),
+        }
+    }
+    out
+}
+
+fn as_f64(dtype: DataType, b: &[u8]) -> f64 {
+    match dtype {
+        DataType::F16 => half::f16::from_ne_bytes([b[0], b[1]]).to_f64(),
+        DataType::Bf16 => half::bf16::from_ne_bytes([b[0], b[1]]).to_f64(),
+        _ => unreachable!("only halves are compared with a tolerance"),
+    }
+}
+
+/// The first element where `got` and `want` differ beyond what the type allows: exact, except
+/// products of halves (their rounding depends on the order the ring multiplies in).
+fn first_difference(
+    dtype: DataType,
+    op: ReduceOp,
+    ranks: usize,
+    got: &[u8],
+    want: &[u8],
+) -> Option<usize> {
+    let size = dtype.size();
+    let inexact = op == ReduceOp::Prod && matches!(dtype, DataType::F16 | DataType::Bf16);
+    let eps = if dtype == DataType::F16 {
+        1.0 / 1024.0
+    } else {
+        1.0 / 128.0
+    };
+    (0..got.len() / size).find(|&i| {
+        let (g, w) = (&got[i * size..][..size], &want[i * size..][..size]);
+        if inexact {
+            let (g, w) = (as_f64(dtype, g), as_f64(dtype, w));
+            (g - w).abs() > w.abs() * eps * ranks as f64
+        } else {
+            g != w
+        }
+    })
+}
+
+/// The reduction of `inputs` as the host computes it.
+fn reduced(dtype: DataType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let mut want = inputs[0].clone();
+    for input in &inputs[1..] {
+        reduce_into(dtype, op, &mut want, input).unwrap();
+    }
+    if op == ReduceOp::Avg {
+        finish_avg(dtype, &mut want, inputs.len() as u32);
+    }
+    want
+}
+
+fn no_mismatches(failures: &[String]) {
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures[..failures.len().min(20)].join("\n")
+    );
+}
+
+fn contexts(gpus: &[Arc<CudaContext>], ranks: usize) -> Vec<Arc<CudaContext>> {
+    (0..ranks).map(|r| gpus[r % gpus.len()].clone()).collect()
+}
+
+fn options() -> Options {
+    let mut o = Options::default();
+    o.config.timeout = Duration::from_secs(20);
+    o
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn allreduce_in_a_group_matches_the_host_reducer() {
+    let Some(gpus) = gpus() else { return };
+    println!("{} GPU(s)", gpus.len());
+    let mut failures = Vec::new();
+    // Two ranks twice: in one step (the default at these sizes) and through the ring.
+    for (ranks, one_step) in [
+        (1, true),
+        (2, true),
+        (2, false),
+        (3, true),
+        (4, true),
+        (5, true),
+    ] {
+        let contexts = contexts(&gpus, ranks);
+        let mut o = options();
+        if !one_step {
+            o.one_step_max = 0;
+        }
+        let comms = Communicator::from_devices(&contexts, o).unwrap();
+        let DevicePath::InProcess { reason } = &comms[0].paths().device else {
+            panic!("{}", comms[0].paths())
+        };
+        println!("{ranks} ranks (one step allowed: {one_step}): {reason}");
+        let streams: Vec<_> = contexts
+            .iter()
+            .map(|c| GpuStream::new(c).unwrap())
+            .collect();
+        for count in [1usize, 7, 4099, 100_003] {
+            for dtype in DataType::ALL {
+                let bytes = count * dtype.size();
+                let bufs: Vec<_> = contexts
+                    .iter()
+                    .map(|c| DeviceBuffer::new(c, bytes).unwrap())
+                    .collect();
+                let staging: Vec<_> = contexts
+                    .iter()
+                    .map(|c| DeviceBuffer::new(c, bytes).unwrap())
+                    .collect();
+                let inputs: Vec<_> = (0..ranks)
+                    .map(|r| values(dtype, (r * 1000 + count) as u64, count))
+                    .collect();
+                for (s, input) in staging.iter().zip(&inputs) {
+                    s.copy_from_host(0, input).unwrap();
+                }
+                for op in ReduceOp::ALL {
+                    let mut g = Group::new();
+                    for r in 0..ranks {
+                        streams[r].copy(&bufs[r], 0, &staging[r], 0, bytes).unwrap();
+                        g.all_reduce_device_buffer(
+                            &comms[r],
+                            &bufs[r],
+                            count,
+                            dtype,
+                            op,
+                            &streams[r],
+                        )
+                        .unwrap();
+                    }
+                    g.end().unwrap();
+                    let want = reduced(dtype, op, &inputs);
+                    for r in 0..ranks {
+                        streams[r].synchronize().unwrap();
+                        let mut got = vec![0u8; bytes];
+                        bufs[r].copy_to_host(0, &mut got).unwrap();
+                        if let Some(i) = first_difference(dtype, op, ranks, &got, &want) {
+                            let e = i * dtype.size()..(i + 1) * dtype.size();
+                            failures.push(format!(
+                                "{ranks} ranks (one step: {one_step}), {count} x {dtype:?} \
+                                 {op:?}: rank {r} element {i} is {:?}, want {:?}",
+                                &got[e.clone()],
+                                &want[e]
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        for c in comms {
+            c.close(Deadline::after(Duration::from_secs(30))).unwrap();
+        }
+    }
+    no_mismatches(&failures);
+}
+
+/// One rank's cudarc slices, stream and inputs for one case.
+struct Rank<T: DeviceRepr> {
+    stream: Arc<CudaStream>,
+    send: CudaSlice<T>,
+    recv: CudaSlice<T>,
+}
+
+fn upload<T: Element + DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    bytes: &[u8],
+) -> CudaSlice<T> {
+    let mut host = vec![T::zeroed(); bytes.len() / T::DATA_TYPE.size()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut host).copy_from_slice(bytes);
+    stream.clone_htod(&host).unwrap()
+}
+
+fn download<T: Element + DeviceRepr>(stream: &Arc<CudaStream>, slice: &CudaSlice<T>) -> Vec<u8> {
+    let host: Vec<T> = stream.clone_dtoh(slice).unwrap();
+    bytemuck::cast_slice(&host).to_vec()
+}
+
+type Each<'f, T> = dyn Fn(&Communicator, &mut Rank<T>) -> Result<(), Error> + Sync + 'f;
+type Grouped<'f, T> =
+    dyn for<'a> Fn(&mut Group<'a>, &'a Communicator, &'a mut Rank<T>) -> Result<(), Error> + 'f;
+
+/// Runs `each(comm, rank)` for every rank on its own thread, or `grouped` for every rank into
+/// one group.
+fn drive<T: DeviceRepr>(
+    comms: &[Communicator],
+    threads: bool,
+    rs: &mut [Rank<T>],
+    each: &Each<'_, T>,
+    grouped: &Grouped<'_, T>,
+) {
+    if threads {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .zip(rs.iter_mut())
+                .map(|(c, r)| s.spawn(move || each(c, r)))
+                .collect();
+            for h in hs {
+                h.join().unwrap().unwrap();
+            }
+        });
+    } else {
+        let mut g = Group::new();
+        for (c, r) in comms.iter().zip(rs.iter_mut()) {
+            grouped(&mut g, c, r).unwrap();
+        }
+        g.end().unwrap();
+    }
+}
+
+/// Reduce-scatter, all-gather, allreduce out of place and broadcast of `T` on cudarc slices,
+/// driven one thread per GPU (`threads`) or from one thread in groups; every rank's answer
+/// checked.
+fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
+    comms: &[Communicator],
+    contexts: &[Arc<CudaContext>],
+    block: usize,
+    threads: bool,
+    failures: &mut Vec<String>,
+) {
+    let ranks = comms.len();
+    let dtype = T::DATA_TYPE;
+    let size = dtype.size();
+    let whole = block * ranks;
+    let inputs: Vec<_> = (0..ranks)
+        .map(|r| values(dtype, (r * 7919 + block) as u64, whole))
+        .collect();
+    let fresh = || -> Vec<Rank<T>> {
+        contexts
+            .iter()
+            .zip(&inputs)
+            .map(|(c, input)| {
+                let stream = c.new_stream().unwrap();
+                Rank {
+                    send: upload(&stream, input),
+                    recv: stream.alloc_zeros(whole).unwrap(),
+                    stream,
+                }
+            })
+            .collect()
+    };
+    let drive = |rs: &mut Vec<Rank<T>>, each: &Each<'_, T>, grouped: &Grouped<'_, T>| {
+        drive(comms, threads, rs, each, grouped)
+    };
+    let mode = if threads { "threads" } else { "group" };
+    for op in ReduceOp::ALL {
+        // Reduce-scatter: `send` (every block) into the first `block` elements of `recv`.
+        let mut rs = fresh();
+        for r in rs.iter_mut() {
+            r.recv = r.stream.alloc_zeros(block).unwrap();
+        }
+        drive(
+            &mut rs,
+            &|c, r| c.reduce_scatter_device(&r.send, &mut r.recv, op, &r.stream),
+            &|g, c, r| g.reduce_scatter_device(c, &r.send, &mut r.recv, op, &r.stream),
+        );
+        let want = reduced(dtype, op, &inputs);
+        for (i, r) in rs.iter().enumerate() {
+            let got = download(&r.stream, &r.recv);
+            if first_difference(
+                dtype,
+                op,
+                ranks,
+                &got,
+                &want[i * block * size..][..block * size],
+            )
+            .is_some()
+            {
+                failures.push(format!(
+                    "reduce-scatter ({mode}), {ranks} ranks, {block} x {dtype:?} {op:?}: rank {i}"
+                ));
+            }
+            // The input is never written.
+            if download(&r.stream, &r.send) != inputs[i] {
+                failures.push(format!("reduce-scatter ({mode}) wrote rank {i}'s input"));
+            }
+        }
+        // Allreduce out of place.
+        let mut rs = fresh();
+        drive(
+            &mut rs,
+            &|c, r| c.all_reduce_device(&r.send, &mut r.recv, op, &r.stream),
+            &|g, c, r| g.all_reduce_device(c, &r.send, &mut r.recv, op, &r.stream),
+        );
+        for (i, r) in rs.iter().enumerate() {
+            if first_difference(dtype, op, ranks, &download(&r.stream, &r.recv), &want).is_some() {
+                failures.push(format!(
+                    "allreduce ({mode}), {ranks} ranks, {block} x {dtype:?} {op:?}: rank {i}"
+                ));
+            }
+        }
+    }
+    // All-gather: rank r contributes its first `block` elements.
+    let mut rs = fresh();
+    for (r, input) in rs.iter_mut().zip(&inputs) {
+        r.send = upload(&r.stream, &input[..block * size]);
+    }
+    drive(
+        &mut rs,
+        &|c, r| c.all_gather_device(&r.send, &mut r.recv, &r.stream),
+        &|g, c, r| g.all_gather_device(c, &r.send, &mut r.recv, &r.stream),
+    );
+    let want: Vec<u8> = inputs
+        .iter()
+        .flat_map(|i| i[..block * size].to_vec())
+        .collect();
+    for (i, r) in rs.iter().enumerate() {
+        if download(&r.stream, &r.recv) != want {
+            failures.push(format!(
+                "all-gather ({mode}), {ranks} ranks, {block} x {dtype:?}: rank {i}"
+            ));
+        }
+    }
+    // Broadcast from every root.
+    for root in 0..ranks {
+        let mut rs = fresh();
+        drive(
+            &mut rs,
+            &|c, r| c.broadcast_device_in_place(&mut r.send, root as u32, &r.stream),
+            &|g, c, r| g.broadcast_device_in_place(c, &mut r.send, root as u32, &r.stream),
+        );
+        for (i, r) in rs.iter().enumerate() {
+            if download(&r.stream, &r.send) != inputs[root] {
+                failures.push(format!(
+                    "broadcast ({mode}) from {root}, {ranks} ranks, {block} x {dtype:?}: rank {i}"
+                ));
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn every_collective_on_cudarc_slices_from_threads_and_from_groups() {
+    let Some(gpus) = gpus() else { return };
+    let mut failures = Vec::new();
+    for ranks in 1..=4usize {
+        let contexts = contexts(&gpus, ranks);
+        let comms = Communicator::from_devices(&contexts, options()).unwrap();
+        for threads in [true, false] {
+            for block in [1usize, 4099] {
+                slices_case::<f32>(&comms, &contexts, block, threads, &mut failures);
+                slices_case::<half::bf16>(&comms, &contexts, block, threads, &mut failures);
+                slices_case::<i64>(&comms, &contexts, block, threads, &mut failures);
+                slices_case::<u8>(&comms, &contexts, block, threads, &mut failures);
+            }
+        }
+        // A broadcast large enough for the pipeline's every chunk.
+        slices_case::<f64>(
+            &comms,
+            &contexts,
+            (40 << 20) / 8 / ranks,
+            false,
+            &mut failures,
+        );
+        for c in comms {
+            c.close(Deadline::after(Duration::from_secs(30))).unwrap();
+        }
+    }
+    no_mismatches(&failures);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn bad_arguments_are_typed_errors_before_anything_is_queued() {
+    let Some(gpus) = gpus() else { return };
+    let ctx = &gpus[0];
+    let comms = Communicator::from_devices(&[ctx.clone(), ctx.clone()], options()).unwrap();
+    let (a, b) = (
+        DeviceBuffer::new(ctx, 1 << 20).unwrap(),
+        DeviceBuffer::new(ctx, 1 << 16).unwrap(), // allocations are whole 64 KiB granules
+    );
+    let (s0, s1) = (GpuStream::new(ctx).unwrap(), GpuStream::new(ctx).unwrap());
+    let (f32s, sum) = (DataType::F32, ReduceOp::Sum);
+    let invalid = |r: Result<(), Error>| matches!(r, Err(Error::InvalidArgument { .. }));
+    let group = |x: &DeviceBuffer, y: &DeviceBuffer, count| {
+        let mut g = Group::new();
+        g.all_reduce_device_buffer(&comms[0], x, count, f32s, sum, &s0)?;
+        g.all_reduce_device_buffer(&comms[1], y, count, f32s, sum, &s1)?;
+        g.end()
+    };
+    // Too small, the same buffer twice, an overflowing count.
+    assert!(invalid(group(&a, &b, 100_000)));
+    assert!(invalid(group(&a, &a, 16)));
+    assert!(invalid(group(&a, &b, usize::MAX)));
+    // A call missing for one GPU.
+    let mut g = Group::new();
+    g.all_reduce_device_buffer(&comms[0], &a, 16, f32s, sum, &s0)
+        .unwrap();
+    assert!(invalid(g.end()));
+    // Host memory is for communicators of processes.
+    let mut host = vec![1.0f32; 4];
+    assert!(matches!(
+        comms[0].all_reduce_in_place(&mut host, sum),
+        Err(Error::Unsupported { .. })
+    ));
+    assert!(Communicator::from_devices(&[], options()).is_err());
+    // Nothing was queued: the set still works, and the answer is right.
+    a.copy_from_host(0, &1.5f32.to_ne_bytes().repeat(256))
+        .unwrap();
+    b.copy_from_host(0, &2.0f32.to_ne_bytes().repeat(256))
+        .unwrap();
+    group(&a, &b, 256).unwrap();
+    for (buf, s) in [(&a, &s0), (&b, &s1)] {
+        s.synchronize().unwrap();
+        let mut got = vec![0u8; 1024];
+        buf.copy_to_host(0, &mut got).unwrap();
+        assert_eq!(got, 3.5f32.to_ne_bytes().repeat(256));
+    }
+}
+
+/// Members that call different collectives all fail with a disagreement and nothing is queued;
+/// the set is broken afterwards (every member says so). A member called alone from one thread
+/// (no group, no other threads) times out naming the cause.
+#[test]
+#[ignore = "needs a GPU"]
+fn disagreement_and_a_missing_thread_fail_every_member_and_write_nothing() {
+    let Some(gpus) = gpus() else { return };
+    let ctx = &gpus[0];
+    let comms = Communicator::from_devices(&[ctx.clone(), ctx.clone()], options()).unwrap();
+    let streams: Vec<_> = (0..2).map(|_| ctx.new_stream().unwrap()).collect();
+    let mut data: Vec<CudaSlice<f32>> = streams
+        .iter()
+        .map(|s| s.clone_htod(&[1.0f32; 64]).unwrap())
+        .collect();
+    let outcomes: Vec<Result<(), Error>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(data.iter_mut())
+            .zip(&streams)
+            .enumerate()
+            .map(|(i, ((c, d), st))| {
+                let op = if i == 0 { ReduceOp::Sum } else { ReduceOp::Max };
+                s.spawn(move || c.all_reduce_device_in_place(d, op, st))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for o in &outcomes {
+        assert!(
+            matches!(
+                o,
+                Err(Error::Disagreement { .. }) | Err(Error::Broken { .. })
+            ),
+            "{o:?}"
+        );
+    }
+    assert!(
+        outcomes
+            .iter()
+            .any(|o| matches!(o, Err(Error::Disagreement { .. })))
+    );
+    for (d, s) in data.iter().zip(&streams) {
+        assert_eq!(s.clone_dtoh(d).unwrap(), vec![1.0f32; 64], "written");
+    }
+    for c in &comms {
+        assert!(c.error().is_some());
+    }
+    // A fresh set, one member called without its partner: a timeout that says to use a group.
+    let mut o = options();
+    o.config.timeout = Duration::from_millis(300);
+    let comms = Communicator::from_devices(&[ctx.clone(), ctx.clone()], o).unwrap();
+    let t0 = std::time::Instant::now();
+    let alone = comms[0].all_reduce_device_in_place(&mut data[0], ReduceOp::Sum, &streams[0]);
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    match alone {
+        Err(Error::Timeout { waiting_for, .. }) => {
+            assert!(waiting_for.contains("Group"), "{waiting_for}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(comms[1].error(), Some(Error::Timeout { .. })));
+}
+
+/// An abort from another thread ends every member: threads waiting in a call leave with it,
+/// `wait` and later calls say why, and the refused calls write nothing.
+#[test]
+#[ignore = "needs a GPU"]
+fn an_abort_ends_every_member_and_refused_calls_write_nothing() {
+    let Some(gpus) = gpus() else { return };
+    let ctx = &gpus[0];
+    let comms = Communicator::from_devices(&[ctx.clone(), ctx.clone()], options()).unwrap();
+    let streams: Vec<_> = (0..2).map(|_| ctx.new_stream().unwrap()).collect();
+    let count = 1 << 18;
+    let mut data: Vec<CudaSlice<f32>> = streams
+        .iter()
+        .map(|s| s.clone_htod(&vec![1.0f32; count]).unwrap())
+        .collect();
+    {
+        let mut g = Group::new();
+        let (d0, d1) = data.split_at_mut(1);
+        g.all_reduce_device_in_place(&comms[0], &mut d0[0], ReduceOp::Sum, &streams[0])
+            .unwrap();
+        g.all_reduce_device_in_place(&comms[1], &mut d1[0], ReduceOp::Sum, &streams[1])
+            .unwrap();
+        g.end().unwrap();
+    }
+    comms[0]
+        .wait(Deadline::after(Duration::from_secs(30)))
+        .unwrap();
+    // Rank 0 waits in a call for rank 1, which never comes; the abort releases it.
+    let handle = comms[1].abort_handle();
+    let waiting = std::thread::scope(|s| {
+        let c0 = &comms[0];
+        let (d, st) = (&mut data[0], &streams[0]);
+        let h = s.spawn(move || c0.all_reduce_device_in_place(d, ReduceOp::Sum, st));
+        std::thread::sleep(Duration::from_millis(100));
+        handle.abort("the test's watchdog");
+        h.join().unwrap()
+    });
+    assert!(matches!(waiting, Err(Error::Broken { .. })), "{waiting:?}");
+    let waited = comms[0].wait(Deadline::after(Duration::from_secs(30)));
+    assert!(matches!(waited, Err(Error::Aborted { .. })), "{waited:?}");
+    let refused = comms[1].all_reduce_device_in_place(&mut data[1], ReduceOp::Sum, &streams[1]);
+    assert!(matches!(refused, Err(Error::Broken { .. })), "{refused:?}");
+    // The first collective's result (2.0 everywhere) and nothing after it.
+    for (d, s) in data.iter().zip(&streams) {
+        assert!(
+            s.clone_dtoh(d).unwrap() == vec![2.0f32; count],
+            "a refused call wrote"
+        );
+    }
+}
