@@ -42,9 +42,9 @@ use nodetour_core::transport::gpu::{
     enqueue_reduce_then_signal, enqueue_signal, enqueue_wait,
 };
 
-use crate::descriptor::{Algorithm, Descriptor};
+use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
-use crate::plan::Plan;
+use crate::plan::{Plan, Shape};
 use crate::reduce::{DataType, ReduceOp};
 use crate::stream_plan::{
     LinkCounters, RecvKind, RecvOp, StreamProgram, program, program_exchange,
@@ -492,6 +492,21 @@ impl GpuRing {
         op: ReduceOp,
         stream: &GpuStream,
     ) -> Result<()> {
+        self.collective(buffer, Shape::AllReduce, count, dtype, op, stream)
+    }
+
+    /// Queues `shape` in place on the first `count` elements of `buffer` (in ring positions:
+    /// reduce-scatter leaves segment `p` of position `p` reduced, all-gather starts from it,
+    /// broadcast copies position `root`'s buffer), as [`Self::all_reduce`] does.
+    pub fn collective(
+        &mut self,
+        buffer: &DeviceBuffer,
+        shape: Shape,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
         if let Some(e) = self.abort.error() {
             return Err(e);
         }
@@ -515,16 +530,29 @@ impl GpuRing {
             dtype.size() as u32,
             links.slot_bytes as u64,
             links.slots,
-        )?;
+        )?
+        .with_shape(shape)?;
         let average = op == ReduceOp::Avg;
         let seq = self.queued;
-        let exchange = self.world == 2 && self.exchange;
+        let exchange = self.world == 2 && self.exchange && shape == Shape::AllReduce;
         let algorithm = if exchange {
             Algorithm::StreamExchange
         } else {
             Algorithm::StreamRing
         };
-        let what = Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq);
+        let (collective, root) = match shape {
+            Shape::AllReduce => (Collective::AllReduce, None),
+            Shape::ReduceScatter => (Collective::ReduceScatter, None),
+            Shape::AllGather => (Collective::AllGather, None),
+            Shape::Broadcast { root } => (Collective::Broadcast, Some(root)),
+        };
+        let reduces = matches!(shape, Shape::AllReduce | Shape::ReduceScatter);
+        let what = Descriptor {
+            collective,
+            root,
+            op: if reduces { op } else { ReduceOp::Sum },
+            ..Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq)
+        };
         let desc = (
             desc_cell(desc_cells(links.slots, links.desc_half), seq),
             desc_word(seq, what.tag()),

@@ -1,4 +1,4 @@
-//! The ring allreduce of one rank on a stream-ordered transport (cuda-ipc, shm), planned once
+//! The ring collectives of one rank (every [`crate::plan::Shape`]) on a stream-ordered transport (cuda-ipc, shm), planned once
 //! when the collective is queued. Pure: no I/O, no clocks, no CUDA.
 //!
 //! Each rank runs two CUDA streams: a **send** stream that writes chunks into the next rank's
@@ -98,8 +98,8 @@ fn chunks(plan: &Plan, segment: u32) -> impl Iterator<Item = Range<u64>> + '_ {
     (0..plan.chunks_in(segment)).map(move |c| plan.chunk(segment, c))
 }
 
-/// Plans one allreduce of `plan` for `rank` and advances `counters` past it (`plan.shape` is
-/// [`crate::plan::Shape::AllReduce`]: the stream ring runs allreduces only).
+/// Plans one collective of `plan` (any [`crate::plan::Shape`]) for ring position `rank` and
+/// advances `counters` past it.
 ///
 /// Every rank of the ring must plan the same collectives in the same order with the same plan
 /// (then the sequence numbers of both ends of each link agree without messages).
@@ -110,67 +110,57 @@ pub fn program(
     counters: &mut LinkCounters,
 ) -> StreamProgram {
     let n = plan.world;
-    assert_eq!(
-        plan.shape,
-        crate::plan::Shape::AllReduce,
-        "the stream ring plans allreduces"
-    );
     let mut p = StreamProgram::default();
     if n < 2 {
         return p;
     }
     let slots = u64::from(plan.slots);
-    let reduce_steps = n - 1;
+    let reduce_steps = (0..plan.steps()).filter(|&s| plan.reduces_at(s)).count() as u32;
     // First receive / send index of each step, for the cross-stream dependencies.
     let mut recv_start = Vec::with_capacity(plan.steps() as usize);
     let mut send_start = Vec::with_capacity(plan.steps() as usize);
     for step in 0..plan.steps() {
         send_start.push(p.sends.len());
-        for (c, elements) in chunks(
-            plan,
-            plan.send_segment(rank, step)
-                .expect("an allreduce sends at every step"),
-        )
-        .enumerate()
-        {
-            let seq = counters.sent;
-            counters.sent += 1;
-            p.sends.push(SendOp {
-                step,
-                elements,
-                slot: (seq % slots) as u32,
-                wait_released: (seq >= slots).then(|| (seq + 1 - slots) as u32),
-                ready: (seq + 1) as u32,
-                after_recv: (step > 0).then(|| recv_start[step as usize - 1] + c),
-            });
+        if let Some(segment) = plan.send_segment(rank, step) {
+            // What this step sends, the previous step received (same segment, same chunks),
+            // where this rank received at all (a broadcast's root did not).
+            let carried = step > 0 && plan.recv_segment(rank, step - 1) == Some(segment);
+            for (c, elements) in chunks(plan, segment).enumerate() {
+                let seq = counters.sent;
+                counters.sent += 1;
+                p.sends.push(SendOp {
+                    step,
+                    elements,
+                    slot: (seq % slots) as u32,
+                    wait_released: (seq >= slots).then(|| (seq + 1 - slots) as u32),
+                    ready: (seq + 1) as u32,
+                    after_recv: carried.then(|| recv_start[step as usize - 1] + c),
+                });
+            }
         }
         recv_start.push(p.recvs.len());
-        for (c, elements) in chunks(
-            plan,
-            plan.recv_segment(rank, step)
-                .expect("an allreduce receives at every step"),
-        )
-        .enumerate()
-        {
-            let seq = counters.received;
-            counters.received += 1;
-            let kind = if step < reduce_steps {
-                RecvKind::Reduce {
-                    average: average && step + 1 == reduce_steps,
-                }
-            } else {
-                RecvKind::Copy
-            };
-            p.recvs.push(RecvOp {
-                step,
-                elements,
-                slot: (seq % slots) as u32,
-                wait_ready: (seq + 1) as u32,
-                kind,
-                after_send: (step >= reduce_steps)
-                    .then(|| send_start[(step - reduce_steps) as usize] + c),
-                released: (seq + 1) as u32,
-            });
+        if let Some(segment) = plan.recv_segment(rank, step) {
+            let overwrites = plan.overwrites_send_of(step);
+            for (c, elements) in chunks(plan, segment).enumerate() {
+                let seq = counters.received;
+                counters.received += 1;
+                let kind = if plan.reduces_at(step) {
+                    RecvKind::Reduce {
+                        average: average && step + 1 == reduce_steps,
+                    }
+                } else {
+                    RecvKind::Copy
+                };
+                p.recvs.push(RecvOp {
+                    step,
+                    elements,
+                    slot: (seq % slots) as u32,
+                    wait_ready: (seq + 1) as u32,
+                    kind,
+                    after_send: overwrites.map(|s| send_start[s as usize] + c),
+                    released: (seq + 1) as u32,
+                });
+            }
         }
     }
     p

@@ -2,7 +2,8 @@
 //! of this process sharing GPU 0 (each with its own communicator and its own handle of the
 //! GPU's context, as separate runtimes would have). Ranks that share a process take the staged
 //! path through the host ring (cuda-ipc cannot map memory within one process); the GPU ring
-//! between processes runs in `examples/data_parallel` (GPU tier). Every result is checked
+//! between processes is tested by starting this binary again as ranks
+//! (`device_collectives_on_a_gpu_ring_of_processes`). Every result is checked
 //! against the exact reference and compared bit for bit across ranks. SKIP without a GPU.
 
 use std::sync::Arc;
@@ -123,6 +124,67 @@ fn device_collectives_staged_through_forced_tcp_links() {
     run(2, Some(TransportKind::Tcp), 3 << 20);
 }
 
+type Shapes = (Vec<i32>, Vec<f32>, Vec<bf16>, Vec<f32>);
+
+/// Reduce-scatter (i32 sum), all-gather (f32), broadcast from rank 1 (bf16) and allreduce out
+/// of place (f32 average) of `n` elements per rank, on cudarc slices on one stream.
+fn shapes(comm: &Communicator, n: usize) -> Shapes {
+    let (r, world) = (comm.rank(), comm.world());
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let whole: Vec<i32> = (0..n * world as usize)
+        .map(|i| (i as i32 % 1000) * (r as i32 + 1))
+        .collect();
+    let send = stream.clone_htod(&whole).unwrap();
+    let mut rs = stream.alloc_zeros::<i32>(n).unwrap();
+    comm.reduce_scatter_device(&send, &mut rs, ReduceOp::Sum, &stream)
+        .unwrap();
+    let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+    let mine_d = stream.clone_htod(&mine).unwrap();
+    let mut ag = stream.alloc_zeros::<f32>(n * world as usize).unwrap();
+    comm.all_gather_device(&mine_d, &mut ag, &stream).unwrap();
+    let mut b = stream
+        .clone_htod(&vec![bf16::from_f32(r as f32); n])
+        .unwrap();
+    comm.broadcast_device_in_place(&mut b, 1 % world, &stream)
+        .unwrap();
+    let mut avg = stream.alloc_zeros::<f32>(n).unwrap();
+    comm.all_reduce_device(&mine_d, &mut avg, ReduceOp::Avg, &stream)
+        .unwrap();
+    (
+        stream.clone_dtoh(&rs).unwrap(),
+        stream.clone_dtoh(&ag).unwrap(),
+        stream.clone_dtoh(&b).unwrap(),
+        stream.clone_dtoh(&avg).unwrap(),
+    )
+}
+
+/// What rank `r` of `world` must hold after [`shapes`].
+fn check_shapes(r: usize, world: u32, n: usize, got: &Shapes) {
+    let (rs, ag, b, avg) = got;
+    let factor: i32 = (1..=world as i32).sum();
+    let want_rs: Vec<i32> = (0..n)
+        .map(|i| ((r * n + i) as i32 % 1000) * factor)
+        .collect();
+    assert_eq!(rs, &want_rs, "rank {r}: reduce-scatter");
+    let want_ag: Vec<f32> = (0..world)
+        .flat_map(|q| (0..n).map(move |i| value(q, i)))
+        .collect();
+    assert_eq!(ag, &want_ag, "rank {r}: all-gather");
+    let root = (1 % world) as f32;
+    assert!(
+        b.iter().all(|x| x.to_f32() == root),
+        "rank {r}: broadcast from rank 1"
+    );
+    for (i, got) in avg.iter().enumerate() {
+        let want = (0..world).map(|q| value(q, i)).sum::<f32>() / world as f32;
+        assert!(
+            (got - want).abs() <= 1e-6 * want.max(1.0),
+            "rank {r} element {i}: allreduce average {got}, want {want}"
+        );
+    }
+}
+
 #[test]
 fn device_reduce_scatter_all_gather_and_broadcast_are_exact_on_every_rank() {
     if common::gpus().is_none() {
@@ -131,48 +193,98 @@ fn device_reduce_scatter_all_gather_and_broadcast_are_exact_on_every_rank() {
     let world = 3u32;
     let n = 100_003usize; // per rank
     let got = ranks(world, options(None), |comm| {
-        let r = comm.rank();
-        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
-        let stream = ctx.new_stream().unwrap();
-        let whole: Vec<i32> = (0..n * world as usize)
-            .map(|i| (i as i32 % 1000) * (r as i32 + 1))
-            .collect();
-        let send = stream.clone_htod(&whole).unwrap();
-        let mut rs = stream.alloc_zeros::<i32>(n).unwrap();
-        comm.reduce_scatter_device(&send, &mut rs, ReduceOp::Sum, &stream)
-            .unwrap();
-        let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
-        let mine_d = stream.clone_htod(&mine).unwrap();
-        let mut ag = stream.alloc_zeros::<f32>(n * world as usize).unwrap();
-        comm.all_gather_device(&mine_d, &mut ag, &stream).unwrap();
-        let mut b = stream
-            .clone_htod(&vec![bf16::from_f32(r as f32); n])
-            .unwrap();
-        comm.broadcast_device_in_place(&mut b, 1, &stream).unwrap();
-        let out = (
-            stream.clone_dtoh(&rs).unwrap(),
-            stream.clone_dtoh(&ag).unwrap(),
-            stream.clone_dtoh(&b).unwrap(),
-        );
+        let out = shapes(&comm, n);
         comm.close(Deadline::after(Duration::from_secs(20)))
             .unwrap();
         out
     });
-    let factor: i32 = (1..=world as i32).sum();
-    for (r, (rs, ag, b)) in got.iter().enumerate() {
-        let want_rs: Vec<i32> = (0..n)
-            .map(|i| ((r * n + i) as i32 % 1000) * factor)
-            .collect();
-        assert_eq!(rs, &want_rs, "rank {r}: reduce-scatter");
-        let want_ag: Vec<f32> = (0..world)
-            .flat_map(|q| (0..n).map(move |i| value(q, i)))
-            .collect();
-        assert_eq!(ag, &want_ag, "rank {r}: all-gather");
-        assert!(
-            b.iter().all(|x| x.to_f32() == 1.0),
-            "rank {r}: broadcast from rank 1"
-        );
+    for (r, out) in got.iter().enumerate() {
+        check_shapes(r, world, n, out);
     }
+}
+
+/// The environment that makes a test process a rank of [`device_collectives_on_a_gpu_ring_of_processes`].
+const CHILD: &str = "NODETOUR_TEST_GPU_RING_CHILD";
+
+/// Processes (this test binary, started again as ranks) on one GPU form a GPU ring: every
+/// device collective queues on it (no host staging), and every rank's answer is exact, twice
+/// in a row (the scratch buffer and the ring's counters carry over).
+#[test]
+fn device_collectives_on_a_gpu_ring_of_processes() {
+    if common::gpus().is_none() {
+        return;
+    }
+    for world in [2u32, 3] {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let exe = std::env::current_exe().unwrap();
+        let mut children: Vec<_> = (0..world)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .args([
+                        "--exact",
+                        "gpu_ring_rank",
+                        "--include-ignored",
+                        "--nocapture",
+                    ])
+                    .env(CHILD, "1")
+                    .env("NODETOUR_RANK", r.to_string())
+                    .env("NODETOUR_WORLD_SIZE", world.to_string())
+                    .env("NODETOUR_LOCAL_RANK", r.to_string())
+                    .env("NODETOUR_MASTER_ADDR", "127.0.0.1")
+                    .env("NODETOUR_PORT", port.to_string())
+                    .env("NODETOUR_JOB_TOKEN", format!("gpu-ring-test-{port}"))
+                    .env("NODETOUR_TIMEOUT_MS", "20000")
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        for (r, c) in children.iter_mut().enumerate() {
+            let status = loop {
+                if let Some(s) = c.try_wait().unwrap() {
+                    break s;
+                }
+                if std::time::Instant::now() > deadline {
+                    let _ = c.kill();
+                    panic!("{world} ranks: rank {r} did not finish in 120 s");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            assert!(status.success(), "{world} ranks: rank {r} failed: {status}");
+        }
+    }
+}
+
+/// One rank of [`device_collectives_on_a_gpu_ring_of_processes`] (only as its child).
+#[test]
+#[ignore = "a rank of device_collectives_on_a_gpu_ring_of_processes"]
+fn gpu_ring_rank() {
+    if std::env::var_os(CHILD).is_none() {
+        println!("SKIP runs only as a rank of device_collectives_on_a_gpu_ring_of_processes");
+        return;
+    }
+    let mut o = Options::from_env().unwrap();
+    o.gpu = Some(0);
+    let comm = Communicator::from_env(o).unwrap();
+    let (r, world) = (comm.rank(), comm.world());
+    assert!(
+        matches!(comm.paths().device, DevicePath::GpuRing { .. }),
+        "rank {r}: {}",
+        comm.paths()
+    );
+    for n in [1usize, 100_003] {
+        for _ in 0..2 {
+            let got = shapes(&comm, n);
+            check_shapes(r as usize, world, n, &got);
+        }
+    }
+    comm.close(Deadline::after(Duration::from_secs(20)))
+        .unwrap();
+    println!("GPU_RING_SHAPES OK rank={r} world={world}");
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //! the result), which shows the simulator sees the hazards the dependencies prevent.
 
 use nodetour_ring::Plan;
+use nodetour_ring::plan::Shape;
 use nodetour_ring::stream_plan::{
     LinkCounters, RecvKind, RecvOp, SendOp, program, program_exchange,
 };
@@ -27,6 +28,8 @@ struct Drop_ {
     after_recv: bool,
     /// Two ranks: the exchange program instead of the ring.
     exchange: bool,
+    /// The collective (`None`: allreduce).
+    shape: Option<Shape>,
 }
 
 struct Rank {
@@ -52,7 +55,10 @@ fn run(
     seed: u64,
     drop: Drop_,
 ) -> bool {
-    let plan = Plan::new(world, count, 8, slot_elems * 8, slots).unwrap();
+    let plan = Plan::new(world, count, 8, slot_elems * 8, slots)
+        .unwrap()
+        .with_shape(drop.shape.unwrap_or(Shape::AllReduce))
+        .unwrap();
     let n = world as usize;
     let mut rng = Rng(seed | 1);
     // Start the counters near 2^32 so that flag values wrap during the run, as if that many
@@ -172,14 +178,26 @@ fn run(
                 ranks[r].next_recv += 1;
             }
         }
+        let reduced: Vec<i64> = (0..count as usize)
+            .map(|i| {
+                let s: i64 = input.iter().map(|v| v[i]).sum();
+                if avg && n > 1 { s / world as i64 } else { s }
+            })
+            .collect();
         for r in 0..n {
-            let want: Vec<i64> = (0..count as usize)
-                .map(|i| {
-                    let s: i64 = input.iter().map(|v| v[i]).sum();
-                    if avg && n > 1 { s / world as i64 } else { s }
-                })
-                .collect();
-            if ranks[r].data != want {
+            let seg = |s: usize| {
+                let x = plan.segment(s as u32);
+                x.start as usize..x.end as usize
+            };
+            let ok = match plan.shape {
+                Shape::AllReduce => ranks[r].data == reduced,
+                // Rank r's own block is reduced (the others hold partial sums).
+                Shape::ReduceScatter => ranks[r].data[seg(r)] == reduced[seg(r)],
+                // Block s comes from rank s.
+                Shape::AllGather => (0..n).all(|s| ranks[r].data[seg(s)] == input[s][seg(s)]),
+                Shape::Broadcast { root } => ranks[r].data == input[root as usize],
+            };
+            if !ok {
                 all_ok = false;
             }
         }
@@ -199,6 +217,30 @@ proptest! {
         seed in any::<u64>(),
     ) {
         prop_assert!(run(world, count, slot_elems, slots, 3, avg, seed, Drop_::default()));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn every_interleaving_of_every_shape_gives_the_exact_result(
+        world in 1u32..7,
+        blocks in prop::sample::select(vec![0u64, 1, 2, 5, 13]),
+        slot_elems in 1u64..7,
+        slots in 1u32..4,
+        avg in any::<bool>(),
+        pick in 0u32..3,
+        root in 0u32..7,
+        seed in any::<u64>(),
+    ) {
+        let shape = match pick {
+            0 => Shape::ReduceScatter,
+            1 => Shape::AllGather,
+            _ => Shape::Broadcast { root: root % world },
+        };
+        let count = blocks * u64::from(world);
+        let v = Drop_ { shape: Some(shape), ..Drop_::default() };
+        prop_assert!(run(world, count, slot_elems, slots, 3, avg, seed, v), "{shape:?}");
     }
 }
 
@@ -258,6 +300,13 @@ fn each_dependency_is_needed() {
         let caught = (0..400u64).any(|seed| !run(3, 31, 2, 2, 2, false, seed * 7919 + 1, drop));
         assert!(caught, "dropping {name} was never caught");
     }
+    // A broadcast relays what it received: without that wait a rank forwards stale data.
+    let relay = Drop_ {
+        after_recv: true,
+        shape: Some(Shape::Broadcast { root: 1 }),
+        ..Drop_::default()
+    };
+    assert!((0..400u64).any(|seed| !run(4, 30, 2, 2, 2, false, seed * 7919 + 1, relay)));
     // The write-after-read wait is implied by the data flow (the chunk an all-gather receive
     // brings has gone once around the ring since this rank sent that range), so dropping it
     // alone never corrupts; the program keeps it as a guard that costs one event wait.

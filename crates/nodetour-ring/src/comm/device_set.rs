@@ -22,11 +22,12 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use nodetour_core::Deadline;
-use nodetour_core::cuda::{GpuEvent, GpuStream};
+use nodetour_core::cuda::GpuStream;
 use nodetour_core::meeting::{MeetError, Meeting};
-use nodetour_core::memory::{DeviceBuffer, RdmaBuffer, with_cudarc_slice, with_cudarc_slice_mut};
+use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
 
 use super::Communicator;
+use super::scratch::Scratch;
 use crate::descriptor::Collective;
 use crate::element::Element;
 use crate::error::{Error, Result};
@@ -148,14 +149,6 @@ pub(crate) struct Call<'a> {
     seat: usize,
     key: Key,
     lend: Lend<'a>,
-}
-
-/// A member's scratch buffer (the out-of-place reduce-scatter's whole input), grown to the
-/// largest size asked for; `free` marks the end of its last use, on whichever stream.
-#[derive(Default)]
-struct Scratch {
-    buffer: Option<DeviceBuffer>,
-    free: Option<GpuEvent>,
 }
 
 /// One member of a [`DeviceSet`].
@@ -357,40 +350,6 @@ impl SetMember {
             key,
             Box::new(move |k| with_cudarc_slice_mut(&mut *data, stream, |v| k(v, &s))?),
         )
-    }
-}
-
-impl Scratch {
-    /// The scratch buffer of at least `len` bytes, ordered after its last use on `stream`.
-    fn take(
-        &mut self,
-        context: &Arc<CudaContext>,
-        len: usize,
-        stream: &GpuStream,
-    ) -> Result<DeviceBuffer> {
-        if let Some(free) = &self.free {
-            stream
-                .wait_marker(free)
-                .map_err(|e| gpu("ordering the scratch buffer", e))?;
-        }
-        match self.buffer.take() {
-            Some(b) if b.len() >= len => Ok(b),
-            // A smaller one is freed in the order of the streams that used it.
-            _ => DeviceBuffer::new(context, len.max(1)).map_err(|e| gpu("allocating scratch", e)),
-        }
-    }
-
-    fn put_back(&mut self, buffer: DeviceBuffer, stream: &GpuStream) -> Result<()> {
-        let free = match self.free.take() {
-            Some(f) => f,
-            None => GpuEvent::marker(stream.context()).map_err(|e| gpu("creating a marker", e))?,
-        };
-        stream
-            .record_marker(&free)
-            .map_err(|e| gpu("marking the scratch buffer", e))?;
-        self.free = Some(free);
-        self.buffer = Some(buffer);
-        Ok(())
     }
 }
 

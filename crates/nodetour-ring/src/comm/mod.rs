@@ -13,12 +13,11 @@
 //!    on any size of buffer (it goes through the communicator's bounded staging memory in
 //!    pieces). On host memory the call is synchronous: it returns `Ok` only with the answer in
 //!    the output, the same bits on every rank. On device memory ([`Options::gpu`]; cudarc
-//!    slices on the caller's stream): [`Communicator::all_reduce_device`] (and `_in_place`)
-//!    queues on the stream and returns where the ranks share one host (a GPU ring), and is
-//!    staged through host memory, synchronous on the stream, across hosts;
+//!    slices on the caller's stream): [`Communicator::all_reduce_device`] (and `_in_place`),
 //!    [`Communicator::reduce_scatter_device`], [`Communicator::all_gather_device`] and
-//!    [`Communicator::broadcast_device_in_place`] are staged through host memory everywhere
-//!    for now. [`Communicator::paths`] says which ([`DevicePath`]).
+//!    [`Communicator::broadcast_device_in_place`] queue on the stream and return where the
+//!    ranks share one host (a GPU ring), and are staged through host memory, synchronous on
+//!    the stream, across hosts. [`Communicator::paths`] says which ([`DevicePath`]).
 //! 4. **Handle errors**: every failure is a typed [`Error`] naming the rank at fault where one
 //!    is ([`Error::PeerLost`], [`Error::Disagreement`], [`Error::Timeout`], ...). After a
 //!    failure that happened while ranks were talking, the communicator is broken: later calls
@@ -55,8 +54,7 @@
 //! directly; the calls queue on the callers' streams and return.
 //!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all;
-//! device reduce-scatter, all-gather and broadcast on the GPU
-//! ring (they are staged through host memory); host and device collectives interleaved on one
+//! host and device collectives interleaved on one
 //! communicator run on separate rings, so every rank must interleave them the same way (a rank
 //! that does not times out rather than disagreeing).
 
@@ -66,6 +64,7 @@ mod host_job;
 pub(crate) mod links;
 mod options;
 mod paths;
+mod scratch;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;
@@ -107,6 +106,8 @@ pub struct Communicator {
     state: Mutex<State>,
     /// A communicator of [`Communicator::from_devices`]: its GPU in the shared set.
     member: Option<SetMember>,
+    /// The whole input of a device reduce-scatter on the GPU ring (reduced in place there).
+    scratch: Mutex<scratch::Scratch>,
 }
 
 struct State {
@@ -190,6 +191,18 @@ where
     stream.memcpy_htod(src, dst).map_err(|e| Error::Gpu {
         reason: format!("copying to the GPU: {e:?}"),
     })
+}
+
+fn gpu_error(e: nodetour_core::Error) -> Error {
+    Error::Gpu {
+        reason: e.to_string(),
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Aborted {
+        reason: "a thread panicked inside a collective of this communicator".into(),
+    }
 }
 
 fn same_len(a: usize, b: usize, an: &str, bn: &str) -> Result<()> {
@@ -347,6 +360,7 @@ impl Communicator {
                 failed: None,
             }),
             member: None,
+            scratch: Mutex::default(),
         })
     }
 
@@ -394,6 +408,7 @@ impl Communicator {
                     seat as usize,
                     options.config.timeout,
                 )),
+                scratch: Mutex::default(),
             })
             .collect())
     }
@@ -759,8 +774,10 @@ impl Communicator {
 
     /// [`Self::reduce_scatter`] on device memory (cudarc slices of [`Options::gpu`]'s GPU):
     /// `send` holds `world` blocks of `recv.len()` elements; `recv` gets block `rank` of the
-    /// reduction. Staged through host memory on every path for now (copied out on `stream`,
-    /// reduced by the host ring, copied back): synchronous, waiting for `stream` only.
+    /// reduction; `send` is never written. On a GPU ring it is queued on `stream` like
+    /// [`Self::all_reduce_device`] (`send` is copied into the communicator's scratch buffer,
+    /// reduced there, and this rank's block copied out); staged, it is copied out on `stream`,
+    /// reduced by the host ring and copied back: synchronous, waiting for `stream` only.
     pub fn reduce_scatter_device<T, S, R>(
         &self,
         send: &S,
@@ -779,6 +796,34 @@ impl Communicator {
                 .run_alone(m.timeout());
         }
         self.blocks(send.len(), recv.len(), "send", "recv")?;
+        if self.has_gpu_ring() {
+            let s = GpuStream::of_cudarc(stream);
+            let (block, n) = (recv.num_bytes(), self.world as usize);
+            let mut scratch = self.scratch.lock().map_err(|_| poisoned())?;
+            return with_cudarc_slice_mut(recv, stream, |out| {
+                let whole = scratch.take(out.context(), block * n, &s)?;
+                // Rank r's block goes to its ring position's segment.
+                let queued = with_cudarc_slice(send, stream, |inp| {
+                    self.copy_blocks(&s, &whole, inp, block, |r| (self.position_of(r), r))
+                })?
+                .and_then(|()| {
+                    self.gpu_ring_collective(
+                        &whole,
+                        Shape::ReduceScatter,
+                        send.len(),
+                        T::DATA_TYPE,
+                        op,
+                        &s,
+                    )
+                })
+                .and_then(|()| {
+                    let at = self.position() as usize * block;
+                    s.copy(out, 0, &whole, at, block).map_err(gpu_error)
+                });
+                scratch.put_back(whole, &s)?;
+                queued
+            })?;
+        }
         let input = to_host(send, stream)?;
         let mut out = vec![T::zeroed(); recv.len()];
         self.reduce_scatter(&input, &mut out, op)?;
@@ -786,7 +831,7 @@ impl Communicator {
     }
 
     /// [`Self::all_gather`] on device memory: `recv` holds `world` blocks of `send.len()`
-    /// elements. Staged through host memory (as [`Self::reduce_scatter_device`]).
+    /// elements. Queued on a GPU ring, staged elsewhere (as [`Self::reduce_scatter_device`]).
     pub fn all_gather_device<T, S, R>(
         &self,
         send: &S,
@@ -802,6 +847,34 @@ impl Communicator {
             return m.all_gather(send, recv, stream)?.run_alone(m.timeout());
         }
         self.blocks(recv.len(), send.len(), "recv", "send")?;
+        if self.has_gpu_ring() {
+            let s = GpuStream::of_cudarc(stream);
+            let (block, n, count) = (send.num_bytes(), self.world as usize, recv.len());
+            let mut scratch = self.scratch.lock().map_err(|_| poisoned())?;
+            return with_cudarc_slice_mut(recv, stream, |out| {
+                let whole = scratch.take(out.context(), block * n, &s)?;
+                let at = self.position() as usize * block;
+                let queued = with_cudarc_slice(send, stream, |inp| {
+                    s.copy(&whole, at, inp, 0, block).map_err(gpu_error)
+                })?
+                .and_then(|()| {
+                    self.gpu_ring_collective(
+                        &whole,
+                        Shape::AllGather,
+                        count,
+                        T::DATA_TYPE,
+                        ReduceOp::Sum,
+                        &s,
+                    )
+                })
+                // Ring position p's segment is rank order[p]'s block.
+                .and_then(|()| {
+                    self.copy_blocks(&s, out, &whole, block, |r| (r, self.position_of(r)))
+                });
+                scratch.put_back(whole, &s)?;
+                queued
+            })?;
+        }
         let input = to_host(send, stream)?;
         let mut out = vec![T::zeroed(); recv.len()];
         self.all_gather(&input, &mut out)?;
@@ -809,7 +882,7 @@ impl Communicator {
     }
 
     /// [`Self::broadcast`] on device memory: rank `root`'s `data` into `data` everywhere.
-    /// Staged through host memory (as [`Self::reduce_scatter_device`]).
+    /// Queued on a GPU ring, staged elsewhere (as [`Self::reduce_scatter_device`]).
     pub fn broadcast_device_in_place<T, R>(
         &self,
         data: &mut R,
@@ -825,6 +898,20 @@ impl Communicator {
             return m
                 .broadcast(data, root as usize, stream)?
                 .run_alone(m.timeout());
+        }
+        if self.has_gpu_ring() {
+            let s = GpuStream::of_cudarc(stream);
+            let (n, root) = (data.len(), self.position_of(root));
+            return with_cudarc_slice_mut(data, stream, |buf| {
+                self.gpu_ring_collective(
+                    buf,
+                    Shape::Broadcast { root },
+                    n,
+                    T::DATA_TYPE,
+                    ReduceOp::Sum,
+                    &s,
+                )
+            })?;
         }
         let mut host = if self.rank == root {
             to_host(&*data, stream)?
@@ -861,22 +948,73 @@ impl Communicator {
                 ),
             });
         }
+        if self.has_gpu_ring() {
+            return self.gpu_ring_collective(buffer, Shape::AllReduce, count, dtype, op, stream);
+        }
         let mut state = self.usable()?;
         let job = state.job.as_mut().expect("usable");
-        let result = match job.gpu_ring.as_mut() {
-            Some(ring) => match ring.all_reduce(buffer, count, dtype, op, stream) {
-                // Refused before anything was queued: the communicator stays usable.
-                Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => {
-                    return Err(e);
-                }
-                other => other,
-            },
-            None => self.staged_all_reduce(job, buffer, count, dtype, op, stream),
+        let result = self.staged_all_reduce(job, buffer, count, dtype, op, stream);
+        if let Err(e) = &result {
+            state.failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+
+    /// Whether device collectives run on a GPU ring (queued on the stream, no host wait).
+    fn has_gpu_ring(&self) -> bool {
+        matches!(self.paths.device, DevicePath::GpuRing { .. })
+    }
+
+    /// Queues `shape` on the GPU ring, in place on `buffer` (laid out in ring positions). A
+    /// failure once the neighbours count on the collective breaks the communicator; arguments
+    /// refused before anything was queued do not.
+    fn gpu_ring_collective(
+        &self,
+        buffer: &DeviceBuffer,
+        shape: Shape,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
+        let mut state = self.usable()?;
+        let job = state.job.as_mut().expect("usable");
+        let ring = job.gpu_ring.as_mut().ok_or_else(|| Error::Unsupported {
+            reason: "this communicator has no GPU ring".into(),
+        })?;
+        let result = match ring.collective(buffer, shape, count, dtype, op, stream) {
+            Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => return Err(e),
+            other => other,
         };
         if let Err(e) = &result {
             state.failed.get_or_insert_with(|| e.clone());
         }
         result
+    }
+
+    /// Queues `world` block copies of `block` bytes from `src` to `dst`; `at(r)` gives, for
+    /// rank `r`, the block index in `dst` and in `src`. One copy when the ring order is the rank
+    /// order.
+    fn copy_blocks(
+        &self,
+        s: &GpuStream,
+        dst: &DeviceBuffer,
+        src: &DeviceBuffer,
+        block: usize,
+        at: impl Fn(u32) -> (u32, u32),
+    ) -> Result<()> {
+        let identity = (0..self.world).all(|r| at(r) == (r, r));
+        if identity {
+            return s
+                .copy(dst, 0, src, 0, block * self.world as usize)
+                .map_err(gpu_error);
+        }
+        for r in 0..self.world {
+            let (d, from) = at(r);
+            s.copy(dst, d as usize * block, src, from as usize * block, block)
+                .map_err(gpu_error)?;
+        }
+        Ok(())
     }
 
     fn staged_all_reduce(
