@@ -1,5 +1,5 @@
-//! The GPU ring across processes, one GPU each (direct over cuda-ipc, or staged through shared
-//! host memory with `NODETOUR_TRANSPORT=shm`): correctness against the float64 reference, then
+//! The GPU ring across processes, one GPU each, through `nodetour::Communicator` (direct over
+//! cuda-ipc, or staged through shared host memory with `NODETOUR_TRANSPORT=shm`): correctness against the float64 reference, then
 //! an `all_reduce_perf`-style sweep with the references measured in the same run:
 //!
 //! ```text
@@ -23,11 +23,12 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::Parser;
+use nodetour::ring::comm::gpu_links::GpuRingOptions;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::{Config, Deadline};
 use nodetour_ring::{DataType, ReduceOp};
-use nodetour_tools::gpu_job::{GpuRingJob, GpuRingOptions};
+use nodetour_tools::gpu_job::{GpuJob, VariantSpec, ring_path, variants_of};
 use nodetour_tools::perf::{cases, pattern, verify};
 use nodetour_tools::perf_gpu::{SweepSpec, render, ring_sweep};
 
@@ -81,7 +82,8 @@ struct Args {
     /// next chunk, the peer's first chunk), and the peer queues the collective after it.
     #[arg(long)]
     hold_ms: Option<u64>,
-    /// Two ranks: also sweep the two-step ring beside the default one-step exchange.
+    /// Two ranks: also sweep the two-step ring beside the default one-step exchange (a second
+    /// communicator, formed from a unique id).
     #[arg(long)]
     also_ring: bool,
 }
@@ -116,31 +118,28 @@ fn run() -> anyhow::Result<()> {
         options.ipc_slot_bytes = b;
         options.shm_slot_bytes = b;
     }
-    let info = nodetour_core::bootstrap::LaunchInfo::from_env()?;
-    let nccl_id = if args.compare_nccl && info.rank == 0 {
-        nodetour_core::nccl::unique_id()?.to_vec()
-    } else {
-        Vec::new()
-    };
-    let mut g = GpuRingJob::form(&config, options, &nccl_id)?;
+    let world = nodetour_core::bootstrap::LaunchInfo::from_env()?.world_size;
+    let mut variants = variants_of("auto")?;
+    if args.perf && args.also_ring && world == 2 {
+        variants.push(VariantSpec {
+            label: "two-step ring".into(),
+            paths: variants[0].paths,
+            two_rank_exchange: false,
+        });
+    }
+    let g = GpuJob::form(&variants, options, args.compare_nccl)?;
+    let comm = &g.variants[0].comm;
     let deadline = || Deadline::after(config.timeout);
     if args.kill_rank.is_some() || args.abort_rank.is_some() {
-        return drill(&mut g, &args, &config);
+        return drill(&g, &args, &config);
     }
     if let Some(victim) = args.close_rank {
-        return close_drill(&mut g, victim, &config);
+        return close_drill(g, victim, &config);
     }
     if let Some(odd) = args.disagree_rank {
-        return disagree_drill(&mut g, odd, &config);
+        return disagree_drill(&g, odd, &config);
     }
-    println!(
-        "rank {} of {}: GPU {}, {}; {}",
-        g.rank,
-        g.world,
-        g.context.ordinal(),
-        g.choice,
-        g.ring.path()
-    );
+    println!("{}", comm.paths());
     let stream = GpuStream::new(&g.context)?;
 
     // Correctness.
@@ -157,8 +156,8 @@ fn run() -> anyhow::Result<()> {
     for &(dtype, op) in &cases {
         for &count in &counts {
             buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
-            g.ring.all_reduce(&buf, count, dtype, op, &stream)?;
-            g.ring.wait(TIMEOUT)?;
+            comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
+            comm.wait(Deadline::after(TIMEOUT))?;
             stream.synchronize()?;
             let mut got = vec![0u8; count * dtype.size()];
             buf.copy_to_host(0, &mut got)?;
@@ -170,11 +169,10 @@ fn run() -> anyhow::Result<()> {
     // The non-blocking form: the handle owns the buffer until `wait` gives it back.
     let count = 5_000_011;
     buf.copy_from_host(0, &pattern(DataType::F32, g.rank, count))?;
-    let handle = g
-        .ring
-        .start_all_reduce(buf, count, DataType::F32, ReduceOp::Sum, &stream, TIMEOUT)
+    let handle = comm
+        .start_all_reduce_device_buffer(buf, count, DataType::F32, ReduceOp::Sum, &stream)
         .map_err(|f| f.error)?;
-    let buf = handle.wait().map_err(|f| f.error)?;
+    let buf = handle.wait(Deadline::after(TIMEOUT)).map_err(|f| f.error)?;
     stream.synchronize()?;
     let mut got = vec![0u8; count * 4];
     buf.copy_to_host(0, &mut got)?;
@@ -187,74 +185,60 @@ fn run() -> anyhow::Result<()> {
         g.rank,
         g.world,
         cases.len(),
-        g.ring.path()
+        ring_path(comm)
     );
-    g.job.barrier(deadline())?;
+    g.barrier()?;
 
     if args.perf {
         let sizes = nodetour_tools::perf::parse_sizes(&format!("1M:{}", args.max_bytes), 4)?;
-        let algos: &[bool] = if args.also_ring && g.world == 2 {
-            &[true, false]
-        } else {
-            &[true]
+        let spec = SweepSpec {
+            sizes,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            warmup: 2,
+            iters: 0,
+            compare_nccl: args.compare_nccl,
+            ceiling: args.ceiling,
         };
-        for (k, &exchange) in algos.iter().enumerate() {
-            g.ring.set_two_rank_exchange(exchange);
-            if let Some(s) = g.staged.as_mut() {
-                s.set_two_rank_exchange(exchange);
-            }
-            let spec = SweepSpec {
-                sizes: sizes.clone(),
-                dtype: DataType::F32,
-                op: ReduceOp::Sum,
-                warmup: 2,
-                iters: 0,
-                compare_nccl: args.compare_nccl,
-                ceiling: args.ceiling && k == 0,
-            };
-            let rows = ring_sweep(&mut g, &spec, TIMEOUT)?;
-            let what = format!("{} processes, one GPU each", g.world);
-            print!(
-                "{}",
-                render(
-                    &rows,
-                    "text",
-                    &what,
-                    &g.ring.path(),
-                    DataType::F32,
-                    ReduceOp::Sum
-                )
-            );
-            if rows
-                .iter()
-                .any(|r| !r.nodetour.2 || r.nccl.is_some_and(|x| !x.2))
-            {
-                bail!("a wrong result in the sweep");
-            }
+        let rows = ring_sweep(&g, &spec, TIMEOUT)?;
+        let what = format!("{} processes, one GPU each", g.world);
+        let path = g
+            .variants
+            .iter()
+            .map(|v| format!("{}: {}", v.label, ring_path(&v.comm)))
+            .collect::<Vec<_>>()
+            .join(" | ");
+        print!(
+            "{}",
+            render(&rows, "text", &what, &path, DataType::F32, ReduceOp::Sum)
+        );
+        if rows
+            .iter()
+            .any(|r| !r.nodetour.2 || r.nccl.is_some_and(|x| !x.2))
+        {
+            bail!("a wrong result in the sweep");
         }
     }
-    g.job.barrier(deadline())?;
-    Ok(())
+    g.close(deadline())
 }
 
 /// The agreement drill: rank `odd` calls with half the count; every rank's wait must fail long
 /// before the deadline.
-fn disagree_drill(g: &mut GpuRingJob, odd: u32, config: &Config) -> anyhow::Result<()> {
+fn disagree_drill(g: &GpuJob, odd: u32, config: &Config) -> anyhow::Result<()> {
+    let comm = &g.variants[0].comm;
     let count = (4 << 20) / 4;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     let stream = GpuStream::new(&g.context)?;
     let me = g.rank;
-    // One agreed collective first: the ring works.
-    g.ring
-        .all_reduce(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
-    g.ring.wait(config.timeout)?;
-    g.job.barrier(Deadline::after(config.timeout))?;
+    // One agreed collective first: the communicator works.
+    comm.all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
+    comm.wait(Deadline::after(config.timeout))?;
+    g.barrier()?;
     let mine = if me == odd { count / 2 } else { count };
     let t = std::time::Instant::now();
-    let result = g
-        .ring
-        .all_reduce(&buf, mine, DataType::F32, ReduceOp::Sum, &stream)
-        .and_then(|()| g.ring.wait(config.timeout));
+    let result = comm
+        .all_reduce_device_buffer(&buf, mine, DataType::F32, ReduceOp::Sum, &stream)
+        .and_then(|()| comm.wait(Deadline::after(config.timeout)));
     let ms = t.elapsed().as_millis();
     println!("GPU_RING_DISAGREE rank={me} count={mine} failed_in_ms={ms} result={result:?}");
     match result {
@@ -262,38 +246,43 @@ fn disagree_drill(g: &mut GpuRingJob, odd: u32, config: &Config) -> anyhow::Resu
         Err(_) if t.elapsed() >= config.timeout => bail!("rank {me}: noticed only at the deadline"),
         Err(_) => {}
     }
-    g.job.barrier(Deadline::after(config.timeout))?;
+    // Broken now: every later call says so.
+    if comm.error().is_none() {
+        bail!("rank {me}: the communicator is not broken after the disagreement");
+    }
     Ok(())
 }
 
-/// The teardown drill: `victim` queues a collective alone and closes its ring; the close must
-/// end within its deadline (aborting and telling the peers), and the peers' collective must
-/// then fail at once, naming the victim's notice, with its buffer never reported as a result.
-fn close_drill(g: &mut GpuRingJob, victim: u32, config: &Config) -> anyhow::Result<()> {
+/// The teardown drill: `victim` queues a collective alone and leaves (aborts and closes its
+/// communicator); the close must end within its deadline, telling the peers, whose collective
+/// must then fail at once, naming the victim's notice, never reported as a result.
+fn close_drill(g: GpuJob, victim: u32, config: &Config) -> anyhow::Result<()> {
     let count = (16 << 20) / 4;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     let stream = GpuStream::new(&g.context)?;
     let me = g.rank;
-    g.job.barrier(Deadline::after(config.timeout))?;
+    g.barrier()?;
+    let comm = &g.variants[0].comm;
     if me == victim {
-        g.ring
-            .all_reduce(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
+        comm.all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
         let t = std::time::Instant::now();
-        let closed = g.ring.close(Duration::from_secs(3));
+        comm.abort_handle().abort("the close drill's victim leaves");
+        let closed = g.close(Deadline::after(Duration::from_secs(3)));
         println!(
             "GPU_RING_CLOSE rank={me} closed_in_ms={} result={closed:?}",
             t.elapsed().as_millis()
         );
-        closed?;
+        if t.elapsed() > Duration::from_secs(5) {
+            bail!("rank {me}: the close took longer than its deadline");
+        }
         // The caller's stream waited on the ring's end markers: it must not hang either.
         stream.synchronize()?;
     } else {
         std::thread::sleep(Duration::from_millis(500));
         let t = std::time::Instant::now();
-        let result = g
-            .ring
-            .all_reduce(&buf, count, DataType::F32, ReduceOp::Sum, &stream)
-            .and_then(|()| g.ring.wait(config.timeout));
+        let result = comm
+            .all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)
+            .and_then(|()| comm.wait(Deadline::after(config.timeout)));
         println!(
             "GPU_RING_CLOSE rank={me} failed_in_ms={} result={result:?}",
             t.elapsed().as_millis()
@@ -302,15 +291,16 @@ fn close_drill(g: &mut GpuRingJob, victim: u32, config: &Config) -> anyhow::Resu
             bail!("rank {me}: a collective the victim never joined returned Ok");
         }
     }
-    g.job.barrier(Deadline::after(config.timeout))?;
     Ok(())
 }
 
-/// The failure drills: every rank queues 64 MiB allreduces and waits for each with the job's
-/// liveness check; the victim dies (SIGKILL) or aborts from a watchdog thread after a few.
-/// Inputs are small integers (f32 sums are exact): every collective that returns `Ok` is
-/// compared bit for bit with the reference, before and after the failure.
-fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()> {
+/// The failure drills: every rank queues 64 MiB allreduces and waits for each (the
+/// communicator's wait checks the job's liveness); the victim dies (SIGKILL) or aborts from a
+/// watchdog thread after a few. Inputs are small integers (f32 sums are exact): every
+/// collective that returns `Ok` is compared bit for bit with the reference, before and after
+/// the failure.
+fn drill(g: &GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
+    let comm = &g.variants[0].comm;
     let count = (64 << 20) / 4;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     let stream = GpuStream::new(&g.context)?;
@@ -318,7 +308,7 @@ fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()>
     let input = pattern(DataType::F32, me, count);
     let mut got = vec![0u8; count * 4];
     let mut verified = 0u32;
-    g.job.barrier(Deadline::after(config.timeout))?;
+    g.barrier()?;
     let start = std::time::Instant::now();
     let mut lost_at = None;
     let failing = args.kill_rank == Some(me) || args.abort_rank == Some(me);
@@ -343,7 +333,7 @@ fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()>
             std::thread::sleep(Duration::from_secs(60));
         }
         if args.abort_rank == Some(me) && k == 20 {
-            let handle = g.ring.abort_handle();
+            let handle = comm.abort_handle();
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(5));
                 handle.abort("the abort drill's watchdog");
@@ -351,11 +341,9 @@ fn drill(g: &mut GpuRingJob, args: &Args, config: &Config) -> anyhow::Result<()>
         }
         buf.copy_from_host(0, &input)?;
         let t = std::time::Instant::now();
-        let queued = g
-            .ring
-            .all_reduce(&buf, count, DataType::F32, ReduceOp::Sum, &stream);
-        let job = &g.job;
-        let result = queued.and_then(|()| g.ring.wait_alive(config.timeout, &|| job.check()));
+        let result = comm
+            .all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)
+            .and_then(|()| comm.wait(Deadline::after(config.timeout)));
         if let Err(e) = result {
             lost_at = Some((k, t.elapsed(), e));
             break;

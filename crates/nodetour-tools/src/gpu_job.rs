@@ -1,182 +1,196 @@
-//! A job of processes, one GPU each, joined in a GPU ring on one host, for the perf tool and
-//! `examples/gpu_ring_check`: the bootstrap from the launcher environment with every rank's GPU
-//! and the caller's extra bytes (an NCCL unique id), then the ring of
-//! [`nodetour_ring::comm::gpu_links::form`] (the communicator's own formation), optionally with
-//! both paths side by side. Runtimes use `nodetour::Communicator`.
+//! A job of processes, one GPU each, for the perf tool and `examples/gpu_ring_check`, built from
+//! communicators as a runtime would: the first from the launcher environment, each further
+//! variant (the staged path beside the direct one, the two-rank ring beside the exchange) from a
+//! unique id that rank 0 makes and broadcasts through the first; NCCL's unique id travels the
+//! same way.
 
 use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
-use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo};
-use nodetour_core::transport::tcp::TcpEndpoint;
-use nodetour_core::transport::{TransportKind, forced_from_env};
-use nodetour_core::{Config, Deadline};
-use nodetour_ring::comm::gpu_links::{self, Seat};
-pub use nodetour_ring::comm::gpu_links::{GpuPaths, GpuRingOptions};
-use nodetour_ring::gpu_ring::GpuRing;
-use nodetour_ring::order::{neighbours, ring_order};
+use nodetour::core::Deadline;
+use nodetour::core::bootstrap::{LaunchInfo, UniqueId};
+use nodetour::core::transport::TransportKind;
+use nodetour::ring::comm::gpu_links::{GpuPaths, GpuRingOptions};
+use nodetour::ring::comm::{DevicePath, Options};
+use nodetour::{Communicator, ReduceOp};
 
-use crate::blob::{put, rendezvous, take};
+/// One formed variant.
+pub struct Variant {
+    /// What differs (for reports).
+    pub label: String,
+    /// Its communicator.
+    pub comm: Communicator,
+}
 
-/// A formed GPU ring.
-pub struct GpuRingJob {
-    /// This rank's ring (drops before the bootstrap): the direct one where cuda-ipc works.
-    pub ring: GpuRing,
-    /// With [`GpuPaths::Both`]: the staged ring beside the direct one (for comparisons).
-    pub staged: Option<GpuRing>,
+/// The communicators of this rank.
+pub struct GpuJob {
+    /// The variants, in the order asked for; the first formed from the environment.
+    pub variants: Vec<Variant>,
     /// This rank's GPU.
     pub context: Arc<CudaContext>,
     /// This rank.
     pub rank: u32,
     /// Ranks in the job.
     pub world: u32,
-    /// The ring order.
-    pub order: Vec<u32>,
-    /// Why the link to the next rank takes its path.
-    pub choice: String,
-    /// The bootstrap (barriers, liveness).
-    pub job: Bootstrap,
-    /// Every rank's extra setup bytes (e.g. an NCCL unique id), by rank.
-    pub extras: Vec<Vec<u8>>,
     /// The GPU (ordinal on this host) of the next rank, if it is another rank.
     pub next_gpu: Option<usize>,
-    closed: bool,
+    /// NCCL's unique id, when asked for (made by rank 0).
+    pub nccl_id: Option<[u8; 128]>,
 }
 
-impl Drop for GpuRingJob {
-    fn drop(&mut self) {
-        if let Err(e) = self.close(nodetour_ring::gpu_ring::TEARDOWN_DEADLINE) {
-            tracing::warn!(error = %e, "closing the GPU ring job");
-        }
-    }
+/// The options of each variant to form: the environment's, with these changes.
+pub struct VariantSpec {
+    /// What differs.
+    pub label: String,
+    /// Which path the GPU ring takes.
+    pub paths: GpuPaths,
+    /// Two ranks: the exchange step (else the two-step ring).
+    pub two_rank_exchange: bool,
 }
 
-/// What each rank announces through the bootstrap, which every rank hears: its GPU and the
-/// caller's extra bytes. The handles and names of its slots and flag pages go only to its
-/// neighbours ([`GpuNeighbourSetup`], over an authenticated loopback connection).
-struct Announcement {
-    gpu: usize,
-    extra: Vec<u8>,
+/// The variants a `--path` value asks for.
+pub fn variants_of(path: &str) -> anyhow::Result<Vec<VariantSpec>> {
+    let v = |label: &str, paths| VariantSpec {
+        label: label.into(),
+        paths,
+        two_rank_exchange: true,
+    };
+    Ok(match path {
+        "auto" => vec![v("auto", GpuPaths::Auto)],
+        "direct" => vec![v("direct", GpuPaths::Direct)],
+        "staged" => vec![v("staged", GpuPaths::Staged)],
+        "both" => vec![v("direct", GpuPaths::Direct), v("staged", GpuPaths::Staged)],
+        other => bail!("--path {other}: direct, staged, both or auto"),
+    })
 }
 
-impl Announcement {
-    fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::new();
-        put(&mut b, &(self.gpu as u32).to_be_bytes());
-        put(&mut b, &self.extra);
-        b
-    }
-
-    fn decode(b: &[u8]) -> anyhow::Result<Announcement> {
-        let mut at = 0;
-        Ok(Announcement {
-            gpu: u32::from_be_bytes(take(b, &mut at)?.try_into()?) as usize,
-            extra: take(b, &mut at)?.to_vec(),
-        })
-    }
-}
-
-impl GpuRingJob {
-    /// Ends the job's rings with the teardown handshake: each rank drains its streams and
-    /// closes its mappings of its neighbours' memory, then a barrier (or the liveness mesh
-    /// reporting a rank lost, which counts as closed) says every neighbour has done the same,
-    /// and only then is this rank's exported slot memory freed. Past `timeout` the exported
-    /// memory is leaked, never freed under a peer's mapping. `Drop` does this with
-    /// [`nodetour_ring::gpu_ring::TEARDOWN_DEADLINE`] and can only log.
-    pub fn close(&mut self, timeout: std::time::Duration) -> nodetour_ring::Result<()> {
-        if std::mem::replace(&mut self.closed, true) {
-            return Ok(());
-        }
-        let mut rings: Vec<&mut GpuRing> = std::iter::once(&mut self.ring)
-            .chain(self.staged.as_mut())
-            .collect();
-        gpu_links::teardown(&mut rings, &self.job, Deadline::after(timeout))
-    }
-
-    /// Forms the ring from the launcher environment: rank `r` uses GPU `local_rank mod GPUs`.
-    /// `extra` travels to every rank (see [`GpuRingJob::extras`]).
+impl GpuJob {
+    /// Forms every variant: rank `r` uses GPU `local_rank mod GPUs`; `gpu_ring` shapes the
+    /// slots of every variant.
     pub fn form(
-        config: &Config,
-        options: GpuRingOptions,
-        extra: &[u8],
-    ) -> anyhow::Result<GpuRingJob> {
+        specs: &[VariantSpec],
+        gpu_ring: GpuRingOptions,
+        want_nccl: bool,
+    ) -> anyhow::Result<GpuJob> {
         let info = LaunchInfo::from_env()?;
-        let (me, world) = (info.rank, info.world_size);
-        let gpus = nodetour_core::cuda::gpus()?.len();
+        let gpus = nodetour::core::cuda::gpus()?.len();
         if gpus == 0 {
             bail!("no GPU on this machine");
         }
-        let gpu = info.local_rank.unwrap_or(me) as usize % gpus;
+        let gpu = info.local_rank.unwrap_or(info.rank) as usize % gpus;
         let context = CudaContext::new(gpu).map_err(|e| anyhow::anyhow!("GPU {gpu}: {e:?}"))?;
-        let forced = forced_from_env()?;
-        if let Some(k) =
-            forced.filter(|k| !matches!(k, TransportKind::CudaIpc | TransportKind::Shm))
-        {
-            bail!("NODETOUR_TRANSPORT={k}: the GPU ring runs over cuda-ipc or shm");
-        }
-        let blob = Announcement {
-            gpu,
-            extra: extra.to_vec(),
-        }
-        .encode();
-        // The ring's neighbours share this host: they reach this rank on loopback only.
-        let endpoint = TcpEndpoint::bind("127.0.0.1:0", JobToken::from_env(), config.timeout)?;
-        let address = format!("127.0.0.1:{}", endpoint.local_addr()?.port());
-        let deadline = Deadline::after(config.timeout);
-        let job = rendezvous(&info, config, address, blob)?;
-        let hosts: Vec<_> = job.peers().iter().map(|p| p.host.clone()).collect();
-        let order = ring_order(&hosts);
-        let position = order
-            .iter()
-            .position(|&r| r == me)
-            .context("not in the ring")? as u32;
-        let (prev, next) = neighbours(&order, me).context("not in the ring")?;
-        // Every rank's announcement, decoded once.
-        let announced = job
-            .peers()
-            .iter()
-            .map(|p| Announcement::decode(&p.blob))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let extras = announced.iter().map(|a| a.extra.clone()).collect();
-        let next_gpu = (world > 1).then_some(announced[next as usize].gpu);
-        if world > 1 && !hosts[next as usize].same_host(&HostIdentity::current())
-            || !hosts[prev as usize].same_host(&HostIdentity::current())
-        {
+        let options = |s: &VariantSpec| -> anyhow::Result<Options> {
+            let mut o = Options::from_env()?;
+            o.gpu = Some(gpu);
+            o.gpu_ring = GpuRingOptions {
+                paths: s.paths,
+                ..gpu_ring
+            };
+            o.two_rank_exchange = s.two_rank_exchange;
+            Ok(o)
+        };
+        let first = specs.first().context("no variant to form")?;
+        let comm = Communicator::from_env(options(first)?)?;
+        if !matches!(comm.paths().device, DevicePath::GpuRing { .. }) {
             bail!(
-                "the GPU ring's neighbours must share this host (cuda-ipc or shm); a GPU ring \
-                 across hosts goes staged through nodetour::Communicator"
+                "no GPU ring here ({}): the GPU ring joins processes of one host, one GPU each",
+                comm.paths()
             );
         }
-        let formed = gpu_links::form(
-            Seat {
-                job: &job,
-                endpoint: &endpoint,
-                context: &context,
-                me,
-                world,
-                position,
-                prev,
-                next,
-                forced,
-                deadline,
-            },
-            options,
-        )?;
-        drop(endpoint);
-        let (ring, staged, choice) = (formed.ring, formed.staged, formed.choice);
-        Ok(GpuRingJob {
-            ring,
-            staged,
+        let (rank, world) = (comm.rank(), comm.world());
+        let mut variants = vec![Variant {
+            label: first.label.clone(),
+            comm,
+        }];
+        for s in &specs[1..] {
+            let id = if rank == 0 {
+                Some(UniqueId::create()?)
+            } else {
+                None
+            };
+            let id = share(
+                &variants[0].comm,
+                id.map(|i| i.encode()).unwrap_or_default(),
+            )?;
+            let id = UniqueId::decode(&id)?;
+            let comm = Communicator::from_unique_id(&id, rank, world, options(s)?)?;
+            variants.push(Variant {
+                label: s.label.clone(),
+                comm,
+            });
+        }
+        let first = &variants[0].comm;
+        let nccl_id = if want_nccl {
+            let mut id = if rank == 0 {
+                nodetour::core::nccl::unique_id()?
+            } else {
+                [0u8; 128]
+            };
+            first.broadcast_in_place(&mut id, 0)?;
+            Some(id)
+        } else {
+            None
+        };
+        let mut ordinals = vec![0i64; world as usize];
+        first.all_gather(&[gpu as i64], &mut ordinals)?;
+        let next_gpu = (world > 1).then(|| ordinals[((rank + 1) % world) as usize] as usize);
+        Ok(GpuJob {
+            variants,
             context,
-            rank: me,
+            rank,
             world,
-            order,
-            choice,
-            job,
-            extras,
             next_gpu,
-            closed: false,
+            nccl_id,
         })
     }
+
+    /// Waits until every rank is here (a one-byte allreduce on the first variant).
+    pub fn barrier(&self) -> anyhow::Result<()> {
+        let mut b = [0u8];
+        self.variants[0]
+            .comm
+            .all_reduce_in_place(&mut b, ReduceOp::Max)?;
+        Ok(())
+    }
+
+    /// Closes every variant (the last formed first).
+    pub fn close(self, deadline: Deadline) -> anyhow::Result<()> {
+        for v in self.variants.into_iter().rev() {
+            v.comm.close(deadline)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `comm`'s GPU ring goes direct (cuda-ipc).
+pub fn is_direct(comm: &Communicator) -> bool {
+    matches!(
+        comm.paths().device,
+        DevicePath::GpuRing {
+            transport: Some(TransportKind::CudaIpc),
+            ..
+        }
+    )
+}
+
+/// The GPU ring's path of `comm`, for reports.
+pub fn ring_path(comm: &Communicator) -> String {
+    match &comm.paths().device {
+        DevicePath::GpuRing { transport, reason } => match transport {
+            Some(t) => format!("{t}: {reason}"),
+            None => reason.clone(),
+        },
+        other => format!("{other:?}"),
+    }
+}
+
+/// Rank 0's `text` on every rank (its length first, then its bytes).
+fn share(comm: &Communicator, text: String) -> anyhow::Result<String> {
+    let mut len = [text.len() as i64];
+    comm.broadcast_in_place(&mut len, 0)?;
+    let mut bytes = text.into_bytes();
+    bytes.resize(len[0] as usize, 0);
+    comm.broadcast_in_place(&mut bytes, 0)?;
+    Ok(String::from_utf8(bytes)?)
 }

@@ -17,14 +17,12 @@ use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::nccl::LocalNccl;
-use nodetour_core::transport::TransportKind;
 use nodetour_ring::comm::{Communicator, DevicePath, Group, Options};
-use nodetour_ring::gpu_ring::GpuRing;
 use nodetour_ring::{DataType, ReduceOp};
 use serde_json::json;
 
 use crate::ceiling::{CEILING_BYTES, Ceilings, measure};
-use crate::gpu_job::GpuRingJob;
+use crate::gpu_job::{GpuJob, is_direct};
 use crate::perf::{median, pattern, verify};
 use crate::plot::Series;
 
@@ -384,16 +382,12 @@ pub fn progress(done: usize, total: usize, what: &str) {
     }
 }
 
-/// Sweeps a GPU ring of processes (one GPU each): every path the job built (`ring`, and
-/// `staged` beside it), NCCL's allreduce (one rank per process, `ncclCommInitRank` with the id
-/// rank 0 put in `extras[0]`) when `compare_nccl`, and the copy ceilings when `ceiling`. Every
-/// rank returns the same rows (its own timings). `iters` collectives per timed batch (0: as
-/// many as make about 4 GiB, 2 to 50).
-pub fn ring_sweep(
-    g: &mut GpuRingJob,
-    spec: &SweepSpec,
-    timeout: Duration,
-) -> anyhow::Result<Vec<GpuRow>> {
+/// Sweeps a GPU ring of processes (one GPU each): every variant of the job (e.g. the direct
+/// ring and the staged one), NCCL's allreduce (one rank per process, `ncclCommInitRank` with
+/// the job's NCCL id) when `compare_nccl`, and the copy ceilings when `ceiling`. Every rank
+/// returns the same rows (its own timings). `iters` collectives per timed batch (0: as many as
+/// make about 4 GiB, 2 to 50).
+pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Result<Vec<GpuRow>> {
     let (sizes, dtype, op, warmup, iters) =
         (&spec.sizes, spec.dtype, spec.op, spec.warmup, spec.iters);
     let (compare_nccl, ceiling) = (spec.compare_nccl, spec.ceiling);
@@ -402,10 +396,7 @@ pub fn ring_sweep(
             Some(o) => Some(CudaContext::new(o).with_context(|| format!("opening GPU {o}"))?),
             None => None,
         };
-        let job = &g.job;
-        let c = measure(&[(g.context.clone(), next)], CEILING_BYTES, &|| {
-            Ok(job.barrier(Deadline::after(timeout))?)
-        })?[0];
+        let c = measure(&[(g.context.clone(), next)], CEILING_BYTES, &|| g.barrier())?[0];
         eprintln!(
             "rank {}: ceilings: peer copy {} GB/s per direction, D2H {:.1} / H2D {:.1} GB/s (all GPUs at once)",
             g.rank,
@@ -418,10 +409,7 @@ pub fn ring_sweep(
         None
     };
     let mut nccl = if compare_nccl {
-        let id: [u8; 128] = g.extras[0]
-            .as_slice()
-            .try_into()
-            .map_err(|_| anyhow::anyhow!("rank 0 sent no NCCL id"))?;
+        let id = g.nccl_id.context("the job was formed without an NCCL id")?;
         let ordinal = g.context.ordinal() as i32;
         Some(
             LocalNccl::join(&id, g.world, g.rank, ordinal)
@@ -435,6 +423,7 @@ pub fn ring_sweep(
     let buf = DeviceBuffer::new(&g.context, largest)?;
     let stream = GpuStream::new(&g.context)?;
     let n = f64::from(g.world);
+    let deadline = || Deadline::after(timeout);
     let mut rows = Vec::new();
     for (k, &size) in sizes.iter().enumerate() {
         progress(k, sizes.len(), &format!("{size} bytes"));
@@ -456,16 +445,13 @@ pub fn ring_sweep(
             check(&mut ok)?;
             nccl_ok = Some(ok);
         }
-        let mut rings: Vec<&mut GpuRing> = vec![&mut g.ring];
-        if let Some(s) = g.staged.as_mut() {
-            rings.push(s);
-        }
         let mut theirs = Vec::new();
         let mut per_ring = Vec::new();
-        for ring in rings {
+        for v in &g.variants {
+            let comm = &v.comm;
             buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
-            ring.all_reduce(&buf, count, dtype, op, &stream)?;
-            ring.wait(timeout)?;
+            comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
+            comm.wait(deadline())?;
             let mut ok = false;
             check(&mut ok)?;
             let mut ours = Vec::new();
@@ -477,10 +463,10 @@ pub fn ring_sweep(
                 };
                 let start = stream.record()?;
                 for _ in 0..reps {
-                    ring.all_reduce(&buf, count, dtype, op, &stream)?;
+                    comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
                 }
                 let end = stream.record()?;
-                ring.wait(timeout)?;
+                comm.wait(deadline())?;
                 if round > 0 {
                     ours.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / reps as f64);
                 }
@@ -496,8 +482,7 @@ pub fn ring_sweep(
                     }
                 }
             }
-            let direct = ring.kind() == Some(TransportKind::CudaIpc);
-            per_ring.push((direct, median(ours), ok));
+            per_ring.push((is_direct(comm), median(ours), ok));
         }
         let nccl_row = nccl_ok.map(|ok| {
             let t = median(std::mem::take(&mut theirs));

@@ -42,7 +42,7 @@ pub enum GpuPaths {
 }
 
 /// Slot shapes and paths of a GPU ring.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuRingOptions {
     /// Slots per link on the staged path.
     pub slots: u32,

@@ -344,9 +344,10 @@ impl HostJob {
                         forced: options.transport,
                         deadline,
                     },
-                    super::gpu_links::GpuRingOptions::default(),
+                    options.gpu_ring,
                 )?;
-                let (ring, reason) = (formed.ring, formed.choice);
+                let (mut ring, reason) = (formed.ring, formed.choice);
+                ring.set_two_rank_exchange(options.two_rank_exchange);
                 let transport = ring.kind();
                 (Some(ring), DevicePath::GpuRing { transport, reason })
             }

@@ -61,6 +61,7 @@
 mod device_set;
 pub mod gpu_links;
 mod host_job;
+mod in_flight;
 pub(crate) mod links;
 mod options;
 mod paths;
@@ -68,6 +69,7 @@ mod scratch;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;
+pub use in_flight::{Failed, InFlight};
 pub use nodetour_core::bootstrap::UniqueId;
 pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};
 pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
@@ -108,6 +110,8 @@ pub struct Communicator {
     member: Option<SetMember>,
     /// The whole input of a device reduce-scatter on the GPU ring (reduced in place there).
     scratch: Mutex<scratch::Scratch>,
+    /// The options' timeout (what a dropped [`InFlight`] waits at most).
+    timeout: std::time::Duration,
 }
 
 struct State {
@@ -361,6 +365,7 @@ impl Communicator {
             }),
             member: None,
             scratch: Mutex::default(),
+            timeout: options.config.timeout,
         })
     }
 
@@ -409,6 +414,7 @@ impl Communicator {
                     options.config.timeout,
                 )),
                 scratch: Mutex::default(),
+                timeout: options.config.timeout,
             })
             .collect())
     }
@@ -715,6 +721,37 @@ impl Communicator {
                 .run_alone(m.timeout());
         }
         self.device_all_reduce(buffer, count, dtype, op, stream)
+    }
+
+    /// The owning non-blocking form of [`Self::all_reduce_device_buffer`]: queues the allreduce
+    /// and returns a handle that owns `buffer` until [`InFlight::wait`] gives it back (the
+    /// buffer cannot be read, reused or freed meanwhile). A collective that cannot be queued
+    /// gives the buffer back with the error.
+    #[allow(clippy::result_large_err)]
+    pub fn start_all_reduce_device_buffer(
+        &self,
+        buffer: DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> std::result::Result<InFlight<'_>, Failed> {
+        let queued = self
+            .all_reduce_device_buffer(&buffer, count, dtype, op, stream)
+            .and_then(|()| {
+                let done =
+                    nodetour_core::cuda::GpuEvent::marker(stream.context()).map_err(gpu_error)?;
+                stream.record_marker(&done).map_err(gpu_error)?;
+                Ok(done)
+            });
+        match queued {
+            Ok(done) => Ok(InFlight {
+                comm: self,
+                buffer: Some(buffer),
+                done,
+            }),
+            Err(error) => Err(Failed { error, buffer }),
+        }
     }
 
     /// Allreduces `send` into `recv` on every rank: device memory of this rank's GPU

@@ -48,6 +48,13 @@ pub struct Options {
     /// GPUs of one process: the largest two-GPU allreduce run in one step
     /// (`NODETOUR_ONE_STEP_MAX`; default [`super::ONE_STEP_MAX`]; 0: always the ring).
     pub one_step_max: usize,
+    /// GPU rings of processes (one host, one GPU each): slot shapes, where the direct path's
+    /// flags live, and which path to build (`Auto`, `Direct` or `Staged`; `Both` is for the
+    /// tools' side-by-side benchmarks and refused here).
+    pub gpu_ring: super::gpu_links::GpuRingOptions,
+    /// GPU rings of two processes: run the allreduce as one exchange step (the default) rather
+    /// than the two-step ring.
+    pub two_rank_exchange: bool,
 }
 
 impl Default for Options {
@@ -63,6 +70,8 @@ impl Default for Options {
             gpu: None,
             kernel_copy_max: crate::gpu::KERNEL_COPY_MAX,
             one_step_max: crate::gpu::ONE_STEP_MAX,
+            gpu_ring: super::gpu_links::GpuRingOptions::default(),
+            two_rank_exchange: true,
         }
     }
 }
@@ -125,6 +134,8 @@ impl Options {
                 0,
                 usize::MAX,
             )?,
+            gpu_ring: super::gpu_links::GpuRingOptions::default(),
+            two_rank_exchange: true,
         })
     }
 
@@ -141,6 +152,11 @@ impl Options {
         }
         if self.slot_bytes < 64 {
             return bad(format!("slots of {} bytes: at least 64", self.slot_bytes));
+        }
+        if self.gpu_ring.paths == super::gpu_links::GpuPaths::Both {
+            return bad(
+                "a communicator builds one GPU ring: GpuPaths::Both is for the tools".into(),
+            );
         }
         if self.piece_bytes < 4096 {
             return bad(format!(

@@ -503,39 +503,28 @@ fn perf_gpus(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
 }
 
 fn perf_ring(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
-    use nodetour_tools::gpu_job::{GpuPaths, GpuRingJob, GpuRingOptions};
+    use nodetour::ring::comm::gpu_links::GpuRingOptions;
+    use nodetour_tools::gpu_job::{GpuJob, ring_path, variants_of};
     use nodetour_tools::perf_gpu::ring_sweep;
     let config = Config::from_env()?;
-    let paths = match gpu.path.as_str() {
-        "auto" => GpuPaths::Auto,
-        "direct" => GpuPaths::Direct,
-        "staged" => GpuPaths::Staged,
-        "both" => GpuPaths::Both,
-        other => anyhow::bail!("--path {other}: direct, staged, both or auto"),
-    };
     let spec = gpu.spec(sweep)?;
-    let info = nodetour_core::bootstrap::LaunchInfo::from_env()?;
-    let nccl_id = if spec.compare_nccl && info.rank == 0 {
-        nodetour_core::nccl::unique_id()?.to_vec()
-    } else {
-        Vec::new()
-    };
-    let options = GpuRingOptions {
-        paths,
-        ..GpuRingOptions::default()
-    };
-    let mut g = GpuRingJob::form(&config, options, &nccl_id)?;
-    let rows = ring_sweep(&mut g, &spec, config.timeout)?;
+    let g = GpuJob::form(
+        &variants_of(&gpu.path)?,
+        GpuRingOptions::default(),
+        spec.compare_nccl,
+    )?;
+    let rows = ring_sweep(&g, &spec, config.timeout)?;
     if g.rank == 0 {
         let what = format!("{} processes, one GPU each", g.world);
-        let path = match &g.staged {
-            Some(s) => format!("{} | {}", g.ring.path(), s.path()),
-            None => g.ring.path(),
-        };
+        let path = g
+            .variants
+            .iter()
+            .map(|v| ring_path(&v.comm))
+            .collect::<Vec<_>>()
+            .join(" | ");
         report(sweep, &spec, &rows, &what, &path)?;
     }
-    g.job
-        .barrier(nodetour_core::Deadline::after(config.timeout))?;
+    g.close(nodetour_core::Deadline::after(config.timeout))?;
     Ok(rows
         .iter()
         .all(|r| r.nodetour.2 && r.nccl.is_none_or(|x| x.2)))
