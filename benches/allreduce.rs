@@ -1,50 +1,132 @@
-//! Allreduce throughput (busbw-style: bytes per rank per second) on every path this machine
-//! has:
-//! - host buffers, 4 ranks over the in-memory transport (CPU reduction), and 2 ranks over tcp on
-//!   loopback is measured between processes by `nodetour perf` (scripts/test.sh prints it);
-//! - GPU buffers where GPUs exist: the direct ring (`Communicator::from_devices` driven by a
-//!   `Group`, each GPU reads its neighbour)
-//!   beside the staged path (chunks through host slots, reduced on the GPU), side by side on
-//!   the same GPUs and buffers; else `SKIP` with the reason.
+//! Allreduce throughput (busbw-style: bytes per rank per second) through the communicator, on
+//! every path this machine has:
+//! - host buffers, 4 ranks (threads of this process, each with its own communicator) over tcp
+//!   on loopback, reduced on the CPU (between processes: `nodetour perf`, which
+//!   scripts/test.sh prints);
+//! - GPU buffers where GPUs exist: several GPUs of one process (`Communicator::from_devices`
+//!   driven by a `Group`, each GPU reads its neighbour) beside the staged path (2 thread ranks,
+//!   chunks through host slots, reduced on the GPU), on the same GPUs; else `SKIP` with the
+//!   reason.
 //!
 //! NCCL and the copy ceilings are compared by `nodetour perf --compare nccl,ceiling`, which
 //! needs one process per GPU for the per-process paths; see docs/PERFORMANCE.md.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::CudaContext;
+use nodetour_core::bootstrap::UniqueId;
 use nodetour_core::cuda::GpuStream;
-use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::DeviceBuffer;
+use nodetour_core::transport::TransportKind;
 use nodetour_ring::comm::{Communicator, Group, Options};
-use nodetour_ring::host::{GpuStaging, HostRingOptions};
-use nodetour_ring::local::LocalRing;
 use nodetour_ring::{DataType, ReduceOp};
 
 const HOST_SIZES: [usize; 2] = [256 << 10, 4 << 20];
 const GPU_SIZES: [usize; 3] = [1 << 20, 16 << 20, 256 << 20];
 
-fn options() -> HostRingOptions {
-    HostRingOptions {
-        slot_bytes: 1 << 20,
-        slots: 4,
-        timeout: Duration::from_secs(30),
+/// Ranks as threads, each with its own communicator (formed over tcp loopback): rank 0 runs on
+/// the caller's thread, the others wait at a barrier for each collective.
+struct Ranks {
+    rank0: Communicator,
+    start: Arc<Barrier>,
+    done: Arc<Barrier>,
+    bytes: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Ranks {
+    /// `world` ranks; `each(comm, bytes)` is one collective of `bytes` on a rank.
+    fn new(
+        world: u32,
+        options: Options,
+        each: impl Fn(&Communicator, usize) + Send + Sync + Clone + 'static,
+    ) -> Ranks {
+        let id = Arc::new(UniqueId::create().expect("unique id"));
+        let (start, done) = (
+            Arc::new(Barrier::new(world as usize)),
+            Arc::new(Barrier::new(world as usize)),
+        );
+        let bytes = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let workers = (1..world)
+            .map(|r| {
+                let (id, options, each) = (id.clone(), options.clone(), each.clone());
+                let (start, done, bytes, stop) =
+                    (start.clone(), done.clone(), bytes.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let comm = Communicator::from_unique_id(&id, r, world, options).expect("rank");
+                    loop {
+                        start.wait();
+                        if stop.load(Ordering::Acquire) {
+                            break;
+                        }
+                        each(&comm, bytes.load(Ordering::Acquire));
+                        done.wait();
+                    }
+                })
+            })
+            .collect();
+        let rank0 = Communicator::from_unique_id(&id, 0, world, options).expect("rank 0");
+        Ranks {
+            rank0,
+            start,
+            done,
+            bytes,
+            stop,
+            workers,
+        }
+    }
+
+    /// One collective of `bytes` on every rank.
+    fn run(&self, bytes: usize, each: &impl Fn(&Communicator, usize)) {
+        self.bytes.store(bytes, Ordering::Release);
+        self.start.wait();
+        each(&self.rank0, bytes);
+        self.done.wait();
     }
 }
 
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.start.wait();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+fn tcp(gpu: Option<usize>) -> Options {
+    let mut o = Options {
+        transport: Some(TransportKind::Tcp),
+        gpu,
+        ..Options::default()
+    };
+    o.config.timeout = Duration::from_secs(30);
+    o
+}
+
 fn host(c: &mut Criterion) {
-    let mut g = c.benchmark_group("allreduce_host_mem_4_ranks");
-    let mut ring = LocalRing::new(4, HOST_SIZES[1], options()).expect("ring");
+    let mut g = c.benchmark_group("allreduce_host_tcp_4_ranks");
+    let each = |comm: &Communicator, bytes: usize| {
+        thread_local! {
+            static DATA: std::cell::RefCell<Vec<f32>> =
+                std::cell::RefCell::new(vec![1.0; HOST_SIZES[1] / 4]);
+        }
+        DATA.with_borrow_mut(|d| {
+            comm.all_reduce_in_place(&mut d[..bytes / 4], ReduceOp::Sum)
+                .expect("allreduce")
+        });
+    };
+    let ranks = Ranks::new(4, tcp(None), each);
     for bytes in HOST_SIZES {
-        let mut data = vec![vec![0u8; bytes]; 4];
         g.throughput(Throughput::Bytes(bytes as u64));
         g.bench_function(format!("f32_sum_{}KiB", bytes >> 10), |b| {
-            b.iter(|| {
-                ring.all_reduce(&mut data, DataType::F32, ReduceOp::Sum)
-                    .expect("allreduce")
-            })
+            b.iter(|| ranks.run(bytes, &each))
         });
     }
     g.finish();
@@ -72,8 +154,6 @@ fn gpu(c: &mut Criterion) {
         .iter()
         .map(|c| GpuStream::new(c).expect("stream"))
         .collect();
-    let b: Vec<&DeviceBuffer> = buffers.iter().collect();
-    let s: Vec<&GpuStream> = streams.iter().collect();
     let direct = match Communicator::from_devices(&contexts, Options::default()) {
         Ok(g) => Some(g),
         Err(e) => {
@@ -81,22 +161,27 @@ fn gpu(c: &mut Criterion) {
             None
         }
     };
-    let kernels: Vec<ReduceKernels> = contexts
-        .iter()
-        .map(|c| ReduceKernels::load(c).expect("kernels"))
-        .collect();
-    let scratch: Vec<DeviceBuffer> = contexts
-        .iter()
-        .map(|c| DeviceBuffer::new(c, options().slot_bytes).expect("scratch"))
-        .collect();
-    let staging: Vec<GpuStaging> = (0..2)
-        .map(|r| GpuStaging {
-            kernels: &kernels[r],
-            stream: &streams[r],
-            scratch: &scratch[r],
-        })
-        .collect();
-    let mut staged = LocalRing::for_gpu(2, largest, options(), &contexts[0]).expect("ring");
+    // The staged path: each thread rank allreduces its own buffer through host slots.
+    let staged_each = move |comm: &Communicator, bytes: usize| {
+        let ctx = CudaContext::new(comm.rank() as usize % n).expect("GPU");
+        thread_local! {
+            static MINE: std::cell::RefCell<Option<(DeviceBuffer, GpuStream)>> =
+                const { std::cell::RefCell::new(None) };
+        }
+        MINE.with_borrow_mut(|m| {
+            let (buf, stream) = m.get_or_insert_with(|| {
+                (
+                    DeviceBuffer::new(&ctx, largest).expect("buffer"),
+                    GpuStream::new(&ctx).expect("stream"),
+                )
+            });
+            comm.all_reduce_device_buffer(buf, bytes / 4, DataType::F32, ReduceOp::Sum, stream)
+                .expect("staged");
+        });
+    };
+    let mut o = tcp(Some(0));
+    o.piece_bytes = largest;
+    let staged = Ranks::new(2, o, staged_each);
     let mut g = c.benchmark_group(format!("allreduce_gpu_2_ranks_on_{}_gpus", n.min(2)));
     g.sample_size(10);
     for bytes in GPU_SIZES {
@@ -106,7 +191,7 @@ fn gpu(c: &mut Criterion) {
             g.bench_function(format!("direct_f32_sum_{}MiB", bytes >> 20), |bn| {
                 bn.iter(|| {
                     let mut group = Group::new();
-                    for ((comm, buf), st) in comms.iter().zip(&b).zip(&s) {
+                    for ((comm, buf), st) in comms.iter().zip(&buffers).zip(&streams) {
                         group
                             .all_reduce_device_buffer(
                                 comm,
@@ -119,18 +204,14 @@ fn gpu(c: &mut Criterion) {
                             .expect("direct");
                     }
                     group.end().expect("direct");
-                    for st in &s {
+                    for st in &streams {
                         st.synchronize().expect("sync");
                     }
                 })
             });
         }
         g.bench_function(format!("staged_f32_sum_{}MiB", bytes >> 20), |bn| {
-            bn.iter(|| {
-                staged
-                    .all_reduce_gpu(&b, count, DataType::F32, ReduceOp::Sum, &staging)
-                    .expect("staged")
-            })
+            bn.iter(|| staged.run(bytes, &staged_each))
         });
     }
     g.finish();

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::Parser;
-use nodetour::ring::comm::gpu_links::GpuRingOptions;
+use nodetour::ring::comm::GpuRingOptions;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::{Config, Deadline};

@@ -118,7 +118,7 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
         echo "== nodetour perf: direct GPU ring, 2 ranks on one GPU (NCCL cannot put two ranks on one GPU)"
         NODETOUR_CACHE_DIR=$PWD/kernel-cache ./nodetour perf --gpus 0,0 --sizes 1M:256M --factor 4 --iters 10 || failed=1
     fi
-    echo "== cargo bench's allreduce bench (direct and staged on the GPUs, host over mem)"
+    echo "== cargo bench's allreduce bench (direct and staged on the GPUs, host over tcp)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./bench_allreduce --bench 2>&1 | grep -E '^(allreduce|SKIP)|time:|thrpt:' || failed=1
     echo "== transport_check over tcp, 4 processes"
     ./launch-local.sh -n 4 --timeout 120 -- ./transport_check || failed=1

@@ -479,25 +479,12 @@ impl GpuRing {
         format!("{}{algo}", self.path)
     }
 
-    /// Queues an in-place allreduce of the first `count` elements of `buffer` after the work
-    /// already queued on `stream`; work queued on `stream` afterwards sees the result. Every
-    /// rank must queue the same collectives in the same order with the same count and type.
-    /// Keep `buffer` alive until `stream` has passed the collective (dropping a
-    /// [`DeviceBuffer`] waits for its GPU's queued work).
-    pub fn all_reduce(
-        &mut self,
-        buffer: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &GpuStream,
-    ) -> Result<()> {
-        self.collective(buffer, Shape::AllReduce, count, dtype, op, stream)
-    }
-
     /// Queues `shape` in place on the first `count` elements of `buffer` (in ring positions:
     /// reduce-scatter leaves segment `p` of position `p` reduced, all-gather starts from it,
-    /// broadcast copies position `root`'s buffer), as [`Self::all_reduce`] does.
+    /// broadcast copies position `root`'s buffer), after the work already queued on `stream`; work
+    /// queued on `stream` afterwards sees the result. Every rank must queue the same
+    /// collectives in the same order with the same arguments. Keep `buffer` alive until
+    /// `stream` has passed the collective.
     pub fn collective(
         &mut self,
         buffer: &DeviceBuffer,
@@ -759,42 +746,9 @@ impl GpuRing {
         Ok(())
     }
 
-    /// The non-blocking form of [`GpuRing::all_reduce`]: queues the collective and returns a
-    /// handle that owns `buffer` until [`InFlight::wait`] gives it back. While the handle lives
-    /// the ring is borrowed (one collective at a time through this form) and the buffer cannot
-    /// be touched; dropping the handle waits for the collective (aborting the ring after
-    /// `timeout`) before the buffer is freed, and forgetting it leaks the buffer rather than
-    /// freeing memory a peer may still write. A collective that cannot be queued hands the
-    /// buffer back with the error.
-    #[allow(clippy::result_large_err)]
-    pub fn start_all_reduce(
-        &mut self,
-        buffer: DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &GpuStream,
-        timeout: Duration,
-    ) -> std::result::Result<InFlight<'_>, Failed> {
-        match self.all_reduce(&buffer, count, dtype, op, stream) {
-            Ok(()) => Ok(InFlight {
-                ring: self,
-                buffer: Some(buffer),
-                timeout,
-            }),
-            Err(error) => Err(Failed { error, buffer }),
-        }
-    }
-
-    /// Waits until every collective queued so far has finished on this rank, at most `timeout`:
-    /// spins briefly, then sleeps in growing steps (≤ 1 ms). On expiry the ring is aborted (see
-    /// [`AbortHandle::abort`]) and the error says so.
-    pub fn wait(&mut self, timeout: Duration) -> Result<()> {
-        self.wait_alive(timeout, &|| Ok(()))
-    }
-
-    /// Like [`GpuRing::wait`], asking `alive` (the job's liveness check, e.g. the bootstrap's
-    /// `check`) between polls: a lost rank aborts the ring at once and is named in the error.
+    /// Waits until every collective queued so far has finished on this rank, at most `timeout`
+    /// (spins briefly, then sleeps in growing steps up to 1 ms; on expiry the ring is aborted),
+    /// asking `alive` (the job's liveness check, e.g. the bootstrap's `check`) between polls: a lost rank aborts the ring at once and is named in the error.
     pub fn wait_alive(
         &mut self,
         timeout: Duration,
@@ -863,11 +817,6 @@ impl GpuRing {
         }
     }
 
-    /// Gives up on every collective in flight (see [`AbortHandle::abort`]).
-    pub fn abort(&mut self, reason: &str) {
-        self.abort.abort(reason);
-    }
-
     /// A handle that aborts this ring from another thread (a watchdog, the training loop).
     pub fn abort_handle(&self) -> AbortHandle {
         self.abort.clone()
@@ -914,54 +863,6 @@ impl GpuRing {
             });
         }
         Ok(())
-    }
-}
-
-/// A collective queued by [`GpuRing::start_all_reduce`]; it owns the buffer.
-#[must_use = "dropping the handle waits for the collective"]
-pub struct InFlight<'r> {
-    ring: &'r mut GpuRing,
-    buffer: Option<DeviceBuffer>,
-    timeout: Duration,
-}
-
-/// A collective that failed, and the buffer it owned (its contents are undefined).
-#[derive(Debug)]
-pub struct Failed {
-    /// Why.
-    pub error: Error,
-    /// The buffer, given back.
-    pub buffer: DeviceBuffer,
-}
-
-impl InFlight<'_> {
-    /// Whether the collective has finished (never blocks).
-    pub fn is_done(&self) -> Result<bool> {
-        let g = |e| gpu_error("asking about the collective", e);
-        Ok(self.ring.end[0].is_complete().map_err(g)?
-            && self.ring.end[1].is_complete().map_err(g)?)
-    }
-
-    /// Waits for the collective (at most the timeout given at the start) and gives the buffer
-    /// back.
-    #[allow(clippy::result_large_err)]
-    pub fn wait(mut self) -> std::result::Result<DeviceBuffer, Failed> {
-        let buffer = self.buffer.take().expect("taken only here or in drop");
-        match self.ring.wait(self.timeout) {
-            Ok(()) => Ok(buffer),
-            Err(error) => Err(Failed { error, buffer }),
-        }
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if self.buffer.is_some() {
-            // Not waited for: finish (or abort) before the buffer is freed.
-            if let Err(e) = self.ring.wait(self.timeout) {
-                tracing::warn!(error = %e, "a dropped GPU collective failed");
-            }
-        }
     }
 }
 
@@ -1044,11 +945,6 @@ impl AbortHandle {
                 tracing::error!(error = %e, "could not set the GPU ring's stop word");
             }
         }
-    }
-
-    /// Why the ring was aborted, if it was.
-    pub fn reason(&self) -> Option<String> {
-        self.error().map(|e| e.to_string())
     }
 
     /// The error the ring ended with, if it did.

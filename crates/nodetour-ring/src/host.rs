@@ -27,7 +27,7 @@ use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
 use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
 
-use crate::descriptor::{self, Algorithm, Descriptor};
+use crate::descriptor::{self, Descriptor};
 use crate::error::{Error, Result};
 use crate::plan::{Plan, Shape};
 use crate::reduce::{DataType, ReduceOp, finish_avg, reduce_into};
@@ -172,6 +172,7 @@ pub struct Staged {
     pub op: ReduceOp,
 }
 
+#[cfg(test)]
 fn whole_elements(len: usize, dtype: DataType) -> Result<()> {
     if len % dtype.size() != 0 {
         return Err(Error::Plan {
@@ -378,6 +379,7 @@ impl HostRing<'_> {
     /// the wire). `alive` is the job's liveness check (the bootstrap's); a lost rank fails the
     /// collective at once. `data` is written only when the collective finished, with the same
     /// result on every rank.
+    #[cfg(test)]
     pub fn all_reduce(
         &mut self,
         data: &mut [u8],
@@ -392,7 +394,7 @@ impl HostRing<'_> {
             (data.len() / es) as u64,
             dtype,
             op,
-            Algorithm::HostRing,
+            crate::descriptor::Algorithm::HostRing,
             seq,
         );
         let count = (data.len() / es) as u64;
@@ -478,30 +480,6 @@ impl HostRing<'_> {
             }
         }
         Ok(())
-    }
-
-    /// Allreduces the first `count` elements of GPU memory `buffer` in place, staged through
-    /// host slots: the buffer is copied to the work region, every chunk that lands is copied to
-    /// the GPU and reduced there by `staging`'s kernels, and reduced chunks go back to the work
-    /// region to be sent on. Starts after the work queued on `staging.stream` (the caller's
-    /// stream: only that stream is waited for, never the whole device) and returns with the
-    /// result in `buffer` (its contents are undefined when the collective failed). `seq` as in
-    /// [`Self::all_reduce`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn all_reduce_gpu(
-        &mut self,
-        buffer: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        seq: u64,
-        staging: &GpuStaging<'_>,
-        alive: &dyn Fn() -> nodetour_core::Result<()>,
-    ) -> Result<()> {
-        let what =
-            Descriptor::all_reduce(count as u64, dtype, op, Algorithm::HostRingGpuStaged, seq);
-        self.all_reduce_gpu_piece(buffer, 0..count, &what, staging, alive)?;
-        staging.stream.synchronize().map_err(gpu)
     }
 
     /// One piece of a staged GPU allreduce: elements `piece` of `buffer` (at most the work
@@ -889,3 +867,7 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+#[path = "host_ring_tests.rs"]
+mod ring_tests;

@@ -10,7 +10,7 @@
 //!
 //! GPU collectives: the GPUs of one process ([`comm::Communicator::from_devices`]) are ringed
 //! by a private group in which each GPU reads its neighbour over NVLink/PCIe peer access;
-//! [`gpu_ring::GpuRing`] rings processes of one host,
+//! a private GPU ring joins processes of one host,
 //! one GPU each, over cuda-ipc (direct) or shared host memory (staged), queued on CUDA streams
 //! from the pure program of [`stream_plan`].
 //!
@@ -26,9 +26,10 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub(crate) mod gpu;
-pub mod gpu_ring;
-pub mod host;
-pub mod local;
+pub(crate) mod gpu_ring;
+pub(crate) mod host;
+#[cfg(test)]
+mod local;
 pub mod order;
 pub mod plan;
 pub mod reduce;

@@ -5,11 +5,11 @@
 
 use std::thread;
 
-use nodetour_core::memory::{DeviceBuffer, HostBuffer};
+use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
 
 use crate::error::{Error, Result};
-use crate::host::{BELL_BYTES, GpuStaging, HostRing, HostRingOptions, Links};
+use crate::host::{BELL_BYTES, HostRing, HostRingOptions, Links};
 use crate::reduce::{DataType, ReduceOp};
 
 /// One rank's connections and regions.
@@ -42,18 +42,6 @@ impl LocalRing {
     /// CUDA is present, so the staged GPU path runs at pinned speed).
     pub fn new(world: u32, max_bytes: usize, options: HostRingOptions) -> Result<LocalRing> {
         Self::with_pinning(world, max_bytes, options, None)
-    }
-
-    /// Like [`LocalRing::new`], with the slot and work memory registered with CUDA under
-    /// `context` (pinned: the staged GPU path, [`LocalRing::all_reduce_gpu`], copies at full
-    /// speed; the registration is portable, so every GPU's copies benefit).
-    pub fn for_gpu(
-        world: u32,
-        max_bytes: usize,
-        options: HostRingOptions,
-        context: &std::sync::Arc<cudarc::driver::CudaContext>,
-    ) -> Result<LocalRing> {
-        Self::with_pinning(world, max_bytes, options, Some(context))
     }
 
     fn with_pinning(
@@ -128,17 +116,6 @@ impl LocalRing {
         self.ranks.len() as u32
     }
 
-    /// Allreduces `data[r]` (rank r's elements of `dtype`) in place, all ranks at once.
-    pub fn all_reduce(
-        &mut self,
-        data: &mut [Vec<u8>],
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let mut bytes: Vec<&mut [u8]> = data.iter_mut().map(|d| d.as_mut_slice()).collect();
-        self.all_reduce_bytes(&mut bytes, dtype, op)
-    }
-
     /// Allreduces `data[r]` (rank r's elements) in place, all ranks at once: the element type
     /// names the data type (`Vec<f32>`, `Vec<half::bf16>`, ...).
     pub fn all_reduce_in_place<T: crate::Element>(
@@ -167,23 +144,6 @@ impl LocalRing {
                 reason: "a rank's thread panicked".into(),
             })?;
             ring.all_reduce(&mut d, dtype, op, seq, &|| Ok(()))
-        })
-    }
-
-    /// Allreduces the first `count` elements of every rank's GPU buffer in place, staged
-    /// through the host slots and reduced on each rank's GPU (`staging[r]`).
-    pub fn all_reduce_gpu(
-        &mut self,
-        buffers: &[&DeviceBuffer],
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        staging: &[GpuStaging<'_>],
-    ) -> Result<()> {
-        self.check_count(buffers.len())?;
-        self.check_count(staging.len())?;
-        self.run(&|r, ring, seq| {
-            ring.all_reduce_gpu(buffers[r], count, dtype, op, seq, &staging[r], &|| Ok(()))
         })
     }
 
@@ -250,3 +210,7 @@ impl LocalRing {
         })
     }
 }
+
+#[cfg(test)]
+#[path = "local_tests.rs"]
+mod tests;

@@ -45,6 +45,7 @@ struct Rank {
 
 /// Runs `collectives` allreduces (sum, or average when `avg`) over `world` ranks; returns
 /// whether every rank got the right answer. Panics on a deadlock or an out-of-slot write.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 fn run(
     world: u32,
     count: u64,

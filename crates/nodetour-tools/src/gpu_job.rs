@@ -11,8 +11,8 @@ use cudarc::driver::CudaContext;
 use nodetour::core::Deadline;
 use nodetour::core::bootstrap::{LaunchInfo, UniqueId};
 use nodetour::core::transport::TransportKind;
-use nodetour::ring::comm::gpu_links::{GpuPaths, GpuRingOptions};
 use nodetour::ring::comm::{DevicePath, Options};
+use nodetour::ring::comm::{GpuPaths, GpuRingOptions};
 use nodetour::{Communicator, ReduceOp};
 
 /// One formed variant.

@@ -37,8 +37,6 @@ pub enum GpuPaths {
     Direct,
     /// Staged only.
     Staged,
-    /// Both: a direct ring and a staged ring side by side (benchmarks).
-    Both,
 }
 
 /// Slot shapes and paths of a GPU ring.
@@ -88,28 +86,21 @@ impl GpuRingOptions {
                 });
             }
         }
-        if self.paths == GpuPaths::Both && !self.device_flags {
-            return Err(Error::InvalidArgument {
-                reason: "both paths at once need the direct ring's flags in GPU memory".into(),
-            });
-        }
         Ok(())
     }
 }
 
-/// A formed GPU ring: the ring (direct where cuda-ipc works), with [`GpuPaths::Both`] the
-/// staged ring beside it, and why the link to the next rank takes its path.
-pub struct FormedGpuRing {
+/// A formed GPU ring (direct where cuda-ipc works), and why the link to the next rank takes
+/// its path.
+pub(crate) struct FormedGpuRing {
     /// The ring.
     pub ring: GpuRing,
-    /// The staged ring beside it (benchmarks).
-    pub staged: Option<GpuRing>,
     /// Why.
     pub choice: String,
 }
 
 /// Where this rank sits in a job whose ranks all share this host, and what it may use.
-pub struct Seat<'a> {
+pub(crate) struct Seat<'a> {
     /// The job's bootstrap (barriers, liveness, every rank's address).
     pub job: &'a Bootstrap,
     /// This rank's authenticated endpoint (the neighbours' setups travel over it).
@@ -133,9 +124,8 @@ pub struct Seat<'a> {
 }
 
 /// Forms the GPU ring of `seat`'s job with `options` (every rank calls it, with the same
-/// options): the lower layer of the communicator's device path, open to tools that compare the
-/// paths side by side.
-pub fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuRing> {
+/// options): the communicator's device path on one host.
+pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuRing> {
     options.validate()?;
     let Seat {
         job,
@@ -152,7 +142,6 @@ pub fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuRing> {
     if world == 1 {
         return Ok(FormedGpuRing {
             ring: GpuRing::new(context, 0, 1, None)?,
-            staged: None,
             choice: "a ring of one".into(),
         });
     }
@@ -227,13 +216,12 @@ pub fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuRing> {
             Err(e) => return Err(e.into()),
         }
     }
-    let out_shm = if paths == GpuPaths::Staged || paths == GpuPaths::Both || out_ipc.is_none() {
+    let out_shm = if paths == GpuPaths::Staged || out_ipc.is_none() {
         match (paths, forced) {
             (GpuPaths::Staged, Some(TransportKind::Shm)) => {
                 choice.push("staged (shm): NODETOUR_TRANSPORT=shm".to_owned())
             }
             (GpuPaths::Staged, _) => choice.push("staged (shm): requested".to_owned()),
-            (GpuPaths::Both, _) => choice.push("staged (shm) beside it, for comparison".to_owned()),
             _ => {}
         }
         Some(ShmSender::open(
@@ -342,20 +330,12 @@ pub fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuRing> {
     };
     let choice = format!("{}; {flags_where}", choice.join("; "));
     job.barrier(deadline)?;
-    let mut rings = rings
-        .into_iter()
-        .map(|links| GpuRing::new(context, position, world, Some(links)))
-        .collect::<Result<Vec<_>>>()?;
-    let staged = if rings.len() == 2 { rings.pop() } else { None };
-    let ring = rings.pop().ok_or_else(|| Error::Unsupported {
+    let links = rings.pop().ok_or_else(|| Error::Unsupported {
         reason: "no GPU path was built".into(),
     })?;
+    let ring = GpuRing::new(context, position, world, Some(links))?;
     tracing::info!(rank = me, path = ring.path(), reason = %choice, "GPU ring formed");
-    Ok(FormedGpuRing {
-        ring,
-        staged,
-        choice,
-    })
+    Ok(FormedGpuRing { ring, choice })
 }
 
 /// Ends GPU rings with the teardown handshake: each ring's streams drained and its mappings of
@@ -363,7 +343,11 @@ pub fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuRing> {
 /// rank gone, which counts as closed) says every rank has done the same, and only then is the
 /// memory this rank exported freed; past `deadline` it is leaked, never freed under a
 /// neighbour's mapping. Every rank of the job calls it.
-pub fn teardown(rings: &mut [&mut GpuRing], job: &Bootstrap, deadline: Deadline) -> Result<()> {
+pub(crate) fn teardown(
+    rings: &mut [&mut GpuRing],
+    job: &Bootstrap,
+    deadline: Deadline,
+) -> Result<()> {
     let mut first = None;
     for ring in rings.iter_mut() {
         first = first.or(ring.close_imports(deadline.remaining()).err());

@@ -59,7 +59,7 @@
 //! that does not times out rather than disagreeing).
 
 mod device_set;
-pub mod gpu_links;
+mod gpu_links;
 mod host_job;
 mod in_flight;
 pub(crate) mod links;
@@ -69,6 +69,7 @@ mod scratch;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;
+pub use gpu_links::{GpuPaths, GpuRingOptions};
 pub use in_flight::{Failed, InFlight};
 pub use nodetour_core::bootstrap::UniqueId;
 pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};
@@ -239,7 +240,7 @@ fn teardown(job: &mut HostJob, deadline: Deadline, orderly: bool) -> Result<()> 
 impl Drop for Communicator {
     /// Leaves at once: a collective still queued on a GPU stream is aborted (its neighbours are
     /// told), and the GPU ring's exported memory waits for the teardown handshake (to
-    /// [`crate::gpu_ring::TEARDOWN_DEADLINE`], then leaked). Ranks still in a collective with
+    /// 10 s, then leaked). Ranks still in a collective with
     /// this one fail naming it. [`Communicator::close`] is the orderly way.
     fn drop(&mut self) {
         let job = self.state.get_mut().ok().and_then(|s| s.job.take());

@@ -49,8 +49,7 @@ pub struct Options {
     /// (`NODETOUR_ONE_STEP_MAX`; default [`super::ONE_STEP_MAX`]; 0: always the ring).
     pub one_step_max: usize,
     /// GPU rings of processes (one host, one GPU each): slot shapes, where the direct path's
-    /// flags live, and which path to build (`Auto`, `Direct` or `Staged`; `Both` is for the
-    /// tools' side-by-side benchmarks and refused here).
+    /// flags live, and which path to build (`Auto`, `Direct` or `Staged`).
     pub gpu_ring: super::gpu_links::GpuRingOptions,
     /// GPU rings of two processes: run the allreduce as one exchange step (the default) rather
     /// than the two-step ring.
@@ -152,11 +151,6 @@ impl Options {
         }
         if self.slot_bytes < 64 {
             return bad(format!("slots of {} bytes: at least 64", self.slot_bytes));
-        }
-        if self.gpu_ring.paths == super::gpu_links::GpuPaths::Both {
-            return bad(
-                "a communicator builds one GPU ring: GpuPaths::Both is for the tools".into(),
-            );
         }
         if self.piece_bytes < 4096 {
             return bad(format!(

@@ -503,7 +503,7 @@ fn perf_gpus(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
 }
 
 fn perf_ring(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
-    use nodetour::ring::comm::gpu_links::GpuRingOptions;
+    use nodetour::ring::comm::GpuRingOptions;
     use nodetour_tools::gpu_job::{GpuJob, ring_path, variants_of};
     use nodetour_tools::perf_gpu::ring_sweep;
     let config = Config::from_env()?;

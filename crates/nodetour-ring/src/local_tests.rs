@@ -1,10 +1,10 @@
 //! The one-process host ring on typed buffers: `Vec<f32>`, `Vec<bf16>`, `Vec<i64>` go in as they
 //! are (the element type names the data type); results are exact and identical on every rank.
 
+use crate::host::HostRingOptions;
+use crate::local::LocalRing;
+use crate::reduce::ReduceOp;
 use half::bf16;
-use nodetour_ring::ReduceOp;
-use nodetour_ring::host::HostRingOptions;
-use nodetour_ring::local::LocalRing;
 
 fn ring(world: u32, max_bytes: usize) -> LocalRing {
     let options = HostRingOptions {

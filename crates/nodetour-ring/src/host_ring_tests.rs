@@ -4,12 +4,12 @@
 use std::thread;
 use std::time::Duration;
 
+use crate::error::Error;
+use crate::host::{BELL_BYTES, HostRing, HostRingOptions, Links};
+use crate::reduce::{DataType, ReduceOp};
 use half::{bf16, f16};
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
-use nodetour_ring::Error;
-use nodetour_ring::host::{BELL_BYTES, HostRing, HostRingOptions, Links};
-use nodetour_ring::{DataType, ReduceOp};
 
 fn value(dtype: DataType, rank: u32, i: usize) -> f64 {
     let v = ((i as u32 + rank * 7) % 3) as f64;
@@ -122,7 +122,7 @@ fn all_reduce_repeated(
 
 /// What one rank's thread does with its ring and its data.
 type RankBody<'a> =
-    dyn Fn(usize, &mut HostRing<'_>, &mut Vec<u8>) -> nodetour_ring::Result<()> + Sync + 'a;
+    dyn Fn(usize, &mut HostRing<'_>, &mut Vec<u8>) -> crate::error::Result<()> + Sync + 'a;
 
 /// A ring of `world` ranks in threads over the in-memory transport, work regions of
 /// `max_bytes`; each rank runs `body` on its own data. Returns every rank's result and data.
@@ -132,7 +132,7 @@ fn run_ring(
     options: HostRingOptions,
     inputs: Vec<Vec<u8>>,
     body: &RankBody<'_>,
-) -> Vec<(nodetour_ring::Result<()>, Vec<u8>)> {
+) -> Vec<(crate::error::Result<()>, Vec<u8>)> {
     let n = world as usize;
     // Connection r: rank r (its "next" side) ↔ rank r + 1 (its "prev" side).
     let mut nexts = Vec::new();
