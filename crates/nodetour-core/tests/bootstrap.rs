@@ -399,3 +399,55 @@ fn a_rank_that_dies_during_the_handshake_never_arrives_and_nobody_hangs() {
         }
     }
 }
+
+/// Under a sharing policy each rank receives the addresses of the ranks named for it only (and
+/// its own); every other entry comes without its address, host and blob intact.
+#[test]
+fn a_sharing_policy_gives_each_rank_only_its_neighbours_addresses() {
+    let world = 5u32;
+    let addr = format!("127.0.0.1:{}", free_port());
+    // Rank r gets rank r + 1's address.
+    let share = |t: &[PeerEntry]| -> Vec<Vec<u32>> {
+        let n = t.len() as u32;
+        (0..n).map(|r| vec![(r + 1) % n]).collect()
+    };
+    let jobs: Vec<Bootstrap> = thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let addr = addr.clone();
+                let share = &share;
+                s.spawn(move || {
+                    Bootstrap::rendezvous_sharing(
+                        &addr,
+                        r,
+                        world,
+                        entry(r),
+                        &JobToken::new("sharing"),
+                        Deadline::after(Duration::from_secs(20)),
+                        Some(share),
+                    )
+                    .unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for job in &jobs {
+        let r = job.rank();
+        for e in job.peers() {
+            let visible = e.rank == r || e.rank == (r + 1) % world;
+            assert_eq!(
+                !e.address.is_empty(),
+                visible,
+                "rank {r} sees rank {}'s address: {:?}",
+                e.rank,
+                e.address
+            );
+            if visible {
+                assert_eq!(e.address, entry(e.rank).address);
+            }
+            assert_eq!(e.blob, entry(e.rank).blob);
+            assert_eq!(e.host, entry(e.rank).host);
+        }
+    }
+}

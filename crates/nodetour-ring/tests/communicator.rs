@@ -206,8 +206,15 @@ fn ranks_that_disagree_fail_with_a_disagreement_write_nothing_and_break() {
         (e, data == before, next)
     });
     for (r, (e, untouched, next)) in got.into_iter().enumerate() {
+        // The rank that sees the other's descriptor first fails with the disagreement, tells
+        // its neighbour and (here) leaves; the neighbour hears the notice, or the departure
+        // first when the liveness mesh is faster (seen once in 19 runs): both fail, neither
+        // writes.
         assert!(
-            matches!(e, Error::Disagreement { .. } | Error::PeerFailed { .. }),
+            matches!(
+                e,
+                Error::Disagreement { .. } | Error::PeerFailed { .. } | Error::PeerLost { .. }
+            ),
             "rank {r}: {e}"
         );
         assert!(untouched, "rank {r} wrote a result");

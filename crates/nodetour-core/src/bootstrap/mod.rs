@@ -1,6 +1,7 @@
 //! Forming a job: who each process is (from torchrun, Slurm, Open MPI, or explicit values), a
-//! rendezvous at rank 0 guarded by a job token, the table of every rank's address, and a
-//! liveness mesh that tells every rank when another is lost.
+//! rendezvous at rank 0 guarded by a job token, the table of every rank (with the addresses of
+//! the ranks it connects to, under a sharing policy), and a liveness mesh that tells every
+//! rank when another is lost.
 //!
 //! ```no_run
 //! use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
@@ -25,7 +26,7 @@ pub mod wire;
 pub use auth::JobToken;
 pub use host::HostIdentity;
 pub use launcher::{LaunchInfo, Launcher};
-pub use rendezvous::Bootstrap;
+pub use rendezvous::{Bootstrap, Share};
 pub use wire::PeerEntry;
 
 use crate::error::{Error, Result};

@@ -27,6 +27,34 @@ const WATCH_TICK: Duration = Duration::from_millis(200);
 /// What the rendezvous hands back: the table, and this rank's mesh links (rank, socket).
 type Formed = (Vec<PeerEntry>, Vec<(u32, TcpStream)>);
 
+/// Which ranks' addresses each rank receives (run by rank 0 on the whole table):
+/// `share(table)[r]` lists the ranks whose full entries rank `r` gets (its own always comes
+/// whole); every other entry reaches `r` without its address (its host identity and blob,
+/// which say what it can link with, still come, so that every rank orders the ring and chooses
+/// paths the same way).
+pub type Share<'a> = &'a (dyn Fn(&[PeerEntry]) -> Vec<Vec<u32>> + Sync);
+
+/// `table` as rank `r` may see it under `lists` (addresses of the ranks in `lists[r]` only).
+fn table_for(table: &[PeerEntry], lists: Option<&[Vec<u32>]>, r: u32) -> Vec<PeerEntry> {
+    let Some(lists) = lists else {
+        return table.to_vec();
+    };
+    let mine = lists.get(r as usize).map(Vec::as_slice).unwrap_or(&[]);
+    table
+        .iter()
+        .map(|e| {
+            if e.rank == r || mine.contains(&e.rank) {
+                e.clone()
+            } else {
+                PeerEntry {
+                    address: String::new(),
+                    ..e.clone()
+                }
+            }
+        })
+        .collect()
+}
+
 /// What the watcher thread and the callers share.
 #[derive(Default)]
 struct State {
@@ -123,6 +151,20 @@ impl Bootstrap {
         token: &JobToken,
         deadline: Deadline,
     ) -> Result<Bootstrap> {
+        Self::rendezvous_sharing(rendezvous, rank, world_size, me, token, deadline, None)
+    }
+
+    /// [`Self::rendezvous`] where each rank receives the addresses of the ranks `share` names
+    /// for it only (rank 0's `share` decides; the other ranks' is not used). See [`Share`].
+    pub fn rendezvous_sharing(
+        rendezvous: &str,
+        rank: u32,
+        world_size: u32,
+        me: PeerEntry,
+        token: &JobToken,
+        deadline: Deadline,
+        share: Option<Share<'_>>,
+    ) -> Result<Bootstrap> {
         if me.rank != rank || rank >= world_size {
             return Err(Error::InvalidArgument {
                 reason: format!(
@@ -137,7 +179,7 @@ impl Bootstrap {
             );
         }
         let (table, links) = if rank == 0 {
-            serve(rendezvous, world_size, me, token, deadline)?
+            serve(rendezvous, world_size, me, token, deadline, share)?
         } else {
             join(rendezvous, rank, world_size, me, token, deadline)?
         };
@@ -421,6 +463,7 @@ fn serve(
     me: PeerEntry,
     token: &JobToken,
     deadline: Deadline,
+    share: Option<Share<'_>>,
 ) -> Result<Formed> {
     let port = addr.rsplit(':').next().unwrap_or("0");
     let bind = format!("0.0.0.0:{port}");
@@ -518,7 +561,14 @@ fn serve(
     }
     let mut table = vec![me];
     table.extend(joined.iter().skip(1).flatten().map(|j| j.entry.clone()));
-    let msg = Message::Table(table.clone());
+    let lists = share.map(|f| f(&table));
+    if let Some(l) = &lists
+        && l.len() != world_size as usize
+    {
+        return Err(Error::InvalidArgument {
+            reason: format!("a sharing policy for {} ranks of {world_size}", l.len()),
+        });
+    }
     let mut links = Vec::new();
     for j in joined.into_iter().skip(1).flatten() {
         let Joined {
@@ -526,10 +576,11 @@ fn serve(
             entry,
             peer,
         } = j;
+        let msg = Message::Table(table_for(&table, lists.as_deref(), entry.rank));
         send(&mut stream, &msg, &peer)?;
         links.push((entry.rank, stream));
     }
-    Ok((table, links))
+    Ok((table_for(&table, lists.as_deref(), 0), links))
 }
 
 fn handshake_server(

@@ -126,7 +126,24 @@ impl HostJob {
             address: format!("{ip}:{}", endpoint.local_addr()?.port()),
             blob: ours.encode(),
         };
-        let job = Bootstrap::rendezvous(&rendezvous, me, world, entry, &token, deadline)?;
+        // Each rank receives the addresses of its ring neighbours only (rank 0 orders the ring
+        // as every rank does below); every rank's host and announcement reach everyone.
+        let share = |table: &[PeerEntry]| -> Vec<Vec<u32>> {
+            let keys: Vec<&str> = table.iter().map(|p| p.host.boot_id.as_str()).collect();
+            let order = ring_order(&keys);
+            (0..table.len() as u32)
+                .map(|r| neighbours(&order, r).map_or(vec![], |(p, n)| vec![p, n]))
+                .collect()
+        };
+        let job = Bootstrap::rendezvous_sharing(
+            &rendezvous,
+            me,
+            world,
+            entry,
+            &token,
+            deadline,
+            Some(&share),
+        )?;
         let keys: Vec<&str> = job
             .peers()
             .iter()
