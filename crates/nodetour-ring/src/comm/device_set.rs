@@ -533,6 +533,10 @@ impl<'a> Group<'a> {
             return Ok(());
         };
         let n = set.contexts.len();
+        // The common case, one collective with the calls in seat order, as it comes.
+        if self.calls.len() == n && self.calls.iter().enumerate().all(|(i, c)| c.seat == i) {
+            return run_round(&set, self.calls);
+        }
         let mut per_seat: Vec<Vec<Call<'a>>> = (0..n).map(|_| Vec::new()).collect();
         for c in self.calls {
             per_seat[c.seat].push(c);
@@ -549,22 +553,27 @@ impl<'a> Group<'a> {
         }
         let mut iters: Vec<_> = per_seat.into_iter().map(|c| c.into_iter()).collect();
         for _ in 0..rounds {
-            let mut round: Vec<Call<'a>> = iters
+            let round: Vec<Call<'a>> = iters
                 .iter_mut()
                 .map(|it| it.next().expect("counted"))
                 .collect();
-            if let Some(e) = set.error() {
-                return Err(Error::Broken { first: Box::new(e) });
-            }
-            let keys: Vec<Key> = round.iter().map(|c| c.key).collect();
-            let mut lends: Vec<&mut Lend<'a>> = round.iter_mut().map(|c| &mut c.lend).collect();
-            nest(&mut lends, Vec::new(), &mut |views| {
-                let (v, s): (Vec<&DeviceBuffer>, Vec<&GpuStream>) = views.iter().copied().unzip();
-                set.run(&v, &s, &keys)
-            })?;
+            run_round(&set, round)?;
         }
         Ok(())
     }
+}
+
+/// Queues one collective: every member's call, in seat order.
+fn run_round(set: &DeviceSet, mut round: Vec<Call<'_>>) -> Result<()> {
+    if let Some(e) = set.error() {
+        return Err(Error::Broken { first: Box::new(e) });
+    }
+    let keys: Vec<Key> = round.iter().map(|c| c.key).collect();
+    let mut lends: Vec<&mut Lend<'_>> = round.iter_mut().map(|c| &mut c.lend).collect();
+    nest(&mut lends, Vec::with_capacity(keys.len()), &mut |views| {
+        let (v, s): (Vec<&DeviceBuffer>, Vec<&GpuStream>) = views.iter().copied().unzip();
+        set.run(&v, &s, &keys)
+    })
 }
 
 /// Takes the views of every lend in turn, then runs `run` with all of them (each lend's copies
@@ -578,7 +587,8 @@ fn nest<'v>(
     match lends.split_first_mut() {
         None => run(&views),
         Some((first, rest)) => first(&mut |v, s| {
-            let mut more: Vec<(&DeviceBuffer, &GpuStream)> = views.clone();
+            let mut more: Vec<(&DeviceBuffer, &GpuStream)> = Vec::with_capacity(views.len() + 1);
+            more.extend_from_slice(&views);
             more.push((v, s));
             nest(rest, more, run)
         }),
