@@ -47,6 +47,7 @@ pub mod nccl;
 mod net;
 pub mod oob;
 pub mod probe;
+pub mod random;
 pub mod registration;
 pub mod transport;
 pub mod verbs;

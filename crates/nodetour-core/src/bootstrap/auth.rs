@@ -198,18 +198,7 @@ impl JobToken {
 
 /// 32 random bytes from the kernel (`getrandom(2)`).
 pub fn nonce() -> Nonce {
-    let mut n = [0u8; 32];
-    let mut at = 0;
-    while at < n.len() {
-        // SAFETY: writes at most n.len() - at bytes into n[at..].
-        let got = unsafe { libc::getrandom(n[at..].as_mut_ptr().cast(), n.len() - at, 0) };
-        if got > 0 {
-            at += got as usize;
-        } else if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            panic!("getrandom failed: {}", std::io::Error::last_os_error());
-        }
-    }
-    n
+    crate::random::bytes()
 }
 
 #[cfg(test)]

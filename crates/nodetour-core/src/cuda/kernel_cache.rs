@@ -143,7 +143,7 @@ impl KernelCache {
         let tmp = self.dir.join(format!(
             ".{name}.{}.{}",
             std::process::id(),
-            hex(&crate::bootstrap::auth::nonce()[..4])
+            hex(&crate::random::bytes::<4>())
         ));
         let write = || -> std::io::Result<()> {
             let mut f: File = OpenOptions::new()

@@ -56,11 +56,7 @@ const MAX_COMPONENT: usize = PREFIX.len() + 10 + 1 + 16;
 impl ShmName {
     /// A fresh name for this process: its pid and 64 random bits.
     pub fn fresh(dir: ShmDir) -> ShmName {
-        let random = u64::from_be_bytes(
-            crate::bootstrap::auth::nonce()[..8]
-                .try_into()
-                .expect("8 bytes"),
-        );
+        let random = u64::from_be_bytes(crate::random::bytes());
         ShmName {
             dir,
             component: format!("{PREFIX}{}-{random:016x}", std::process::id()),
