@@ -92,7 +92,8 @@ pub fn descriptors(data: &[u8]) -> usize {
 /// the link chosen with it is the same from both ends (or a typed error from both). Returns
 /// how many decoded.
 pub fn announcements(data: &[u8]) -> usize {
-    use crate::comm::links::{Announcement, choose_host_link};
+    use crate::comm::links::Announcement;
+    use crate::comm::table::{Pair, device_ring, host_link};
     let mut accepted = 0;
     let whole = std::iter::once(data);
     for w in whole.chain(data.windows(12).step_by(5)) {
@@ -105,15 +106,29 @@ pub fn announcements(data: &[u8]) -> usize {
             Announcement::ours(theirs.forced, false, None),
             Announcement::ours(theirs.forced, true, Some(3)),
         ] {
-            let here = choose_host_link(&ours, &theirs, (0, 1), "none here");
-            let there = choose_host_link(&theirs, &ours, (1, 0), "none there");
-            assert_eq!(
-                here.is_ok(),
-                there.is_ok(),
-                "both ends agree whether the link exists"
-            );
-            if let (Ok(a), Ok(b)) = (&here, &there) {
-                assert_eq!((a.0, a.1), (b.0, b.1), "both ends choose the same link");
+            for same_host in [true, false] {
+                let pair = |o, t, me, peer| Pair {
+                    ours: (o, me),
+                    theirs: (t, peer),
+                    same_host,
+                    why_no_verbs: "none",
+                };
+                let here = host_link(&pair(&ours, &theirs, 0, 1));
+                let there = host_link(&pair(&theirs, &ours, 1, 0));
+                assert_eq!(
+                    here.is_ok(),
+                    there.is_ok(),
+                    "both ends agree whether the link exists"
+                );
+                if let (Ok(a), Ok(b)) = (&here, &there) {
+                    assert_eq!((a.0, a.1), (b.0, b.1), "both ends choose the same link");
+                }
+                let ring = |a, b| device_ring(&[pair(a, b, 0, 1)], ours.forced, true).is_ok();
+                assert_eq!(
+                    ring(&ours, &theirs),
+                    ring(&theirs, &ours),
+                    "both ends agree on the GPU ring"
+                );
             }
         }
         accepted += 1;

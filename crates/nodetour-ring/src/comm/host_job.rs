@@ -19,9 +19,10 @@ use nodetour_core::verbs::{
     Access, EndpointDescription, LocalSide, MemoryRegion, Near, PathOptions,
 };
 
-use super::links::{Announcement, choose_host_link};
+use super::links::Announcement;
 use super::options::Options;
 use super::paths::{DevicePath, Direction, LinkPath, Paths};
+use super::table::{self, Pair};
 use crate::error::{Error, Result};
 use crate::gpu_ring::GpuRing;
 use crate::host::{GpuStaging, HostRing, HostRingOptions, Links};
@@ -165,7 +166,14 @@ impl HostJob {
         let mut links = Vec::new();
         for p in linked.iter().copied() {
             let theirs = Announcement::decode(p, &job.peers()[p as usize].blob)?;
-            let (kind, landing, reason) = choose_host_link(&ours, &theirs, (me, p), &why_no_verbs)?;
+            let (kind, landing, reason) = table::host_link(&Pair {
+                ours: (&ours, me),
+                theirs: (&theirs, p),
+                same_host: job.peers()[me as usize]
+                    .host
+                    .same_host(&job.peers()[p as usize].host),
+                why_no_verbs: &why_no_verbs,
+            })?;
             kinds.insert(p, kind);
             let direction = if next == prev {
                 Direction::Both
@@ -334,20 +342,32 @@ impl HostJob {
             .iter()
             .map(|p| Announcement::decode(p.rank, &p.blob))
             .collect::<Result<Vec<_>>>()?;
-        let here = &job.peers()[me as usize].host;
-        let one_host = job.peers().iter().all(|p| p.host.same_host(here));
-        let all_gpus = announced.iter().all(|a| a.gpu.is_some());
-        let mut pids: Vec<u32> = announced.iter().map(|a| a.pid).collect();
-        pids.sort_unstable();
-        pids.dedup();
-        let one_process_each = pids.len() == announced.len();
-        let host_forced = matches!(
-            options.transport,
-            Some(TransportKind::Tcp | TransportKind::Verbs)
-        );
+        // Every link of the ring, as the transport table sees it (the same on every rank).
+        let hosts: Vec<&HostIdentity> = job.peers().iter().map(|p| &p.host).collect();
+        let ring_links: Vec<Pair<'_>> = (0..order.len())
+            .filter(|_| world > 1)
+            .map(|i| {
+                let (a, b) = (order[i], order[(i + 1) % order.len()]);
+                Pair {
+                    ours: (&announced[a as usize], a),
+                    theirs: (&announced[b as usize], b),
+                    same_host: hosts[a as usize].same_host(hosts[b as usize]),
+                    why_no_verbs: "",
+                }
+            })
+            .collect();
+        let mut processes: Vec<(&str, u32)> = announced
+            .iter()
+            .zip(&hosts)
+            .map(|(a, h)| (h.boot_id.as_str(), a.pid))
+            .collect();
+        processes.sort_unstable();
+        processes.dedup();
+        let pids_distinct = processes.len() == announced.len();
+        let ring_choice = table::device_ring(&ring_links, options.transport, pids_distinct);
         let (gpu_ring, device) = match pin {
             None => (None, DevicePath::None),
-            Some(context) if one_host && all_gpus && one_process_each && !host_forced => {
+            Some(context) if ring_choice.is_ok() => {
                 let formed = super::gpu_links::form(
                     super::gpu_links::Seat {
                         job: &job,
@@ -369,22 +389,7 @@ impl HostJob {
                 (Some(ring), DevicePath::GpuRing { transport, reason })
             }
             Some(_) => {
-                let reason = if host_forced {
-                    format!("NODETOUR_TRANSPORT={}", options.transport.expect("forced"))
-                } else if !one_host {
-                    "the ranks are on several hosts".to_owned()
-                } else if !one_process_each {
-                    "ranks share a process (cuda-ipc cannot map memory within one process)"
-                        .to_owned()
-                } else {
-                    let without: Vec<u32> = announced
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, a)| a.gpu.is_none())
-                        .map(|(r, _)| r as u32)
-                        .collect();
-                    format!("ranks {without:?} pass host memory only")
-                };
+                let reason = ring_choice.err().unwrap_or_default();
                 (None, DevicePath::Staged { reason })
             }
         };

@@ -1,10 +1,9 @@
 //! What each rank announces about its links in the bootstrap (the wire-protocol version, the
-//! transport it is told to use, whether it has an RDMA device), and the choice of each link's
-//! kind from both ends' announcements: pure, so that both ends choose alike.
+//! transport it is told to use, whether it has an RDMA device, its GPU and process), which the
+//! transport table ([`super::table`]) chooses each link's kind from.
 
 use nodetour_core::transport::TransportKind;
 
-use crate::comm::paths::Landing;
 use crate::descriptor::PROTOCOL_VERSION;
 use crate::error::{Error, Result};
 
@@ -109,53 +108,6 @@ impl Announcement {
     }
 }
 
-/// The kind of the host-memory link between this rank and `peer`, where the bytes land, and
-/// why. Both ends compute the same answer from the same two announcements.
-/// `why_no_verbs` says why this rank has no RDMA device (when it has none).
-pub(crate) fn choose_host_link(
-    ours: &Announcement,
-    theirs: &Announcement,
-    (me, peer): (u32, u32),
-    why_no_verbs: &str,
-) -> Result<(TransportKind, Landing, String)> {
-    if ours.forced != theirs.forced {
-        let show = |k: Option<TransportKind>| match k {
-            Some(k) => format!("NODETOUR_TRANSPORT={k}"),
-            None => "no NODETOUR_TRANSPORT".to_owned(),
-        };
-        return Err(Error::InvalidArgument {
-            reason: format!(
-                "rank {me} has {}, rank {peer} has {}: every rank must be told the same",
-                show(ours.forced),
-                show(theirs.forced)
-            ),
-        });
-    }
-    let lacking = || {
-        if ours.has_verbs {
-            format!("rank {peer} has no RDMA device")
-        } else {
-            format!("this rank has no RDMA device ({why_no_verbs})")
-        }
-    };
-    let verbs = |reason: String| Ok((TransportKind::Verbs, Landing::RegisteredHost, reason));
-    let tcp = |reason: String| Ok((TransportKind::Tcp, Landing::SoftwareHost, reason));
-    let both = ours.has_verbs && theirs.has_verbs;
-    match ours.forced {
-        Some(TransportKind::Tcp) => tcp("NODETOUR_TRANSPORT=tcp".into()),
-        Some(TransportKind::Verbs) if both => verbs("NODETOUR_TRANSPORT=verbs".into()),
-        Some(TransportKind::Verbs) => Err(Error::Unsupported {
-            reason: format!("NODETOUR_TRANSPORT=verbs, but {}", lacking()),
-        }),
-        Some(TransportKind::Mem) => Err(Error::InvalidArgument {
-            reason: "NODETOUR_TRANSPORT=mem joins threads of one process (tests), not ranks".into(),
-        }),
-        // cuda-ipc and shm name the links between GPUs of one host; host links choose freely.
-        _ if both => verbs("both ranks have an RDMA device".into()),
-        _ => tcp(format!("{}: tcp", lacking())),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,50 +138,5 @@ mod tests {
         ] {
             assert!(Announcement::decode(1, bad).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn both_ends_choose_alike_and_say_why() {
-        let a = |forced, v| Announcement::ours(forced, v, None);
-        let pick = |x: &Announcement, y: &Announcement| {
-            let here = choose_host_link(x, y, (0, 1), "no device").map(|c| c.0);
-            let there = choose_host_link(y, x, (1, 0), "no device").map(|c| c.0);
-            assert_eq!(here.is_ok(), there.is_ok());
-            if let (Ok(h), Ok(t)) = (&here, &there) {
-                assert_eq!(h, t);
-            }
-            here
-        };
-        assert_eq!(
-            pick(&a(None, true), &a(None, true)),
-            Ok(TransportKind::Verbs)
-        );
-        assert_eq!(
-            pick(&a(None, true), &a(None, false)),
-            Ok(TransportKind::Tcp)
-        );
-        let tcp = Some(TransportKind::Tcp);
-        assert_eq!(pick(&a(tcp, true), &a(tcp, true)), Ok(TransportKind::Tcp));
-        let verbs = Some(TransportKind::Verbs);
-        assert!(matches!(
-            pick(&a(verbs, true), &a(verbs, false)),
-            Err(Error::Unsupported { .. })
-        ));
-        assert!(matches!(
-            pick(&a(tcp, true), &a(None, true)),
-            Err(Error::InvalidArgument { .. })
-        ));
-        // cuda-ipc and shm are GPU links: the host links choose as if unset.
-        let shm = Some(TransportKind::Shm);
-        assert_eq!(pick(&a(shm, true), &a(shm, true)), Ok(TransportKind::Verbs));
-        assert_eq!(pick(&a(shm, false), &a(shm, true)), Ok(TransportKind::Tcp));
-        let (_, _, why) = choose_host_link(
-            &a(None, false),
-            &a(None, true),
-            (0, 1),
-            "libibverbs is missing",
-        )
-        .unwrap();
-        assert!(why.contains("libibverbs is missing"), "{why}");
     }
 }

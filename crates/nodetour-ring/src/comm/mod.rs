@@ -66,6 +66,7 @@ pub(crate) mod links;
 mod options;
 mod paths;
 mod scratch;
+pub(crate) mod table;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;

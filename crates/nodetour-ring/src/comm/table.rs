@@ -1,0 +1,302 @@
+//! The transport table (as NCCL's): every link kind in one list, in order of preference, each
+//! saying whether it can join two ranks from what both announced, and why; one chooser per kind
+//! of memory picks the first that can, honouring `NODETOUR_TRANSPORT`, with the reason. Pure:
+//! both ends of a link, and every rank of the job, choose alike from the same announcements.
+//!
+//! | kind | memory | can connect when |
+//! |---|---|---|
+//! | cuda-ipc | GPU | same host, both pass GPU memory, different processes (the mapping is tried when the ring forms; a GPU that cannot map its neighbour's memory falls to the next row) |
+//! | shm | GPU | same host, both pass GPU memory, different processes |
+//! | verbs | host | both ranks opened an RDMA device |
+//! | tcp | host | always |
+//!
+//! A network link that lands in GPU memory (RDMA writes into GPU slots, driven from the GPU
+//! stream program by a progress thread) is the row the next issue adds above `shm` for ranks
+//! on different hosts.
+
+use nodetour_core::transport::TransportKind;
+
+use super::links::Announcement;
+use super::paths::Landing;
+use crate::error::{Error, Result};
+
+/// Which memory a link kind carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Memory {
+    /// Host memory: the host ring's links.
+    Host,
+    /// GPU memory: the GPU ring's links (stream-ordered).
+    Device,
+}
+
+/// Two ranks that may be linked, as both announced themselves.
+pub(crate) struct Pair<'a> {
+    /// This rank's announcement, and its rank.
+    pub ours: (&'a Announcement, u32),
+    /// The peer's announcement, and its rank.
+    pub theirs: (&'a Announcement, u32),
+    /// Whether both share one host (the bootstrap's host identities).
+    pub same_host: bool,
+    /// Why this rank has no RDMA device (when it has none).
+    pub why_no_verbs: &'a str,
+}
+
+/// One row: a link kind, the memory it carries, and its test.
+struct Row {
+    kind: TransportKind,
+    memory: Memory,
+    /// `Ok(why it can)` or `Err(why it cannot)`.
+    can_connect: fn(&Pair<'_>) -> std::result::Result<String, String>,
+}
+
+/// The table, in order of preference within each kind of memory.
+const TABLE: [Row; 4] = [
+    Row {
+        kind: TransportKind::CudaIpc,
+        memory: Memory::Device,
+        can_connect: gpus_of_one_host,
+    },
+    Row {
+        kind: TransportKind::Shm,
+        memory: Memory::Device,
+        can_connect: gpus_of_one_host,
+    },
+    Row {
+        kind: TransportKind::Verbs,
+        memory: Memory::Host,
+        can_connect: both_have_verbs,
+    },
+    Row {
+        kind: TransportKind::Tcp,
+        memory: Memory::Host,
+        can_connect: |_| Ok("tcp reaches every rank".into()),
+    },
+];
+
+fn gpus_of_one_host(p: &Pair<'_>) -> std::result::Result<String, String> {
+    let ((ours, me), (theirs, peer)) = (p.ours, p.theirs);
+    if !p.same_host {
+        return Err(format!("ranks {me} and {peer} are on different hosts"));
+    }
+    if let Some(r) = [(ours, me), (theirs, peer)]
+        .iter()
+        .find(|(a, _)| a.gpu.is_none())
+    {
+        return Err(format!("rank {} passes host memory only", r.1));
+    }
+    if ours.pid == theirs.pid {
+        return Err(format!(
+            "ranks {me} and {peer} share a process (cuda-ipc cannot map memory within one \
+             process; several GPUs of one process: Communicator::from_devices)"
+        ));
+    }
+    Ok("both pass GPU memory on one host, in different processes".into())
+}
+
+fn both_have_verbs(p: &Pair<'_>) -> std::result::Result<String, String> {
+    let ((ours, _), (theirs, peer)) = (p.ours, p.theirs);
+    match (ours.has_verbs, theirs.has_verbs) {
+        (true, true) => Ok("both ranks have an RDMA device".into()),
+        (true, false) => Err(format!("rank {peer} has no RDMA device")),
+        _ => Err(format!("this rank has no RDMA device ({})", p.why_no_verbs)),
+    }
+}
+
+/// Both ranks must be told the same `NODETOUR_TRANSPORT`.
+fn same_override(p: &Pair<'_>) -> Result<()> {
+    let ((ours, me), (theirs, peer)) = (p.ours, p.theirs);
+    if ours.forced == theirs.forced {
+        return Ok(());
+    }
+    let show = |k: Option<TransportKind>| match k {
+        Some(k) => format!("NODETOUR_TRANSPORT={k}"),
+        None => "no NODETOUR_TRANSPORT".to_owned(),
+    };
+    Err(Error::InvalidArgument {
+        reason: format!(
+            "rank {me} has {}, rank {peer} has {}: every rank must be told the same",
+            show(ours.forced),
+            show(theirs.forced)
+        ),
+    })
+}
+
+/// The host-memory link of `pair`, where its bytes land, and why.
+pub(crate) fn host_link(pair: &Pair<'_>) -> Result<(TransportKind, Landing, String)> {
+    same_override(pair)?;
+    let landing = |k| match k {
+        TransportKind::Verbs => Landing::RegisteredHost,
+        _ => Landing::SoftwareHost,
+    };
+    let forced = pair.ours.0.forced;
+    if forced == Some(TransportKind::Mem) {
+        return Err(Error::InvalidArgument {
+            reason: "NODETOUR_TRANSPORT=mem joins threads of one process (tests), not ranks".into(),
+        });
+    }
+    let mut refused = Vec::new();
+    for row in TABLE.iter().filter(|r| r.memory == Memory::Host) {
+        // A host kind that is forced is the only one tried; cuda-ipc and shm name GPU links,
+        // so the host links choose as if unset.
+        if forced.is_some_and(|f| is_host(f) && f != row.kind) {
+            continue;
+        }
+        match (row.can_connect)(pair) {
+            Ok(_) if forced == Some(row.kind) => {
+                return Ok((
+                    row.kind,
+                    landing(row.kind),
+                    format!("NODETOUR_TRANSPORT={}", row.kind),
+                ));
+            }
+            Ok(why) if refused.is_empty() => return Ok((row.kind, landing(row.kind), why)),
+            Ok(_) => {
+                return Ok((
+                    row.kind,
+                    landing(row.kind),
+                    format!("{}: {}", refused.join("; "), row.kind),
+                ));
+            }
+            Err(why) if forced == Some(row.kind) => {
+                return Err(Error::Unsupported {
+                    reason: format!("NODETOUR_TRANSPORT={}, but {why}", row.kind),
+                });
+            }
+            Err(why) => refused.push(why),
+        }
+    }
+    Err(Error::Unsupported {
+        reason: format!("no host link: {}", refused.join("; ")),
+    })
+}
+
+fn is_host(k: TransportKind) -> bool {
+    TABLE
+        .iter()
+        .any(|r| r.kind == k && r.memory == Memory::Host)
+}
+
+/// Whether the GPU ring can join every link of `ring` (each `(pair)` of ring neighbours), and
+/// why not: every rank computes this from the same announcements, so all form a GPU ring or
+/// none does. A host kind forced by `NODETOUR_TRANSPORT` keeps GPU memory on the host links.
+/// Ranks that share a process anywhere in the job (`pids_distinct`: no two ranks with one
+/// host and one pid) never form one (a process's GPU memory cannot be mapped into itself, and
+/// its threads' rings would share its CUDA contexts).
+pub(crate) fn device_ring(
+    links: &[Pair<'_>],
+    forced: Option<TransportKind>,
+    pids_distinct: bool,
+) -> std::result::Result<String, String> {
+    if let Some(f) = forced.filter(|f| is_host(*f)) {
+        return Err(format!("NODETOUR_TRANSPORT={f}"));
+    }
+    let rows: Vec<&Row> = TABLE
+        .iter()
+        .filter(|r| r.memory == Memory::Device)
+        .collect();
+    for pair in links {
+        rows.iter()
+            .map(|r| (r.can_connect)(pair))
+            .find(|c| c.is_ok())
+            .unwrap_or_else(|| (rows[0].can_connect)(pair))?;
+    }
+    if !pids_distinct {
+        return Err("ranks share a process (cuda-ipc cannot map memory within one process)".into());
+    }
+    Ok(format!(
+        "every link joins GPUs of one host ({} where the next GPU's memory maps, else {})",
+        rows[0].kind, rows[1].kind
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(forced: Option<TransportKind>, verbs: bool, gpu: Option<u32>, pid: u32) -> Announcement {
+        Announcement {
+            pid,
+            ..Announcement::ours(forced, verbs, gpu)
+        }
+    }
+
+    fn pick(x: &Announcement, y: &Announcement) -> Result<TransportKind> {
+        let pair = |o, t, me, peer| Pair {
+            ours: (o, me),
+            theirs: (t, peer),
+            same_host: true,
+            why_no_verbs: "no device",
+        };
+        let here = host_link(&pair(x, y, 0, 1)).map(|c| c.0);
+        let there = host_link(&pair(y, x, 1, 0)).map(|c| c.0);
+        assert_eq!(here.is_ok(), there.is_ok());
+        if let (Ok(h), Ok(t)) = (&here, &there) {
+            assert_eq!(h, t);
+        }
+        here
+    }
+
+    #[test]
+    fn host_links_choose_alike_on_both_ends_and_say_why() {
+        let h = |forced, v| a(forced, v, None, 1);
+        assert_eq!(
+            pick(&h(None, true), &h(None, true)),
+            Ok(TransportKind::Verbs)
+        );
+        assert_eq!(
+            pick(&h(None, true), &h(None, false)),
+            Ok(TransportKind::Tcp)
+        );
+        let tcp = Some(TransportKind::Tcp);
+        assert_eq!(pick(&h(tcp, true), &h(tcp, true)), Ok(TransportKind::Tcp));
+        let verbs = Some(TransportKind::Verbs);
+        assert!(matches!(
+            pick(&h(verbs, true), &h(verbs, false)),
+            Err(Error::Unsupported { .. })
+        ));
+        assert!(matches!(
+            pick(&h(tcp, true), &h(None, true)),
+            Err(Error::InvalidArgument { .. })
+        ));
+        // cuda-ipc and shm are GPU links: the host links choose as if unset.
+        let shm = Some(TransportKind::Shm);
+        assert_eq!(pick(&h(shm, true), &h(shm, true)), Ok(TransportKind::Verbs));
+        assert_eq!(pick(&h(shm, false), &h(shm, true)), Ok(TransportKind::Tcp));
+        let mem = Some(TransportKind::Mem);
+        assert!(pick(&h(mem, true), &h(mem, true)).is_err());
+        let (o, t) = (h(None, false), h(None, true));
+        let (_, _, why) = host_link(&Pair {
+            ours: (&o, 0),
+            theirs: (&t, 1),
+            same_host: true,
+            why_no_verbs: "libibverbs is missing",
+        })
+        .unwrap();
+        assert!(why.contains("libibverbs is missing"), "{why}");
+    }
+
+    #[test]
+    fn the_gpu_ring_needs_every_link_on_one_host_with_gpus_in_other_processes() {
+        let g = |pid| a(None, false, Some(0), pid);
+        let pair = |o, t, same_host| Pair {
+            ours: (o, 0),
+            theirs: (t, 1),
+            same_host,
+            why_no_verbs: "",
+        };
+        let (x, y) = (g(1), g(2));
+        assert!(device_ring(&[pair(&x, &y, true)], None, true).is_ok());
+        let far = device_ring(&[pair(&x, &y, false)], None, true).unwrap_err();
+        assert!(far.contains("different hosts"), "{far}");
+        let host_only = a(None, false, None, 3);
+        let why = device_ring(&[pair(&x, &host_only, true)], None, true).unwrap_err();
+        assert!(why.contains("host memory only"), "{why}");
+        let same = g(1);
+        assert!(device_ring(&[pair(&x, &same, true)], None, true).is_err());
+        assert!(device_ring(&[pair(&x, &y, true)], None, false).is_err());
+        let forced = device_ring(&[pair(&x, &y, true)], Some(TransportKind::Tcp), true);
+        assert_eq!(forced, Err("NODETOUR_TRANSPORT=tcp".into()));
+        // shm forced is a GPU link: the ring forms (and runs staged).
+        assert!(device_ring(&[pair(&x, &y, true)], Some(TransportKind::Shm), true).is_ok());
+    }
+}
