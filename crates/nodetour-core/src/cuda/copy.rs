@@ -4,10 +4,7 @@
 //! `DeviceBuffer::note_use`): the copy has landed when these return, so nothing is left for
 //! their release to wait for, and they do not keep a finished stream alive.
 
-use cudarc::driver::sys;
-
 use super::GpuStream;
-use super::result::cuda_error;
 use crate::error::Result;
 use crate::memory::DeviceBuffer;
 
@@ -24,9 +21,9 @@ pub(crate) fn htod(
     // SAFETY: the caller checked that src..src+len is readable host memory that stays valid
     // until the copy has landed (we wait for the stream below) and that the destination range
     // lies inside `dst`.
-    unsafe { sys::cuMemcpyHtoDAsync_v2(dst.device_ptr() + dst_offset as u64, src.cast(), len, s) }
-        .result()
-        .map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))?;
+    unsafe {
+        super::result::memcpy_htod_async(dst.device_ptr() + dst_offset as u64, src.cast(), len, s)
+    }?;
     stream.synchronize()
 }
 
@@ -43,8 +40,8 @@ pub(crate) fn dtoh(
     // SAFETY: the caller checked that dst..dst+len is writable host memory nobody else uses
     // until the copy has landed (we wait for the stream below), and that the source range lies
     // inside `src`.
-    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src.device_ptr() + src_offset as u64, len, s) }
-        .result()
-        .map_err(|e| cuda_error("cuMemcpyDtoHAsync", e))?;
+    unsafe {
+        super::result::memcpy_dtoh_async(dst.cast(), src.device_ptr() + src_offset as u64, len, s)
+    }?;
     stream.synchronize()
 }

@@ -24,10 +24,8 @@ pub fn availability() -> Result<i32> {
                 return Err("libcuda.so is not loadable: no NVIDIA driver on this machine (or not visible to this container)".into());
             }
             result::init().map_err(|e| format!("cuInit failed: {} (no usable GPU, or the driver and kernel module disagree)", error_name(e)))?;
-            let mut version = 0;
-            // SAFETY: version is a valid out-pointer; the library is loaded.
-            unsafe { sys::cuDriverGetVersion(&mut version) }
-                .result()
+            // SAFETY: the library is loaded.
+            let version = unsafe { super::result::driver_version() }
                 .map_err(|e| format!("cuDriverGetVersion failed: {}", error_name(e)))?;
             if version < MIN_DRIVER_VERSION {
                 return Err(format!(
@@ -101,15 +99,7 @@ fn gpu(ordinal: usize) -> Result<GpuInfo> {
     // attribute this driver does not know fails and reads as 0).
     let attr = |a: A| unsafe { result::device::get_attribute(dev, a) }.unwrap_or(0);
     let name = result::device::get_name(dev).map_err(|e| cuda_error("cuDeviceGetName", e))?;
-    let mut bus = [0 as std::ffi::c_char; 32];
-    // SAFETY: bus has room for the 13-character id and its NUL.
-    unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) }
-        .result()
-        .map_err(|e| cuda_error("cuDeviceGetPCIBusId", e))?;
-    // SAFETY: the driver wrote a NUL-terminated string into bus.
-    let pci_bus_id = unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }
-        .to_string_lossy()
-        .to_lowercase();
+    let pci_bus_id = super::result::device_pci_bus_id(dev)?.to_lowercase();
     // SAFETY: dev is valid.
     let total_memory =
         unsafe { result::device::total_mem(dev) }.map_err(|e| cuda_error("cuDeviceTotalMem", e))?;

@@ -160,3 +160,211 @@ pub(crate) unsafe fn address_range(
         .map_err(|e| cuda_error("cuMemGetAddressRange", e))?;
     Ok((base, size))
 }
+
+// --- copies, memsets and frees queued on a stream ---
+
+/// `cuMemcpyHtoDAsync`: `len` bytes from host `src` to device `dst` on `stream`.
+pub(crate) unsafe fn memcpy_htod_async(
+    dst: sys::CUdeviceptr,
+    src: *const c_void,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<(), Error> {
+    // SAFETY: forwarded contract (both ranges live until the copy has run; a live stream).
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, len, stream) }
+        .result()
+        .map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))
+}
+
+/// `cuMemcpyDtoHAsync`: `len` bytes from device `src` to host `dst` on `stream`.
+pub(crate) unsafe fn memcpy_dtoh_async(
+    dst: *mut c_void,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<(), Error> {
+    // SAFETY: forwarded contract.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst, src, len, stream) }
+        .result()
+        .map_err(|e| cuda_error("cuMemcpyDtoHAsync", e))
+}
+
+/// `cuMemcpyAsync`: `len` bytes between device (or mapped) addresses on `stream`.
+pub(crate) unsafe fn memcpy_dtod_async(
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<(), Error> {
+    // SAFETY: forwarded contract.
+    unsafe { sys::cuMemcpyAsync(dst, src, len, stream) }
+        .result()
+        .map_err(|e| cuda_error("cuMemcpyAsync", e))
+}
+
+/// `cuMemsetD8Async`: `len` bytes at `dst` set to `value` on `stream`.
+pub(crate) unsafe fn memset_d8_async(
+    dst: sys::CUdeviceptr,
+    value: u8,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<(), Error> {
+    // SAFETY: forwarded contract.
+    unsafe { sys::cuMemsetD8Async(dst, value, len, stream) }
+        .result()
+        .map_err(|e| cuda_error("cuMemsetD8Async", e))
+}
+
+/// `cuMemFreeAsync`: frees `ptr` after the work queued on `stream`.
+pub(crate) unsafe fn mem_free_async(
+    ptr: sys::CUdeviceptr,
+    stream: sys::CUstream,
+) -> Result<(), DriverError> {
+    // SAFETY: forwarded contract (ptr from cuMemAlloc of the current context, used by nothing
+    // queued after this).
+    unsafe { sys::cuMemFreeAsync(ptr, stream) }.result()
+}
+
+// --- streams, events, peers ---
+
+/// `cuStreamQuery`: whether everything queued on `stream` has run.
+pub(crate) unsafe fn stream_idle(stream: sys::CUstream) -> Result<bool, DriverError> {
+    // SAFETY: forwarded contract (a live stream).
+    match unsafe { sys::cuStreamQuery(stream) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(DriverError(e)),
+    }
+}
+
+/// `cuStreamGetCtx`: the context of `stream`.
+pub(crate) unsafe fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext, Error> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: forwarded contract (a valid stream or default-stream handle); ctx is a valid
+    // out-pointer.
+    unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }
+        .result()
+        .map_err(|e| cuda_error("cuStreamGetCtx", e))?;
+    Ok(ctx)
+}
+
+/// `cuStreamWriteValue32`: queues a store of `value` at `address` (`flags` 0: with a memory
+/// barrier).
+pub(crate) unsafe fn stream_write_value32(
+    stream: sys::CUstream,
+    address: sys::CUdeviceptr,
+    value: u32,
+    flags: u32,
+) -> Result<(), Error> {
+    // SAFETY: forwarded contract (a device-accessible address that outlives the queued work).
+    unsafe { sys::cuStreamWriteValue32_v2(stream, address, value, flags) }
+        .result()
+        .map_err(|e| cuda_error("cuStreamWriteValue32", e))
+}
+
+/// `cuStreamWaitValue32`: queues a wait on the word at `address` (`flags` 0: ≥ `value`, 1:
+/// equal).
+pub(crate) unsafe fn stream_wait_value32(
+    stream: sys::CUstream,
+    address: sys::CUdeviceptr,
+    value: u32,
+    flags: u32,
+) -> Result<(), Error> {
+    // SAFETY: forwarded contract.
+    unsafe { sys::cuStreamWaitValue32_v2(stream, address, value, flags) }
+        .result()
+        .map_err(|e| cuda_error("cuStreamWaitValue32", e))
+}
+
+/// `cuEventQuery`: whether the work before the event's record has run.
+pub(crate) unsafe fn event_complete(event: sys::CUevent) -> Result<bool, Error> {
+    // SAFETY: forwarded contract (a live event of the bound context).
+    match unsafe { sys::cuEventQuery(event) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(cuda_error("cuEventQuery", DriverError(e))),
+    }
+}
+
+/// `cuDeviceCanAccessPeer`.
+pub(crate) fn can_access_peer(from: sys::CUdevice, to: sys::CUdevice) -> Result<bool, Error> {
+    let mut can = 0;
+    // SAFETY: a valid out-pointer and device handles (any value is checked by the driver).
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, from, to) }
+        .result()
+        .map_err(|e| cuda_error("cuDeviceCanAccessPeer", e))?;
+    Ok(can != 0)
+}
+
+/// `cuCtxEnablePeerAccess` from the bound context to `to` (already enabled counts as done).
+pub(crate) unsafe fn enable_peer_access(to: sys::CUcontext) -> Result<(), Error> {
+    // SAFETY: forwarded contract (`to` is a live context; one is bound).
+    match unsafe { sys::cuCtxEnablePeerAccess(to, 0) } {
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            Ok(())
+        }
+        e => Err(cuda_error("cuCtxEnablePeerAccess", DriverError(e))),
+    }
+}
+
+// --- the driver and devices ---
+
+/// `cuDriverGetVersion` (e.g. 12080).
+pub(crate) unsafe fn driver_version() -> Result<i32, DriverError> {
+    let mut version = 0;
+    // SAFETY: a valid out-pointer; the library is loaded (caller's contract).
+    unsafe { sys::cuDriverGetVersion(&mut version) }.result()?;
+    Ok(version)
+}
+
+/// `cuDeviceGetPCIBusId` (`0000:17:00.0`).
+pub(crate) fn device_pci_bus_id(dev: sys::CUdevice) -> Result<String, Error> {
+    let mut bus = [0 as std::ffi::c_char; 32];
+    // SAFETY: bus has room for the 13-character id and its NUL.
+    unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) }
+        .result()
+        .map_err(|e| cuda_error("cuDeviceGetPCIBusId", e))?;
+    // SAFETY: the driver wrote a NUL-terminated string into bus.
+    Ok(unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
+}
+
+// --- cuda-ipc ---
+
+/// `cuIpcGetMemHandle` of the allocation starting at `base`.
+pub(crate) unsafe fn ipc_get_mem_handle(base: sys::CUdeviceptr) -> Result<[u8; 64], Error> {
+    // SAFETY: CUipcMemHandle is plain bytes; zeroed is a valid value.
+    let mut handle = unsafe { std::mem::zeroed::<sys::CUipcMemHandle>() };
+    // SAFETY: a valid out-pointer; base starts a live cuMemAlloc allocation (caller's contract).
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
+        .result()
+        .map_err(|e| cuda_error("cuIpcGetMemHandle", e))?;
+    Ok(handle.reserved.map(|c| c as u8))
+}
+
+/// `cuIpcOpenMemHandle` (lazy peer access): maps a peer's exported allocation.
+pub(crate) unsafe fn ipc_open_mem_handle(
+    handle: [u8; 64],
+) -> Result<sys::CUdeviceptr, DriverError> {
+    let handle = sys::CUipcMemHandle {
+        reserved: handle.map(|b| b as std::ffi::c_char),
+    };
+    let mut base: sys::CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer; the handle is plain bytes (the driver validates it).
+    unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut base,
+            handle,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+        )
+    }
+    .result()?;
+    Ok(base)
+}
+
+/// `cuIpcCloseMemHandle`.
+pub(crate) unsafe fn ipc_close_mem_handle(base: sys::CUdeviceptr) -> Result<(), DriverError> {
+    // SAFETY: forwarded contract (base came from cuIpcOpenMemHandle; nothing queued uses it).
+    unsafe { sys::cuIpcCloseMemHandle(base) }.result()
+}

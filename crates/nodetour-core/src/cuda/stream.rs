@@ -203,15 +203,15 @@ fn finish_if_idle(t: &RawStream) -> bool {
         return false;
     }
     // SAFETY: a live stream.
-    match unsafe { sys::cuStreamQuery(t.raw) } {
-        sys::CUresult::CUDA_SUCCESS => {
+    match unsafe { super::result::stream_idle(t.raw) } {
+        Ok(true) => {
             // SAFETY: a live, idle stream: this returns at once.
             let _ = unsafe { result::stream::synchronize(t.raw) };
             true
         }
-        sys::CUresult::CUDA_ERROR_NOT_READY => false,
+        Ok(false) => false,
         // A broken context: nothing more will run on it; let the stream go.
-        _ => true,
+        Err(_) => true,
     }
 }
 
@@ -272,12 +272,9 @@ impl GpuStream {
         context
             .bind_to_thread()
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `raw` is a valid stream handle or a default-stream handle (the caller's
-        // contract); `ctx` is a valid place for the answer.
-        unsafe { sys::cuStreamGetCtx(raw, &mut ctx) }
-            .result()
-            .map_err(|e| cuda_error("cuStreamGetCtx", e))?;
+        // contract).
+        let ctx = unsafe { super::result::stream_context(raw) }?;
         if ctx != context.cu_ctx() {
             return Err(Error::InvalidArgument {
                 reason: "the stream belongs to another CUDA context than the GPU given".into(),
@@ -329,15 +326,13 @@ impl GpuStream {
         // SAFETY: both ranges are inside live allocations (checked); both buffers noted this
         // stream, so they are freed only after the work queued here has run.
         unsafe {
-            sys::cuMemcpyAsync(
+            super::result::memcpy_dtod_async(
                 dst.device_ptr() + dst_offset as u64,
                 src.device_ptr() + src_offset as u64,
                 len,
                 s,
             )
         }
-        .result()
-        .map_err(|e| cuda_error("cuMemcpyAsync", e))
     }
 
     /// Waits until everything queued so far has run.
@@ -404,9 +399,7 @@ impl GpuStream {
         let s = self.bind()?;
         // SAFETY: the caller passes a device-accessible address that outlives the queued work;
         // flags 0 = with a memory barrier.
-        unsafe { sys::cuStreamWriteValue32_v2(s, address, value, 0) }
-            .result()
-            .map_err(|e| cuda_error("cuStreamWriteValue32", e))
+        unsafe { super::result::stream_write_value32(s, address, value, 0) }
     }
 
     /// Queues a wait until the 32-bit word at `address` is ≥ `value` (wrapping comparison not
@@ -414,18 +407,14 @@ impl GpuStream {
     pub(crate) fn wait_value(&self, address: u64, value: u32) -> Result<()> {
         let s = self.bind()?;
         // SAFETY: as above; flags 0 = CU_STREAM_WAIT_VALUE_GEQ.
-        unsafe { sys::cuStreamWaitValue32_v2(s, address, value, 0) }
-            .result()
-            .map_err(|e| cuda_error("cuStreamWaitValue32", e))
+        unsafe { super::result::stream_wait_value32(s, address, value, 0) }
     }
 
     /// Queues a wait until the 32-bit word at `address` equals `value`.
     pub(crate) fn wait_value_eq(&self, address: u64, value: u32) -> Result<()> {
         let s = self.bind()?;
         // SAFETY: as above; flags 1 = CU_STREAM_WAIT_VALUE_EQ.
-        unsafe { sys::cuStreamWaitValue32_v2(s, address, value, 1) }
-            .result()
-            .map_err(|e| cuda_error("cuStreamWaitValue32", e))
+        unsafe { super::result::stream_wait_value32(s, address, value, 1) }
     }
 }
 
@@ -461,11 +450,7 @@ impl GpuEvent {
             .bind_to_thread()
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
         // SAFETY: a live event of the bound context.
-        match unsafe { sys::cuEventQuery(self.raw) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            e => Err(cuda_error("cuEventQuery", result::DriverError(e))),
-        }
+        unsafe { super::result::event_complete(self.raw) }
     }
 
     /// Milliseconds from this event to `later` (both completed: synchronises on `later`).
@@ -495,12 +480,7 @@ impl Drop for GpuEvent {
 /// Whether `from`'s GPU can read and write `to`'s memory directly (NVLink or PCIe
 /// peer-to-peer), without enabling anything.
 pub fn can_access_peer(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<bool> {
-    let mut can = 0;
-    // SAFETY: valid out-pointer and device handles.
-    unsafe { sys::cuDeviceCanAccessPeer(&mut can, from.cu_device(), to.cu_device()) }
-        .result()
-        .map_err(|e| cuda_error("cuDeviceCanAccessPeer", e))?;
-    Ok(can != 0)
+    super::result::can_access_peer(from.cu_device(), to.cu_device())
 }
 
 /// Lets `from`'s GPU access `to`'s memory directly (NVLink or PCIe peer-to-peer). Returns
@@ -512,13 +492,6 @@ pub fn enable_peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Res
     from.bind_to_thread()
         .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
     // SAFETY: `to`'s context is live.
-    match unsafe { sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) } {
-        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
-            Ok(true)
-        }
-        e => Err(cuda_error(
-            "cuCtxEnablePeerAccess",
-            cudarc::driver::DriverError(e),
-        )),
-    }
+    unsafe { super::result::enable_peer_access(to.cu_ctx()) }?;
+    Ok(true)
 }

@@ -99,9 +99,7 @@ impl DeviceBuffer {
         // SAFETY: [base, base+rounded+DEVICE_ALIGNMENT) is the allocation just made; the stream
         // is synchronised below, before anything can drop `buffer` (on error, dropping it frees
         // after nothing: a failed synchronise means the context is broken).
-        unsafe { sys::cuMemsetD8Async(base, 0, rounded + DEVICE_ALIGNMENT, s) }
-            .result()
-            .map_err(|e| cuda_error("cuMemsetD8Async", e))?;
+        unsafe { crate::cuda::result::memset_d8_async(base, 0, rounded + DEVICE_ALIGNMENT, s) }?;
         stream.synchronize()?;
         Ok(buffer)
     }
@@ -291,7 +289,7 @@ impl Drop for DeviceBuffer {
             // it any more (a MemoryRegion owns its buffer and deregisters before dropping it);
             // the free runs only after the work queued so far on every stream that used it
             // (noted by each call that queued such work).
-            unsafe { sys::cuMemFreeAsync(base, s) }.result()
+            unsafe { crate::cuda::result::mem_free_async(base, s) }
         });
         let Err(why) = queued else {
             return;

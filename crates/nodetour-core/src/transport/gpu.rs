@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::CudaContext;
 
 use crate::cuda::GpuStream;
 use crate::cuda::reduce::{GuardWords, ReduceKernels};
@@ -463,13 +463,9 @@ impl IpcMapping {
         context
             .bind_to_thread()
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        let handle = sys::CUipcMemHandle {
-            reserved: grant.handle.map(|b| b as std::ffi::c_char),
-        };
-        let mut base: sys::CUdeviceptr = 0;
-        // SAFETY: a valid out-pointer; the handle came from the peer's cuIpcGetMemHandle.
-        unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, handle, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32) }
-            .result()
+        // SAFETY: a context is bound; the handle came from the peer's cuIpcGetMemHandle (the
+        // driver validates it).
+        let base = unsafe { crate::cuda::result::ipc_open_mem_handle(grant.handle) }
             .map_err(|e| Error::Unsupported {
                 what: "cuda-ipc",
                 reason: format!("mapping the peer's GPU memory failed ({}): not the same host, or no peer access between the GPUs", crate::cuda::result::error_name(e)),
@@ -521,7 +517,7 @@ impl Drop for IpcMapping {
             // SAFETY: base came from cuIpcOpenMemHandle; the work queued on it has run (waited
             // for above). The driver's close itself waits for the whole context (measured by
             // examples/teardown_probe): the one implicit wait left in this teardown.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+            let _ = unsafe { crate::cuda::result::ipc_close_mem_handle(self.base) };
         }
     }
 }
@@ -598,13 +594,8 @@ impl GpuSlot {
             .context()
             .bind_to_thread()
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        // SAFETY: a valid out-parameter; base is the start of a live cuMemAlloc allocation.
-        let mut handle = unsafe { std::mem::zeroed::<sys::CUipcMemHandle>() };
-        // SAFETY: as above.
-        unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
-            .result()
-            .map_err(|e| cuda_error("cuIpcGetMemHandle", e))?;
-        let bytes: [u8; 64] = handle.reserved.map(|c| c as u8);
+        // SAFETY: a context is bound; base is the start of a live cuMemAlloc allocation.
+        let bytes = unsafe { crate::cuda::result::ipc_get_mem_handle(base) }?;
         Ok(IpcGrant {
             handle: bytes,
             offset,
@@ -678,15 +669,13 @@ impl CudaIpcSender {
         // (checked); both noted this stream: the buffer is freed and the mapping closed only
         // after its queued work.
         unsafe {
-            sys::cuMemcpyAsync(
+            crate::cuda::result::memcpy_dtod_async(
                 self.mapping.dst + dst_offset,
                 src.device_ptr() + src_offset as u64,
                 len,
                 s,
             )
-        }
-        .result()
-        .map_err(|e| cuda_error("cuMemcpyAsync", e))?;
+        }?;
         if let Some(v) = notify {
             self.flags.enqueue_set(stream, self.rank, v)?;
         }
@@ -765,15 +754,13 @@ impl ShmSlot {
         // stream (freed after its work); the slot's host memory stays registered until its
         // owner has drained the stream (unregistering waits for the whole context anyway).
         unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
+            crate::cuda::result::memcpy_htod_async(
                 dst.device_ptr() + dst_offset as u64,
                 from as *const std::ffi::c_void,
                 len,
                 s,
             )
         }
-        .result()
-        .map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))
     }
 }
 
@@ -820,15 +807,13 @@ impl ShmSender {
         // SAFETY: both ranges are in bounds of live memory (checked); the buffer noted this
         // stream; the slot stays registered until its owner has drained the stream.
         unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
+            crate::cuda::result::memcpy_dtoh_async(
                 to as *mut std::ffi::c_void,
                 src.device_ptr() + src_offset as u64,
                 len,
                 s,
             )
-        }
-        .result()
-        .map_err(|e| cuda_error("cuMemcpyDtoHAsync", e))?;
+        }?;
         if let Some(v) = notify {
             self.flags.enqueue_set(stream, self.rank, v)?;
         }
