@@ -17,10 +17,10 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::CudaContext;
-use nodetour_core::bootstrap::UniqueId;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
+use nodetour_net::bootstrap::UniqueId;
 use nodetour_ring::comm::{Communicator, Group, Options};
 use nodetour_ring::{DataType, ReduceOp};
 

@@ -7,11 +7,11 @@
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use nodetour_core::bootstrap::JobToken;
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::tcp::loopback_pair;
 use nodetour_core::transport::{Event, HostConnection, MemConnection, SlotRegion};
 use nodetour_core::{Config, Deadline};
+use nodetour_net::bootstrap::JobToken;
 use nodetour_tools::write_bw::{WriteBwOptions, run_client, run_server};
 
 const SIZES: [usize; 2] = [64 << 10, 1 << 20];

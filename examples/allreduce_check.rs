@@ -116,7 +116,7 @@ fn run() -> anyhow::Result<()> {
     // memory is pinned under it.
     let gpu = if args.gpu {
         let n = nodetour::core::cuda::gpus()?.len().max(1);
-        let info = nodetour::core::bootstrap::LaunchInfo::from_env()?;
+        let info = nodetour::net::bootstrap::LaunchInfo::from_env()?;
         let ordinal = info.local_rank.unwrap_or(info.rank) as usize % n;
         options.gpu = Some(ordinal);
         let ctx = cudarc::driver::CudaContext::new(ordinal)

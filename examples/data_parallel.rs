@@ -104,7 +104,7 @@ fn main() -> ExitCode {
 
 fn run() -> anyhow::Result<()> {
     let args = Args::parse();
-    let info = nodetour::core::bootstrap::LaunchInfo::from_env()?;
+    let info = nodetour::net::bootstrap::LaunchInfo::from_env()?;
     let gpu = if args.host {
         Err("--host".to_owned())
     } else {

@@ -118,7 +118,7 @@ fn run() -> anyhow::Result<()> {
         options.ipc_slot_bytes = b;
         options.shm_slot_bytes = b;
     }
-    let world = nodetour_core::bootstrap::LaunchInfo::from_env()?.world_size;
+    let world = nodetour_net::bootstrap::LaunchInfo::from_env()?.world_size;
     let mut variants = variants_of("auto")?;
     if args.perf && args.also_ring && world == 2 {
         variants.push(VariantSpec {

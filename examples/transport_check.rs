@@ -23,7 +23,6 @@ use anyhow::{Context as _, bail};
 use clap::Parser;
 use std::sync::Arc;
 
-use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_core::transport::verbs::PreparedVerbs;
@@ -32,6 +31,7 @@ use nodetour_core::transport::{
 };
 use nodetour_core::verbs::{Access, EndpointDescription, MemoryRegion, Near, PathOptions};
 use nodetour_core::{Config, Deadline};
+use nodetour_net::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 use nodetour_tools::link::LocalSide;
 
 #[derive(Parser)]
@@ -172,7 +172,7 @@ fn run() -> anyhow::Result<()> {
         })
         .collect();
     let endpoint = TcpEndpoint::bind("0.0.0.0:0", token.clone(), config.timeout)?;
-    let host_ip = nodetour_core::bootstrap::host::local_ip_towards(&info.master_addr, info.port);
+    let host_ip = nodetour_net::bootstrap::host::local_ip_towards(&info.master_addr, info.port);
     let address = format!("{host_ip}:{}", endpoint.local_addr()?.port());
     let reference = (args.bench.is_some() && me == 0)
         .then(|| TcpListener::bind("0.0.0.0:0"))

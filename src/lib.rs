@@ -39,6 +39,7 @@
 pub use cudarc;
 pub use nodetour_core as core;
 pub use nodetour_core::{Config, Deadline};
+pub use nodetour_net as net;
 pub use nodetour_ring as ring;
 pub use nodetour_ring::comm::{AbortHandle, Communicator, Group, Options, Paths, UniqueId};
 pub use nodetour_ring::{DataType, Element, Error, ReduceOp, Result};

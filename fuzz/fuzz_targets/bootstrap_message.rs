@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nodetour_core::bootstrap::wire::Message;
+use nodetour_net::bootstrap::wire::Message;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(m) = Message::decode(data) {

@@ -35,7 +35,7 @@
 // Every unsafe block states why it is sound; the lint keeps it so.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-pub mod bootstrap;
+pub mod auth;
 pub mod config;
 pub mod cuda;
 pub mod deadline;
@@ -44,7 +44,7 @@ pub mod error;
 pub mod meeting;
 pub mod memory;
 pub mod nccl;
-mod net;
+pub mod net;
 pub mod oob;
 pub mod probe;
 pub mod random;

@@ -1,4 +1,5 @@
-//! Socket plumbing shared by the out-of-band channel, the bootstrap and the tcp transport.
+//! Socket plumbing shared by the out-of-band channel, the bootstrap (`nodetour-net`) and the tcp
+//! transport: safe wrappers over the few system calls they need (poll, getrlimit/setrlimit).
 
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -9,7 +10,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 
 /// Resolves `addr` ("host:port") to its first address.
-pub(crate) fn resolve(addr: &str) -> Result<SocketAddr> {
+pub fn resolve(addr: &str) -> Result<SocketAddr> {
     let err = |source| Error::Exchange {
         op: "resolve",
         peer: addr.to_owned(),
@@ -25,7 +26,7 @@ pub(crate) fn resolve(addr: &str) -> Result<SocketAddr> {
 
 /// Connects to `addr`, retrying while nobody listens there yet (the peer may start later),
 /// until `deadline`; `alive` is asked between tries and its error ends the wait.
-pub(crate) fn connect_retrying(
+pub fn connect_retrying(
     addr: &str,
     deadline: Deadline,
     alive: &dyn Fn() -> Result<()>,
@@ -61,7 +62,7 @@ pub(crate) fn connect_retrying(
 }
 
 /// Sleeps until `fd` is readable, `deadline` passes, or `cap` elapses (callers loop).
-pub(crate) fn wait_readable(fd: RawFd, deadline: Deadline, cap: Duration) {
+pub fn wait_readable(fd: RawFd, deadline: Deadline, cap: Duration) {
     let mut pfd = libc::pollfd {
         fd,
         events: libc::POLLIN,
@@ -167,4 +168,30 @@ mod open_files_tests {
         let e = raise_open_files(u64::MAX).unwrap_err();
         assert!(e.to_string().contains("RLIMIT_NOFILE"), "{e}");
     }
+}
+
+/// Waits up to `timeout` until any of `fds` is readable (or closed, or in error); returns, per
+/// descriptor, whether it is (`None` entries are skipped and never ready). All false on a
+/// timeout or an interrupted wait.
+pub fn poll_readable(fds: &[Option<RawFd>], timeout: Duration) -> Vec<bool> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|fd| libc::pollfd {
+            fd: fd.unwrap_or(-1),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: pfds is a valid array of pollfds for the duration of the call.
+    let n = unsafe {
+        libc::poll(
+            pfds.as_mut_ptr(),
+            pfds.len() as libc::nfds_t,
+            timeout.as_millis().min(i32::MAX as u128) as i32,
+        )
+    };
+    if n <= 0 {
+        return vec![false; fds.len()];
+    }
+    pfds.iter().map(|p| p.revents != 0).collect()
 }

@@ -54,26 +54,6 @@ fn oob_frame_header_corpus() {
 }
 
 #[test]
-fn bootstrap_message_corpus() {
-    use nodetour_core::bootstrap::wire::Message;
-    let mut accepted = 0;
-    for (name, data) in corpus("bootstrap_message") {
-        if let Ok(m) = Message::decode(&data) {
-            assert_eq!(
-                m.encode().unwrap(),
-                data,
-                "{name}: decode/encode round trip"
-            );
-            accepted += 1;
-        }
-    }
-    assert!(
-        accepted >= 5,
-        "the corpus holds valid messages too ({accepted})"
-    );
-}
-
-#[test]
 fn transport_grants_corpus() {
     use nodetour_core::transport::SlotGrant;
     use nodetour_core::transport::gpu::IpcGrant;

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use nodetour_core::Deadline;
-use nodetour_core::bootstrap::UniqueId;
 use nodetour_core::transport::TransportKind;
+use nodetour_net::bootstrap::UniqueId;
 use nodetour_ring::comm::{Communicator, Options};
 use nodetour_ring::{Error, ReduceOp};
 

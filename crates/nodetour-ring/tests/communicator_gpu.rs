@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use half::bf16;
 use nodetour_core::Deadline;
-use nodetour_core::bootstrap::UniqueId;
 use nodetour_core::transport::TransportKind;
+use nodetour_net::bootstrap::UniqueId;
 use nodetour_ring::comm::{Communicator, DevicePath, Options};
 use nodetour_ring::{Error, ReduceOp};
 

@@ -1,8 +1,8 @@
 //! Length-prefixed fields in a rank's bootstrap blob (what a rank announces to the others).
 
 use anyhow::Context as _;
-use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 use nodetour_core::{Config, Deadline};
+use nodetour_net::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 
 /// Joins the job of `info` (token from the environment, deadline from `config`), announcing
 /// this host, `address` (empty where ranks meet only through shared memory) and `blob`.

@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use super::wire::{CONTROL_MAX, HEADER_LEN, MAX_FRAME, WriteHeader};
 use super::{Event, HostConnection, SlotGrant, SlotRegion, SlotTable, TransportKind};
-use crate::bootstrap::auth::{JobToken, nonce};
-use crate::bootstrap::auth::{SessionKey, SessionKeys, TAG_LEN, Tag};
+use crate::auth::{JobToken, nonce};
+use crate::auth::{SessionKey, SessionKeys, TAG_LEN, Tag};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 

@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use nodetour_core::Deadline;
-use nodetour_core::bootstrap::Bootstrap;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
@@ -18,6 +17,7 @@ use nodetour_core::transport::gpu::{
 };
 use nodetour_core::transport::setup::GpuNeighbourSetup;
 use nodetour_core::transport::tcp::TcpEndpoint;
+use nodetour_net::bootstrap::Bootstrap;
 
 use crate::error::{Error, Result};
 use crate::gpu_ring::{

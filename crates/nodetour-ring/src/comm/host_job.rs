@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use nodetour_core::Deadline;
-use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, PeerEntry};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::{DeviceBuffer, HostBuffer};
@@ -18,6 +17,7 @@ use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion, TransportK
 use nodetour_core::verbs::{
     Access, EndpointDescription, LocalSide, MemoryRegion, Near, PathOptions,
 };
+use nodetour_net::bootstrap::{Bootstrap, HostIdentity, JobToken, PeerEntry};
 
 use super::links::Announcement;
 use super::options::Options;
@@ -117,7 +117,7 @@ impl HostJob {
         let (host, port) = rendezvous
             .rsplit_once(':')
             .unwrap_or((rendezvous.as_str(), "0"));
-        let ip = nodetour_core::bootstrap::host::local_ip_towards(host, port.parse().unwrap_or(0));
+        let ip = nodetour_net::bootstrap::host::local_ip_towards(host, port.parse().unwrap_or(0));
         // The bootstrap, which every rank hears, carries no key and no queue pair: where to
         // reach this rank and what it can link with. What only a neighbour may use goes to that
         // neighbour alone (TcpEndpoint::exchange, authenticated both ways).

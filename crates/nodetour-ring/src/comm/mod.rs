@@ -72,7 +72,7 @@ pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;
 pub use gpu_links::{GpuPaths, GpuRingOptions};
 pub use in_flight::{Failed, InFlight};
-pub use nodetour_core::bootstrap::UniqueId;
+pub use nodetour_net::bootstrap::UniqueId;
 pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};
 pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
 
@@ -81,9 +81,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use nodetour_core::Deadline;
-use nodetour_core::bootstrap::{JobToken, LaunchInfo};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, RdmaBuffer, with_cudarc_slice, with_cudarc_slice_mut};
+use nodetour_net::bootstrap::{JobToken, LaunchInfo};
 
 use self::device_set::{DeviceSet, SetMember};
 use self::host_job::{AbortFlag, HostJob, Launch};

@@ -13,10 +13,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::auth::{JobToken, nonce};
 use super::wire::{HEADER_LEN, Message, PeerEntry};
-use crate::deadline::Deadline;
-use crate::error::{Error, Result};
+use nodetour_core::Deadline;
+use nodetour_core::auth::{JobToken, nonce};
+use nodetour_core::{Error, Result};
 
 /// How long one handshake step may take from a connected peer (a stranger that connects and
 /// stays silent is dropped after this, without holding up the others).
@@ -359,7 +359,7 @@ fn take_parked_listener(port: u16) -> Option<TcpListener> {
 
 /// Reads one message within `deadline`.
 fn read_message(s: &mut TcpStream, deadline: Deadline, peer: &str) -> Result<Message> {
-    read_message_capped(s, deadline, peer, crate::bootstrap::wire::MAX_PAYLOAD)
+    read_message_capped(s, deadline, peer, super::wire::MAX_PAYLOAD)
 }
 
 /// The most a peer may make this process read before it has proven the job token (a challenge,
@@ -484,7 +484,7 @@ fn serve(
             source,
         })?;
     // Rank 0 holds a socket per rank for the job's life, and one per handshake.
-    crate::net::raise_open_files(u64::from(world_size) + MAX_HANDSHAKES as u64 + 64)?;
+    nodetour_core::net::raise_open_files(u64::from(world_size) + MAX_HANDSHAKES as u64 + 64)?;
     let (tx, rx) = mpsc::channel::<std::result::Result<Joined, (String, Error)>>();
     let mut joined: Vec<Option<Joined>> = (0..world_size).map(|_| None).collect();
     let mut missing = world_size - 1;
@@ -557,7 +557,11 @@ fn serve(
             return Err(Error::Rendezvous { reason });
         }
         // A short wait, so that handshake results are collected promptly.
-        crate::net::wait_readable(listener.as_raw_fd(), deadline, Duration::from_millis(20));
+        nodetour_core::net::wait_readable(
+            listener.as_raw_fd(),
+            deadline,
+            Duration::from_millis(20),
+        );
     }
     let mut table = vec![me];
     table.extend(joined.iter().skip(1).flatten().map(|j| j.entry.clone()));
@@ -683,7 +687,7 @@ fn join(
     deadline: Deadline,
 ) -> Result<Formed> {
     let peer = format!("rank 0 at {addr}");
-    let mut s = crate::net::connect_retrying(addr, deadline, &|| Ok(()))?;
+    let mut s = nodetour_core::net::connect_retrying(addr, deadline, &|| Ok(()))?;
     s.set_nodelay(true).ok();
     let challenge = match read_message_capped(&mut s, deadline, &peer, UNAUTHENTICATED_MAX)? {
         Message::Challenge { nonce } => nonce,
@@ -764,28 +768,17 @@ fn watch(
 ) {
     let mut open: Vec<bool> = vec![true; streams.len()];
     while !stop.load(Ordering::SeqCst) && open.iter().any(|o| *o) {
-        let mut fds: Vec<libc::pollfd> = streams
+        let fds: Vec<Option<std::os::fd::RawFd>> = streams
             .iter()
             .zip(&open)
-            .map(|((_, s), o)| libc::pollfd {
-                fd: if *o { s.as_raw_fd() } else { -1 },
-                events: libc::POLLIN,
-                revents: 0,
-            })
+            .map(|((_, s), o)| o.then(|| s.as_raw_fd()))
             .collect();
-        // SAFETY: fds is a valid array of pollfds for the duration of the call.
-        let n = unsafe {
-            libc::poll(
-                fds.as_mut_ptr(),
-                fds.len() as libc::nfds_t,
-                WATCH_TICK.as_millis() as i32,
-            )
-        };
-        if n <= 0 {
+        let ready = nodetour_core::net::poll_readable(&fds, WATCH_TICK);
+        if !ready.iter().any(|r| *r) {
             continue;
         }
         for i in 0..streams.len() {
-            if !open[i] || fds[i].revents == 0 {
+            if !open[i] || !ready[i] {
                 continue;
             }
             let (rank, ref mut s) = streams[i];

@@ -4,7 +4,7 @@
 //! Pure: [`LaunchInfo::from_lookup`] reads through a closure, so every launcher is unit-tested
 //! without touching the process environment.
 
-use crate::error::{Error, Result};
+use nodetour_core::{Error, Result};
 
 /// Default rendezvous port when neither `NODETOUR_PORT` nor `MASTER_PORT` is set.
 pub const DEFAULT_PORT: u16 = 29600;

@@ -4,7 +4,7 @@
 //! rank when another is lost.
 //!
 //! ```no_run
-//! use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
+//! use nodetour_net::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
 //! use nodetour_core::Deadline;
 //! # fn main() -> nodetour_core::Result<()> {
 //! let info = LaunchInfo::from_env()?;               // RANK, WORLD_SIZE, MASTER_ADDR, ...
@@ -17,19 +17,18 @@
 //! # Ok(()) }
 //! ```
 
-pub mod auth;
 pub mod host;
 pub mod launcher;
 mod rendezvous;
 pub mod wire;
 
-pub use auth::JobToken;
 pub use host::HostIdentity;
 pub use launcher::{LaunchInfo, Launcher};
+pub use nodetour_core::auth::{self, JobToken};
 pub use rendezvous::{Bootstrap, Share};
 pub use wire::PeerEntry;
 
-use crate::error::{Error, Result};
+use nodetour_core::{Error, Result};
 
 /// An NCCL-style unique id: the rendezvous address and a fresh job token in one string, created
 /// by rank 0 and passed to the others through the runtime's own store (for runtimes that do not
@@ -54,7 +53,7 @@ impl UniqueId {
     /// A new id for a rendezvous at `address`, with a random token.
     pub fn new(address: impl Into<String>) -> UniqueId {
         let mut token = [0u8; 16];
-        token.copy_from_slice(&auth::nonce()[..16]);
+        token.copy_from_slice(&nodetour_core::auth::nonce()[..16]);
         UniqueId {
             address: address.into(),
             token,

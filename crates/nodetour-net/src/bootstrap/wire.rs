@@ -4,9 +4,9 @@
 //! inside is bounded and checked before use; any input decodes or fails with
 //! [`Error::Decode`] (a `cargo fuzz` target holds the decoder to that).
 
-use super::auth::{Nonce, Proof};
 use super::host::HostIdentity;
-use crate::error::{Error, Result};
+use nodetour_core::auth::{Nonce, Proof};
+use nodetour_core::{Error, Result};
 
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"NDTB";

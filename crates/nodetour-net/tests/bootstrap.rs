@@ -8,8 +8,8 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use nodetour_core::bootstrap::{Bootstrap, HostIdentity, JobToken, PeerEntry};
 use nodetour_core::{Deadline, Error, Result};
+use nodetour_net::bootstrap::{Bootstrap, HostIdentity, JobToken, PeerEntry};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -241,7 +241,7 @@ fn a_peer_that_announces_a_large_message_before_proving_the_token_is_cut_off() {
         let _ = c.read(&mut challenge).unwrap();
         // A header that claims 4 MiB of Hello (magic, version, kind, length as the wire has
         // them): refused on the header, before a byte of it is read or allocated.
-        let header = nodetour_core::bootstrap::wire::Message::Hello {
+        let header = nodetour_net::bootstrap::wire::Message::Hello {
             rank: 1,
             world_size: 2,
             proof: [0; 32],
@@ -249,7 +249,7 @@ fn a_peer_that_announces_a_large_message_before_proving_the_token_is_cut_off() {
         }
         .encode()
         .unwrap();
-        let mut big = header[..nodetour_core::bootstrap::wire::HEADER_LEN].to_vec();
+        let mut big = header[..nodetour_net::bootstrap::wire::HEADER_LEN].to_vec();
         let n = big.len();
         big[n - 4..].copy_from_slice(&(4u32 << 20).to_be_bytes());
         let t = Instant::now();
@@ -327,8 +327,8 @@ fn a_rank_killed_after_the_rendezvous_is_reported_to_every_rank() {
         [r0.unwrap(), r1.join().unwrap().unwrap()]
     });
     let killed_at = Instant::now();
-    // SAFETY: plain kill(2) of our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    // SIGKILL (std's kill on Unix): the child gets no chance to say goodbye.
+    child.kill().expect("kill the child rank");
     let _ = child.wait();
     for j in &jobs {
         let lost = j.wait_for_loss(Deadline::after(Duration::from_secs(10)));
