@@ -11,7 +11,7 @@ use cudarc::nccl::{result, sys};
 use crate::cuda::GpuStream;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, RdmaBuffer};
+use crate::memory::DeviceBuffer;
 
 /// NCCL communicators for a list of GPUs of this process, one rank each.
 pub struct LocalNccl {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use nodetour_core::Error;
 use nodetour_core::cuda;
-use nodetour_core::memory::{DEVICE_ALIGNMENT, DeviceBuffer, HostBuffer, Pages, RdmaBuffer};
+use nodetour_core::memory::{DEVICE_ALIGNMENT, DeviceBuffer, HostBuffer, Pages};
 
 fn gpu() -> Option<Arc<CudaContext>> {
     match cuda::gpus() {

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::cuda::{GpuEvent, GpuStream, enable_peer_access};
-use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
+use nodetour_core::memory::DeviceBuffer;
 
 use crate::error::{Error, Result};
 use crate::reduce::{DataType, ReduceOp};

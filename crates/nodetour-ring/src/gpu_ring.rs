@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::cuda::{GpuEvent, GpuStream};
-use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
+use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
     CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, ShmSender, ShmSlot, StopWord, StreamGuard,

@@ -5,8 +5,8 @@
 //! their release to wait for, and they do not keep a finished stream alive.
 
 use super::GpuStream;
+use super::device_buffer::DeviceBuffer;
 use crate::error::Result;
-use crate::memory::DeviceBuffer;
 
 /// Copies `len` bytes from host memory at `src` into `dst` at `dst_offset` on `stream` (after
 /// the work already queued there), and waits for that stream until they have landed.

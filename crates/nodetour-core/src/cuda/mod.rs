@@ -8,6 +8,7 @@
 //! error, not a panic.
 
 pub(crate) mod copy;
+pub mod device_buffer;
 pub mod driver;
 pub mod kernel_cache;
 pub mod nvrtc;

@@ -13,11 +13,11 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, result, sys};
 
 use super::GpuStream;
+use super::device_buffer::DeviceBuffer;
 use super::kernel_cache::{self, KernelCache};
 use super::result::cuda_error;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::memory::DeviceBuffer;
 
 /// The kernels' CUDA C source. Self-contained (no headers), so NVRTC needs no include paths.
 pub const SOURCE: &str = r#"

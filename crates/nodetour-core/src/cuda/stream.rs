@@ -6,9 +6,9 @@ use std::sync::Arc;
 use cudarc::driver::result::{self, stream::StreamKind};
 use cudarc::driver::{CudaContext, sys};
 
+use super::device_buffer::DeviceBuffer;
 use super::result::cuda_error;
 use crate::error::{Error, Result};
-use crate::memory::DeviceBuffer;
 
 /// A non-blocking CUDA stream on one GPU.
 ///

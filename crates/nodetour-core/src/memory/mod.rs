@@ -6,12 +6,11 @@
 //! value, and the registered region hands out copies (`read_at`/`write_at`, only for
 //! [`HostAccessible`] memory) until it is deregistered and gives the buffer back.
 
-mod device;
 mod host;
 mod shared;
 mod shm_name;
 
-pub use device::{
+pub use crate::cuda::device_buffer::{
     DEVICE_ALIGNMENT, DeviceBuffer, DmabufExport, with_cudarc_slice, with_cudarc_slice_mut,
 };
 pub use host::{HUGE_PAGE, HostBuffer, HugePages, Pages};
@@ -49,4 +48,19 @@ pub fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if n > 0 { n as usize } else { 4096 }
+}
+
+// SAFETY: the buffer's range is inside a live dedicated allocation that the value owns and frees
+// only in Drop (a borrowed view: the caller's memory, alive while the view is, by its
+// constructor's contract); the address is a GPU virtual address (never dereferenced by the CPU).
+unsafe impl RdmaBuffer for DeviceBuffer {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.device_ptr() as *mut u8
+    }
+    fn len(&self) -> usize {
+        DeviceBuffer::len(self)
+    }
+    fn kind(&self) -> &'static str {
+        "gpu"
+    }
 }

@@ -28,7 +28,7 @@ use crate::cuda::reduce::{GuardWords, ReduceKernels};
 use crate::cuda::result::cuda_error;
 use crate::cuda::stream::Uses;
 use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, RdmaBuffer, SharedHostMemory, ShmDir, ShmName};
+use crate::memory::{DeviceBuffer, SharedHostMemory, ShmDir, ShmName};
 
 /// Bytes between two flags (one cache line each).
 const FLAG_STRIDE: usize = 64;

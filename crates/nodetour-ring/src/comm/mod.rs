@@ -82,7 +82,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
-use nodetour_core::memory::{DeviceBuffer, RdmaBuffer, with_cudarc_slice, with_cudarc_slice_mut};
+use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
 use nodetour_net::bootstrap::{JobToken, LaunchInfo};
 
 use self::device_set::{DeviceSet, SetMember};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::{GpuEvent, GpuStream};
-use nodetour_core::memory::{DeviceBuffer, RdmaBuffer};
+use nodetour_core::memory::DeviceBuffer;
 
 use crate::error::{Error, Result};
 

@@ -5,10 +5,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, result, sys};
 
-use super::RdmaBuffer;
-use crate::cuda::GpuStream;
-use crate::cuda::result::{cuda_error, dmabuf_fd};
-use crate::cuda::stream::{Uses, queue_release_after};
+use super::GpuStream;
+use super::result::{cuda_error, dmabuf_fd};
+use super::stream::{Uses, queue_release_after};
 use crate::error::{Error, Result};
 
 /// Alignment and size granularity of GPU buffers: the GPU page size that peer mappings (and
@@ -245,6 +244,16 @@ fn view_then_record<R>(
 }
 
 impl DeviceBuffer {
+    /// Bytes in the buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// A view of `len` bytes of device memory at `ptr` in `context`, owned by someone else:
     /// nodetour's calls take it like its own buffers and never free it.
     ///
@@ -306,20 +315,6 @@ impl Drop for DeviceBuffer {
         if let Err(e) = unsafe { result::free_sync(base) } {
             tracing::warn!(error = ?e, "cuMemFree failed");
         }
-    }
-}
-
-// SAFETY: ptr..ptr+len is inside a live dedicated allocation that this value owns and frees only
-// in Drop; the address is a GPU virtual address (never dereferenced by the CPU).
-unsafe impl RdmaBuffer for DeviceBuffer {
-    fn as_mut_ptr(&self) -> *mut u8 {
-        self.ptr as *mut u8
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn kind(&self) -> &'static str {
-        "gpu"
     }
 }
 
