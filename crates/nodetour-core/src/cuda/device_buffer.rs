@@ -18,7 +18,7 @@ pub const DEVICE_ALIGNMENT: usize = 64 << 10;
 ///
 /// Dedicated means nothing else lives in it: it never comes from a caching allocator, so
 /// registering or exporting it exposes only itself. The CPU cannot dereference its address; it
-/// is not [`HostAccessible`](super::HostAccessible), so registered regions over it offer no
+/// is not [`HostAccessible`](crate::memory::HostAccessible), so registered regions over it offer no
 /// `read_at`/`write_at` (copy with the GPU instead).
 ///
 /// Dropping it never waits. Every call in this crate that queues work on the buffer notes the
