@@ -24,14 +24,22 @@ run_ours() { # size iters -> MB/s
   sed -n 's/.*MB_per_s=\([0-9.]*\).*/\1/p' /tmp/ours-cli.log
 }
 
-run_perftest() { # size iters -> MB/s (BW average, MB = 2^20 bytes)
+perftest_once() { # size iters -> MB/s (BW average, MB = 2^20 bytes)
   port=$((port + 1))
   timeout 300 ib_write_bw -d "$SRV_DEV" -x "$GID" -F -s "$1" -n "$2" -t 128 -p "$port" >/tmp/pt-srv.log 2>&1 &
   local spid=$!
   wait_listen "$port" || { kill "$spid" 2>/dev/null; return 1; }
-  timeout 300 ib_write_bw -d "$CLI_DEV" -x "$GID" -F -s "$1" -n "$2" -t 128 -p "$port" "$SRV_IP" >/tmp/pt-cli.log 2>&1 || { cat /tmp/pt-cli.log >&2; return 1; }
+  timeout 300 ib_write_bw -d "$CLI_DEV" -x "$GID" -F -s "$1" -n "$2" -t 128 -p "$port" "$SRV_IP" >/tmp/pt-cli.log 2>&1 || { cat /tmp/pt-cli.log >&2; kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; return 1; }
   wait "$spid" || true
   grep -A1 '#bytes' /tmp/pt-cli.log | tail -1 | awk '{print $4}'
+}
+
+# The reference itself fails now and then under emulation (a completion with error in
+# ib_write_bw's own loop, seen once in the VM tier): one more try, said so, before giving up.
+run_perftest() {
+  perftest_once "$@" && return 0
+  echo "write-bw-compare: ib_write_bw (the reference) failed; trying it once more" >&2
+  perftest_once "$@"
 }
 
 echo "write-bw-compare: client $CLI_DEV -> server $SRV_DEV ($SRV_IP), GID index $GID, tx depth 128, $RUNS runs per size, alternating"

@@ -51,6 +51,7 @@ pub mod random;
 pub mod registration;
 pub mod transport;
 pub mod verbs;
+pub mod visibility;
 
 pub use config::Config;
 pub use deadline::Deadline;

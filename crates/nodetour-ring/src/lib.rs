@@ -32,6 +32,7 @@ pub(crate) mod host;
 mod local;
 pub mod order;
 pub mod plan;
+pub mod progress;
 pub mod reduce;
 pub mod schedule;
 pub mod stream_plan;

@@ -41,9 +41,23 @@ impl HostIdentity {
         }
     }
 
-    /// The identity of this process.
+    /// The identity of this process: as read from the kernel, or, with `NODETOUR_HOST_ID` set,
+    /// a "host" of that name (one machine split into several hosts, to run the paths between
+    /// hosts there: ranks with different names never count as one host; the namespaces are
+    /// kept, so ranks of one name still share memory as before).
     pub fn current() -> HostIdentity {
-        Self::read(Path::new("/"))
+        Self::with_override(
+            Self::read(Path::new("/")),
+            std::env::var("NODETOUR_HOST_ID").ok().as_deref(),
+        )
+    }
+
+    /// `read`'s identity under a `NODETOUR_HOST_ID` value (none or empty: unchanged).
+    pub fn with_override(mut real: HostIdentity, host_id: Option<&str>) -> HostIdentity {
+        if let Some(name) = host_id.map(str::trim).filter(|n| !n.is_empty()) {
+            real.boot_id = format!("{}/host-id:{name}", real.boot_id);
+        }
+        real
     }
 
     /// Same kernel (same machine, same boot): GPU peer access and CUDA IPC may work.
@@ -89,6 +103,19 @@ pub fn local_ip_towards(host: &str, port: u16) -> std::net::IpAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_id_splits_one_machine_into_hosts() {
+        let real = HostIdentity::read(Path::new("/"));
+        let a = HostIdentity::with_override(real.clone(), Some("a"));
+        let b = HostIdentity::with_override(real.clone(), Some("b"));
+        let a2 = HostIdentity::with_override(real.clone(), Some(" a "));
+        if !real.boot_id.is_empty() {
+            assert!(!a.same_host(&b) && a.same_host(&a2) && !a.same_host(&real));
+        }
+        assert_eq!(HostIdentity::with_override(real.clone(), Some("")), real);
+        assert_eq!(HostIdentity::with_override(real.clone(), None), real);
+    }
 
     #[test]
     fn this_process_has_an_identity_and_matches_itself() {
