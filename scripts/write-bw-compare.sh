@@ -31,7 +31,11 @@ perftest_once() { # size iters -> MB/s (BW average, MB = 2^20 bytes)
   wait_listen "$port" || { kill "$spid" 2>/dev/null; return 1; }
   timeout 300 ib_write_bw -d "$CLI_DEV" -x "$GID" -F -s "$1" -n "$2" -t 128 -p "$port" "$SRV_IP" >/tmp/pt-cli.log 2>&1 || { cat /tmp/pt-cli.log >&2; kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; return 1; }
   wait "$spid" || true
-  grep -A1 '#bytes' /tmp/pt-cli.log | tail -1 | awk '{print $4}'
+  local bw
+  bw=$(grep -A1 '#bytes' /tmp/pt-cli.log | tail -1 | awk '{print $4}')
+  # A run that reports no bandwidth (seen under emulation) counts as a failed run.
+  awk -v b="$bw" 'BEGIN { exit !(b + 0 > 0) }' || { cat /tmp/pt-cli.log >&2; return 1; }
+  echo "$bw"
 }
 
 # The reference itself fails now and then under emulation (a completion with error in
