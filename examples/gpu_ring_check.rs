@@ -219,7 +219,7 @@ fn run() -> anyhow::Result<()> {
             bail!("a wrong result in the sweep");
         }
     }
-    g.close(deadline())
+    Ok(g.close(deadline())?)
 }
 
 /// The agreement drill: rank `odd` calls with half the count; every rank's wait must fail long

@@ -6,14 +6,13 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
 use nodetour::core::Deadline;
 use nodetour::core::transport::TransportKind;
 use nodetour::net::bootstrap::{LaunchInfo, UniqueId};
 use nodetour::ring::comm::{DevicePath, Options};
 use nodetour::ring::comm::{GpuPaths, GpuRingOptions};
-use nodetour::{Communicator, ReduceOp};
+use nodetour::{Communicator, Error, ReduceOp, Result};
 
 /// One formed variant.
 pub struct Variant {
@@ -50,7 +49,7 @@ pub struct VariantSpec {
 }
 
 /// The variants a `--path` value asks for.
-pub fn variants_of(path: &str) -> anyhow::Result<Vec<VariantSpec>> {
+pub fn variants_of(path: &str) -> Result<Vec<VariantSpec>> {
     let v = |label: &str, paths| VariantSpec {
         label: label.into(),
         paths,
@@ -61,7 +60,11 @@ pub fn variants_of(path: &str) -> anyhow::Result<Vec<VariantSpec>> {
         "direct" => vec![v("direct", GpuPaths::Direct)],
         "staged" => vec![v("staged", GpuPaths::Staged)],
         "both" => vec![v("direct", GpuPaths::Direct), v("staged", GpuPaths::Staged)],
-        other => bail!("--path {other}: direct, staged, both or auto"),
+        other => {
+            return Err(Error::InvalidArgument {
+                reason: format!("--path {other}: direct, staged, both or auto"),
+            });
+        }
     })
 }
 
@@ -72,15 +75,19 @@ impl GpuJob {
         specs: &[VariantSpec],
         gpu_ring: GpuRingOptions,
         want_nccl: bool,
-    ) -> anyhow::Result<GpuJob> {
+    ) -> Result<GpuJob> {
         let info = LaunchInfo::from_env()?;
         let gpus = nodetour::core::cuda::gpus()?.len();
         if gpus == 0 {
-            bail!("no GPU on this machine");
+            return Err(Error::Unsupported {
+                reason: "no GPU on this machine".into(),
+            });
         }
         let gpu = info.local_rank.unwrap_or(info.rank) as usize % gpus;
-        let context = CudaContext::new(gpu).map_err(|e| anyhow::anyhow!("GPU {gpu}: {e:?}"))?;
-        let options = |s: &VariantSpec| -> anyhow::Result<Options> {
+        let context = CudaContext::new(gpu).map_err(|e| Error::Gpu {
+            reason: format!("GPU {gpu}: {e:?}"),
+        })?;
+        let options = |s: &VariantSpec| -> Result<Options> {
             let mut o = Options::from_env()?;
             o.gpu = Some(gpu);
             o.gpu_ring = GpuRingOptions {
@@ -90,13 +97,17 @@ impl GpuJob {
             o.two_rank_exchange = s.two_rank_exchange;
             Ok(o)
         };
-        let first = specs.first().context("no variant to form")?;
+        let first = specs.first().ok_or_else(|| Error::InvalidArgument {
+            reason: "no variant to form".into(),
+        })?;
         let comm = Communicator::from_env(options(first)?)?;
         if !matches!(comm.paths().device, DevicePath::GpuRing { .. }) {
-            bail!(
-                "no GPU ring here ({}): the GPU ring joins processes of one host, one GPU each",
-                comm.paths()
-            );
+            return Err(Error::Unsupported {
+                reason: format!(
+                    "no GPU ring here ({}): the GPU ring joins processes of one host, one GPU each",
+                    comm.paths()
+                ),
+            });
         }
         let (rank, world) = (comm.rank(), comm.world());
         let mut variants = vec![Variant {
@@ -146,7 +157,7 @@ impl GpuJob {
     }
 
     /// Waits until every rank is here (a one-byte allreduce on the first variant).
-    pub fn barrier(&self) -> anyhow::Result<()> {
+    pub fn barrier(&self) -> Result<()> {
         let mut b = [0u8];
         self.variants[0]
             .comm
@@ -155,7 +166,7 @@ impl GpuJob {
     }
 
     /// Closes every variant (the last formed first).
-    pub fn close(self, deadline: Deadline) -> anyhow::Result<()> {
+    pub fn close(self, deadline: Deadline) -> Result<()> {
         for v in self.variants.into_iter().rev() {
             v.comm.close(deadline)?;
         }
@@ -186,11 +197,13 @@ pub fn ring_path(comm: &Communicator) -> String {
 }
 
 /// Rank 0's `text` on every rank (its length first, then its bytes).
-fn share(comm: &Communicator, text: String) -> anyhow::Result<String> {
+fn share(comm: &Communicator, text: String) -> Result<String> {
     let mut len = [text.len() as i64];
     comm.broadcast_in_place(&mut len, 0)?;
     let mut bytes = text.into_bytes();
     bytes.resize(len[0] as usize, 0);
     comm.broadcast_in_place(&mut bytes, 0)?;
-    Ok(String::from_utf8(bytes)?)
+    String::from_utf8(bytes).map_err(|e| Error::InvalidArgument {
+        reason: format!("rank 0 shared a text that is not UTF-8: {e}"),
+    })
 }

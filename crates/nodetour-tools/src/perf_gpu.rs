@@ -396,7 +396,9 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
             Some(o) => Some(CudaContext::new(o).with_context(|| format!("opening GPU {o}"))?),
             None => None,
         };
-        let c = measure(&[(g.context.clone(), next)], CEILING_BYTES, &|| g.barrier())?[0];
+        let c = measure(&[(g.context.clone(), next)], CEILING_BYTES, &|| {
+            Ok(g.barrier()?)
+        })?[0];
         eprintln!(
             "rank {}: ceilings: peer copy {} GB/s per direction, D2H {:.1} / H2D {:.1} GB/s (all GPUs at once)",
             g.rank,
