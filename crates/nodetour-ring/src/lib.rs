@@ -20,6 +20,8 @@
 #![warn(missing_docs)]
 
 pub mod comm;
+#[cfg(test)]
+mod cpu_streams;
 pub mod descriptor;
 pub mod element;
 pub mod error;
@@ -30,6 +32,10 @@ pub(crate) mod gpu_ring;
 pub(crate) mod host;
 #[cfg(test)]
 mod local;
+#[allow(dead_code)] // used by the GPU ring next
+pub(crate) mod net_link;
+#[cfg(test)]
+mod net_ring_tests;
 pub mod order;
 pub mod plan;
 pub mod progress;

@@ -140,6 +140,16 @@ impl SendEnd {
         self.completed
     }
 
+    /// The credit accepted so far (chunks the receiver's stream released).
+    pub fn credited(&self) -> u64 {
+        self.credit
+    }
+
+    /// Whether the end stopped.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.is_some()
+    }
+
     /// The next thing to do, if any.
     pub fn poll(&mut self) -> Option<SendAction> {
         if let Some(why) = &self.stopped {
@@ -286,6 +296,21 @@ impl RecvEnd {
     /// The peer is gone.
     pub fn peer_lost(&mut self) {
         self.stop(Stop::PeerLost);
+    }
+
+    /// Chunks landed so far (the next one expected).
+    pub fn landed_count(&self) -> u64 {
+        self.landed
+    }
+
+    /// Credit sent so far.
+    pub fn credited(&self) -> u64 {
+        self.credited
+    }
+
+    /// Whether the end stopped.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.is_some()
     }
 
     /// The next thing to do, if any.

@@ -1,0 +1,454 @@
+//! The network ring without a GPU: ranks as threads, each with the CPU executor of the stream
+//! program ([`crate::cpu_streams`]) and its progress thread ([`crate::net_link`]), linked over
+//! the real tcp transport (loopback) and the in-process one. Every result is checked.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nodetour_core::auth::JobToken;
+use nodetour_core::memory::HostBuffer;
+use nodetour_core::transport::tcp::loopback_pair;
+use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
+
+use crate::cpu_streams::{CpuRank, HostPage};
+use crate::error::Error;
+use crate::gpu_ring::flag;
+use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions};
+use crate::plan::{Plan, Shape};
+use crate::reduce::ReduceOp;
+use crate::stream_plan::LinkCounters;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Wire {
+    Tcp,
+    Mem,
+}
+
+fn region(len: usize) -> SlotRegion {
+    SlotRegion::host(HostBuffer::new(len.max(64)).unwrap())
+}
+
+fn pair(wire: Wire) -> (Box<dyn HostConnection>, Box<dyn HostConnection>) {
+    match wire {
+        Wire::Tcp => {
+            let (a, b) = loopback_pair(&JobToken::new(b"net-ring-test".to_vec())).unwrap();
+            (Box::new(a), Box::new(b))
+        }
+        Wire::Mem => {
+            let (a, b) = MemConnection::pair();
+            (Box::new(a), Box::new(b))
+        }
+    }
+}
+
+struct Parts {
+    mine: Arc<HostPage>,
+    out_next: Arc<HostPage>,
+    out_prev: Arc<HostPage>,
+    send: SlotRegion,
+    recv: SlotRegion,
+    from_prev: SlotRegion,
+    from_next: SlotRegion,
+    to_next: Option<Box<dyn HostConnection>>,
+    to_prev: Option<Box<dyn HostConnection>>,
+    // Grants this rank made for its neighbours: (recv slots, mailbox from prev) to prev,
+    // (mailbox from next) to next.
+    recv_grant: Option<SlotGrant>,
+    from_prev_grant: Option<SlotGrant>,
+    from_next_grant: Option<SlotGrant>,
+}
+
+const DESC: (u32, u32) = (flag::DESC_BASE, 6);
+
+/// `n` ranks in a ring over `wire`.
+fn ring(n: u32, wire: Wire, slots: u32, slot_bytes: usize) -> Vec<CpuRank> {
+    let mut parts: Vec<Parts> = (0..n)
+        .map(|_| Parts {
+            mine: HostPage::new(),
+            out_next: HostPage::new(),
+            out_prev: HostPage::new(),
+            send: region(slots as usize * slot_bytes),
+            recv: region(slots as usize * slot_bytes),
+            from_prev: region(MAILBOX_BYTES),
+            from_next: region(MAILBOX_BYTES),
+            to_next: None,
+            to_prev: None,
+            recv_grant: None,
+            from_prev_grant: None,
+            from_next_grant: None,
+        })
+        .collect();
+    let links = if n == 2 { 1 } else { n };
+    for i in 0..links {
+        let j = (i + 1) % n;
+        let (a, b) = pair(wire);
+        parts[i as usize].to_next = Some(a);
+        if n == 2 {
+            parts[j as usize].to_next = Some(b);
+        } else {
+            parts[j as usize].to_prev = Some(b);
+        }
+    }
+    for p in parts.iter_mut() {
+        // What the previous rank writes is granted on the connection from it; what the next
+        // rank writes, on the connection to it.
+        let from_prev_conn = if n == 2 {
+            p.to_next.as_mut()
+        } else {
+            p.to_prev.as_mut()
+        }
+        .unwrap();
+        p.recv_grant = Some(from_prev_conn.grant(&p.recv).unwrap());
+        p.from_prev_grant = Some(from_prev_conn.grant(&p.from_prev).unwrap());
+        let to_next = p.to_next.as_mut().unwrap();
+        p.from_next_grant = Some(to_next.grant(&p.from_next).unwrap());
+    }
+    let grants: Vec<(SlotGrant, SlotGrant, SlotGrant)> = parts
+        .iter()
+        .map(|p| {
+            (
+                p.recv_grant.unwrap(),
+                p.from_prev_grant.unwrap(),
+                p.from_next_grant.unwrap(),
+            )
+        })
+        .collect();
+    parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (next, prev) = ((i as u32 + 1) % n, (i as u32 + n - 1) % n);
+            let link = NetLink::start(NetLinkSetup {
+                next,
+                prev,
+                to_next: p.to_next,
+                to_prev: p.to_prev,
+                same_peer: n == 2,
+                send_slots: Some(p.send.clone()),
+                recv_slots: Some(p.recv.clone()),
+                next_recv: Some(grants[next as usize].0),
+                next_mailbox: Some(grants[next as usize].1),
+                prev_mailbox: Some(grants[prev as usize].2),
+                mailbox_from_prev: Some(p.from_prev),
+                mailbox_from_next: Some(p.from_next),
+                cells: region(MAILBOX_BYTES),
+                slots,
+                slot_bytes,
+                mine: p.mine.clone(),
+                out_next: p.out_next.clone(),
+                out_prev: p.out_prev.clone(),
+                desc_cells: DESC,
+                stop_word: flag::STOPPED,
+                options: NetOptions::default(),
+            })
+            .unwrap();
+            CpuRank {
+                position: i as u32,
+                world: n,
+                slots,
+                slot_bytes,
+                mine: p.mine,
+                out_next: p.out_next,
+                out_prev: p.out_prev,
+                send_slots: p.send,
+                recv_slots: p.recv,
+                link: Some(link),
+                desc_cells: DESC,
+                counters: LinkCounters::default(),
+                queued: 0,
+                exchange: true,
+                tag: 1,
+                broken: None,
+            }
+        })
+        .collect()
+}
+
+fn value(rank: u32, i: usize) -> f32 {
+    (rank * 1000 + (i % 997) as u32) as f32
+}
+
+/// Runs `shape` on every rank at once and checks every rank's result.
+fn run_checked(ranks: &mut [CpuRank], count: usize, shape: Shape, op: ReduceOp) {
+    let n = ranks.len() as u32;
+    let plan = Plan::new(
+        n,
+        count as u64,
+        4,
+        ranks[0].slot_bytes as u64,
+        ranks[0].slots,
+    )
+    .unwrap()
+    .with_shape(shape)
+    .unwrap();
+    let results: Vec<(u32, Vec<f32>, crate::Result<()>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| {
+                s.spawn(move || {
+                    let mut data: Vec<f32> = (0..count).map(|i| value(r.position, i)).collect();
+                    let res = r.collective(&mut data, shape, op, Duration::from_secs(20));
+                    (r.position, data, res)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let errors: Vec<String> = results
+        .iter()
+        .filter_map(|(p, _, r)| r.as_ref().err().map(|e| format!("rank {p}: {e}")))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "{shape:?}, {count} elements, {n} ranks: {}",
+        errors.join("; ")
+    );
+    for (p, data, _) in results {
+        for (i, got) in data.iter().enumerate() {
+            let sum: f32 = (0..n).map(|r| value(r, i)).sum();
+            let owner = (0..n).find(|&s| plan.segment(s).contains(&(i as u64)));
+            let want = match shape {
+                Shape::AllReduce => Some(match op {
+                    ReduceOp::Avg => sum / n as f32,
+                    _ => sum,
+                }),
+                Shape::ReduceScatter => (owner == Some(p)).then_some(sum),
+                Shape::AllGather => owner.map(|s| value(s, i)),
+                Shape::Broadcast { root } => Some(value(root, i)),
+            };
+            if let Some(want) = want {
+                assert_eq!(
+                    *got, want,
+                    "rank {p}, {shape:?}, {count} elements, element {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_shape_over_tcp_and_in_process_with_slots_reused() {
+    for wire in [Wire::Tcp, Wire::Mem] {
+        for n in [2u32, 3, 4] {
+            // Small slots: many chunks per collective, every slot reused many times.
+            let mut ranks = ring(n, wire, 3, 64);
+            for count in [0usize, 1, 13, 257, 1031] {
+                for shape in [
+                    Shape::AllReduce,
+                    Shape::ReduceScatter,
+                    Shape::AllGather,
+                    Shape::Broadcast { root: n - 1 },
+                ] {
+                    // Reduce-scatter and all-gather take equal blocks.
+                    let blocks = matches!(shape, Shape::ReduceScatter | Shape::AllGather);
+                    let elements = if blocks { count * n as usize } else { count };
+                    run_checked(&mut ranks, elements, shape, ReduceOp::Sum);
+                }
+                run_checked(&mut ranks, count, Shape::AllReduce, ReduceOp::Avg);
+            }
+        }
+    }
+}
+
+#[test]
+fn two_ranks_run_the_ring_as_well_as_the_exchange() {
+    let mut ranks = ring(2, Wire::Tcp, 2, 4096);
+    for r in ranks.iter_mut() {
+        r.exchange = false;
+    }
+    for count in [1usize, 5000, 70_001] {
+        run_checked(&mut ranks, count, Shape::AllReduce, ReduceOp::Sum);
+    }
+}
+
+#[test]
+fn an_abort_fails_the_collective_on_every_rank_and_no_rank_returns_wrong_data() {
+    let mut ranks = ring(3, Wire::Tcp, 2, 256);
+    run_checked(&mut ranks, 500, Shape::AllReduce, ReduceOp::Sum);
+    // Rank 1 aborts before it calls: the others must not report Ok.
+    ranks[1].abort(Error::Aborted {
+        reason: "drill".into(),
+    });
+    let results: Vec<crate::Result<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| {
+                s.spawn(move || {
+                    let mut data: Vec<f32> = (0..5000).map(|i| value(r.position, i)).collect();
+                    r.collective(
+                        &mut data,
+                        Shape::AllReduce,
+                        ReduceOp::Sum,
+                        Duration::from_secs(10),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (p, r) in results.iter().enumerate() {
+        assert!(r.is_err(), "rank {p} returned Ok after rank 1 aborted");
+    }
+}
+
+#[test]
+fn a_lost_peer_fails_its_neighbours_typed_within_the_deadline() {
+    let mut ranks = ring(3, Wire::Tcp, 2, 256);
+    run_checked(&mut ranks, 100, Shape::AllReduce, ReduceOp::Sum);
+    // Rank 2's links go away (its process died): its neighbours' collective fails.
+    let mut gone = ranks.pop().unwrap();
+    if let Some(mut l) = gone.link.take() {
+        l.close(Duration::from_secs(5)).unwrap();
+    }
+    let started = std::time::Instant::now();
+    let results: Vec<crate::Result<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| {
+                s.spawn(move || {
+                    let mut data = vec![1.0f32; 4000];
+                    r.collective(
+                        &mut data,
+                        Shape::AllReduce,
+                        ReduceOp::Sum,
+                        Duration::from_secs(10),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+    assert!(
+        results
+            .iter()
+            .any(|r| matches!(r, Err(Error::PeerLost { rank: 2 }))),
+        "{results:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(9),
+        "failed by the deadline, not the loss"
+    );
+}
+
+#[test]
+fn ranks_that_disagree_fail_and_write_no_result() {
+    let mut ranks = ring(2, Wire::Mem, 2, 256);
+    ranks[1].tag = 2;
+    let results: Vec<(Vec<f32>, crate::Result<()>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter_mut()
+            .map(|r| {
+                s.spawn(move || {
+                    let mut data = vec![r.position as f32; 100];
+                    let res = r.collective(
+                        &mut data,
+                        Shape::AllReduce,
+                        ReduceOp::Sum,
+                        Duration::from_millis(500),
+                    );
+                    (data, res)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (p, (data, res)) in results.iter().enumerate() {
+        assert!(res.is_err(), "rank {p}");
+        assert!(
+            data.iter().all(|v| *v == p as f32),
+            "rank {p}'s buffer was written"
+        );
+    }
+}
+
+/// One rank's link whose only neighbour is the test, which writes what it likes.
+fn against_a_hostile_peer() -> (
+    NetLink,
+    Box<dyn HostConnection>,
+    SlotGrant,
+    SlotGrant,
+    SlotGrant,
+) {
+    let (mut ours, mut theirs) = pair(Wire::Mem);
+    let (recv, from_prev, from_next) =
+        (region(4 * 64), region(MAILBOX_BYTES), region(MAILBOX_BYTES));
+    let recv_grant = ours.grant(&recv).unwrap();
+    let prev_box = ours.grant(&from_prev).unwrap();
+    let next_box = ours.grant(&from_next).unwrap();
+    // The peer's own regions, granted to us (where our writes go).
+    let (peer_recv, peer_box) = (region(4 * 64), region(MAILBOX_BYTES));
+    let (pr, pb) = (
+        theirs.grant(&peer_recv).unwrap(),
+        theirs.grant(&peer_box).unwrap(),
+    );
+    let link = NetLink::start(NetLinkSetup {
+        next: 1,
+        prev: 1,
+        to_next: Some(ours),
+        to_prev: None,
+        same_peer: true,
+        send_slots: Some(region(4 * 64)),
+        recv_slots: Some(recv),
+        next_recv: Some(pr),
+        next_mailbox: Some(pb),
+        prev_mailbox: Some(pb),
+        mailbox_from_prev: Some(from_prev),
+        mailbox_from_next: Some(from_next),
+        cells: region(MAILBOX_BYTES),
+        slots: 4,
+        slot_bytes: 64,
+        mine: HostPage::new(),
+        out_next: HostPage::new(),
+        out_prev: HostPage::new(),
+        desc_cells: DESC,
+        stop_word: flag::STOPPED,
+        options: NetOptions::default(),
+    })
+    .unwrap();
+    std::mem::forget(peer_recv);
+    std::mem::forget(peer_box);
+    (link, theirs, recv_grant, prev_box, next_box)
+}
+
+fn failure_within(link: &NetLink) -> Option<Error> {
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < until {
+        if let Some(e) = link.failure() {
+            return Some(e);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    None
+}
+
+#[test]
+fn a_peer_that_breaks_the_protocol_is_named_and_stops_the_link() {
+    let src = region(MAILBOX_BYTES);
+    let kind = |k: u32, v: u32| (k << 29) | v;
+    // Data out of order, a cell it may not write, credit for chunks never sent, an unknown
+    // kind, data into a slot that was never released (chunk 4 of 4 slots without credit).
+    let cases: Vec<(&str, Vec<(u32, bool)>)> = vec![
+        ("out of order", vec![(kind(1, 3), true)]),
+        ("forbidden cell", vec![(kind(3, flag::READY), false)]),
+        ("credit", vec![(kind(2, 1), false)]),
+        ("unknown", vec![(kind(7, 0), false)]),
+        (
+            "no credit",
+            (0..5).map(|s| (kind(1, s), true)).collect::<Vec<_>>(),
+        ),
+    ];
+    for (what, notes) in cases {
+        let (link, mut peer, recv, prev_box, _) = against_a_hostile_peer();
+        link.plan([], 100);
+        for (note, data) in notes {
+            let dst = if data { &recv } else { &prev_box };
+            peer.write(&src, 0..4, dst, 0, Some(note)).unwrap();
+        }
+        let e = failure_within(&link);
+        assert!(
+            matches!(e, Some(Error::Protocol { rank: 1, .. })),
+            "{what}: {e:?}"
+        );
+    }
+}
