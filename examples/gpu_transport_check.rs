@@ -19,7 +19,9 @@ use anyhow::{Context as _, bail};
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::{GpuStream, enable_peer_access};
 use nodetour_core::memory::{DeviceBuffer, HostBuffer, ShmName};
-use nodetour_core::transport::gpu::{CudaIpcSender, Flags, GpuSlot, IpcGrant, ShmSender, ShmSlot};
+use nodetour_core::transport::gpu::{
+    CudaIpcSender, Flags, GpuSlot, IpcGrant, ShmSender, ShmSlot, StagedReceive,
+};
 use nodetour_core::{Config, Deadline};
 use nodetour_net::bootstrap::{HostIdentity, LaunchInfo};
 use nodetour_tools::blob::{put, rendezvous, take};

@@ -249,7 +249,16 @@ impl CpuRank {
             });
             // The host's wait: the streams, the links, the neighbours' notices, the deadline.
             let mut aborted = false;
-            while finished.load(Ordering::Acquire) < 2 {
+            // Done when both streams are, and the link has carried their last chunks (or
+            // stopped).
+            let carried = |aborted: bool| {
+                aborted
+                    || this
+                        .link
+                        .as_ref()
+                        .is_none_or(|l| l.all_sent() || l.failure().is_some())
+            };
+            while finished.load(Ordering::Acquire) < 2 || !carried(aborted) {
                 if !aborted {
                     let why = if let Some(e) = this.link.as_ref().and_then(|l| l.failure()) {
                         Some(e)

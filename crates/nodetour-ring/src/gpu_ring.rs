@@ -38,12 +38,14 @@ use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
-    CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, ShmSender, ShmSlot, StopWord, StreamGuard,
-    enqueue_reduce_then_signal, enqueue_signal, enqueue_wait,
+    CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, HostSlots, ShmSender, ShmSlot,
+    StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_reduce_then_signal, enqueue_signal,
+    enqueue_wait,
 };
 
 use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
+use crate::net_link::NetLink;
 use crate::plan::{Plan, Shape};
 use crate::reduce::{DataType, ReduceOp};
 use crate::stream_plan::{
@@ -105,6 +107,9 @@ pub enum Outgoing {
     CudaIpc(CudaIpcSender),
     /// Into host slots shared with the next rank.
     Shm(ShmSender),
+    /// Into this rank's host send slots, which the network link's progress thread writes to
+    /// the next rank (on another host).
+    Net(HostSlots),
 }
 
 /// Where the previous rank's chunks land.
@@ -115,6 +120,14 @@ pub enum Incoming {
     Shm {
         /// The slots.
         slots: ShmSlot,
+        /// Scratch of one slot's size on this rank's GPU.
+        scratch: DeviceBuffer,
+    },
+    /// This rank's host slots, where the network link lands the previous rank's chunks, and
+    /// one chunk of GPU scratch to reduce from.
+    Net {
+        /// The slots.
+        slots: HostSlots,
         /// Scratch of one slot's size on this rank's GPU.
         scratch: DeviceBuffer,
     },
@@ -153,24 +166,35 @@ pub struct StreamLinks {
     /// Which half of the descriptor cells this ring uses (0 or 1): two rings over the same
     /// host pages (the facade's `GpuPaths::Both`) use one half each.
     pub desc_half: u32,
+    /// The network links (to a neighbour on another host) and their progress thread, where
+    /// there are any: `next_flags` / `prev_flags` are then this rank's outboxes.
+    pub net: Option<NetLink>,
 }
 
 impl StreamLinks {
-    fn describe(&self) -> String {
-        let out = match self.outgoing {
+    fn out_kind(&self) -> TransportKind {
+        match self.outgoing {
             Outgoing::CudaIpc(_) => TransportKind::CudaIpc,
             Outgoing::Shm(_) => TransportKind::Shm,
-        };
+            Outgoing::Net(_) => self.net_kind(),
+        }
+    }
+
+    fn net_kind(&self) -> TransportKind {
+        self.net.as_ref().map_or(TransportKind::Tcp, NetLink::kind)
+    }
+
+    fn describe(&self) -> String {
+        let out = self.out_kind();
         let inc = match self.incoming {
             Incoming::CudaIpc(_) => TransportKind::CudaIpc,
             Incoming::Shm { .. } => TransportKind::Shm,
+            Incoming::Net { .. } => self.net_kind(),
         };
-        let path = |k| {
-            if k == TransportKind::CudaIpc {
-                "direct"
-            } else {
-                "staged"
-            }
+        let path = |k| match k {
+            TransportKind::CudaIpc => "direct",
+            TransportKind::Shm => "staged",
+            _ => "network, landing in host slots",
         };
         format!(
             "to next: {} ({out}), from previous: {} ({inc}); {} slots of {} MiB",
@@ -231,6 +255,8 @@ struct Held {
 /// The memory a rank exported (its slots, its flag pages): freed only once its neighbours have
 /// closed their mappings of it.
 struct Exports {
+    // Closed first (its thread holds the slots it reads and lands in until it ends).
+    net: Option<NetLink>,
     _incoming: Incoming,
     _flags: Arc<dyn FlagPage>,
     _ends: EndPages,
@@ -264,15 +290,23 @@ impl GpuRing {
                     reason: format!("{} slots of {} bytes", l.slots, l.slot_bytes),
                 });
             }
+            let small_scratch = |scratch: &DeviceBuffer| {
+                if scratch.len() < l.slot_bytes {
+                    return Err(Error::InvalidArgument {
+                        reason: "the GPU scratch is smaller than a slot".into(),
+                    });
+                }
+                Ok(())
+            };
             let have = match &l.incoming {
                 Incoming::CudaIpc(s) => s.buffer().len(),
                 Incoming::Shm { slots, scratch } => {
-                    if scratch.len() < l.slot_bytes {
-                        return Err(Error::InvalidArgument {
-                            reason: "the GPU scratch is smaller than a slot".into(),
-                        });
-                    }
+                    small_scratch(scratch)?;
                     slots.grant().1
+                }
+                Incoming::Net { slots, scratch } => {
+                    small_scratch(scratch)?;
+                    slots.region().len()
                 }
             };
             if have < bytes {
@@ -388,10 +422,14 @@ impl GpuRing {
                 outgoing,
                 incoming,
                 ends,
+                net,
                 ..
             } = l;
             drop((outgoing, next_flags, prev_flags));
+            // The network links stay up until every rank has drained (the caller's handshake):
+            // a neighbour still finishing its last collective must not see its link cut.
             self.exports = Some(Exports {
+                net,
                 _incoming: incoming,
                 _flags: flags,
                 _ends: ends,
@@ -403,7 +441,13 @@ impl GpuRing {
     /// Leaks the memory this rank exported (a neighbour that may still map it did not confirm
     /// it closed its mapping before the deadline): never freed, never reused.
     pub fn leak_exports(&mut self) {
-        if let Some(e) = self.exports.take() {
+        if let Some(mut e) = self.exports.take() {
+            // The link's thread owns what it uses: ending it frees nothing a neighbour maps.
+            if let Some(mut net) = e.net.take() {
+                if let Err(err) = net.close(TEARDOWN_DEADLINE) {
+                    tracing::warn!(error = %err, "closing the GPU ring's network links");
+                }
+            }
             tracing::error!(
                 "a neighbour did not confirm it unmapped this rank's slots: leaking them"
             );
@@ -463,10 +507,7 @@ impl GpuRing {
     /// The transport of the link to the next rank (`None` for a ring of one).
     pub fn kind(&self) -> Option<TransportKind> {
         let links = self.held.as_ref().and_then(|h| h.links.as_ref());
-        links.map(|l| match l.outgoing {
-            Outgoing::CudaIpc(_) => TransportKind::CudaIpc,
-            Outgoing::Shm(_) => TransportKind::Shm,
-        })
+        links.map(StreamLinks::out_kind)
     }
 
     /// Which path each link takes and why it is shaped so (for the log).
@@ -553,6 +594,16 @@ impl GpuRing {
             let p = program(&plan, self.rank, average, &mut self.counters);
             (p, plan.steps())
         };
+        if let Some(net) = &self.h().links.as_ref().and_then(|l| l.net.as_ref()) {
+            // Before the streams can run: the progress thread learns each chunk's length.
+            let size = dtype.size();
+            net.plan(
+                prog.sends
+                    .iter()
+                    .map(|s| (s.elements.end - s.elements.start) as usize * size),
+                prog.recvs.len() as u64,
+            );
+        }
         // From here the peers count these chunks: a failure to queue breaks the ring.
         let queued = self.queue(buffer, dtype, op, stream, steps, &prog, desc);
         self.queued += 1;
@@ -636,7 +687,12 @@ impl GpuRing {
                     Outgoing::CudaIpc(o) => o.enqueue_send(
                         send, kernels, guard, buffer, off, at as u64, len, first, second,
                     ),
-                    Outgoing::Shm(o) => {
+                    staged => {
+                        let o: &dyn StagedSend = match staged {
+                            Outgoing::Shm(o) => o,
+                            Outgoing::Net(o) => o,
+                            Outgoing::CudaIpc(_) => unreachable!("matched above"),
+                        };
                         o.enqueue_send(send, kernels, guard, buffer, off, at, len, first, second)
                     }
                 }
@@ -720,27 +776,36 @@ impl GpuRing {
                     .map_err(g)?;
                 release(s)?;
             }
-            (Incoming::Shm { slots, scratch }, RecvKind::Reduce { average }) => {
-                slots
-                    .enqueue_copy_out(s, scratch, 0, at, n * size)
-                    .map_err(g)?;
-                release(s)?;
-                self.h()
-                    .kernels
-                    .reduce(s, dtype, op, buffer, off, scratch, 0, n)
-                    .map_err(g)?;
-                if average {
-                    self.h()
-                        .kernels
-                        .average(s, dtype, buffer, off, n, self.world)
-                        .map_err(g)?;
+            (staged, kind) => {
+                let (slots, scratch): (&dyn StagedReceive, &DeviceBuffer) = match staged {
+                    Incoming::Shm { slots, scratch } => (slots, scratch),
+                    Incoming::Net { slots, scratch } => (slots, scratch),
+                    Incoming::CudaIpc(_) => unreachable!("matched above"),
+                };
+                match kind {
+                    RecvKind::Reduce { average } => {
+                        slots
+                            .enqueue_copy_out(s, scratch, 0, at, n * size)
+                            .map_err(g)?;
+                        release(s)?;
+                        self.h()
+                            .kernels
+                            .reduce(s, dtype, op, buffer, off, scratch, 0, n)
+                            .map_err(g)?;
+                        if average {
+                            self.h()
+                                .kernels
+                                .average(s, dtype, buffer, off, n, self.world)
+                                .map_err(g)?;
+                        }
+                    }
+                    RecvKind::Copy => {
+                        slots
+                            .enqueue_copy_out(s, buffer, off, at, n * size)
+                            .map_err(g)?;
+                        release(s)?;
+                    }
                 }
-            }
-            (Incoming::Shm { slots, .. }, RecvKind::Copy) => {
-                slots
-                    .enqueue_copy_out(s, buffer, off, at, n * size)
-                    .map_err(g)?;
-                release(s)?;
             }
         }
         Ok(())
@@ -760,7 +825,15 @@ impl GpuRing {
         let mut nap = Duration::from_micros(10);
         let mut lost = None;
         loop {
-            if self.end[0].is_complete().map_err(g)? && self.end[1].is_complete().map_err(g)? {
+            // A network link's thread may still be carrying the streams' last chunks (unless it
+            // stopped: a failure or an abort, which the error says).
+            let carried = self.net().is_none_or(|n| {
+                n.all_sent() || n.failure().is_some() || self.abort.error().is_some()
+            });
+            if carried
+                && self.end[0].is_complete().map_err(g)?
+                && self.end[1].is_complete().map_err(g)?
+            {
                 // Read the neighbours' notices once more after the streams finished: a
                 // neighbour that aborted told us before its stop word ended its waits.
                 let failed = self.abort.error();
@@ -773,7 +846,13 @@ impl GpuRing {
                 // neighbour's notice) names the cause; later ones are its echoes. A notice for
                 // a collective after the ones queued here leaves them correct.
                 let tainted = ended.and_then(|(e, tainted)| tainted.then_some(e));
-                return match failed.or(lost).or(tainted) {
+                // A peer that broke the link's protocol may have written a slot it held no
+                // credit for: nothing it sent is trusted.
+                let broke = self
+                    .net()
+                    .filter(|n| n.broke_protocol())
+                    .and_then(NetLink::failure);
+                return match failed.or(lost).or(tainted).or(broke) {
                     Some(e) => Err(e),
                     None => {
                         self.abort.confirm(self.queued);
@@ -791,6 +870,10 @@ impl GpuRing {
                     // A collective queued here is tainted: abort (which tells the other
                     // neighbour) and keep polling; the streams drain now that the stop word
                     // ends every wait. (A notice for a later collective waits for these.)
+                    self.abort.abort_with(e.clone());
+                    lost = Some(e);
+                } else if let Some(e) = self.net().and_then(NetLink::failure) {
+                    // A network link failed (its peer is gone, or broke the protocol).
                     self.abort.abort_with(e.clone());
                     lost = Some(e);
                 } else if let Err(e) = alive() {
@@ -815,6 +898,10 @@ impl GpuRing {
                 std::hint::spin_loop();
             }
         }
+    }
+
+    fn net(&self) -> Option<&NetLink> {
+        self.held.as_ref()?.links.as_ref()?.net.as_ref()
     }
 
     /// A handle that aborts this ring from another thread (a watchdog, the training loop).
@@ -890,7 +977,7 @@ struct AbortState {
 /// `half` of the cells: the previous rank's send stream is at most `slots` collectives ahead of
 /// this rank's receive stream (each collective takes a slot), so `slots + 2` cells are never
 /// overwritten before they are read.
-fn desc_cells(slots: u32, half: u32) -> (u32, u32) {
+pub(crate) fn desc_cells(slots: u32, half: u32) -> (u32, u32) {
     let per_half = flag::DESC_CELLS / 2;
     (
         flag::DESC_BASE + half.min(1) * per_half,

@@ -32,7 +32,6 @@ pub(crate) mod gpu_ring;
 pub(crate) mod host;
 #[cfg(test)]
 mod local;
-#[allow(dead_code)] // used by the GPU ring next
 pub(crate) mod net_link;
 #[cfg(test)]
 mod net_ring_tests;

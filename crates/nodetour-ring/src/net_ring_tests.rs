@@ -168,6 +168,27 @@ fn value(rank: u32, i: usize) -> f32 {
     (rank * 1000 + (i % 997) as u32) as f32
 }
 
+/// Runs `f` on every rank at once, each on its own thread; the results in rank order.
+fn on_every_rank<T: Send>(ranks: &mut [CpuRank], f: impl Fn(&mut CpuRank) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = ranks.iter_mut().map(|r| s.spawn(move || f(r))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// An allreduce (sum) of `count` elements of `fill(rank)` on every rank, with `timeout`.
+fn all_reduce_everywhere(
+    ranks: &mut [CpuRank],
+    count: usize,
+    timeout: Duration,
+) -> Vec<crate::Result<()>> {
+    on_every_rank(ranks, |r| {
+        let mut data: Vec<f32> = (0..count).map(|i| value(r.position, i)).collect();
+        r.collective(&mut data, Shape::AllReduce, ReduceOp::Sum, timeout)
+    })
+}
+
 /// Runs `shape` on every rank at once and checks every rank's result.
 fn run_checked(ranks: &mut [CpuRank], count: usize, shape: Shape, op: ReduceOp) {
     let n = ranks.len() as u32;
@@ -269,23 +290,7 @@ fn an_abort_fails_the_collective_on_every_rank_and_no_rank_returns_wrong_data() 
     ranks[1].abort(Error::Aborted {
         reason: "drill".into(),
     });
-    let results: Vec<crate::Result<()>> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .iter_mut()
-            .map(|r| {
-                s.spawn(move || {
-                    let mut data: Vec<f32> = (0..5000).map(|i| value(r.position, i)).collect();
-                    r.collective(
-                        &mut data,
-                        Shape::AllReduce,
-                        ReduceOp::Sum,
-                        Duration::from_secs(10),
-                    )
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let results = all_reduce_everywhere(&mut ranks, 5000, Duration::from_secs(10));
     for (p, r) in results.iter().enumerate() {
         assert!(r.is_err(), "rank {p} returned Ok after rank 1 aborted");
     }
@@ -301,23 +306,7 @@ fn a_lost_peer_fails_its_neighbours_typed_within_the_deadline() {
         l.close(Duration::from_secs(5)).unwrap();
     }
     let started = std::time::Instant::now();
-    let results: Vec<crate::Result<()>> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .iter_mut()
-            .map(|r| {
-                s.spawn(move || {
-                    let mut data = vec![1.0f32; 4000];
-                    r.collective(
-                        &mut data,
-                        Shape::AllReduce,
-                        ReduceOp::Sum,
-                        Duration::from_secs(10),
-                    )
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let results = all_reduce_everywhere(&mut ranks, 4000, Duration::from_secs(10));
     assert!(results.iter().all(|r| r.is_err()), "{results:?}");
     assert!(
         results

@@ -215,47 +215,68 @@ fn device_collectives_on_a_gpu_ring_of_processes() {
         return;
     }
     for world in [2u32, 3] {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let exe = std::env::current_exe().unwrap();
-        let mut children: Vec<_> = (0..world)
-            .map(|r| {
-                std::process::Command::new(&exe)
-                    .args([
-                        "--exact",
-                        "gpu_ring_rank",
-                        "--include-ignored",
-                        "--nocapture",
-                    ])
-                    .env(CHILD, "1")
-                    .env("NODETOUR_RANK", r.to_string())
-                    .env("NODETOUR_WORLD_SIZE", world.to_string())
-                    .env("NODETOUR_LOCAL_RANK", r.to_string())
-                    .env("NODETOUR_MASTER_ADDR", "127.0.0.1")
-                    .env("NODETOUR_PORT", port.to_string())
-                    .env("NODETOUR_JOB_TOKEN", format!("gpu-ring-test-{port}"))
-                    .env("NODETOUR_TIMEOUT_MS", "20000")
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        let deadline = std::time::Instant::now() + Duration::from_secs(120);
-        for (r, c) in children.iter_mut().enumerate() {
-            let status = loop {
-                if let Some(s) = c.try_wait().unwrap() {
-                    break s;
-                }
-                if std::time::Instant::now() > deadline {
-                    let _ = c.kill();
-                    panic!("{world} ranks: rank {r} did not finish in 120 s");
-                }
-                std::thread::sleep(Duration::from_millis(20));
+        gpu_ring_of_processes(world, |_| None);
+    }
+}
+
+/// The same across "hosts" (`NODETOUR_HOST_ID`: one machine split): every rank its own host
+/// (network links only), and two hosts of two ranks (network links between them, in-host links
+/// inside each). The links between hosts are the GPU ring's network links over tcp.
+#[test]
+fn device_collectives_on_a_gpu_ring_across_hosts() {
+    if common::gpus().is_none() {
+        return;
+    }
+    for world in [2u32, 3] {
+        gpu_ring_of_processes(world, |r| Some(format!("host{r}")));
+    }
+    gpu_ring_of_processes(4, |r| Some(format!("host{}", r / 2)));
+}
+
+fn gpu_ring_of_processes(world: u32, host_of: impl Fn(u32) -> Option<String>) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<_> = (0..world)
+        .map(|r| {
+            let mut c = std::process::Command::new(&exe);
+            c.args([
+                "--exact",
+                "gpu_ring_rank",
+                "--include-ignored",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .env("NODETOUR_RANK", r.to_string())
+            .env("NODETOUR_WORLD_SIZE", world.to_string())
+            .env("NODETOUR_LOCAL_RANK", r.to_string())
+            .env("NODETOUR_MASTER_ADDR", "127.0.0.1")
+            .env("NODETOUR_PORT", port.to_string())
+            .env("NODETOUR_JOB_TOKEN", format!("gpu-ring-test-{port}"))
+            .env("NODETOUR_TIMEOUT_MS", "20000");
+            match host_of(r) {
+                Some(h) => c.env("NODETOUR_HOST_ID", h),
+                None => c.env_remove("NODETOUR_HOST_ID"),
             };
-            assert!(status.success(), "{world} ranks: rank {r} failed: {status}");
-        }
+            c.spawn().unwrap()
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    for (r, c) in children.iter_mut().enumerate() {
+        let status = loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                break s;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("{world} ranks: rank {r} did not finish in 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "{world} ranks: rank {r} failed: {status}");
     }
 }
 
@@ -276,6 +297,9 @@ fn gpu_ring_rank() {
         "rank {r}: {}",
         comm.paths()
     );
+    if r == 0 {
+        println!("GPU_RING_PATHS world={world} {}", comm.paths());
+    }
     for n in [1usize, 100_003] {
         for _ in 0..2 {
             let got = shapes(&comm, n);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::{GpuEvent, GpuStream, enable_peer_access};
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_core::transport::gpu::{Flags, ShmSender, ShmSlot};
+use nodetour_core::transport::gpu::{Flags, ShmSender, ShmSlot, StagedReceive};
 
 use crate::perf::median;
 

@@ -116,15 +116,6 @@ pub(crate) unsafe fn flush_gpudirect_rdma_writes() -> Result<(), Error> {
         .map_err(|e| cuda_error("cuFlushGPUDirectRDMAWrites", e))
 }
 
-/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`: pins host memory for fast copies
-/// from every context.
-pub(crate) unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<(), Error> {
-    // SAFETY: [ptr, ptr+len) is mapped host memory that outlives the registration.
-    unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
-        .result()
-        .map_err(|e| cuda_error("cuMemHostRegister", e))
-}
-
 /// `cuMemHostRegister` with `PORTABLE | DEVICEMAP`: pinned and addressable by streams' memory
 /// operations (flags).
 pub(crate) unsafe fn host_register_mapped(ptr: *mut u8, len: usize) -> Result<(), Error> {

@@ -157,8 +157,9 @@ impl HostBuffer {
         &mut self.map[..self.len]
     }
 
-    /// Registers the buffer with CUDA (`cuMemHostRegister`, portable: every GPU's copies then
-    /// run at pinned-memory speed) under `context` (the caller's GPU: no context is made on
+    /// Registers the buffer with CUDA (`cuMemHostRegister`, portable and device-mapped: every
+    /// GPU's copies then run at pinned-memory speed, and kernels and stream memory operations
+    /// reach it at its host address) under `context` (the caller's GPU: no context is made on
     /// another). Unregistered when the buffer is dropped. Registering twice is a no-op.
     pub fn register_with_cuda(
         &mut self,
@@ -174,7 +175,7 @@ impl HostBuffer {
         let context = context.clone();
         // SAFETY: CUDA is initialised and a context is current; the range is this buffer's live
         // mapping, which outlives the registration (unregistered in Drop before the unmap).
-        unsafe { crate::cuda::result::host_register(self.ptr, self.map.len())? };
+        unsafe { crate::cuda::result::host_register_mapped(self.ptr, self.map.len())? };
         self.cuda_registered = true;
         self.cuda_context = Some(context);
         Ok(())

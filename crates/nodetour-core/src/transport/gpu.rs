@@ -29,6 +29,7 @@ use crate::cuda::result::cuda_error;
 use crate::cuda::stream::Uses;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, SharedHostMemory, ShmDir, ShmName};
+use crate::transport::SlotRegion;
 
 /// Bytes between two flags (one cache line each).
 const FLAG_STRIDE: usize = 64;
@@ -735,10 +736,10 @@ impl ShmSlot {
     pub fn pages(&self) -> &crate::memory::Pages {
         self.mem.pages()
     }
+}
 
-    /// Queues on `stream`: copy `len` bytes of the slot at `slot_offset` into `dst` at
-    /// `dst_offset` (after waiting on the flag that says they landed).
-    pub fn enqueue_copy_out(
+impl StagedReceive for ShmSlot {
+    fn enqueue_copy_out(
         &self,
         stream: &GpuStream,
         dst: &DeviceBuffer,
@@ -746,22 +747,120 @@ impl ShmSlot {
         slot_offset: usize,
         len: usize,
     ) -> Result<()> {
-        dst.check("GPU copy destination", dst_offset, len)?;
         let from = self.mem.device_address(slot_offset, len)?;
-        let s = stream.bind()?;
-        dst.note_use(stream);
-        // SAFETY: both ranges are in bounds of live memory (checked); the buffer noted this
-        // stream (freed after its work); the slot's host memory stays registered until its
-        // owner has drained the stream (unregistering waits for the whole context anyway).
-        unsafe {
-            crate::cuda::result::memcpy_htod_async(
-                dst.device_ptr() + dst_offset as u64,
-                from as *const std::ffi::c_void,
-                len,
-                s,
-            )
-        }
+        copy_in(stream, dst, dst_offset, from, len)
     }
+}
+
+/// Queues on `stream` a copy of `len` bytes of registered host memory at `from` (its checked,
+/// live, mapped address) into `dst` at `dst_offset`.
+fn copy_in(
+    stream: &GpuStream,
+    dst: &DeviceBuffer,
+    dst_offset: usize,
+    from: u64,
+    len: usize,
+) -> Result<()> {
+    dst.check("GPU copy destination", dst_offset, len)?;
+    let s = stream.bind()?;
+    dst.note_use(stream);
+    // SAFETY: both ranges are in bounds of live memory (the caller checked `from`, `dst` is
+    // checked here); the buffer noted this stream (freed after its work); the host memory stays
+    // registered until its owner has drained the stream (unregistering waits for the whole
+    // context anyway).
+    unsafe {
+        crate::cuda::result::memcpy_htod_async(
+            dst.device_ptr() + dst_offset as u64,
+            from as *const std::ffi::c_void,
+            len,
+            s,
+        )
+    }
+}
+
+/// Slots in this rank's own host memory that a network link carries (the network links of a
+/// GPU ring): the send stream fills them (a guarded kernel writing host memory through the
+/// mapping) and the link's progress thread writes them to the peer; or the peer's writes land
+/// in them and the receive stream copies them in. The region must have been registered with
+/// CUDA before it became a region.
+pub struct HostSlots {
+    region: SlotRegion,
+}
+
+impl HostSlots {
+    /// The slots of `region` (checked: registered with CUDA).
+    pub fn new(region: SlotRegion) -> Result<HostSlots> {
+        region.device_address(0, region.len())?;
+        Ok(HostSlots { region })
+    }
+
+    /// The region (for the link's transport).
+    pub fn region(&self) -> &SlotRegion {
+        &self.region
+    }
+}
+
+impl StagedSend for HostSlots {
+    fn host_address(&self, slot_offset: usize, len: usize) -> Result<u64> {
+        self.region.device_address(slot_offset, len)
+    }
+}
+
+impl StagedReceive for HostSlots {
+    fn enqueue_copy_out(
+        &self,
+        stream: &GpuStream,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        slot_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let from = self.region.device_address(slot_offset, len)?;
+        copy_in(stream, dst, dst_offset, from, len)
+    }
+}
+
+/// Host slots a send stream writes chunks into (a peer's shared slots, or this rank's own
+/// slots of a network link): the SMs write host memory through the mapping.
+pub trait StagedSend {
+    /// The mapped address of `len` bytes at `slot_offset` (checked against the slots).
+    fn host_address(&self, slot_offset: usize, len: usize) -> Result<u64>;
+
+    /// Like [`CudaIpcSender::enqueue_send`], into the slots at `slot_offset`.
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_send(
+        &self,
+        stream: &GpuStream,
+        kernels: &ReduceKernels,
+        guard: &StreamGuard,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        slot_offset: usize,
+        len: usize,
+        first: FlagValue<'_>,
+        second: Option<FlagValue<'_>>,
+    ) -> Result<()> {
+        src.check("GPU write source", src_offset, len)?;
+        let dst = self.host_address(slot_offset, len)?;
+        send_to(
+            stream, kernels, guard, dst, src, src_offset, len, first, second,
+        )
+    }
+}
+
+/// Host slots a receive stream copies chunks out of (slots shared with the previous rank, or
+/// this rank's own slots of a network link).
+pub trait StagedReceive {
+    /// Queues on `stream`: copy `len` bytes of the slots at `slot_offset` into `dst` at
+    /// `dst_offset` (after the wait for the flag that says they landed).
+    fn enqueue_copy_out(
+        &self,
+        stream: &GpuStream,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        slot_offset: usize,
+        len: usize,
+    ) -> Result<()>;
 }
 
 /// A sender's mapping of one peer's staging slot, and the peer's flags.
@@ -819,27 +918,11 @@ impl ShmSender {
         }
         Ok(())
     }
+}
 
-    /// Like [`CudaIpcSender::enqueue_send`], into the peer's host slot at `slot_offset`
-    /// (through the registered mapping: the SMs write host memory).
-    #[allow(clippy::too_many_arguments)]
-    pub fn enqueue_send(
-        &self,
-        stream: &GpuStream,
-        kernels: &ReduceKernels,
-        guard: &StreamGuard,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        slot_offset: usize,
-        len: usize,
-        first: FlagValue<'_>,
-        second: Option<FlagValue<'_>>,
-    ) -> Result<()> {
-        src.check("GPU write source", src_offset, len)?;
-        let dst = self.mem.device_address(slot_offset, len)?;
-        send_to(
-            stream, kernels, guard, dst, src, src_offset, len, first, second,
-        )
+impl StagedSend for ShmSender {
+    fn host_address(&self, slot_offset: usize, len: usize) -> Result<u64> {
+        self.mem.device_address(slot_offset, len)
     }
 }
 

@@ -89,6 +89,22 @@ impl SlotRegion {
         }
     }
 
+    /// The address GPUs use for `len` bytes at `offset` (unified addressing: the host address),
+    /// for a region whose buffer was registered with CUDA before it became a region
+    /// ([`HostBuffer::register_with_cuda`]).
+    pub fn device_address(&self, offset: usize, len: usize) -> Result<u64> {
+        let registered = match &self.0.memory {
+            Memory::Host(b) => b.is_registered_with_cuda(),
+            Memory::Registered(r) => r.buffer().is_registered_with_cuda(),
+        };
+        if !registered {
+            return Err(Error::InvalidArgument {
+                reason: "the slot region's memory is not registered with CUDA".into(),
+            });
+        }
+        Ok(self.ptr_at("GPU access to a slot region", offset, len)? as u64)
+    }
+
     /// Copies `dst.len()` bytes at `offset` out (after the notification that they landed).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check("read", offset, dst.len())?;
@@ -192,6 +208,15 @@ pub struct SlotGrant {
 }
 
 impl SlotGrant {
+    /// What a peer needs to write `region` (its RDMA window where it is registered).
+    pub fn of(region: &SlotRegion) -> SlotGrant {
+        SlotGrant {
+            key: region.key(),
+            len: region.len() as u64,
+            remote: region.memory_region().map(|m| m.remote()),
+        }
+    }
+
     /// Encoded size.
     pub const ENCODED_LEN: usize = 4 + 8 + 1 + 8 + 8 + 4;
 

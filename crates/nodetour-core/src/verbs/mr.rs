@@ -232,6 +232,14 @@ impl<B: RdmaBuffer> MemoryRegion<B> {
         }
     }
 
+    /// The registered buffer, for its metadata (never its bytes as a slice: the device may
+    /// write them).
+    pub(crate) fn buffer(&self) -> &B {
+        self.buffer
+            .as_ref()
+            .expect("present until the region is dropped or turned back into its buffer")
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len

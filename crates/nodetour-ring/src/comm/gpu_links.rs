@@ -299,6 +299,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             slot_bytes: ipc_slot_bytes,
             ends: ends.clone(),
             desc_half: 0,
+            net: None,
         });
     }
     if let Some(out) = out_shm {
@@ -321,6 +322,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             slot_bytes: shm_slot_bytes,
             ends: ends.clone(),
             desc_half: u32::from(!rings.is_empty()),
+            net: None,
         });
     }
     let flags_where = if options.device_flags {

@@ -221,11 +221,7 @@ impl HostJob {
         let recv = region(slot_total, Access::REMOTE)?;
         let bell = region(4096, Access::REMOTE_STRICT)?;
         let work = region(options.piece_bytes, Access::LOCAL)?;
-        let grant = |r: &SlotRegion| SlotGrant {
-            key: r.key(),
-            len: r.len() as u64,
-            remote: r.memory_region().map(|m| m.remote()),
-        };
+        let grant = SlotGrant::of;
         let mut prepared: HashMap<u32, (PreparedVerbs, Vec<u8>)> = HashMap::new();
         if let Some(l) = &local {
             for p in linked.iter().copied() {
@@ -368,21 +364,32 @@ impl HostJob {
         let (gpu_ring, device) = match pin {
             None => (None, DevicePath::None),
             Some(context) if ring_choice.is_ok() => {
-                let formed = super::gpu_links::form(
-                    super::gpu_links::Seat {
-                        job: &job,
-                        endpoint: &endpoint,
-                        context,
-                        me,
-                        world,
-                        position: position(&order, me),
-                        prev,
-                        next,
-                        forced: options.transport,
-                        deadline,
-                    },
-                    options.gpu_ring,
-                )?;
+                let seat = super::gpu_links::Seat {
+                    job: &job,
+                    endpoint: &endpoint,
+                    context,
+                    me,
+                    world,
+                    position: position(&order, me),
+                    prev,
+                    next,
+                    forced: options.transport,
+                    deadline,
+                };
+                // Links between hosts make it a ring across hosts (network links there).
+                let formed = if ring_links.iter().any(|l| !l.same_host) {
+                    let local = |p: u32| hosts[me as usize].same_host(hosts[p as usize]);
+                    super::net_links::form(
+                        seat,
+                        super::net_links::Locality {
+                            next_local: local(next),
+                            prev_local: local(prev),
+                        },
+                        options.gpu_ring,
+                    )?
+                } else {
+                    super::gpu_links::form(seat, options.gpu_ring)?
+                };
                 let (mut ring, reason) = (formed.ring, formed.choice);
                 ring.set_two_rank_exchange(options.two_rank_exchange);
                 let transport = ring.kind();

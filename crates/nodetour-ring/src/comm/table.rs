@@ -7,12 +7,13 @@
 //! |---|---|---|
 //! | cuda-ipc | GPU | same host, both pass GPU memory, different processes (the mapping is tried when the ring forms; a GPU that cannot map its neighbour's memory falls to the next row) |
 //! | shm | GPU | same host, both pass GPU memory, different processes |
+//! | tcp (network link) | GPU | different hosts, both pass GPU memory (the GPU ring's network link: a progress thread carries the stream program's chunks, landing in host slots) |
 //! | verbs | host | both ranks opened an RDMA device |
 //! | tcp | host | always |
 //!
-//! A network link that lands in GPU memory (RDMA writes into GPU slots, driven from the GPU
-//! stream program by a progress thread) is the row the next issue adds above `shm` for ranks
-//! on different hosts.
+//! The GPU ring forms when every link of the ring has a GPU row: in-host links between ranks
+//! of one host, network links between hosts. RDMA writes into GPU slots (verbs, GPUDirect) are
+//! the row to come above the tcp network link.
 
 use nodetour_core::transport::TransportKind;
 
@@ -50,7 +51,7 @@ struct Row {
 }
 
 /// The table, in order of preference within each kind of memory.
-const TABLE: [Row; 4] = [
+const TABLE: [Row; 5] = [
     Row {
         kind: TransportKind::CudaIpc,
         memory: Memory::Device,
@@ -60,6 +61,11 @@ const TABLE: [Row; 4] = [
         kind: TransportKind::Shm,
         memory: Memory::Device,
         can_connect: gpus_of_one_host,
+    },
+    Row {
+        kind: TransportKind::Tcp,
+        memory: Memory::Device,
+        can_connect: gpus_on_other_hosts,
     },
     Row {
         kind: TransportKind::Verbs,
@@ -91,6 +97,20 @@ fn gpus_of_one_host(p: &Pair<'_>) -> std::result::Result<String, String> {
         ));
     }
     Ok("both pass GPU memory on one host, in different processes".into())
+}
+
+fn gpus_on_other_hosts(p: &Pair<'_>) -> std::result::Result<String, String> {
+    let ((ours, me), (theirs, peer)) = (p.ours, p.theirs);
+    if p.same_host {
+        return Err(format!("ranks {me} and {peer} share a host"));
+    }
+    if let Some(r) = [(ours, me), (theirs, peer)]
+        .iter()
+        .find(|(a, _)| a.gpu.is_none())
+    {
+        return Err(format!("rank {} passes host memory only", r.1));
+    }
+    Ok("GPUs on different hosts: a network link (tcp) landing in host slots".into())
 }
 
 fn both_have_verbs(p: &Pair<'_>) -> std::result::Result<String, String> {
@@ -203,10 +223,18 @@ pub(crate) fn device_ring(
     if !pids_distinct {
         return Err("ranks share a process (cuda-ipc cannot map memory within one process)".into());
     }
-    Ok(format!(
-        "every link joins GPUs of one host ({} where the next GPU's memory maps, else {})",
-        rows[0].kind, rows[1].kind
-    ))
+    let network = links.iter().any(|p| !p.same_host);
+    Ok(if network {
+        format!(
+            "every link joins GPUs: {} or {} within a host, a network link ({}) between hosts",
+            rows[0].kind, rows[1].kind, rows[2].kind
+        )
+    } else {
+        format!(
+            "every link joins GPUs of one host ({} where the next GPU's memory maps, else {})",
+            rows[0].kind, rows[1].kind
+        )
+    })
 }
 
 #[cfg(test)]
@@ -286,8 +314,9 @@ mod tests {
         };
         let (x, y) = (g(1), g(2));
         assert!(device_ring(&[pair(&x, &y, true)], None, true).is_ok());
-        let far = device_ring(&[pair(&x, &y, false)], None, true).unwrap_err();
-        assert!(far.contains("different hosts"), "{far}");
+        // GPUs on different hosts join through a network link.
+        let far = device_ring(&[pair(&x, &y, false)], None, true).unwrap();
+        assert!(far.contains("network link"), "{far}");
         let host_only = a(None, false, None, 3);
         let why = device_ring(&[pair(&x, &host_only, true)], None, true).unwrap_err();
         assert!(why.contains("host memory only"), "{why}");

@@ -1,0 +1,367 @@
+//! The GPU ring of a communicator whose ranks span several hosts (issue 15): a **network link**
+//! to a neighbour on another host ([`crate::net_link`]: the streams fill and read host slots of
+//! this rank, a progress thread carries them over the wire), an in-host link (cuda-ipc where the
+//! next GPU's memory maps, else shm) to a neighbour on this host. The ring is ordered by host, so
+//! a host's ranks sit side by side and only the links between hosts cross the network.
+//!
+//! Every link of such a ring uses the same slots (the staged path's count and size: every rank
+//! plans the same chunks), and every flag page is in host memory (the progress thread stores
+//! into it). What a network neighbour learns: the grant of the slots it writes (the previous
+//! rank only) and of its mailbox; the connection is the bootstrap's authenticated tcp.
+//! Today the network link is tcp, landing in host slots.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use nodetour_core::memory::{DeviceBuffer, HostBuffer};
+use nodetour_core::transport::gpu::{
+    CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, HostSlots, ShmSender, ShmSlot,
+};
+use nodetour_core::transport::setup::{GpuNeighbourSetup, NeighbourSetup};
+use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion, TransportKind};
+
+use super::gpu_links::{FormedGpuRing, GpuPaths, GpuRingOptions, Seat};
+use crate::error::{Error, Result};
+use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, desc_cells, flag};
+use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage};
+
+const MODE_IPC: u32 = 1;
+const MODE_SHM: u32 = 2;
+
+/// Which neighbours share this rank's host.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Locality {
+    /// The next rank is on this host.
+    pub next_local: bool,
+    /// The previous rank is on this host.
+    pub prev_local: bool,
+}
+
+fn region(len: usize, context: Option<&Arc<cudarc::driver::CudaContext>>) -> Result<SlotRegion> {
+    let mut buf = HostBuffer::new(len.max(4096))?;
+    if let Some(c) = context {
+        buf.register_with_cuda(c)?;
+    }
+    Ok(SlotRegion::host(buf))
+}
+
+/// A page of this rank's that no neighbour maps (an outbox).
+fn private_page(context: &Arc<cudarc::driver::CudaContext>) -> Result<Arc<Flags>> {
+    let f = Flags::create(context, flag::WORDS)?;
+    f.unlink()?;
+    Ok(Arc::new(f))
+}
+
+/// Forms the GPU ring of `seat`'s job across hosts (every rank calls it, with the same
+/// options, when any link of the ring crosses hosts).
+pub(crate) fn form(
+    seat: Seat<'_>,
+    here: Locality,
+    options: GpuRingOptions,
+) -> Result<FormedGpuRing> {
+    let Seat {
+        job,
+        endpoint,
+        context,
+        me,
+        world,
+        position,
+        prev,
+        next,
+        forced,
+        deadline,
+    } = seat;
+    let Locality {
+        next_local,
+        prev_local,
+    } = here;
+    let (slots, slot_bytes) = (options.slots, options.shm_slot_bytes);
+    let slot_total = slots as usize * slot_bytes;
+    let paths = match forced {
+        Some(TransportKind::Shm) => GpuPaths::Staged,
+        Some(TransportKind::CudaIpc) => GpuPaths::Direct,
+        _ => options.paths,
+    };
+    let mine = Arc::new(Flags::create(context, flag::WORDS)?);
+    // In-host: what the previous rank writes into (both kinds until it says which it chose).
+    let (gpu_slots, shm_slots, device_flags) = if prev_local || next_local {
+        (
+            Some(GpuSlot::new(context, slot_total)?),
+            Some(ShmSlot::create(context, slot_total)?),
+            Some(DeviceFlags::create(context, flag::WORDS)?),
+        )
+    } else {
+        (None, None, None)
+    };
+    // Network: this rank's send slots (the send stream fills them), receive slots, and one
+    // mailbox per network neighbour (one for both in a ring of two).
+    let send_slots = (!next_local)
+        .then(|| region(slot_total, Some(context)))
+        .transpose()?;
+    let recv_slots = (!prev_local)
+        .then(|| region(slot_total, Some(context)))
+        .transpose()?;
+    let box_next = (!next_local)
+        .then(|| region(MAILBOX_BYTES, None))
+        .transpose()?;
+    let box_prev = if next == prev {
+        box_next.clone()
+    } else {
+        (!prev_local)
+            .then(|| region(MAILBOX_BYTES, None))
+            .transpose()?
+    };
+    let local = |p: u32| (p == next && next_local) || (p == prev && prev_local);
+    let setup_for = |p: u32| -> Vec<u8> {
+        if local(p) {
+            let (Some(g), Some(s), Some(d)) = (&gpu_slots, &shm_slots, &device_flags) else {
+                return Vec::new();
+            };
+            let (Ok(dg), Ok(sg)) = (d.ipc_grant(), g.ipc_grant()) else {
+                return Vec::new(); // the neighbour refuses an empty setup
+            };
+            let (shm, len) = s.grant();
+            GpuNeighbourSetup {
+                flags: mine.name().clone(),
+                device_flags: dg,
+                slots: (p == prev).then_some((sg, shm, len as u64)),
+            }
+            .encode()
+        } else {
+            let mailbox = if p == next { &box_next } else { &box_prev };
+            NeighbourSetup {
+                recv: (p == prev)
+                    .then(|| recv_slots.as_ref().map(SlotGrant::of))
+                    .flatten(),
+                bell: mailbox.as_ref().map(SlotGrant::of),
+                endpoint: None,
+            }
+            .encode()
+        }
+    };
+    let linked: Vec<u32> = if next == prev {
+        vec![next]
+    } else {
+        vec![next, prev]
+    };
+    let alive = || job.check_present();
+    let address = |p: u32| job.peers()[p as usize].address.clone();
+    let setups = endpoint.exchange(&linked, me, world, &address, &setup_for, &alive, deadline)?;
+    let bytes_of = |p: u32| -> Result<&Vec<u8>> {
+        setups.get(&p).ok_or_else(|| Error::Protocol {
+            rank: p,
+            reason: "sent no GPU setup".into(),
+        })
+    };
+    let in_host = |p: u32| -> Result<GpuNeighbourSetup> {
+        GpuNeighbourSetup::decode(bytes_of(p)?).map_err(|e| Error::Protocol {
+            rank: p,
+            reason: format!("its GPU setup: {e}"),
+        })
+    };
+    let network = |p: u32| -> Result<NeighbourSetup> {
+        NeighbourSetup::decode(bytes_of(p)?).map_err(|e| Error::Protocol {
+            rank: p,
+            reason: format!("its network setup: {e}"),
+        })
+    };
+    let missing = |p: u32, what: &str| Error::Protocol {
+        rank: p,
+        reason: format!("sent no {what}"),
+    };
+    let mut choice = Vec::new();
+    // To the next rank.
+    let (outgoing, next_page, next_grants): (Outgoing, Arc<Flags>, Option<(SlotGrant, SlotGrant)>) =
+        if next_local {
+            let theirs = in_host(next)?;
+            let (grant, shm, len) = theirs.slots.clone().ok_or_else(|| missing(next, "slots"))?;
+            let len = usize::try_from(len).map_err(|_| Error::Protocol {
+                rank: next,
+                reason: format!("slots of {len} bytes"),
+            })?;
+            let page = Arc::new(Flags::open(context, &theirs.flags, flag::WORDS)?);
+            let open_flags = || Flags::open(context, &theirs.flags, flag::WORDS);
+            let ipc = if paths == GpuPaths::Staged {
+                None
+            } else {
+                match CudaIpcSender::open(context, &grant, open_flags()?, flag::READY) {
+                    Ok(s) => Some(s),
+                    Err(e) if paths == GpuPaths::Auto => {
+                        choice.push(format!("to next: staged (shm): {e}"));
+                        None
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            };
+            let (out, mode) = match ipc {
+                Some(s) => {
+                    choice.push("to next: direct (cuda-ipc), same host".to_owned());
+                    (Outgoing::CudaIpc(s), MODE_IPC)
+                }
+                None => (
+                    Outgoing::Shm(ShmSender::open(
+                        context,
+                        &shm,
+                        len,
+                        open_flags()?,
+                        flag::READY,
+                    )?),
+                    MODE_SHM,
+                ),
+            };
+            page.store(flag::MODE, mode)?;
+            (out, page, None)
+        } else {
+            let theirs = network(next)?;
+            let recv = theirs
+                .recv
+                .ok_or_else(|| missing(next, "receive-slot grant"))?;
+            let mailbox = theirs.bell.ok_or_else(|| missing(next, "mailbox grant"))?;
+            if (recv.len as usize) < slot_total || (mailbox.len as usize) < MAILBOX_BYTES {
+                return Err(Error::Protocol {
+                    rank: next,
+                    reason: format!(
+                        "granted {} bytes of slots and {} of mailbox, the ring needs {slot_total} \
+                         and {MAILBOX_BYTES}",
+                        recv.len, mailbox.len
+                    ),
+                });
+            }
+            let slots = HostSlots::new(send_slots.clone().expect("made for a network next"))?;
+            choice.push(format!(
+                "to next: network (tcp), rank {next} is on another host"
+            ));
+            (
+                Outgoing::Net(slots),
+                private_page(context)?,
+                Some((recv, mailbox)),
+            )
+        };
+    // From the previous rank.
+    let (prev_page, prev_mailbox) = if prev_local {
+        let theirs = in_host(prev)?;
+        (
+            Arc::new(Flags::open(context, &theirs.flags, flag::WORDS)?),
+            None,
+        )
+    } else {
+        let theirs = network(prev)?;
+        let mailbox = theirs.bell.ok_or_else(|| missing(prev, "mailbox grant"))?;
+        if (mailbox.len as usize) < MAILBOX_BYTES {
+            return Err(Error::Protocol {
+                rank: prev,
+                reason: format!("a mailbox of {} bytes", mailbox.len),
+            });
+        }
+        choice.push(format!(
+            "from previous: network (tcp) landing in host slots, rank {prev} is on another host"
+        ));
+        (private_page(context)?, Some(mailbox))
+    };
+    // The network neighbours' connections (authenticated both ways), each starting with what
+    // that neighbour may write granted: the receive slots (previous rank) and its mailbox.
+    let net_peers: Vec<u32> = linked.iter().copied().filter(|&p| !local(p)).collect();
+    let grants_for = |p: u32| {
+        let mut g = Vec::new();
+        if p == prev && !prev_local {
+            g.extend(recv_slots.clone());
+        }
+        let mailbox = if p == next { &box_next } else { &box_prev };
+        g.extend(mailbox.clone());
+        g
+    };
+    let mut conns: HashMap<u32, Box<dyn HostConnection>> = endpoint
+        .connect_mesh(
+            &net_peers,
+            me,
+            world,
+            &address,
+            &grants_for,
+            &alive,
+            deadline,
+        )?
+        .into_iter()
+        .map(|(p, c)| (p, Box::new(c) as Box<dyn HostConnection>))
+        .collect();
+    job.barrier(deadline)?;
+    // Every in-host neighbour has mapped what it needs: the names go.
+    mine.unlink()?;
+    if let Some(s) = &shm_slots {
+        s.unlink()?;
+    }
+    let incoming = if prev_local {
+        match mine.read(flag::MODE)? {
+            MODE_IPC => {
+                choice.push("from previous: direct (cuda-ipc), same host".to_owned());
+                Incoming::CudaIpc(gpu_slots.expect("made for an in-host previous rank"))
+            }
+            MODE_SHM => Incoming::Shm {
+                slots: shm_slots.expect("made for an in-host previous rank"),
+                scratch: DeviceBuffer::new(context, slot_bytes)?,
+            },
+            other => {
+                return Err(Error::Protocol {
+                    rank: prev,
+                    reason: format!("announced path {other}"),
+                });
+            }
+        }
+    } else {
+        Incoming::Net {
+            slots: HostSlots::new(recv_slots.clone().expect("made for a network previous"))?,
+            scratch: DeviceBuffer::new(context, slot_bytes)?,
+        }
+    };
+    let same_peer = next == prev && !next_local;
+    let to_next = (!next_local).then(|| conns.remove(&next)).flatten();
+    let to_prev = (!prev_local && !same_peer)
+        .then(|| conns.remove(&prev))
+        .flatten();
+    let word = |f: &Arc<Flags>| -> Arc<dyn WordPage> { f.clone() };
+    let cells = desc_cells(slots, 0);
+    let net = NetLink::start(NetLinkSetup {
+        next,
+        prev,
+        to_next,
+        to_prev,
+        same_peer,
+        send_slots,
+        recv_slots: (!prev_local).then_some(recv_slots).flatten(),
+        next_recv: next_grants.map(|g| g.0),
+        next_mailbox: next_grants.map(|g| g.1),
+        prev_mailbox,
+        mailbox_from_prev: if prev_local { None } else { box_prev },
+        mailbox_from_next: box_next,
+        cells: region(MAILBOX_BYTES, None)?,
+        slots,
+        slot_bytes,
+        mine: word(&mine),
+        out_next: word(&next_page),
+        out_prev: word(&prev_page),
+        desc_cells: cells,
+        stop_word: flag::STOPPED,
+        options: NetOptions::from_env(),
+    })?;
+    let page = |f: &Arc<Flags>| -> Arc<dyn FlagPage> { f.clone() };
+    let links = StreamLinks {
+        flags: page(&mine),
+        next_flags: page(&next_page),
+        prev_flags: page(&prev_page),
+        outgoing,
+        incoming,
+        slots,
+        slot_bytes,
+        ends: EndPages {
+            mine: mine.clone(),
+            next: next_page,
+            prev: prev_page,
+        },
+        desc_half: 0,
+        net: Some(net),
+    };
+    job.barrier(deadline)?;
+    let choice = format!("{}; flags in host memory", choice.join("; "));
+    let ring = GpuRing::new(context, position, world, Some(links))?;
+    tracing::info!(rank = me, path = ring.path(), reason = %choice, "GPU ring formed across hosts");
+    Ok(FormedGpuRing { ring, choice })
+}

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# gpu-net.sh: the GPU ring's network links (issue 15) on one GPU machine split into "hosts"
+# (launch-local.sh --hosts: NODETOUR_HOST_ID per rank), run ON a GPU machine from the directory
+# gpu-pack.sh filled. The links between "hosts" are network links over tcp loopback, landing in
+# host slots; the links inside one are cuda-ipc or shm as usual.
+#   ./gpu-net.sh [OUTDIR]      (writes gpu-net.log there; perf tables as gpu-net-*.txt)
+# 1. the communicator's device collectives across hosts (2 and 3 hosts of one rank, 2 hosts of
+#    two), every shape, counts 1 and prime, twice in a row;
+# 2. gpu_ring_check across hosts: every type x op, counts 1 / 7919 / 5000011, the non-blocking
+#    form;
+# 3. drills across hosts, with data checks: a rank SIGKILLed or aborted mid-stream, a rank
+#    that closes with a collective in flight, a rank that calls another collective;
+# 4. data_parallel across hosts;
+# 5. the hand-off: allreduce time from 8 B to 64 MiB across hosts in three wait modes
+#    (NODETOUR_SPIN_US = 0, the default, 1000) beside the same two processes on one host
+#    (staged shm and direct cuda-ipc), in one run.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+out=${1:-.}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NODETOUR_CACHE_DIR=$PWD/kernel-cache NODETOUR_REQUIRE_GPU=1
+failed=0
+{
+    echo "== the communicator's device collectives across hosts (NODETOUR_HOST_ID split)"
+    ./communicator_gpu_tests --exact device_collectives_on_a_gpu_ring_across_hosts --include-ignored --nocapture --test-threads 1 2>&1 |
+        grep -E 'GPU_RING|test result|panicked|FAILED|error' || failed=1
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
+    echo "== gpu_ring_check across hosts: every type x op"
+    ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./gpu_ring_check --all || failed=1
+    ./launch-local.sh -n 3 --hosts 3 --timeout 120 -- ./gpu_ring_check --all || failed=1
+    ./launch-local.sh -n 4 --hosts 2 --timeout 120 -- ./gpu_ring_check || failed=1
+    echo "== drills across hosts (NODETOUR_TIMEOUT_MS=5000): killed, aborted"
+    for spec in "2|--kill-rank 1" "3|--abort-rank 2" "3|--kill-rank 2"; do
+        IFS='|' read -r n a <<<"$spec"
+        ok=$(NODETOUR_TIMEOUT_MS=5000 timeout 60 ./launch-local.sh -n "$n" --hosts "$n" --timeout 50 -- ./gpu_ring_check $a 2>&1 |
+            tee /tmp/net-drill.log | grep -c 'GPU_RING_DRILL rank=[0-9]* failed_at')
+        grep -E 'DRILL|rror' /tmp/net-drill.log | head -20
+        [[ $ok == "$n" || ( $a == --kill* && $ok == $((n - 1)) ) ]] || { echo "drill $spec: $ok ranks reported"; failed=1; }
+    done
+    echo "== teardown and agreement drills across hosts"
+    NODETOUR_TIMEOUT_MS=5000 timeout 60 ./launch-local.sh -n 2 --hosts 2 --timeout 50 -- \
+        ./gpu_ring_check --close-rank 1 2>&1 | grep -E 'GPU_RING_CLOSE|rror'
+    [[ ${PIPESTATUS[0]} == 0 ]] || { echo "teardown drill failed"; failed=1; }
+    for n in 2 3; do
+        NODETOUR_TIMEOUT_MS=5000 timeout 60 ./launch-local.sh -n $n --hosts $n --timeout 50 -- \
+            ./gpu_ring_check --disagree-rank 1 2>&1 | grep -E 'GPU_RING_DISAGREE|rror'
+        [[ ${PIPESTATUS[0]} == 0 ]] || { echo "agreement drill ($n ranks) failed"; failed=1; }
+    done
+    echo "== data_parallel across hosts"
+    ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./data_parallel --steps 3 || failed=1
+    echo "== hand-off and bandwidth: across hosts (tcp network link) in three wait modes, and on one host"
+    perf() { # LABEL HOSTS [VAR=VALUE...]: 2 ranks on HOSTS "hosts"
+        local label=$1 hosts=$2; shift 2
+        echo "-- $label"
+        env "$@" ./launch-local.sh -n 2 --hosts "$hosts" --timeout 300 -- ./nodetour perf --gpu --sizes 8:64M --factor 8 --iters 20 2>&1 |
+            grep -v '^\[rank 1\]' | tee "$out/gpu-net-$label.txt"
+    }
+    for round in 1 2; do
+        perf "net-spin0-r$round" 2 NODETOUR_SPIN_US=0
+        perf "net-default-r$round" 2
+        perf "net-spin1000-r$round" 2 NODETOUR_SPIN_US=1000
+        perf "shm-r$round" 1 NODETOUR_TRANSPORT=shm
+        perf "ipc-r$round" 1 NODETOUR_TRANSPORT=cuda-ipc
+    done
+    echo "gpu-net: failed=$failed"
+} 2>&1 | tee "$out/gpu-net.log"
+exit "$failed"
