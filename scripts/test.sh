@@ -157,6 +157,10 @@ else
     NODETOUR_BENCH_TRANSPORT=$(cargo bench --bench transport --no-run --color never 2>&1 |
         sed -n 's/.*Executable .*(\(.*\))$/\1/p' | head -n 1)
     export NODETOUR_BENCH_TRANSPORT
+    # The ring's unit tests: their network-link test over verbs runs in the VM.
+    NODETOUR_VM_RING_TESTS=$(cargo test -p nodetour-ring --lib --no-run --color never 2>&1 |
+        sed -n 's/.*Executable .*(\(.*\))$/\1/p' | head -n 1)
+    export NODETOUR_VM_RING_TESTS
     mapfile -t exes < <(cargo test -p nodetour-core --test verbs_rxe --no-run --color never 2>&1 |
         sed -n 's/.*Executable .*(\(.*\))$/\1/p')
     if [[ ${#exes[@]} == 0 ]]; then

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vm-tier.sh: the real-verbs test tier. Runs INSIDE the soft-RoCE VM with two endpoints:
 #   scripts/rdma-vm.sh --nodes 2 -- scripts/vm-tier.sh TEST_EXE...
-# 1. the hardware tests (TEST_EXE... --include-ignored; a missing device fails them),
+# 1. the hardware tests (TEST_EXE... --include-ignored; a missing device fails them), and the
+#    GPU ring's network link over verbs (NODETOUR_VM_RING_TESTS: nodetour-ring's unit tests),
 # 2. two_node_smoke between rxe0 and rxe1 (two processes, verified data),
 # 3. 2, 4 and 8 processes connected pairwise over the verbs transport (transport_check),
 # 4. our write loop against ib_write_bw (scripts/write-bw-compare.sh), our ping-pong against
@@ -34,6 +35,10 @@ for exe in "$@"; do
     say "running $(basename "$exe") --include-ignored"
     "$exe" --include-ignored --test-threads 1 || failed=1
 done
+if [[ -n ${NODETOUR_VM_RING_TESTS:-} ]]; then
+    say "the GPU ring's network link over verbs (CPU executor of the stream program, 2-3 ranks over $NODETOUR_VM_DEV0 and $NODETOUR_VM_DEV1)"
+    "$NODETOUR_VM_RING_TESTS" --include-ignored --test-threads 1 --nocapture verbs_network || failed=1
+fi
 
 say "two_node_smoke --gpu (no GPU in the VM: it says so and uses host memory): rank 0 on $NODETOUR_VM_DEV0, rank 1 on $NODETOUR_VM_DEV1"
 addr=$NODETOUR_VM_IP0:18517

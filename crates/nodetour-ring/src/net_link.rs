@@ -68,6 +68,14 @@ fn note(kind: u32, value: u64) -> u32 {
     (kind << KIND_SHIFT) | (value as u32 & VALUE_MASK)
 }
 
+/// The receives a verbs connection of a network link keeps posted: every notification a
+/// neighbour may send between two polls of the progress thread (chunks and credits, each at most
+/// `slots` ahead; descriptor cells, at most `slots + 2` collectives ahead; end notices), with
+/// room to spare, so that no write meets a receiver that is not ready.
+pub fn receive_depth(slots: u32) -> u32 {
+    4 * slots + 16
+}
+
 /// The smallest value ≥ `base` that is `v` mod 2^29.
 fn unwrap29(base: u64, v: u32) -> u64 {
     base + u64::from(v.wrapping_sub(base as u32) & VALUE_MASK)
@@ -445,6 +453,10 @@ struct Engine {
     lengths: VecDeque<usize>,
     stopped: bool,
     events: Vec<Event>,
+    /// Neighbours known gone (their connection failed): nothing more is written to them (a
+    /// write to a dead queue pair waits out its retries).
+    lost_next: bool,
+    lost_prev: bool,
 }
 
 impl Engine {
@@ -468,6 +480,8 @@ impl Engine {
             lengths: VecDeque::new(),
             stopped: false,
             events: Vec::new(),
+            lost_next: false,
+            lost_prev: false,
         }
     }
 
@@ -613,8 +627,7 @@ impl Engine {
                     busy = true;
                 }
                 self.fail(peer, Stop::PeerLost);
-                self.send.peer_lost();
-                self.recv.peer_lost();
+                self.lose(role);
                 tracing::debug!(peer, error = %e, "a network link's connection ended");
             }
         }
@@ -668,6 +681,16 @@ impl Engine {
         }
     }
 
+    /// The neighbour(s) behind `role` are gone: both ends stop, and nothing more is written
+    /// to them.
+    fn lose(&mut self, role: Role) {
+        let both = self.setup.same_peer;
+        self.lost_next |= role.is_next() || both;
+        self.lost_prev |= role.is_prev() || both;
+        self.send.peer_lost();
+        self.recv.peer_lost();
+    }
+
     fn accepts_from_prev(&self, index: u32) -> bool {
         let (first, count) = self.setup.desc_cells;
         index == flag::ENDED_BY_PREV || (first..first + count).contains(&index)
@@ -690,9 +713,15 @@ impl Engine {
         let mut busy = false;
         for next in [true, false] {
             let (has, page) = if next {
-                (self.has_next(), self.setup.out_next.clone())
+                (
+                    self.has_next() && !self.lost_next,
+                    self.setup.out_next.clone(),
+                )
             } else {
-                (self.has_prev(), self.setup.out_prev.clone())
+                (
+                    self.has_prev() && !self.lost_prev,
+                    self.setup.out_prev.clone(),
+                )
             };
             if !has {
                 continue;
@@ -751,8 +780,7 @@ impl Engine {
                     };
                     tracing::debug!(peer, error = %e, "forwarding a cell failed");
                     self.fail(peer, Stop::PeerLost);
-                    self.send.peer_lost();
-                    self.recv.peer_lost();
+                    self.lose(if next { Role::Next } else { Role::Prev });
                 }
                 if next {
                     self.next_cells[i].1 = word;
@@ -807,16 +835,22 @@ impl Engine {
                     let at = slot as usize * self.setup.slot_bytes;
                     let len = len.min(self.setup.slot_bytes);
                     let conn = self.setup.to_next.as_mut().expect("a send end has a link");
-                    let ok = conn
-                        .write(
-                            self.setup.send_slots.as_ref().expect("checked"),
-                            at..at + len,
-                            self.setup.next_recv.as_ref().expect("checked"),
-                            at as u64,
-                            Some(note(DATA, seq)),
-                        )
-                        .inspect_err(|e| tracing::debug!(error = %e, seq, "a chunk's write failed"))
-                        .is_ok();
+                    let ok = !self.lost_next
+                        && conn
+                            .write(
+                                self.setup.send_slots.as_ref().expect("checked"),
+                                at..at + len,
+                                self.setup.next_recv.as_ref().expect("checked"),
+                                at as u64,
+                                Some(note(DATA, seq)),
+                            )
+                            .inspect_err(
+                                |e| tracing::debug!(error = %e, seq, "a chunk's write failed"),
+                            )
+                            .is_ok();
+                    if !ok {
+                        self.lost_next = true;
+                    }
                     self.send.write_completed(seq, ok);
                     self.shared
                         .sent
@@ -837,6 +871,7 @@ impl Engine {
                 RecvAction::Ready(n) => {
                     let _ = self.setup.mine.store(flag::READY, n as u32);
                 }
+                RecvAction::Credit(_) if self.lost_prev => {}
                 RecvAction::Credit(n) => {
                     let conn = if self.setup.same_peer {
                         self.setup.to_next.as_mut()
@@ -853,6 +888,7 @@ impl Engine {
                     );
                     if let Err(e) = sent {
                         tracing::debug!(error = %e, "a credit's write failed");
+                        self.lost_prev = true;
                         self.recv.wire_failed(e.to_string());
                     }
                 }

@@ -8,7 +8,11 @@ use std::time::Duration;
 use nodetour_core::auth::JobToken;
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::tcp::loopback_pair;
+use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
+use nodetour_core::verbs::{
+    Access, EndpointDescription, LocalSide, MemoryRegion, Near, PathOptions, QueuePairOptions,
+};
 
 use crate::cpu_streams::{CpuRank, HostPage};
 use crate::error::Error;
@@ -22,14 +26,104 @@ use crate::stream_plan::LinkCounters;
 enum Wire {
     Tcp,
     Mem,
+    /// Real verbs (the soft-RoCE VM, or a NIC): RDMA WRITE_WITH_IMM into registered regions.
+    Verbs,
 }
 
 fn region(len: usize) -> SlotRegion {
     SlotRegion::host(HostBuffer::new(len.max(64)).unwrap())
 }
 
+/// A region registered on `side` (remote write only where a peer writes it), or a plain one.
+fn region_on(len: usize, side: Option<&LocalSide>, peers_write: bool) -> SlotRegion {
+    let Some(side) = side else {
+        return region(len);
+    };
+    let access = if peers_write {
+        Access::REMOTE
+    } else {
+        Access::LOCAL
+    };
+    let buf = HostBuffer::new(len.max(4096)).unwrap();
+    SlotRegion::registered(Arc::new(
+        MemoryRegion::register(&side.pd, buf, access).unwrap(),
+    ))
+}
+
+/// This process's RDMA devices for the test's ranks (`NODETOUR_VM_DEV0/1` in the VM, else the
+/// first device for all), or `None` after printing `SKIP <reason>` (a failure with
+/// `NODETOUR_REQUIRE_RDMA=1`).
+fn verbs_devices() -> Option<[String; 2]> {
+    let skip = |reason: String| {
+        if std::env::var("NODETOUR_REQUIRE_RDMA").as_deref() == Ok("1") {
+            panic!("NODETOUR_REQUIRE_RDMA=1 but {reason}");
+        }
+        println!("SKIP {reason}");
+        None
+    };
+    let found = match nodetour_core::verbs::devices() {
+        Ok(list) if !list.is_empty() => list,
+        Ok(_) => return skip("no RDMA device on this machine".into()),
+        Err(e) => return skip(e.to_string()),
+    };
+    let first = found[0].name.clone();
+    let d0 = std::env::var("NODETOUR_VM_DEV0").unwrap_or(first);
+    let d1 = std::env::var("NODETOUR_VM_DEV1").unwrap_or(d0.clone());
+    Some([d0, d1])
+}
+
+fn open_side(device: &str) -> LocalSide {
+    let config = nodetour_core::Config {
+        ib_device: Some(device.to_owned()),
+        ..nodetour_core::Config::default()
+    };
+    LocalSide::open(&config, Near::Host).unwrap()
+}
+
+/// A connected pair of verbs queue pairs between `a` and `b`, deep enough for a network link.
+fn verbs_pair(
+    a: &LocalSide,
+    b: &LocalSide,
+    slots: u32,
+) -> (Box<dyn HostConnection>, Box<dyn HostConnection>) {
+    let options = QueuePairOptions {
+        send_depth: 64,
+        recv_depth: crate::net_link::receive_depth(slots),
+        max_inline: 0,
+    };
+    let (qa, ea) = PreparedVerbs::for_peer_with(a, options).unwrap();
+    let (qb, eb) = PreparedVerbs::for_peer_with(b, options).unwrap();
+    let endpoint = |e: &[u8]| EndpointDescription::decode(e).unwrap().endpoint;
+    // A short transport timeout: a write to a queue pair that went away fails after its
+    // retries (derived from it), which is how a lost peer shows on verbs without a liveness
+    // mesh.
+    let timeout = Duration::from_secs(3);
+    let config = nodetour_core::Config {
+        timeout,
+        ..nodetour_core::Config::default()
+    };
+    let ca = qa
+        .connect(
+            &endpoint(&eb),
+            &PathOptions::new(a.port.port, &a.gid, &config),
+            "b".into(),
+            timeout,
+        )
+        .unwrap();
+    let cb = qb
+        .connect(
+            &endpoint(&ea),
+            &PathOptions::new(b.port.port, &b.gid, &config),
+            "a".into(),
+            timeout,
+        )
+        .unwrap();
+    (Box::new(ca), Box::new(cb))
+}
+
 fn pair(wire: Wire) -> (Box<dyn HostConnection>, Box<dyn HostConnection>) {
     match wire {
+        Wire::Verbs => unreachable!("verbs pairs are made from the ranks' devices"),
         Wire::Tcp => {
             let (a, b) = loopback_pair(&JobToken::new(b"net-ring-test".to_vec())).unwrap();
             (Box::new(a), Box::new(b))
@@ -49,6 +143,7 @@ struct Parts {
     recv: SlotRegion,
     from_prev: SlotRegion,
     from_next: SlotRegion,
+    cells: SlotRegion,
     to_next: Option<Box<dyn HostConnection>>,
     to_prev: Option<Box<dyn HostConnection>>,
     // Grants this rank made for its neighbours: (recv slots, mailbox from prev) to prev,
@@ -62,15 +157,27 @@ const DESC: (u32, u32) = (flag::DESC_BASE, 6);
 
 /// `n` ranks in a ring over `wire`.
 fn ring(n: u32, wire: Wire, slots: u32, slot_bytes: usize) -> Vec<CpuRank> {
-    let mut parts: Vec<Parts> = (0..n)
-        .map(|_| Parts {
+    // Verbs: each rank on a device of its own (alternating between the two), its regions
+    // registered there.
+    let sides: Vec<Option<LocalSide>> = (0..n)
+        .map(|i| {
+            (wire == Wire::Verbs).then(|| {
+                let devices = verbs_devices().expect("checked by the caller");
+                open_side(&devices[i as usize % 2])
+            })
+        })
+        .collect();
+    let mut parts: Vec<Parts> = sides
+        .iter()
+        .map(|side| Parts {
             mine: HostPage::new(),
             out_next: HostPage::new(),
             out_prev: HostPage::new(),
-            send: region(slots as usize * slot_bytes),
-            recv: region(slots as usize * slot_bytes),
-            from_prev: region(MAILBOX_BYTES),
-            from_next: region(MAILBOX_BYTES),
+            send: region_on(slots as usize * slot_bytes, side.as_ref(), false),
+            recv: region_on(slots as usize * slot_bytes, side.as_ref(), true),
+            from_prev: region_on(MAILBOX_BYTES, side.as_ref(), true),
+            from_next: region_on(MAILBOX_BYTES, side.as_ref(), true),
+            cells: region_on(MAILBOX_BYTES, side.as_ref(), false),
             to_next: None,
             to_prev: None,
             recv_grant: None,
@@ -81,7 +188,10 @@ fn ring(n: u32, wire: Wire, slots: u32, slot_bytes: usize) -> Vec<CpuRank> {
     let links = if n == 2 { 1 } else { n };
     for i in 0..links {
         let j = (i + 1) % n;
-        let (a, b) = pair(wire);
+        let (a, b) = match (&sides[i as usize], &sides[j as usize]) {
+            (Some(x), Some(y)) => verbs_pair(x, y, slots),
+            _ => pair(wire),
+        };
         parts[i as usize].to_next = Some(a);
         if n == 2 {
             parts[j as usize].to_next = Some(b);
@@ -131,7 +241,7 @@ fn ring(n: u32, wire: Wire, slots: u32, slot_bytes: usize) -> Vec<CpuRank> {
                 prev_mailbox: Some(grants[prev as usize].2),
                 mailbox_from_prev: Some(p.from_prev),
                 mailbox_from_next: Some(p.from_next),
-                cells: region(MAILBOX_BYTES),
+                cells: p.cells,
                 slots,
                 slot_bytes,
                 mine: p.mine.clone(),
@@ -247,28 +357,64 @@ fn run_checked(ranks: &mut [CpuRank], count: usize, shape: Shape, op: ReduceOp) 
     }
 }
 
+/// Every shape (and an average) at each of `counts`, checked on every rank.
+fn every_shape(ranks: &mut [CpuRank], counts: &[usize]) {
+    let n = ranks.len() as u32;
+    for &count in counts {
+        for shape in [
+            Shape::AllReduce,
+            Shape::ReduceScatter,
+            Shape::AllGather,
+            Shape::Broadcast { root: n - 1 },
+        ] {
+            // Reduce-scatter and all-gather take equal blocks.
+            let blocks = matches!(shape, Shape::ReduceScatter | Shape::AllGather);
+            let elements = if blocks { count * n as usize } else { count };
+            run_checked(ranks, elements, shape, ReduceOp::Sum);
+        }
+        run_checked(ranks, count, Shape::AllReduce, ReduceOp::Avg);
+    }
+}
+
 #[test]
 fn every_shape_over_tcp_and_in_process_with_slots_reused() {
     for wire in [Wire::Tcp, Wire::Mem] {
         for n in [2u32, 3, 4] {
             // Small slots: many chunks per collective, every slot reused many times.
             let mut ranks = ring(n, wire, 3, 64);
-            for count in [0usize, 1, 13, 257, 1031] {
-                for shape in [
-                    Shape::AllReduce,
-                    Shape::ReduceScatter,
-                    Shape::AllGather,
-                    Shape::Broadcast { root: n - 1 },
-                ] {
-                    // Reduce-scatter and all-gather take equal blocks.
-                    let blocks = matches!(shape, Shape::ReduceScatter | Shape::AllGather);
-                    let elements = if blocks { count * n as usize } else { count };
-                    run_checked(&mut ranks, elements, shape, ReduceOp::Sum);
-                }
-                run_checked(&mut ranks, count, Shape::AllReduce, ReduceOp::Avg);
-            }
+            every_shape(&mut ranks, &[0, 1, 13, 257, 1031]);
         }
     }
+}
+
+/// The network ring over real verbs: RDMA WRITE_WITH_IMM into the neighbours' registered slots
+/// and mailboxes, credits as immediates, every shape checked; then a rank's queue pairs go away
+/// mid-collective and its neighbours fail typed.
+#[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/test.sh's vm tier)"]
+fn verbs_network_ring_every_shape_and_a_lost_peer() {
+    if verbs_devices().is_none() {
+        return;
+    }
+    for n in [2u32, 3] {
+        let mut ranks = ring(n, Wire::Verbs, 3, 4096);
+        every_shape(&mut ranks, &[0, 1, 1031, 20_011]);
+        println!("VERBS_NET_RING OK ranks={n}");
+    }
+    let mut ranks = ring(3, Wire::Verbs, 2, 4096);
+    run_checked(&mut ranks, 5000, Shape::AllReduce, ReduceOp::Sum);
+    let mut gone = ranks.pop().unwrap();
+    if let Some(mut l) = gone.link.take() {
+        l.close(Duration::from_secs(5)).unwrap();
+    }
+    let started = std::time::Instant::now();
+    let results = all_reduce_everywhere(&mut ranks, 50_000, Duration::from_secs(60));
+    assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "failed by the deadline, not the loss: {results:?}"
+    );
+    println!("VERBS_NET_RING LOST_PEER {results:?}");
 }
 
 #[test]

@@ -26,15 +26,23 @@ impl PreparedVerbs {
     /// A queue pair for one peer of a ring on `local`'s device and port (64 writes and 16
     /// receives outstanding), and the encoded endpoint description to send that peer.
     pub fn for_peer(local: &crate::verbs::LocalSide) -> Result<(PreparedVerbs, Vec<u8>)> {
-        let q = PreparedVerbs::new(
-            &local.pd,
-            local.port.port,
+        Self::for_peer_with(
+            local,
             QueuePairOptions {
                 send_depth: 64,
                 recv_depth: 16,
                 max_inline: 0,
             },
-        )?;
+        )
+    }
+
+    /// [`Self::for_peer`] with the queue depths of `options` (a link whose peer may send more
+    /// notifications between two polls than the default keeps receives posted for).
+    pub fn for_peer_with(
+        local: &crate::verbs::LocalSide,
+        options: QueuePairOptions,
+    ) -> Result<(PreparedVerbs, Vec<u8>)> {
+        let q = PreparedVerbs::new(&local.pd, local.port.port, options)?;
         let e = crate::verbs::EndpointDescription {
             endpoint: q.endpoint(&local.gid),
             regions: vec![],

@@ -378,14 +378,18 @@ impl HostJob {
                 };
                 // Links between hosts make it a ring across hosts (network links there).
                 let formed = if ring_links.iter().any(|l| !l.same_host) {
-                    let local = |p: u32| hosts[me as usize].same_host(hosts[p as usize]);
+                    let on_this_host = |p: u32| hosts[me as usize].same_host(hosts[p as usize]);
                     super::net_links::form(
                         seat,
                         super::net_links::Locality {
-                            next_local: local(next),
-                            prev_local: local(prev),
+                            next_local: on_this_host(next),
+                            prev_local: on_this_host(prev),
+                            verbs: local.as_ref(),
+                            verbs_next: kinds.get(&next) == Some(&TransportKind::Verbs),
+                            verbs_prev: kinds.get(&prev) == Some(&TransportKind::Verbs),
                         },
                         options.gpu_ring,
+                        &options.config,
                     )?
                 } else {
                     super::gpu_links::form(seat, options.gpu_ring)?

@@ -8,7 +8,9 @@
 //! plans the same chunks), and every flag page is in host memory (the progress thread stores
 //! into it). What a network neighbour learns: the grant of the slots it writes (the previous
 //! rank only) and of its mailbox; the connection is the bootstrap's authenticated tcp.
-//! Today the network link is tcp, landing in host slots.
+//! The network link is verbs (RDMA WRITE_WITH_IMM between registered host slots) where the
+//! host links to that neighbour chose verbs (both ranks have an RDMA device), else tcp; it
+//! lands in host slots.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -18,31 +20,59 @@ use nodetour_core::transport::gpu::{
     CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, HostSlots, ShmSender, ShmSlot,
 };
 use nodetour_core::transport::setup::{GpuNeighbourSetup, NeighbourSetup};
+use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion, TransportKind};
+use nodetour_core::verbs::{
+    Access, EndpointDescription, LocalSide, MemoryRegion, PathOptions, QueuePairOptions,
+};
 
 use super::gpu_links::{FormedGpuRing, GpuPaths, GpuRingOptions, Seat};
 use crate::error::{Error, Result};
 use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, desc_cells, flag};
-use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage};
+use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage, receive_depth};
 
 const MODE_IPC: u32 = 1;
 const MODE_SHM: u32 = 2;
 
-/// Which neighbours share this rank's host.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Locality {
+/// Which neighbours share this rank's host, and how the others are reached.
+#[derive(Clone, Copy)]
+pub(crate) struct Locality<'a> {
     /// The next rank is on this host.
     pub next_local: bool,
     /// The previous rank is on this host.
     pub prev_local: bool,
+    /// This rank's RDMA device, where the host links to a network neighbour chose verbs.
+    pub verbs: Option<&'a LocalSide>,
+    /// Which network neighbours the verbs links reach (the others: tcp).
+    pub verbs_next: bool,
+    /// The same for the previous rank.
+    pub verbs_prev: bool,
 }
 
-fn region(len: usize, context: Option<&Arc<cudarc::driver::CudaContext>>) -> Result<SlotRegion> {
+/// Host memory for a network link: registered with CUDA where a stream reads or writes it
+/// (`context`), and with the RDMA device where a verbs link carries it (remote write only where
+/// a neighbour writes it).
+fn region(
+    len: usize,
+    context: Option<&Arc<cudarc::driver::CudaContext>>,
+    verbs: Option<&LocalSide>,
+    peers_write: bool,
+) -> Result<SlotRegion> {
     let mut buf = HostBuffer::new(len.max(4096))?;
     if let Some(c) = context {
         buf.register_with_cuda(c)?;
     }
-    Ok(SlotRegion::host(buf))
+    Ok(match verbs {
+        Some(l) => {
+            let access = if peers_write {
+                Access::REMOTE
+            } else {
+                Access::LOCAL
+            };
+            SlotRegion::registered(Arc::new(MemoryRegion::register(&l.pd, buf, access)?))
+        }
+        None => SlotRegion::host(buf),
+    })
 }
 
 /// A page of this rank's that no neighbour maps (an outbox).
@@ -56,8 +86,9 @@ fn private_page(context: &Arc<cudarc::driver::CudaContext>) -> Result<Arc<Flags>
 /// options, when any link of the ring crosses hosts).
 pub(crate) fn form(
     seat: Seat<'_>,
-    here: Locality,
+    here: Locality<'_>,
     options: GpuRingOptions,
+    job_config: &nodetour_core::Config,
 ) -> Result<FormedGpuRing> {
     let Seat {
         job,
@@ -74,7 +105,18 @@ pub(crate) fn form(
     let Locality {
         next_local,
         prev_local,
+        verbs,
+        verbs_next,
+        verbs_prev,
     } = here;
+    let verbs = verbs.filter(|_| (verbs_next && !next_local) || (verbs_prev && !prev_local));
+    let over = |p: u32| {
+        if (p == next && verbs_next) || (p == prev && verbs_prev) {
+            TransportKind::Verbs
+        } else {
+            TransportKind::Tcp
+        }
+    };
     let (slots, slot_bytes) = (options.slots, options.shm_slot_bytes);
     let slot_total = slots as usize * slot_bytes;
     let paths = match forced {
@@ -96,22 +138,42 @@ pub(crate) fn form(
     // Network: this rank's send slots (the send stream fills them), receive slots, and one
     // mailbox per network neighbour (one for both in a ring of two).
     let send_slots = (!next_local)
-        .then(|| region(slot_total, Some(context)))
+        .then(|| region(slot_total, Some(context), verbs, false))
         .transpose()?;
     let recv_slots = (!prev_local)
-        .then(|| region(slot_total, Some(context)))
+        .then(|| region(slot_total, Some(context), verbs, true))
         .transpose()?;
     let box_next = (!next_local)
-        .then(|| region(MAILBOX_BYTES, None))
+        .then(|| region(MAILBOX_BYTES, None, verbs, true))
         .transpose()?;
     let box_prev = if next == prev {
         box_next.clone()
     } else {
         (!prev_local)
-            .then(|| region(MAILBOX_BYTES, None))
+            .then(|| region(MAILBOX_BYTES, None, verbs, true))
             .transpose()?
     };
     let local = |p: u32| (p == next && next_local) || (p == prev && prev_local);
+    let linked: Vec<u32> = if next == prev {
+        vec![next]
+    } else {
+        vec![next, prev]
+    };
+    // A queue pair for each verbs neighbour, its endpoint sent with the setup.
+    let mut prepared: HashMap<u32, (PreparedVerbs, Vec<u8>)> = HashMap::new();
+    if let Some(l) = verbs {
+        for &p in linked
+            .iter()
+            .filter(|&&p| !local(p) && over(p) == TransportKind::Verbs)
+        {
+            let depth = QueuePairOptions {
+                send_depth: 64,
+                recv_depth: receive_depth(slots),
+                max_inline: 0,
+            };
+            prepared.insert(p, PreparedVerbs::for_peer_with(l, depth)?);
+        }
+    }
     let setup_for = |p: u32| -> Vec<u8> {
         if local(p) {
             let (Some(g), Some(s), Some(d)) = (&gpu_slots, &shm_slots, &device_flags) else {
@@ -134,15 +196,10 @@ pub(crate) fn form(
                     .then(|| recv_slots.as_ref().map(SlotGrant::of))
                     .flatten(),
                 bell: mailbox.as_ref().map(SlotGrant::of),
-                endpoint: None,
+                endpoint: prepared.get(&p).map(|(_, e)| e.clone()),
             }
             .encode()
         }
-    };
-    let linked: Vec<u32> = if next == prev {
-        vec![next]
-    } else {
-        vec![next, prev]
     };
     let alive = || job.check_present();
     let address = |p: u32| job.peers()[p as usize].address.clone();
@@ -229,7 +286,8 @@ pub(crate) fn form(
             }
             let slots = HostSlots::new(send_slots.clone().expect("made for a network next"))?;
             choice.push(format!(
-                "to next: network (tcp), rank {next} is on another host"
+                "to next: network ({}), rank {next} is on another host",
+                over(next)
             ));
             (
                 Outgoing::Net(slots),
@@ -254,13 +312,18 @@ pub(crate) fn form(
             });
         }
         choice.push(format!(
-            "from previous: network (tcp) landing in host slots, rank {prev} is on another host"
+            "from previous: network ({}) landing in host slots, rank {prev} is on another host",
+            over(prev)
         ));
         (private_page(context)?, Some(mailbox))
     };
     // The network neighbours' connections (authenticated both ways), each starting with what
     // that neighbour may write granted: the receive slots (previous rank) and its mailbox.
-    let net_peers: Vec<u32> = linked.iter().copied().filter(|&p| !local(p)).collect();
+    let net_peers: Vec<u32> = linked
+        .iter()
+        .copied()
+        .filter(|&p| !local(p) && over(p) == TransportKind::Tcp)
+        .collect();
     let grants_for = |p: u32| {
         let mut g = Vec::new();
         if p == prev && !prev_local {
@@ -283,6 +346,23 @@ pub(crate) fn form(
         .into_iter()
         .map(|(p, c)| (p, Box::new(c) as Box<dyn HostConnection>))
         .collect();
+    for (p, (q, _)) in prepared.drain() {
+        let l = verbs.expect("queue pairs are made on the device");
+        let sent = network(p)?
+            .endpoint
+            .ok_or_else(|| missing(p, "queue pair"))?;
+        let remote = EndpointDescription::decode(&sent)
+            .map_err(|e| Error::Protocol {
+                rank: p,
+                reason: format!("its queue pair: {e}"),
+            })?
+            .endpoint;
+        let path = PathOptions::new(l.port.port, &l.gid, job_config);
+        let c = q.connect(&remote, &path, format!("rank {p}"), deadline.remaining())?;
+        conns.insert(p, Box::new(c));
+    }
+    // A write must not reach a queue pair that is not ready yet: every rank has connected
+    // before any rank's first collective.
     job.barrier(deadline)?;
     // Every in-host neighbour has mapped what it needs: the names go.
     mine.unlink()?;
@@ -332,7 +412,7 @@ pub(crate) fn form(
         prev_mailbox,
         mailbox_from_prev: if prev_local { None } else { box_prev },
         mailbox_from_next: box_next,
-        cells: region(MAILBOX_BYTES, None)?,
+        cells: region(MAILBOX_BYTES, None, verbs, false)?,
         slots,
         slot_bytes,
         mine: word(&mine),
