@@ -6,8 +6,9 @@
 //! # inside the soft-RoCE VM:
 //! scripts/launch-local.sh -n 4 -- target/release/examples/allreduce_check --transport verbs --devices rxe0,rxe1
 //! ```
-//! With `--gpu` the buffers are GPU memory, staged through the host slots
-//! (`Communicator::all_reduce_device_buffer`):
+//! With `--gpu` the buffers are GPU memory (`Communicator::all_reduce_device_buffer`), on the
+//! GPU ring: its links are network links over the chosen transport (a forced host transport
+//! makes every link one):
 //! `NCCL_NVLS_ENABLE=0 scripts/launch-local.sh -n 2 -- target/release/examples/allreduce_check --gpu --all`.
 //!
 //! Prints `ALLREDUCE OK rank=.. world=.. transport=.. cases=..` per rank, or fails naming the
@@ -41,7 +42,7 @@ struct Args {
     /// Run every type and operation (else f32 sum and i64 max).
     #[arg(long)]
     all: bool,
-    /// GPU buffers (GPU `local rank mod GPUs`), staged through the host slots: SKIP without
+    /// GPU buffers (GPU `local rank mod GPUs`), on the GPU ring's network links: SKIP without
     /// CUDA.
     #[arg(long)]
     gpu: bool,
@@ -256,7 +257,17 @@ fn run() -> anyhow::Result<()> {
         comm.world(),
         args.transport,
         match &gpu {
-            Some((c, _)) => format!(" buffers=GPU{} (staged)", c.ordinal()),
+            Some((c, _)) => format!(
+                " buffers=GPU{} ({})",
+                c.ordinal(),
+                match &comm.paths().device {
+                    nodetour::ring::comm::DevicePath::GpuRing { transport, .. } => format!(
+                        "GPU ring, {}",
+                        transport.map_or("one rank".into(), |t| t.to_string())
+                    ),
+                    other => format!("{other:?}"),
+                }
+            ),
             None => String::new(),
         },
         cases.len(),

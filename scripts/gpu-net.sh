@@ -3,7 +3,7 @@
 # (launch-local.sh --hosts: NODETOUR_HOST_ID per rank), run ON a GPU machine from the directory
 # gpu-pack.sh filled. The links between "hosts" are network links over tcp loopback, landing in
 # host slots; the links inside one are cuda-ipc or shm as usual.
-#   ./gpu-net.sh [OUTDIR]      (writes gpu-net.log there; perf tables as gpu-net-*.txt)
+#   ./gpu-net.sh [OUTDIR]      (writes gpu-net.log there; perf tables in gpu-net-perf.txt)
 # 1. the communicator's device collectives across hosts (2 and 3 hosts of one rank, 2 hosts of
 #    two), every shape, counts 1 and prime, twice in a row;
 # 2. gpu_ring_check across hosts: every type x op, counts 1 / 7919 / 5000011, the non-blocking
@@ -11,9 +11,11 @@
 # 3. drills across hosts, with data checks: a rank SIGKILLed or aborted mid-stream, a rank
 #    that closes with a collective in flight, a rank that calls another collective;
 # 4. data_parallel across hosts;
-# 5. the hand-off: allreduce time from 8 B to 64 MiB across hosts in three wait modes
-#    (NODETOUR_SPIN_US = 0, the default, 1000) beside the same two processes on one host
-#    (staged shm and direct cuda-ipc), in one run.
+# 5. landing in GPU slots (NODETOUR_NET_LANDING=gpu), checked and drilled; the communicator's
+#    device tests;
+# 6. the hand-off (nodetour perf --handoff: one process, no time slicing), 8 B to 1 MiB, in
+#    three wait modes (NODETOUR_SPIN_US = 0, 20, 1000), two rounds; and two processes across
+#    hosts for bandwidth (time-sliced on one GPU).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 out=${1:-.}
@@ -48,20 +50,29 @@ failed=0
     done
     echo "== data_parallel across hosts"
     ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./data_parallel --steps 3 || failed=1
-    echo "== hand-off and bandwidth: across hosts (tcp network link) in three wait modes, and on one host"
-    perf() { # LABEL HOSTS [VAR=VALUE...]: 2 ranks on HOSTS "hosts"
-        local label=$1 hosts=$2; shift 2
-        echo "-- $label"
-        env "$@" ./launch-local.sh -n 2 --hosts "$hosts" --timeout 300 -- ./nodetour perf --gpu --sizes 8:64M --factor 8 --iters 20 2>&1 |
-            grep -v '^\[rank 1\]' | tee "$out/gpu-net-$label.txt"
-    }
+    echo "== GPU slots: the network link landing in GPU slots (NODETOUR_NET_LANDING=gpu)"
+    NODETOUR_NET_LANDING=gpu ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./gpu_ring_check --all || failed=1
+    NODETOUR_NET_LANDING=gpu ./launch-local.sh -n 3 --hosts 3 --timeout 120 -- ./gpu_ring_check || failed=1
+    ok=$(NODETOUR_NET_LANDING=gpu NODETOUR_TIMEOUT_MS=5000 timeout 60 ./launch-local.sh -n 3 --hosts 3 --timeout 50 -- ./gpu_ring_check --kill-rank 2 2>&1 |
+        tee /tmp/net-drill.log | grep -c 'GPU_RING_DRILL rank=[0-9]* failed_at')
+    grep -E 'DRILL|rror' /tmp/net-drill.log | head -10
+    [[ $ok == 2 ]] || { echo "GPU-slot kill drill: $ok ranks reported"; failed=1; }
+    echo "== the communicator's device tests"
+    ./communicator_gpu_tests --include-ignored --test-threads 1 2>&1 | grep -E '^test |test result|panicked' || failed=1
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
+    perf="$out/gpu-net-perf.txt"
+    : >"$perf"
+    echo "== the hand-off: one chunk through the network link (stream -> link thread -> tcp -> link thread -> stream),"
+    echo "   8 B to 1 MiB, in three wait modes, beside the same copies handed over by a word; two rounds"
     for round in 1 2; do
-        perf "net-spin0-r$round" 2 NODETOUR_SPIN_US=0
-        perf "net-default-r$round" 2
-        perf "net-spin1000-r$round" 2 NODETOUR_SPIN_US=1000
-        perf "shm-r$round" 1 NODETOUR_TRANSPORT=shm
-        perf "ipc-r$round" 1 NODETOUR_TRANSPORT=cuda-ipc
+        for spin in 0 20 1000; do
+            echo "-- round $round: NODETOUR_SPIN_US=$spin" | tee -a "$perf"
+            NODETOUR_SPIN_US=$spin ./nodetour perf --handoff --sizes 8:1M --factor 8 --iters 50 2>&1 | grep -vE 'INFO|hugepages' | tee -a "$perf"
+        done
     done
+    echo "== two processes across hosts (time-sliced on one GPU: bandwidth only), 1 MiB to 64 MiB"
+    ./launch-local.sh -n 2 --hosts 2 --timeout 300 -- ./nodetour perf --gpu --sizes 1M:64M --factor 4 --iters 10 2>&1 |
+        grep -E '^\[rank 0\]' | grep -vE 'INFO|hugepages' | tee -a "$perf"
     echo "gpu-net: failed=$failed"
 } 2>&1 | tee "$out/gpu-net.log"
 exit "$failed"

@@ -100,7 +100,7 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
             [[ ${PIPESTATUS[0]} == 0 ]] || { echo "agreement drill ($t, $n ranks) failed"; failed=1; }
         done
     done
-    echo "== allreduce_check --gpu: GPU buffers staged through host slots over tcp (the cross-host path)"
+    echo "== allreduce_check --gpu: GPU buffers on the GPU ring, every link a network link over tcp (forced)"
     ./launch-local.sh -n 2 --timeout 300 -- ./allreduce_check --gpu --all --count 3000017 || failed=1
     ./launch-local.sh -n 3 --timeout 300 -- ./allreduce_check --gpu --all || failed=1
     echo "== examples/data_parallel: DDP-shaped buckets (4 x 25 MiB, f32 and bf16) through the communicator"

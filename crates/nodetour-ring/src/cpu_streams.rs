@@ -74,6 +74,23 @@ impl WordPage for HostPage {
     }
 }
 
+/// Moves each landed chunk into a second region before it says `ready` (the GPU-slot landing's
+/// control flow on host memory: the copy a GPU lander queues on its stream, done here at once).
+pub(crate) struct CpuLander {
+    pub from: SlotRegion,
+    pub to: SlotRegion,
+    pub mine: Arc<HostPage>,
+}
+
+impl crate::net_link::Lander for CpuLander {
+    fn land(&mut self, offset: usize, len: usize, ready: u32) -> nodetour_core::Result<()> {
+        let mut chunk = vec![0u8; len];
+        self.from.read_at(offset, &mut chunk)?;
+        self.to.write_at(offset, &chunk)?;
+        self.mine.store(flag::READY, ready)
+    }
+}
+
 /// Cyclic "at least" on 32-bit counters, as the GPU's waits compare.
 fn reached(word: u32, value: u32) -> bool {
     (word.wrapping_sub(value) as i32) >= 0
@@ -95,6 +112,9 @@ pub(crate) struct CpuRank {
     pub out_prev: Arc<HostPage>,
     pub send_slots: SlotRegion,
     pub recv_slots: SlotRegion,
+    /// Where a lander moves landed chunks (the GPU-slot variant's stand-in), if one does: the
+    /// receive stream reads there.
+    pub landed: Option<SlotRegion>,
     pub link: Option<NetLink>,
     pub desc_cells: (u32, u32),
     pub counters: LinkCounters,
@@ -168,11 +188,10 @@ impl CpuRank {
         let word = desc_word(seq, self.tag);
         let _ = self.out_next.store_bytes(cell, 32, &seq.to_le_bytes());
         if let Some(link) = &self.link {
+            let bytes = |e: &std::ops::Range<u64>| (e.end - e.start) as usize * 4;
             link.plan(
-                prog.sends
-                    .iter()
-                    .map(|s| (s.elements.end - s.elements.start) as usize * 4),
-                prog.recvs.len() as u64,
+                prog.sends.iter().map(|s| bytes(&s.elements)),
+                prog.recvs.iter().map(|r| bytes(&r.elements)),
             );
         }
         let buffer = Mutex::new(bytemuck::cast_slice::<f32, u8>(data).to_vec());
@@ -227,7 +246,11 @@ impl CpuRank {
                     let (a, b) = (op.elements.start as usize * 4, op.elements.end as usize * 4);
                     let mut chunk = vec![0u8; b - a];
                     let at = op.slot as usize * this.slot_bytes;
-                    let _ = this.recv_slots.read_at(at, &mut chunk);
+                    let _ = this
+                        .landed
+                        .as_ref()
+                        .unwrap_or(&this.recv_slots)
+                        .read_at(at, &mut chunk);
                     {
                         let mut buf = buffer.lock().unwrap();
                         match op.kind {

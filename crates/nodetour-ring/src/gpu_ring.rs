@@ -123,6 +123,9 @@ pub enum Incoming {
         /// Scratch of one slot's size on this rank's GPU.
         scratch: DeviceBuffer,
     },
+    /// This rank's GPU slots, where the network link's progress thread lands the previous
+    /// rank's chunks (over tcp: through host bounce slots, copied in on a stream of its own).
+    NetGpu(Arc<GpuSlot>),
     /// This rank's host slots, where the network link lands the previous rank's chunks, and
     /// one chunk of GPU scratch to reduce from.
     Net {
@@ -189,12 +192,16 @@ impl StreamLinks {
         let inc = match self.incoming {
             Incoming::CudaIpc(_) => TransportKind::CudaIpc,
             Incoming::Shm { .. } => TransportKind::Shm,
-            Incoming::Net { .. } => self.net_kind(),
+            Incoming::Net { .. } | Incoming::NetGpu(_) => self.net_kind(),
+        };
+        let landing = match self.incoming {
+            Incoming::NetGpu(_) => "network, landing in GPU slots",
+            _ => "network, landing in host slots",
         };
         let path = |k| match k {
             TransportKind::CudaIpc => "direct",
             TransportKind::Shm => "staged",
-            _ => "network, landing in host slots",
+            _ => landing,
         };
         format!(
             "to next: {} ({out}), from previous: {} ({inc}); {} slots of {} MiB",
@@ -300,6 +307,7 @@ impl GpuRing {
             };
             let have = match &l.incoming {
                 Incoming::CudaIpc(s) => s.buffer().len(),
+                Incoming::NetGpu(s) => s.buffer().len(),
                 Incoming::Shm { slots, scratch } => {
                     small_scratch(scratch)?;
                     slots.grant().1
@@ -597,11 +605,10 @@ impl GpuRing {
         if let Some(net) = &self.h().links.as_ref().and_then(|l| l.net.as_ref()) {
             // Before the streams can run: the progress thread learns each chunk's length.
             let size = dtype.size();
+            let bytes = |e: &std::ops::Range<u64>| (e.end - e.start) as usize * size;
             net.plan(
-                prog.sends
-                    .iter()
-                    .map(|s| (s.elements.end - s.elements.start) as usize * size),
-                prog.recvs.len() as u64,
+                prog.sends.iter().map(|s| bytes(&s.elements)),
+                prog.recvs.iter().map(|r| bytes(&r.elements)),
             );
         }
         // From here the peers count these chunks: a failure to queue breaks the ring.
@@ -757,8 +764,13 @@ impl GpuRing {
         // an aborted rank's streams write is only its own memory).
         let credit: FlagValue = (&*links.prev_flags, flag::RELEASED, r.released);
         let release = |s: &GpuStream| enqueue_signal(s, kernels, guard, credit, None).map_err(g);
-        match (&links.incoming, r.kind) {
-            (Incoming::CudaIpc(slot), RecvKind::Reduce { average }) => {
+        let gpu_slots = match &links.incoming {
+            Incoming::CudaIpc(slot) => Some(slot),
+            Incoming::NetGpu(slot) => Some(&**slot),
+            _ => None,
+        };
+        match (gpu_slots, &links.incoming, r.kind) {
+            (Some(slot), _, RecvKind::Reduce { average }) => {
                 let src = slot.buffer();
                 enqueue_reduce_then_signal(
                     s, kernels, guard, dtype, op, buffer, off, src, at, n, credit,
@@ -771,16 +783,16 @@ impl GpuRing {
                         .map_err(g)?;
                 }
             }
-            (Incoming::CudaIpc(slot), RecvKind::Copy) => {
+            (Some(slot), _, RecvKind::Copy) => {
                 s.copy(buffer, off, slot.buffer(), at, n * size)
                     .map_err(g)?;
                 release(s)?;
             }
-            (staged, kind) => {
+            (None, staged, kind) => {
                 let (slots, scratch): (&dyn StagedReceive, &DeviceBuffer) = match staged {
                     Incoming::Shm { slots, scratch } => (slots, scratch),
                     Incoming::Net { slots, scratch } => (slots, scratch),
-                    Incoming::CudaIpc(_) => unreachable!("matched above"),
+                    Incoming::CudaIpc(_) | Incoming::NetGpu(_) => unreachable!("matched above"),
                 };
                 match kind {
                     RecvKind::Reduce { average } => {

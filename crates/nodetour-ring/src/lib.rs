@@ -32,7 +32,7 @@ pub(crate) mod gpu_ring;
 pub(crate) mod host;
 #[cfg(test)]
 mod local;
-pub(crate) mod net_link;
+pub mod net_link;
 #[cfg(test)]
 mod net_ring_tests;
 pub mod order;

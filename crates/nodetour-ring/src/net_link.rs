@@ -1,5 +1,7 @@
-//! The network links of a GPU ring (issue 15): a progress thread between this rank's streams
-//! and the wire, for a neighbour on another host. See `docs/network-link-design.md`.
+//! The network links of a GPU ring: a progress thread between this rank's streams and the
+//! wire, for a neighbour on another host. A lower layer: the communicator forms and drives it;
+//! it is public for tools that measure it alone (`nodetour perf --handoff`). See
+//! `docs/network-link-design.md`.
 //!
 //! The stream program does not change. A stream-ordered link (cuda-ipc, shm) has each stream
 //! store straight into the neighbour's flag page; a network link gives the streams **outbox
@@ -47,6 +49,13 @@ use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
 
 use crate::error::{Error, Result};
 use crate::gpu_ring::flag;
+
+/// The words of a flag page the link reads and writes (the GPU ring's layout).
+pub mod words {
+    pub use crate::gpu_ring::flag::{
+        DESC_BASE, ENDED_BY_NEXT, ENDED_BY_PREV, READY, RELEASED, STOPPED, WORDS,
+    };
+}
 use crate::progress::{RecvAction, RecvEnd, SendAction, SendEnd, Stop};
 
 /// Bytes of a cell (a flag word and the bytes after it, as in a host flag page).
@@ -112,6 +121,15 @@ impl WordPage for nodetour_core::transport::gpu::Flags {
     fn store_bytes(&self, index: u32, at: usize, src: &[u8]) -> nodetour_core::Result<()> {
         nodetour_core::transport::gpu::Flags::store_bytes(self, index, at, src)
     }
+}
+
+/// Lands chunks somewhere else than where the wire put them (GPU slots over tcp): called for
+/// each chunk, in order, once it is in this rank's receive slots (and visible), instead of the
+/// plain store of `ready`.
+pub trait Lander: Send {
+    /// Chunk `ready - 1` is in the receive slots at `offset` (`len` bytes): move it to where the
+    /// receive stream reads it, then set `ready` in this rank's page, in that order.
+    fn land(&mut self, offset: usize, len: usize, ready: u32) -> nodetour_core::Result<()>;
 }
 
 /// How the thread waits.
@@ -207,6 +225,8 @@ pub struct NetLinkSetup {
     pub stop_word: u32,
     /// How the thread waits.
     pub options: NetOptions,
+    /// Where landed chunks go on (`None`: the receive stream reads the receive slots).
+    pub lander: Option<Box<dyn Lander>>,
 }
 
 /// Why a link failed.
@@ -239,6 +259,8 @@ impl LinkFailure {
 struct Planned {
     /// Byte lengths of the chunks still to be written, in order.
     lengths: VecDeque<usize>,
+    /// Byte lengths of the chunks still to be received, in order (for a lander).
+    recv_lengths: VecDeque<usize>,
     /// Chunks planned to be sent and received so far.
     sends: u64,
     recvs: u64,
@@ -345,7 +367,11 @@ impl NetLink {
     /// Says what the collective just queued moves: the byte lengths of the chunks it sends to
     /// the next rank, in order, and the number of chunks it receives. Called before the
     /// streams can run it.
-    pub fn plan(&self, send_lengths: impl IntoIterator<Item = usize>, recvs: u64) {
+    pub fn plan(
+        &self,
+        send_lengths: impl IntoIterator<Item = usize>,
+        recv_lengths: impl IntoIterator<Item = usize>,
+    ) {
         let mut p = self
             .shared
             .planned
@@ -357,7 +383,9 @@ impl NetLink {
             p.sends += (p.lengths.len() - before) as u64;
         }
         if self.has_prev {
-            p.recvs += recvs;
+            let before = p.recv_lengths.len();
+            p.recv_lengths.extend(recv_lengths);
+            p.recvs += (p.recv_lengths.len() - before) as u64;
         }
         drop(p);
         self.shared.wake.notify_all();
@@ -451,6 +479,12 @@ struct Engine {
     planned_sends: u64,
     planned_recvs: u64,
     lengths: VecDeque<usize>,
+    recv_lengths: VecDeque<usize>,
+    /// `ready` published so far (with a lander: chunks handed to it), and the landed, visible
+    /// chunks to publish (a neighbour may run into a collective before this rank has planned
+    /// it: its chunks wait for their lengths).
+    published: u64,
+    ready_target: u64,
     stopped: bool,
     events: Vec<Event>,
     /// Neighbours known gone (their connection failed): nothing more is written to them (a
@@ -478,6 +512,9 @@ impl Engine {
             planned_sends: 0,
             planned_recvs: 0,
             lengths: VecDeque::new(),
+            recv_lengths: VecDeque::new(),
+            published: 0,
+            ready_target: 0,
             stopped: false,
             events: Vec::new(),
             lost_next: false,
@@ -569,10 +606,14 @@ impl Engine {
                 .unwrap_or_else(|p| p.into_inner());
             if p.sends != self.planned_sends || p.recvs != self.planned_recvs {
                 self.lengths.extend(p.lengths.drain(..));
+                self.recv_lengths.extend(p.recv_lengths.drain(..));
                 self.planned_sends = p.sends;
                 self.planned_recvs = p.recvs;
                 busy = true;
             }
+        }
+        if self.published < self.ready_target && !self.recv.is_stopped() {
+            self.publish();
         }
         busy |= self.take_events();
         busy |= self.forward_cells();
@@ -862,6 +903,30 @@ impl Engine {
         busy
     }
 
+    /// Chunks below `ready_target` are landed and visible: tell the receive stream (through
+    /// the lander, chunk by chunk, where there is one, as far as they are planned here).
+    fn publish(&mut self) {
+        let n = self.ready_target;
+        let Some(lander) = self.setup.lander.as_mut() else {
+            let _ = self.setup.mine.store(flag::READY, n as u32);
+            self.published = n;
+            return;
+        };
+        while self.published < n {
+            let k = self.published;
+            let Some(len) = self.recv_lengths.pop_front() else {
+                return; // planned by the next collective's call: published then
+            };
+            let offset = (k % u64::from(self.setup.slots)) as usize * self.setup.slot_bytes;
+            let len = len.min(self.setup.slot_bytes);
+            if let Err(e) = lander.land(offset, len, (k + 1) as u32) {
+                self.recv.wire_failed(format!("landing chunk {k}: {e}"));
+                return;
+            }
+            self.published = k + 1;
+        }
+    }
+
     fn drive_recv(&mut self) -> bool {
         let mut busy = false;
         while let Some(action) = self.recv.poll() {
@@ -869,7 +934,8 @@ impl Engine {
             match action {
                 RecvAction::Flush { .. } => self.recv.flushed(true),
                 RecvAction::Ready(n) => {
-                    let _ = self.setup.mine.store(flag::READY, n as u32);
+                    self.ready_target = n;
+                    self.publish();
                 }
                 RecvAction::Credit(_) if self.lost_prev => {}
                 RecvAction::Credit(n) => {

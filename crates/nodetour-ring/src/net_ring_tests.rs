@@ -14,7 +14,7 @@ use nodetour_core::verbs::{
     Access, EndpointDescription, LocalSide, MemoryRegion, Near, PathOptions, QueuePairOptions,
 };
 
-use crate::cpu_streams::{CpuRank, HostPage};
+use crate::cpu_streams::{CpuLander, CpuRank, HostPage};
 use crate::error::Error;
 use crate::gpu_ring::flag;
 use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions};
@@ -157,6 +157,11 @@ const DESC: (u32, u32) = (flag::DESC_BASE, 6);
 
 /// `n` ranks in a ring over `wire`.
 fn ring(n: u32, wire: Wire, slots: u32, slot_bytes: usize) -> Vec<CpuRank> {
+    ring_landing(n, wire, slots, slot_bytes, false)
+}
+
+/// [`ring`], each rank's chunks moved on by a lander (the GPU-slot landing) where `landers`.
+fn ring_landing(n: u32, wire: Wire, slots: u32, slot_bytes: usize, landers: bool) -> Vec<CpuRank> {
     // Verbs: each rank on a device of its own (alternating between the two), its regions
     // registered there.
     let sides: Vec<Option<LocalSide>> = (0..n)
@@ -228,6 +233,14 @@ fn ring(n: u32, wire: Wire, slots: u32, slot_bytes: usize) -> Vec<CpuRank> {
         .enumerate()
         .map(|(i, p)| {
             let (next, prev) = ((i as u32 + 1) % n, (i as u32 + n - 1) % n);
+            let landed = landers.then(|| region(slots as usize * slot_bytes));
+            let lander = landed.as_ref().map(|to| {
+                Box::new(CpuLander {
+                    from: p.recv.clone(),
+                    to: to.clone(),
+                    mine: p.mine.clone(),
+                }) as Box<dyn crate::net_link::Lander>
+            });
             let link = NetLink::start(NetLinkSetup {
                 next,
                 prev,
@@ -250,9 +263,11 @@ fn ring(n: u32, wire: Wire, slots: u32, slot_bytes: usize) -> Vec<CpuRank> {
                 desc_cells: DESC,
                 stop_word: flag::STOPPED,
                 options: NetOptions::default(),
+                lander,
             })
             .unwrap();
             CpuRank {
+                landed,
                 position: i as u32,
                 world: n,
                 slots,
@@ -418,6 +433,15 @@ fn verbs_network_ring_every_shape_and_a_lost_peer() {
 }
 
 #[test]
+fn chunks_moved_on_by_a_lander_arrive_whole_and_in_order() {
+    // The GPU-slot landing's control flow: every chunk copied on before its `ready`.
+    for n in [2u32, 3] {
+        let mut ranks = ring_landing(n, Wire::Tcp, 3, 64, true);
+        every_shape(&mut ranks, &[1, 257, 1031]);
+    }
+}
+
+#[test]
 fn two_ranks_run_the_ring_as_well_as_the_exchange() {
     let mut ranks = ring(2, Wire::Tcp, 2, 4096);
     for r in ranks.iter_mut() {
@@ -539,6 +563,7 @@ fn against_a_hostile_peer() -> (
         desc_cells: DESC,
         stop_word: flag::STOPPED,
         options: NetOptions::default(),
+        lander: None,
     })
     .unwrap();
     std::mem::forget(peer_recv);
@@ -575,7 +600,7 @@ fn a_peer_that_breaks_the_protocol_is_named_and_stops_the_link() {
     ];
     for (what, notes) in cases {
         let (link, mut peer, recv, prev_box, _) = against_a_hostile_peer();
-        link.plan([], 100);
+        link.plan([], [64; 100]);
         for (note, data) in notes {
             let dst = if data { &recv } else { &prev_box };
             peer.write(&src, 0..4, dst, 0, Some(note)).unwrap();

@@ -1,8 +1,9 @@
 //! The communicator on device memory: cudarc slices on the caller's streams, ranks as threads
 //! of this process sharing GPU 0 (each with its own communicator and its own handle of the
 //! GPU's context, as separate runtimes would have). Ranks that share a process take the staged
-//! path through the host ring (cuda-ipc cannot map memory within one process); the GPU ring
-//! between processes is tested by starting this binary again as ranks
+//! path through the host ring (they share one CUDA context: a rank's synchronising call would
+//! wait for another rank's streams); the GPU ring between processes (cuda-ipc, shm, and network
+//! links across "hosts") is tested by starting this binary again as ranks
 //! (`device_collectives_on_a_gpu_ring_of_processes`). Every result is checked
 //! against the exact reference and compared bit for bit across ranks. SKIP without a GPU.
 
@@ -54,8 +55,7 @@ fn run(world: u32, transport: Option<TransportKind>, n: usize) {
     let got = ranks(world, options(transport), |comm| {
         match &comm.paths().device {
             DevicePath::Staged { .. } if world > 1 => {}
-            DevicePath::GpuRing { .. } if world == 1 && transport.is_none() => {}
-            DevicePath::Staged { .. } if transport.is_some() => {}
+            DevicePath::GpuRing { .. } if world == 1 => {}
             other => panic!("rank {}: device path {other:?}", comm.rank()),
         }
         let r = comm.rank();

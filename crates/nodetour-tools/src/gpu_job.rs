@@ -92,6 +92,7 @@ impl GpuJob {
             o.gpu = Some(gpu);
             o.gpu_ring = GpuRingOptions {
                 paths: s.paths,
+                net_landing: o.gpu_ring.net_landing,
                 ..gpu_ring
             };
             o.two_rank_exchange = s.two_rank_exchange;

@@ -17,6 +17,7 @@ pub mod link;
 pub mod logging;
 pub mod perf;
 pub mod perf_gpu;
+pub mod perf_handoff;
 pub mod plot;
 pub mod write_bw;
 pub mod write_lat;

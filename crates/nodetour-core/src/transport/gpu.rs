@@ -798,6 +798,34 @@ impl HostSlots {
     pub fn region(&self) -> &SlotRegion {
         &self.region
     }
+
+    /// Queues on `stream`: copy `len` bytes of `src` at `src_offset` into the slots at
+    /// `slot_offset` (the copy engine; the kernel of [`StagedSend::enqueue_send`] is the
+    /// guarded form the GPU ring uses).
+    pub fn enqueue_copy_in(
+        &self,
+        stream: &GpuStream,
+        src: &DeviceBuffer,
+        src_offset: usize,
+        slot_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        src.check("GPU copy source", src_offset, len)?;
+        let to = self.region.device_address(slot_offset, len)?;
+        let s = stream.bind()?;
+        src.note_use(stream);
+        // SAFETY: both ranges are in bounds of live memory (checked); the buffer noted this
+        // stream (freed after its work); the slots stay registered until their owner has
+        // drained the stream.
+        unsafe {
+            crate::cuda::result::memcpy_dtoh_async(
+                to as *mut std::ffi::c_void,
+                src.device_ptr() + src_offset as u64,
+                len,
+                s,
+            )
+        }
+    }
 }
 
 impl StagedSend for HostSlots {

@@ -39,6 +39,28 @@ pub enum GpuPaths {
     Staged,
 }
 
+/// Where a network link lands the previous rank's chunks (a ring across hosts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NetLanding {
+    /// Host slots; the receive stream copies each chunk in (the staged path; the default).
+    Host,
+    /// GPU slots the receive stream reduces from directly: over tcp the progress thread lands
+    /// each chunk in a host bounce slot and copies it in on a stream of its own (the direct
+    /// path's stand-in until RDMA writes into GPU memory).
+    Gpu,
+}
+
+impl NetLanding {
+    /// Parses `NODETOUR_NET_LANDING` (`host` or `gpu`).
+    pub fn parse(v: &str) -> Option<NetLanding> {
+        match v.trim() {
+            "host" => Some(NetLanding::Host),
+            "gpu" => Some(NetLanding::Gpu),
+            _ => None,
+        }
+    }
+}
+
 /// Slot shapes and paths of a GPU ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuRingOptions {
@@ -55,6 +77,8 @@ pub struct GpuRingOptions {
     pub device_flags: bool,
     /// Which paths to build (`NODETOUR_TRANSPORT=cuda-ipc|shm` overrides it).
     pub paths: GpuPaths,
+    /// Where network links land (`NODETOUR_NET_LANDING`).
+    pub net_landing: NetLanding,
 }
 
 impl Default for GpuRingOptions {
@@ -66,6 +90,7 @@ impl Default for GpuRingOptions {
             ipc_slots: IPC_SLOTS,
             device_flags: true,
             paths: GpuPaths::Auto,
+            net_landing: NetLanding::Host,
         }
     }
 }

@@ -330,9 +330,10 @@ impl HostJob {
         if world > 1 {
             job.barrier(deadline)?;
         }
-        // GPU buffers: a GPU ring when every rank has a GPU and all share this host (and the
-        // links are not forced onto the host transports), else staged through this ring. Every
-        // rank decides from the same table, so all take the same branch.
+        // GPU buffers: a GPU ring when every rank has a GPU in a process of its own (in-host
+        // links between processes of one host, network links between hosts), else staged
+        // through this ring. Every rank decides from the same table, so all take the same
+        // branch.
         let announced = job
             .peers()
             .iter()
@@ -376,14 +377,21 @@ impl HostJob {
                     forced: options.transport,
                     deadline,
                 };
-                // Links between hosts make it a ring across hosts (network links there).
-                let formed = if ring_links.iter().any(|l| !l.same_host) {
-                    let on_this_host = |p: u32| hosts[me as usize].same_host(hosts[p as usize]);
+                // A link between hosts (or processes) makes it a ring with network links.
+                let network = |l: &Pair<'_>| table::network_link(l, options.transport);
+                let formed = if ring_links.iter().any(network) {
+                    // The link from `a` to `b` as the table saw it.
+                    let in_host = |a: u32, b: u32| {
+                        ring_links
+                            .iter()
+                            .find(|l| l.ours.1 == a && l.theirs.1 == b)
+                            .is_some_and(|l| !network(l))
+                    };
                     super::net_links::form(
                         seat,
                         super::net_links::Locality {
-                            next_local: on_this_host(next),
-                            prev_local: on_this_host(prev),
+                            next_local: in_host(me, next),
+                            prev_local: in_host(prev, me),
                             verbs: local.as_ref(),
                             verbs_next: kinds.get(&next) == Some(&TransportKind::Verbs),
                             verbs_prev: kinds.get(&prev) == Some(&TransportKind::Verbs),

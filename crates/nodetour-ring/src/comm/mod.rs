@@ -71,7 +71,7 @@ pub(crate) mod table;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;
-pub use gpu_links::{GpuPaths, GpuRingOptions};
+pub use gpu_links::{GpuPaths, GpuRingOptions, NetLanding};
 pub use in_flight::{Failed, InFlight};
 pub use nodetour_net::bootstrap::UniqueId;
 pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};

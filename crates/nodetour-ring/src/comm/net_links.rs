@@ -15,9 +15,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, HostBuffer};
 use nodetour_core::transport::gpu::{
     CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, HostSlots, ShmSender, ShmSlot,
+    StagedReceive,
 };
 use nodetour_core::transport::setup::{GpuNeighbourSetup, NeighbourSetup};
 use nodetour_core::transport::verbs::PreparedVerbs;
@@ -26,10 +28,12 @@ use nodetour_core::verbs::{
     Access, EndpointDescription, LocalSide, MemoryRegion, PathOptions, QueuePairOptions,
 };
 
-use super::gpu_links::{FormedGpuRing, GpuPaths, GpuRingOptions, Seat};
+use super::gpu_links::{FormedGpuRing, GpuPaths, GpuRingOptions, NetLanding, Seat};
 use crate::error::{Error, Result};
 use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, desc_cells, flag};
-use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage, receive_depth};
+use crate::net_link::{
+    Lander, MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage, receive_depth,
+};
 
 const MODE_IPC: u32 = 1;
 const MODE_SHM: u32 = 2;
@@ -73,6 +77,25 @@ fn region(
         }
         None => SlotRegion::host(buf),
     })
+}
+
+/// Lands chunks in GPU slots over a host-landing wire (tcp): each chunk is copied from its host
+/// bounce slot into the GPU slot on the link's own stream, which then sets `ready` (so the
+/// receive stream's wait sees the copy done). A bounce slot is written again only after the
+/// receive stream released the chunk, so after the copy.
+struct GpuLander {
+    stream: GpuStream,
+    bounce: HostSlots,
+    slots: Arc<GpuSlot>,
+    mine: Arc<Flags>,
+}
+
+impl Lander for GpuLander {
+    fn land(&mut self, offset: usize, len: usize, ready: u32) -> nodetour_core::Result<()> {
+        self.bounce
+            .enqueue_copy_out(&self.stream, self.slots.buffer(), offset, offset, len)?;
+        FlagPage::enqueue_set(&*self.mine, &self.stream, flag::READY, ready)
+    }
 }
 
 /// A page of this rank's that no neighbour maps (an outbox).
@@ -312,8 +335,13 @@ pub(crate) fn form(
             });
         }
         choice.push(format!(
-            "from previous: network ({}) landing in host slots, rank {prev} is on another host",
-            over(prev)
+            "from previous: network ({}) landing in {}, rank {prev} is on another host",
+            over(prev),
+            match options.net_landing {
+                NetLanding::Host => "host slots",
+                NetLanding::Gpu =>
+                    "GPU slots (through host bounce slots, copied in on the link's stream)",
+            }
         ));
         (private_page(context)?, Some(mailbox))
     };
@@ -369,6 +397,7 @@ pub(crate) fn form(
     if let Some(s) = &shm_slots {
         s.unlink()?;
     }
+    let mut lander: Option<Box<dyn Lander>> = None;
     let incoming = if prev_local {
         match mine.read(flag::MODE)? {
             MODE_IPC => {
@@ -386,6 +415,15 @@ pub(crate) fn form(
                 });
             }
         }
+    } else if options.net_landing == NetLanding::Gpu {
+        let slots = Arc::new(GpuSlot::new(context, slot_total)?);
+        lander = Some(Box::new(GpuLander {
+            stream: GpuStream::new(context)?,
+            bounce: HostSlots::new(recv_slots.clone().expect("made for a network previous"))?,
+            slots: slots.clone(),
+            mine: mine.clone(),
+        }));
+        Incoming::NetGpu(slots)
     } else {
         Incoming::Net {
             slots: HostSlots::new(recv_slots.clone().expect("made for a network previous"))?,
@@ -421,6 +459,7 @@ pub(crate) fn form(
         desc_cells: cells,
         stop_word: flag::STOPPED,
         options: NetOptions::from_env(),
+        lander,
     })?;
     let page = |f: &Arc<Flags>| -> Arc<dyn FlagPage> { f.clone() };
     let links = StreamLinks {

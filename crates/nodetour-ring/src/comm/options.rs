@@ -133,7 +133,17 @@ impl Options {
                 0,
                 usize::MAX,
             )?,
-            gpu_ring: super::gpu_links::GpuRingOptions::default(),
+            gpu_ring: super::gpu_links::GpuRingOptions {
+                net_landing: match get("NODETOUR_NET_LANDING") {
+                    None => super::gpu_links::NetLanding::Host,
+                    Some(v) => super::gpu_links::NetLanding::parse(&v).ok_or_else(|| {
+                        Error::InvalidArgument {
+                            reason: format!("NODETOUR_NET_LANDING={v}: expected host or gpu"),
+                        }
+                    })?,
+                },
+                ..super::gpu_links::GpuRingOptions::default()
+            },
             two_rank_exchange: true,
         })
     }
@@ -194,6 +204,7 @@ mod tests {
             ("NODETOUR_SLOTS", "0"),
             ("NODETOUR_SLOT_BYTES", "big"),
             ("NODETOUR_TIMEOUT_MS", "-1"),
+            ("NODETOUR_NET_LANDING", "nic"),
         ] {
             let e = Options::from_lookup(lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");

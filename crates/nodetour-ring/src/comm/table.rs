@@ -7,13 +7,17 @@
 //! |---|---|---|
 //! | cuda-ipc | GPU | same host, both pass GPU memory, different processes (the mapping is tried when the ring forms; a GPU that cannot map its neighbour's memory falls to the next row) |
 //! | shm | GPU | same host, both pass GPU memory, different processes |
-//! | tcp (network link) | GPU | different hosts, both pass GPU memory (the GPU ring's network link: a progress thread carries the stream program's chunks, landing in host slots) |
+//! | tcp (network link) | GPU | both pass GPU memory on different hosts, or a host kind forced (the GPU ring's network link: a progress thread carries the stream program's chunks; verbs where the host links chose verbs) |
 //! | verbs | host | both ranks opened an RDMA device |
 //! | tcp | host | always |
 //!
-//! The GPU ring forms when every link of the ring has a GPU row: in-host links between ranks
-//! of one host, network links between hosts. RDMA writes into GPU slots (verbs, GPUDirect) are
-//! the row to come above the tcp network link.
+//! The GPU ring forms when every link of the ring has a GPU row (in-host links between
+//! processes of one host, network links between hosts) and no two ranks share a process. Ranks
+//! of one process share its CUDA context: one rank's implicitly synchronising call (a free, a
+//! module load) would wait for another rank's stream, which waits for the first rank's
+//! progress, so their GPU buffers are staged through the host ring (synchronous), as are those
+//! of a job where a rank passes host memory. RDMA writes into GPU slots (verbs, GPUDirect) are
+//! the row to come above the network link.
 
 use nodetour_core::transport::TransportKind;
 
@@ -101,16 +105,23 @@ fn gpus_of_one_host(p: &Pair<'_>) -> std::result::Result<String, String> {
 
 fn gpus_on_other_hosts(p: &Pair<'_>) -> std::result::Result<String, String> {
     let ((ours, me), (theirs, peer)) = (p.ours, p.theirs);
-    if p.same_host {
-        return Err(format!("ranks {me} and {peer} share a host"));
-    }
     if let Some(r) = [(ours, me), (theirs, peer)]
         .iter()
         .find(|(a, _)| a.gpu.is_none())
     {
         return Err(format!("rank {} passes host memory only", r.1));
     }
-    Ok("GPUs on different hosts: a network link (tcp) landing in host slots".into())
+    if p.same_host {
+        return Err(format!("ranks {me} and {peer} share a host"));
+    }
+    Ok("GPUs on different hosts: a network link".into())
+}
+
+/// Whether the GPU ring joins `pair` by a network link (rather than cuda-ipc or shm): ranks on
+/// different hosts, or every link when `NODETOUR_TRANSPORT` forces a host kind (tcp, verbs).
+/// Pure: both ends, and every rank, decide alike.
+pub(crate) fn network_link(pair: &Pair<'_>, forced: Option<TransportKind>) -> bool {
+    forced.is_some_and(is_host) || gpus_on_other_hosts(pair).is_ok()
 }
 
 fn both_have_verbs(p: &Pair<'_>) -> std::result::Result<String, String> {
@@ -198,18 +209,16 @@ fn is_host(k: TransportKind) -> bool {
 
 /// Whether the GPU ring can join every link of `ring` (each `(pair)` of ring neighbours), and
 /// why not: every rank computes this from the same announcements, so all form a GPU ring or
-/// none does. A host kind forced by `NODETOUR_TRANSPORT` keeps GPU memory on the host links.
+/// none does. A host kind forced by `NODETOUR_TRANSPORT` makes every link a network link.
 /// Ranks that share a process anywhere in the job (`pids_distinct`: no two ranks with one
 /// host and one pid) never form one (a process's GPU memory cannot be mapped into itself, and
-/// its threads' rings would share its CUDA contexts).
+/// its threads' rings would share its CUDA context, where one rank's synchronising call waits
+/// for another rank's streams).
 pub(crate) fn device_ring(
     links: &[Pair<'_>],
     forced: Option<TransportKind>,
     pids_distinct: bool,
 ) -> std::result::Result<String, String> {
-    if let Some(f) = forced.filter(|f| is_host(*f)) {
-        return Err(format!("NODETOUR_TRANSPORT={f}"));
-    }
     let rows: Vec<&Row> = TABLE
         .iter()
         .filter(|r| r.memory == Memory::Device)
@@ -221,9 +230,14 @@ pub(crate) fn device_ring(
             .unwrap_or_else(|| (rows[0].can_connect)(pair))?;
     }
     if !pids_distinct {
-        return Err("ranks share a process (cuda-ipc cannot map memory within one process)".into());
+        return Err(
+            "ranks share a process (one CUDA context: staged through the host ring)".into(),
+        );
     }
-    let network = links.iter().any(|p| !p.same_host);
+    if let Some(f) = forced.filter(|f| is_host(*f)) {
+        return Ok(format!("NODETOUR_TRANSPORT={f}: every link a network link"));
+    }
+    let network = links.iter().any(|p| network_link(p, forced));
     Ok(if network {
         format!(
             "every link joins GPUs: {} or {} within a host, a network link ({}) between hosts",
@@ -304,7 +318,7 @@ mod tests {
     }
 
     #[test]
-    fn the_gpu_ring_needs_every_link_on_one_host_with_gpus_in_other_processes() {
+    fn the_gpu_ring_joins_gpus_in_host_and_over_the_network() {
         let g = |pid| a(None, false, Some(0), pid);
         let pair = |o, t, same_host| Pair {
             ours: (o, 0),
@@ -313,19 +327,27 @@ mod tests {
             why_no_verbs: "",
         };
         let (x, y) = (g(1), g(2));
+        let near = pair(&x, &y, true);
         assert!(device_ring(&[pair(&x, &y, true)], None, true).is_ok());
+        assert!(!network_link(&near, None));
         // GPUs on different hosts join through a network link.
         let far = device_ring(&[pair(&x, &y, false)], None, true).unwrap();
         assert!(far.contains("network link"), "{far}");
+        assert!(network_link(&pair(&x, &y, false), None));
         let host_only = a(None, false, None, 3);
         let why = device_ring(&[pair(&x, &host_only, true)], None, true).unwrap_err();
         assert!(why.contains("host memory only"), "{why}");
+        // Ranks of one process share its CUDA context: staged.
         let same = g(1);
         assert!(device_ring(&[pair(&x, &same, true)], None, true).is_err());
-        assert!(device_ring(&[pair(&x, &y, true)], None, false).is_err());
-        let forced = device_ring(&[pair(&x, &y, true)], Some(TransportKind::Tcp), true);
-        assert_eq!(forced, Err("NODETOUR_TRANSPORT=tcp".into()));
+        assert!(device_ring(&[pair(&x, &y, false)], None, false).is_err());
+        // A forced host kind makes every link a network link.
+        let tcp = Some(TransportKind::Tcp);
+        let forced = device_ring(&[pair(&x, &y, true)], tcp, true).unwrap();
+        assert!(forced.contains("NODETOUR_TRANSPORT=tcp"), "{forced}");
+        assert!(network_link(&near, tcp));
         // shm forced is a GPU link: the ring forms (and runs staged).
         assert!(device_ring(&[pair(&x, &y, true)], Some(TransportKind::Shm), true).is_ok());
+        assert!(!network_link(&near, Some(TransportKind::Shm)));
     }
 }

@@ -137,6 +137,11 @@ struct GpuArgs {
     /// repeating a GPU puts several ranks on it).
     #[arg(long, value_delimiter = ',')]
     gpus: Vec<usize>,
+    /// The network link's hand-off alone, on GPU 0 in this process: one chunk from a stream
+    /// through the link's threads and tcp loopback to another stream, beside the same copies
+    /// handed over by a stored word (`NODETOUR_SPIN_US` sets the threads' spin).
+    #[arg(long, conflicts_with_all = ["gpu", "gpus"])]
+    handoff: bool,
     /// With --gpu: direct (cuda-ipc), staged (shm), both side by side, or auto.
     #[arg(long, default_value = "auto")]
     path: String,
@@ -207,6 +212,9 @@ fn main() -> ExitCode {
     {
         if !gpu.gpus.is_empty() {
             return exit(perf_gpus(sweep, gpu));
+        }
+        if gpu.handoff {
+            return exit(perf_handoff(sweep));
         }
         if gpu.gpu {
             return exit(perf_ring(sweep, gpu));
@@ -500,6 +508,33 @@ fn perf_gpus(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
     Ok(rows
         .iter()
         .all(|r| r.nodetour.2 && r.nccl.is_none_or(|x| x.2)))
+}
+
+fn perf_handoff(sweep: &SweepArgs) -> anyhow::Result<bool> {
+    use nodetour_tools::perf::{human_size, parse_sizes};
+    let sizes = parse_sizes(&sweep.sizes, sweep.factor)?;
+    let spin = nodetour::ring::net_link::NetOptions::from_env().spin;
+    let rows = nodetour_tools::perf_handoff::handoff(0, &sizes, sweep.iters.max(1))?;
+    println!(
+        "# nodetour perf --handoff: one chunk, stream -> link thread -> tcp loopback -> link \
+         thread -> stream, on GPU 0 (link threads spin {} us, then nap); median of {} chunks",
+        spin.as_micros(),
+        sweep.iters.max(1)
+    );
+    println!(
+        "{:>12} {:>14} {:>12} {:>12}",
+        "size", "network(us)", "local(us)", "added(us)"
+    );
+    for r in &rows {
+        println!(
+            "{:>12} {:>14.1} {:>12.1} {:>12.1}",
+            human_size(r.bytes),
+            r.network_us,
+            r.local_us,
+            r.network_us - r.local_us
+        );
+    }
+    Ok(true)
 }
 
 fn perf_ring(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
