@@ -812,19 +812,31 @@ impl HostSlots {
     ) -> Result<()> {
         src.check("GPU copy source", src_offset, len)?;
         let to = self.region.device_address(slot_offset, len)?;
-        let s = stream.bind()?;
-        src.note_use(stream);
-        // SAFETY: both ranges are in bounds of live memory (checked); the buffer noted this
-        // stream (freed after its work); the slots stay registered until their owner has
-        // drained the stream.
-        unsafe {
-            crate::cuda::result::memcpy_dtoh_async(
-                to as *mut std::ffi::c_void,
-                src.device_ptr() + src_offset as u64,
-                len,
-                s,
-            )
-        }
+        copy_out(stream, src, src_offset, to, len)
+    }
+}
+
+/// Queues on `stream` a copy of `len` bytes of `src` at `src_offset` (checked by the caller)
+/// into registered host memory at `to` (its checked, live, mapped address).
+fn copy_out(
+    stream: &GpuStream,
+    src: &DeviceBuffer,
+    src_offset: usize,
+    to: u64,
+    len: usize,
+) -> Result<()> {
+    let s = stream.bind()?;
+    src.note_use(stream);
+    // SAFETY: both ranges are in bounds of live memory (checked by the callers); the buffer
+    // noted this stream (freed after its work); the host memory stays registered until its
+    // owner has drained the stream.
+    unsafe {
+        crate::cuda::result::memcpy_dtoh_async(
+            to as *mut std::ffi::c_void,
+            src.device_ptr() + src_offset as u64,
+            len,
+            s,
+        )
     }
 }
 
@@ -929,18 +941,7 @@ impl ShmSender {
     ) -> Result<()> {
         src.check("GPU write source", src_offset, len)?;
         let to = self.mem.device_address(slot_offset, len)?;
-        let s = stream.bind()?;
-        src.note_use(stream);
-        // SAFETY: both ranges are in bounds of live memory (checked); the buffer noted this
-        // stream; the slot stays registered until its owner has drained the stream.
-        unsafe {
-            crate::cuda::result::memcpy_dtoh_async(
-                to as *mut std::ffi::c_void,
-                src.device_ptr() + src_offset as u64,
-                len,
-                s,
-            )
-        }?;
+        copy_out(stream, src, src_offset, to, len)?;
         if let Some(v) = notify {
             self.flags.enqueue_set(stream, self.rank, v)?;
         }
