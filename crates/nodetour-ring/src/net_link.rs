@@ -35,9 +35,11 @@
 //! notices, which is how the neighbours learn of the abort), and ends typed, never hanging, when
 //! a peer goes: its failure is read by the ring's wait ([`NetLink::failure`]).
 //!
-//! Waiting: the thread spins for [`NetOptions::spin`] after its last progress, then naps with
-//! back-off up to [`NAP_MAX`] while chunks are in flight, and blocks (woken when a collective is
-//! queued, at most [`IDLE_WAKE`] apart to see notices) when none is.
+//! Waiting: the thread spins for [`NetOptions::spin`] (`NODETOUR_SPIN_US`) after its last
+//! progress, busy or idle; then, while chunks are in flight, it waits on the connection a chunk
+//! (or else a credit) is expected from, at most a nap (growing up to [`NAP_MAX`]) so that what
+//! the streams store is seen too; with nothing in flight it blocks until a collective is queued
+//! (at most [`IDLE_WAKE`], to see notices).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -487,6 +489,8 @@ struct Engine {
     ready_target: u64,
     stopped: bool,
     events: Vec<Event>,
+    /// Events a nap's wait took off a connection, handled at the next step.
+    parked: Vec<(Role, Event)>,
     /// Neighbours known gone (their connection failed): nothing more is written to them (a
     /// write to a dead queue pair waits out its retries).
     lost_next: bool,
@@ -517,6 +521,7 @@ impl Engine {
             ready_target: 0,
             stopped: false,
             events: Vec::new(),
+            parked: Vec::new(),
             lost_next: false,
             lost_prev: false,
         }
@@ -560,6 +565,12 @@ impl Engine {
                 nap = Duration::from_micros(5);
                 continue;
             }
+            // Spin first, busy or idle: a training loop's next collective (or the next chunk)
+            // usually comes within the spin, and a blocked thread's wake-up costs more.
+            if last.elapsed() < spin {
+                std::hint::spin_loop();
+                continue;
+            }
             if self.idle() {
                 let p = self
                     .shared
@@ -572,16 +583,45 @@ impl Engine {
                 {
                     let _ = self.shared.wake.wait_timeout(p, IDLE_WAKE);
                 }
-                last = Instant::now();
                 continue;
             }
-            if last.elapsed() < spin {
-                std::hint::spin_loop();
-                continue;
-            }
-            std::thread::sleep(nap);
+            self.nap(nap);
             nap = (nap * 2).min(NAP_MAX);
         }
+    }
+
+    /// Waits at most `d` without holding a core: on the connection a chunk is expected from
+    /// (its arrival wakes the thread at once), else on the one credit is expected from, else
+    /// asleep (what the streams store is seen at the next step).
+    fn nap(&mut self, d: Duration) {
+        let data_due =
+            self.has_prev() && !self.lost_prev && self.recv.landed_count() < self.planned_recvs;
+        let credit_due =
+            self.has_next() && !self.lost_next && self.send.completed() > self.send.credited();
+        let (conn, role) = if data_due {
+            if self.setup.same_peer {
+                (self.setup.to_next.as_mut(), Role::Both)
+            } else {
+                (self.setup.to_prev.as_mut(), Role::Prev)
+            }
+        } else if credit_due {
+            let role = if self.setup.same_peer {
+                Role::Both
+            } else {
+                Role::Next
+            };
+            (self.setup.to_next.as_mut(), role)
+        } else {
+            (None, Role::Next)
+        };
+        let Some(conn) = conn else {
+            std::thread::sleep(d);
+            return;
+        };
+        let mut events = Vec::new();
+        // A failure shows again at the next step's poll, and is handled there.
+        let _ = conn.wait(&mut events, nodetour_core::Deadline::after(d));
+        self.parked.extend(events.into_iter().map(|e| (role, e)));
     }
 
     /// Nothing is in flight: every planned chunk written, landed and credited.
@@ -629,7 +669,10 @@ impl Engine {
     }
 
     fn take_events(&mut self) -> bool {
-        let mut busy = false;
+        let mut busy = !self.parked.is_empty();
+        for (role, Event::Notified(v)) in std::mem::take(&mut self.parked) {
+            self.handle(role, v);
+        }
         let roles: [(bool, Role); 2] = [
             (
                 self.setup.to_next.is_some(),
