@@ -135,3 +135,136 @@ pub fn announcements(data: &[u8]) -> usize {
     }
     accepted
 }
+
+/// What the `net_notes` fuzz target and its corpus replay test run: a network link's two ends
+/// ([`crate::progress`]) fed arbitrary notifications from their neighbours (read by
+/// [`crate::net_link::classify`]) interleaved with what the streams store, completions,
+/// flushes, aborts and losses. Whatever the bytes: no panic; no write without credit or past
+/// what the stream made ready; no `ready` past what landed (and, with a flush, was flushed); no
+/// credit past what the stream released; cells only where the neighbour's role allows; nothing
+/// after a stop. Returns how many actions came out.
+///
+/// Layout: 2 header bytes (slots, flags: same peer, flush), then 5-byte events (kind, 32-bit
+/// value).
+pub fn net_notes(data: &[u8]) -> usize {
+    use crate::net_link::{Note, classify, encode_note, words};
+    use crate::progress::{RecvAction, RecvEnd, SendAction, SendEnd};
+    let Some(head) = data.get(..2) else {
+        return 0;
+    };
+    let slots = u32::from(head[0] % 8) + 1;
+    let same_peer = head[1] & 1 != 0;
+    let flush = head[1] & 2 != 0;
+    let desc = (words::DESC_BASE, slots + 2);
+    let (mut send, mut recv) = (SendEnd::new(slots), RecvEnd::new(slots, flush));
+    // What the harness knows: the stream's counters, what landed, what was flushed.
+    let (mut made_ready, mut released_by_stream) = (0u64, 0u64);
+    let (mut ready, mut posted, mut flushing) = (0u64, 0u64, None::<u64>);
+    let (mut send_stopped, mut recv_stopped) = (false, false);
+    let mut actions = 0;
+    for ev in data[2..].chunks_exact(5) {
+        let v = u32::from_be_bytes([ev[1], ev[2], ev[3], ev[4]]);
+        match ev[0] % 10 {
+            // A neighbour's notification, as the previous rank, the next rank or both.
+            k @ 0..=2 => {
+                let (from_prev, from_next) = match k {
+                    0 => (true, same_peer),
+                    1 => (same_peer, true),
+                    _ => (true, true),
+                };
+                let note = classify(v, from_prev, from_next, desc);
+                if let Some(e) = encode_note(&note) {
+                    assert_eq!(e, v, "a note that is read encodes back to itself");
+                }
+                match note {
+                    Note::Data(low) => {
+                        assert!(from_prev, "chunks only from the previous rank");
+                        recv.landed(unwrap_low(recv.landed_count(), low));
+                    }
+                    Note::Credit(low) => {
+                        assert!(from_next, "credit only from the next rank");
+                        send.credit(unwrap_low(send.credited(), low));
+                    }
+                    Note::Cell {
+                        index,
+                        from_prev: p,
+                    } => {
+                        let prev_cell = index == words::ENDED_BY_PREV
+                            || (desc.0..desc.0 + desc.1).contains(&index);
+                        assert!(
+                            (p && from_prev && prev_cell)
+                                || (!p && from_next && index == words::ENDED_BY_NEXT),
+                            "cell {index} accepted from the wrong role"
+                        );
+                    }
+                    Note::Refused(_) => {}
+                }
+            }
+            3 => {
+                made_ready += u64::from(v % 4);
+                send.stream_sent(made_ready);
+            }
+            4 => {
+                // The stream releases only what was made ready to it.
+                released_by_stream = (released_by_stream + u64::from(v % 4)).min(ready);
+                recv.stream_released(released_by_stream);
+            }
+            5 => send.write_completed(send.completed(), v % 16 != 0),
+            6 => {
+                if flushing.take().is_some() {
+                    recv.flushed(v % 16 != 0);
+                }
+            }
+            7 => send.abort(),
+            8 => recv.abort(),
+            _ => {
+                send.peer_lost();
+                recv.peer_lost();
+            }
+        }
+        while let Some(a) = send.poll() {
+            actions += 1;
+            assert!(!send_stopped, "nothing after a stop");
+            match a {
+                SendAction::Write { seq, .. } => {
+                    assert_eq!(seq, posted, "writes in order");
+                    assert!(seq < made_ready, "a write of a chunk the stream made ready");
+                    assert!(
+                        seq < send.credited() + u64::from(slots),
+                        "a write into a slot the receiver released"
+                    );
+                    posted += 1;
+                }
+                SendAction::Stop(_) => send_stopped = true,
+            }
+            assert!(actions < 1 << 20, "a bounded stream of actions");
+        }
+        while let Some(a) = recv.poll() {
+            actions += 1;
+            assert!(!recv_stopped, "nothing after a stop");
+            match a {
+                RecvAction::Flush { upto } => {
+                    assert!(flush, "a flush only where the GPU needs one");
+                    assert!(upto <= recv.landed_count());
+                    flushing = Some(upto);
+                }
+                RecvAction::Ready(n) => {
+                    assert!(n <= recv.landed_count(), "ready only for what landed");
+                    assert!(n > ready, "ready grows");
+                    ready = n;
+                }
+                RecvAction::Credit(n) => {
+                    assert!(n <= released_by_stream, "credit only for released slots");
+                }
+                RecvAction::Stop(_) => recv_stopped = true,
+            }
+            assert!(actions < 1 << 20, "a bounded stream of actions");
+        }
+    }
+    actions
+}
+
+/// The smallest value ≥ `base` that is `low` mod 2^29 (as the link unwraps notifications).
+fn unwrap_low(base: u64, low: u32) -> u64 {
+    base + u64::from(low.wrapping_sub(base as u32) & ((1 << 29) - 1))
+}

@@ -75,7 +75,7 @@ const DATA: u32 = 1;
 const CREDIT: u32 = 2;
 const CELL_KIND: u32 = 3;
 
-fn note(kind: u32, value: u64) -> u32 {
+fn note_value(kind: u32, value: u64) -> u32 {
     (kind << KIND_SHIFT) | (value as u32 & VALUE_MASK)
 }
 
@@ -85,6 +85,68 @@ fn note(kind: u32, value: u64) -> u32 {
 /// room to spare, so that no write meets a receiver that is not ready.
 pub fn receive_depth(slots: u32) -> u32 {
     4 * slots + 16
+}
+
+/// What a neighbour's notification asks of this end, as it reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Note {
+    /// A chunk landed (its sequence number mod 2^29).
+    Data(u32),
+    /// Credit (chunks released, mod 2^29).
+    Credit(u32),
+    /// A cell of the mailbox changed: which, and whether it is the previous rank's (else the
+    /// next rank's).
+    Cell {
+        /// The flag word.
+        index: u32,
+        /// From the previous rank's mailbox.
+        from_prev: bool,
+    },
+    /// Nothing this neighbour may send: a protocol violation.
+    Refused(String),
+}
+
+/// Reads notification `v` from a neighbour that is this rank's previous (`from_prev`), next
+/// (`from_next`), or both (a ring of two), with the descriptor cells `desc_cells` (first,
+/// count). Pure. Only the previous rank sends chunks, the descriptor cells and `ENDED_BY_PREV`;
+/// only the next rank sends credit and `ENDED_BY_NEXT`; anything else is refused.
+pub fn classify(v: u32, from_prev: bool, from_next: bool, desc_cells: (u32, u32)) -> Note {
+    let value = v & VALUE_MASK;
+    let (first, count) = desc_cells;
+    match v >> KIND_SHIFT {
+        DATA if from_prev => Note::Data(value),
+        CREDIT if from_next => Note::Credit(value),
+        CELL_KIND
+            if from_prev
+                && (value == flag::ENDED_BY_PREV
+                    || (first..first.saturating_add(count)).contains(&value)) =>
+        {
+            Note::Cell {
+                index: value,
+                from_prev: true,
+            }
+        }
+        CELL_KIND if from_next && value == flag::ENDED_BY_NEXT => Note::Cell {
+            index: value,
+            from_prev: false,
+        },
+        CELL_KIND => Note::Refused(format!("a cell it may not write ({value})")),
+        DATA | CREDIT => Note::Refused(format!(
+            "a notification of kind {} from the wrong neighbour",
+            v >> KIND_SHIFT
+        )),
+        _ => Note::Refused(format!("an unknown notification {v:#010x}")),
+    }
+}
+
+/// Encodes what a neighbour sends (the counterpart of [`classify`], for tests and fuzzing).
+pub fn encode_note(note: &Note) -> Option<u32> {
+    match *note {
+        Note::Data(seq) => Some(note_value(DATA, u64::from(seq))),
+        Note::Credit(n) => Some(note_value(CREDIT, u64::from(n))),
+        Note::Cell { index, .. } => Some(note_value(CELL_KIND, u64::from(index))),
+        Note::Refused(_) => None,
+    }
 }
 
 /// The smallest value ≥ `base` that is `v` mod 2^29.
@@ -719,14 +781,14 @@ impl Engine {
     }
 
     fn handle(&mut self, role: Role, v: u32) {
-        let value = v & VALUE_MASK;
-        match v >> KIND_SHIFT {
-            DATA if role.is_prev() => {
-                let seq = unwrap29(self.recv.landed_count(), value);
+        let desc = self.setup.desc_cells;
+        match classify(v, role.is_prev(), role.is_next(), desc) {
+            Note::Data(low) => {
+                let seq = unwrap29(self.recv.landed_count(), low);
                 self.recv.landed(seq);
             }
-            CREDIT if role.is_next() => {
-                let n = unwrap29(self.send.credited(), value);
+            Note::Credit(low) => {
+                let n = unwrap29(self.send.credited(), low);
                 self.send.credit(n);
                 if !self.send.is_stopped() {
                     let _ = self
@@ -735,19 +797,17 @@ impl Engine {
                         .store(flag::RELEASED, self.send.credited() as u32);
                 }
             }
-            CELL_KIND => {
-                let index = value;
-                let from_prev = role.is_prev() && self.accepts_from_prev(index);
-                let from_next = role.is_next() && index == flag::ENDED_BY_NEXT;
+            Note::Cell { index, from_prev } => {
                 let mailbox = if from_prev {
                     self.setup.mailbox_from_prev.as_ref()
-                } else if from_next {
-                    self.setup.mailbox_from_next.as_ref()
                 } else {
-                    None
+                    self.setup.mailbox_from_next.as_ref()
                 };
                 let Some(mailbox) = mailbox else {
-                    self.protocol(role, format!("a cell it may not write ({index})"));
+                    self.protocol(
+                        role,
+                        format!("a cell on a link that has no mailbox ({index})"),
+                    );
                     return;
                 };
                 let mut cell = [0u8; CELL];
@@ -761,7 +821,7 @@ impl Engine {
                 let _ = mine.store_bytes(index, 4, &cell[4..]);
                 let _ = mine.store(index, word);
             }
-            _ => self.protocol(role, format!("an unknown notification {v:#010x}")),
+            Note::Refused(reason) => self.protocol(role, reason),
         }
     }
 
@@ -773,11 +833,6 @@ impl Engine {
         self.lost_prev |= role.is_prev() || both;
         self.send.peer_lost();
         self.recv.peer_lost();
-    }
-
-    fn accepts_from_prev(&self, index: u32) -> bool {
-        let (first, count) = self.setup.desc_cells;
-        index == flag::ENDED_BY_PREV || (first..first + count).contains(&index)
     }
 
     fn protocol(&mut self, role: Role, reason: String) {
@@ -853,7 +908,7 @@ impl Engine {
                         at..at + CELL,
                         grant,
                         at as u64,
-                        Some(note(CELL_KIND, u64::from(index))),
+                        Some(note_value(CELL_KIND, u64::from(index))),
                     )
                 });
                 if let Err(e) = sent {
@@ -926,7 +981,7 @@ impl Engine {
                                 at..at + len,
                                 self.setup.next_recv.as_ref().expect("checked"),
                                 at as u64,
-                                Some(note(DATA, seq)),
+                                Some(note_value(DATA, seq)),
                             )
                             .inspect_err(
                                 |e| tracing::debug!(error = %e, seq, "a chunk's write failed"),
@@ -993,7 +1048,7 @@ impl Engine {
                         0..0,
                         self.setup.prev_mailbox.as_ref().expect("checked"),
                         0,
-                        Some(note(CREDIT, n)),
+                        Some(note_value(CREDIT, n)),
                     );
                     if let Err(e) = sent {
                         tracing::debug!(error = %e, "a credit's write failed");
@@ -1018,11 +1073,14 @@ mod tests {
         assert_eq!(unwrap29(5, 5), 5);
         assert_eq!(unwrap29(5, 7), 7);
         let big = (1u64 << 29) * 3 + 10;
-        assert_eq!(unwrap29(big, note(DATA, big) & VALUE_MASK), big);
-        assert_eq!(unwrap29(big, note(DATA, big + 2) & VALUE_MASK), big + 2);
+        assert_eq!(unwrap29(big, note_value(DATA, big) & VALUE_MASK), big);
+        assert_eq!(
+            unwrap29(big, note_value(DATA, big + 2) & VALUE_MASK),
+            big + 2
+        );
         // A stale value unwraps far ahead: the engine sees the wrong chunk and stops.
-        assert!(unwrap29(big, note(DATA, big - 1) & VALUE_MASK) > big + 1000);
+        assert!(unwrap29(big, note_value(DATA, big - 1) & VALUE_MASK) > big + 1000);
         assert_eq!(unwrap32(u64::from(u32::MAX), 2), (1u64 << 32) + 2);
-        assert_eq!(note(CELL_KIND, 7) >> KIND_SHIFT, CELL_KIND);
+        assert_eq!(note_value(CELL_KIND, 7) >> KIND_SHIFT, CELL_KIND);
     }
 }

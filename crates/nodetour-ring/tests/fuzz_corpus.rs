@@ -28,3 +28,14 @@ fn comm_announcement_corpus() {
     }
     assert!(decoded > 0, "no input of the corpus decodes");
 }
+
+#[test]
+fn net_notes_corpus() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/net_notes");
+    let mut actions = 0;
+    for entry in fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let data = fs::read(entry.unwrap().path()).unwrap();
+        actions += nodetour_ring::fuzzing::net_notes(&data);
+    }
+    assert!(actions > 0, "no input of the corpus moves the link");
+}
