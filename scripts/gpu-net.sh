@@ -48,6 +48,10 @@ failed=0
             ./gpu_ring_check --disagree-rank 1 2>&1 | grep -E 'GPU_RING_DISAGREE|rror'
         [[ ${PIPESTATUS[0]} == 0 ]] || { echo "agreement drill ($n ranks) failed"; failed=1; }
     done
+    echo "== examples/two_node_allreduce across hosts (tcp between the \"hosts\": the network link)"
+    ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./two_node_allreduce --sizes 1M:64M --iters 5 2>&1 |
+        grep -E 'TWO_NODE|size|staged|direct|network' | grep -v INFO || failed=1
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
     echo "== data_parallel across hosts"
     ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./data_parallel --steps 3 || failed=1
     echo "== GPU slots: the network link landing in GPU slots (NODETOUR_NET_LANDING=gpu)"

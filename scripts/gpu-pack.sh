@@ -14,7 +14,7 @@ exe=$(cargo test --release -p nodetour-core --test gpu --no-run 2>&1 | sed -n 's
 cp target/release/nodetour target/release/examples/two_node_smoke target/release/examples/gpu_spike target/release/examples/teardown_probe \
     target/release/examples/gpu_transport_check target/release/examples/transport_check \
     target/release/examples/gpu_allreduce target/release/examples/gpu_ring_check \
-    target/release/examples/allreduce_check target/release/examples/data_parallel "$out/"
+    target/release/examples/allreduce_check target/release/examples/data_parallel target/release/examples/two_node_allreduce "$out/"
 cp "$exe" "$out/gpu_tests"
 exe=$(cargo test --release -p nodetour-ring --test gpu_reduce --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp "$exe" "$out/gpu_reduce_tests"
@@ -25,5 +25,5 @@ cp "$exe" "$out/communicator_gpu_tests"
 exe=$(cargo bench --bench allreduce --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp "$exe" "$out/bench_allreduce"
 cp scripts/gpu-tier.sh scripts/gpu-net.sh scripts/gpu-drills.sh scripts/ab-perf.sh scripts/launch-local.sh "$out/"
-strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/teardown_probe" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/communicator_devices_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check" "$out/bench_allreduce" "$out/data_parallel" "$out/communicator_gpu_tests"
+strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/teardown_probe" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/communicator_devices_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check" "$out/bench_allreduce" "$out/data_parallel" "$out/communicator_gpu_tests" "$out/two_node_allreduce"
 du -sh "$out"

@@ -70,6 +70,18 @@ for n in 2 4 8; do
     fi
 done
 
+say "examples/two_node_allreduce over verbs (no GPU here: host buffers), 2 processes on $NODETOUR_VM_DEV0 and $NODETOUR_VM_DEV1"
+ok=$(NODETOUR_IB_DEVICES="$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" scripts/launch-local.sh -n 2 --timeout 300 -- \
+    "$BIN_DIR/examples/two_node_allreduce" --sizes 4K:1M 2>&1 | tee /tmp/tn.log | grep -c 'TWO_NODE OK')
+grep -E 'TWO_NODE|verbs' /tmp/tn.log | head -12
+if [[ $ok == 2 ]] && grep -q 'verbs' /tmp/tn.log; then
+    say "two_node_allreduce ... ok"
+else
+    say "two_node_allreduce ... FAILED"
+    cat /tmp/tn.log
+    failed=1
+fi
+
 for n in 2 3 4; do
     say "allreduce_check over verbs (host buffers, 35 type x op cases): $n processes"
     ok=$(scripts/launch-local.sh -n "$n" --timeout 300 -- "$BIN_DIR/examples/allreduce_check" --transport verbs \

@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use half::bf16;
 use nodetour_core::Deadline;
+use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::transport::TransportKind;
+use nodetour_core::transport::gpu::{Flags, StopWord, StreamGuard, enqueue_wait};
 use nodetour_net::bootstrap::UniqueId;
 use nodetour_ring::comm::{Communicator, DevicePath, Options};
 use nodetour_ring::{Error, ReduceOp};
@@ -280,6 +283,60 @@ fn gpu_ring_of_processes(world: u32, host_of: impl Fn(u32) -> Option<String>) {
     }
 }
 
+/// A one-thread kernel spinning on a host-mapped word, on a stream of its own.
+struct Spinner {
+    flags: Arc<Flags>,
+    stream: GpuStream,
+    done: GpuEvent,
+    _kernels: ReduceKernels,
+    _guard: StreamGuard,
+}
+
+impl Spinner {
+    fn start() -> Spinner {
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        let flags = Arc::new(Flags::create(&ctx, 4).unwrap());
+        flags.unlink().unwrap();
+        let kernels = ReduceKernels::load(&ctx).unwrap();
+        let guard = StreamGuard::new(&ctx, StopWord::new(flags.clone(), 1).unwrap()).unwrap();
+        let stream = GpuStream::new(&ctx).unwrap();
+        enqueue_wait(
+            &stream,
+            &kernels,
+            &guard,
+            Some((&*flags, 0, 1)),
+            false,
+            None,
+        )
+        .unwrap();
+        let done = GpuEvent::marker(&ctx).unwrap();
+        stream.record_marker(&done).unwrap();
+        assert!(!done.is_complete().unwrap(), "the spinner spins");
+        Spinner {
+            flags,
+            stream,
+            done,
+            _kernels: kernels,
+            _guard: guard,
+        }
+    }
+
+    /// Releases the kernel and waits (bounded) for it to end.
+    fn release(self) {
+        assert!(
+            !self.done.is_complete().unwrap(),
+            "the spinner was still spinning while the collectives ran"
+        );
+        self.flags.store(0, 1).unwrap();
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while !self.done.is_complete().unwrap() {
+            assert!(std::time::Instant::now() < until, "the spinner did not end");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(self.stream);
+    }
+}
+
 /// One rank of [`device_collectives_on_a_gpu_ring_of_processes`] (only as its child).
 #[test]
 #[ignore = "a rank of device_collectives_on_a_gpu_ring_of_processes"]
@@ -300,12 +357,18 @@ fn gpu_ring_rank() {
     if r == 0 {
         println!("GPU_RING_PATHS world={world} {}", comm.paths());
     }
+    // No device-wide synchronisation anywhere in the collectives' path: a one-thread kernel
+    // spins on another stream of this GPU until the test releases it, after every collective
+    // has returned; a synchronising call would wait for it forever (the parent's deadline).
+    let spinner = Spinner::start();
     for n in [1usize, 100_003] {
         for _ in 0..2 {
             let got = shapes(&comm, n);
             check_shapes(r as usize, world, n, &got);
         }
     }
+    comm.wait(Deadline::after(Duration::from_secs(20))).unwrap();
+    spinner.release();
     comm.close(Deadline::after(Duration::from_secs(20)))
         .unwrap();
     println!("GPU_RING_SHAPES OK rank={r} world={world}");
