@@ -268,13 +268,17 @@ fn gpu_ring_of_processes(world: u32, host_of: impl Fn(u32) -> Option<String>) {
         })
         .collect();
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    for (r, c) in children.iter_mut().enumerate() {
+    for r in 0..children.len() {
         let status = loop {
-            if let Some(s) = c.try_wait().unwrap() {
+            if let Some(s) = children[r].try_wait().unwrap() {
                 break s;
             }
             if std::time::Instant::now() > deadline {
-                let _ = c.kill();
+                // Every rank goes (a rank left behind would hold the output open).
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
                 panic!("{world} ranks: rank {r} did not finish in 120 s");
             }
             std::thread::sleep(Duration::from_millis(20));

@@ -1,7 +1,9 @@
 //! A communicator's scratch device buffer: the whole input of an out-of-place reduce-scatter
 //! (reduced in place there, so the caller's input is never written), grown to the largest size
 //! asked for and reused in stream order (each use waits for the end of the previous one, on
-//! whichever stream that ran).
+//! whichever stream that ran). A buffer it outgrew is kept until the communicator goes, never
+//! freed during a collective: `cuMemFree` waits for every stream of the context (measured by
+//! `teardown_probe`), the caller's unrelated kernels included.
 
 use std::sync::Arc;
 
@@ -16,6 +18,8 @@ use crate::error::{Error, Result};
 pub(crate) struct Scratch {
     buffer: Option<DeviceBuffer>,
     free: Option<GpuEvent>,
+    /// Buffers it outgrew, freed with it.
+    retired: Vec<DeviceBuffer>,
 }
 
 impl Scratch {
@@ -33,8 +37,10 @@ impl Scratch {
         }
         match self.buffer.take() {
             Some(b) if b.len() >= len => Ok(b),
-            // A smaller one is freed in the order of the streams that used it.
-            _ => DeviceBuffer::new(context, len.max(1)).map_err(|e| gpu("allocating scratch", e)),
+            smaller => {
+                self.retired.extend(smaller);
+                DeviceBuffer::new(context, len.max(1)).map_err(|e| gpu("allocating scratch", e))
+            }
         }
     }
 
