@@ -138,22 +138,28 @@ fn shapes(comm: &Communicator, n: usize) -> Shapes {
     let whole: Vec<i32> = (0..n * world as usize)
         .map(|i| (i as i32 % 1000) * (r as i32 + 1))
         .collect();
+    let step = |what: &str| eprintln!("SPINNER_STEP rank={r} {what}");
     let send = stream.clone_htod(&whole).unwrap();
     let mut rs = stream.alloc_zeros::<i32>(n).unwrap();
+    step("reduce_scatter_device");
     comm.reduce_scatter_device(&send, &mut rs, ReduceOp::Sum, &stream)
         .unwrap();
+    step("all_gather_device");
     let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
     let mine_d = stream.clone_htod(&mine).unwrap();
     let mut ag = stream.alloc_zeros::<f32>(n * world as usize).unwrap();
     comm.all_gather_device(&mine_d, &mut ag, &stream).unwrap();
+    step("broadcast_device_in_place");
     let mut b = stream
         .clone_htod(&vec![bf16::from_f32(r as f32); n])
         .unwrap();
     comm.broadcast_device_in_place(&mut b, 1 % world, &stream)
         .unwrap();
     let mut avg = stream.alloc_zeros::<f32>(n).unwrap();
+    step("all_reduce_device");
     comm.all_reduce_device(&mine_d, &mut avg, ReduceOp::Avg, &stream)
         .unwrap();
+    step("copies out");
     (
         stream.clone_dtoh(&rs).unwrap(),
         stream.clone_dtoh(&ag).unwrap(),
@@ -287,14 +293,20 @@ fn gpu_ring_of_processes(world: u32, host_of: impl Fn(u32) -> Option<String>) {
     }
 }
 
-/// A one-thread kernel spinning on a host-mapped word, on a stream of its own.
+/// A one-thread kernel spinning on a host-mapped word, on a stream of its own. A watchdog
+/// ends it (through its stop word) after [`SPINNER_BOUND`] if the test has not released it, so
+/// that a synchronising call in the collectives' path shows as a failure naming it, not a hang.
 struct Spinner {
     flags: Arc<Flags>,
     stream: GpuStream,
     done: GpuEvent,
+    released: Arc<std::sync::atomic::AtomicBool>,
     _kernels: ReduceKernels,
     _guard: StreamGuard,
 }
+
+/// How long the spinner may spin before its watchdog ends it.
+const SPINNER_BOUND: Duration = Duration::from_secs(30);
 
 impl Spinner {
     fn start() -> Spinner {
@@ -316,10 +328,24 @@ impl Spinner {
         let done = GpuEvent::marker(&ctx).unwrap();
         stream.record_marker(&done).unwrap();
         assert!(!done.is_complete().unwrap(), "the spinner spins");
+        let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (r, f) = (released.clone(), flags.clone());
+        std::thread::spawn(move || {
+            let until = std::time::Instant::now() + SPINNER_BOUND;
+            while std::time::Instant::now() < until {
+                if r.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            eprintln!("SPINNER watchdog: not released after {SPINNER_BOUND:?}: ending it");
+            let _ = f.store(1, 1); // the stop word: the kernel ends
+        });
         Spinner {
             flags,
             stream,
             done,
+            released,
             _kernels: kernels,
             _guard: guard,
         }
@@ -327,9 +353,12 @@ impl Spinner {
 
     /// Releases the kernel and waits (bounded) for it to end.
     fn release(self) {
+        self.released
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         assert!(
             !self.done.is_complete().unwrap(),
-            "the spinner was still spinning while the collectives ran"
+            "the spinner was ended by its watchdog: something in the collectives' path waited \
+             for the whole GPU (see the SPINNER_STEP lines for the call)"
         );
         self.flags.store(0, 1).unwrap();
         let until = std::time::Instant::now() + Duration::from_secs(10);
@@ -366,7 +395,8 @@ fn gpu_ring_rank() {
     // has returned; a synchronising call would wait for it forever (the parent's deadline).
     let spinner = Spinner::start();
     for n in [1usize, 100_003] {
-        for _ in 0..2 {
+        for round in 0..2 {
+            eprintln!("SPINNER_STEP rank={r} n={n} round={round}");
             let got = shapes(&comm, n);
             check_shapes(r as usize, world, n, &got);
         }
