@@ -79,7 +79,7 @@ pub mod flag {
     /// slots + 2.
     pub const DESC_CELLS: u32 = 258;
     /// Host page only: this rank's stop words (one per half, see
-    /// [`super::StreamLinks::desc_half`]), set by this rank's host when it aborts and never
+    /// `StreamLinks::desc_half`), set by this rank's host when it aborts and never
     /// cleared: every wait its streams queued ends, and no guarded write or signal starts
     /// (`nodetour_core::transport::gpu::StopWord`).
     pub const STOPPED: u32 = DESC_BASE + DESC_CELLS;
