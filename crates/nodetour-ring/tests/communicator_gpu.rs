@@ -132,9 +132,13 @@ type Shapes = (Vec<i32>, Vec<f32>, Vec<bf16>, Vec<f32>);
 /// Reduce-scatter (i32 sum), all-gather (f32), broadcast from rank 1 (bf16) and allreduce out
 /// of place (f32 average) of `n` elements per rank, on cudarc slices on one stream.
 fn shapes(comm: &Communicator, n: usize) -> Shapes {
-    let (r, world) = (comm.rank(), comm.world());
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
-    let stream = ctx.new_stream().unwrap();
+    shapes_on(comm, n, &ctx.new_stream().unwrap())
+}
+
+/// [`shapes`] on `stream`.
+fn shapes_on(comm: &Communicator, n: usize, stream: &Arc<cudarc::driver::CudaStream>) -> Shapes {
+    let (r, world) = (comm.rank(), comm.world());
     let whole: Vec<i32> = (0..n * world as usize)
         .map(|i| (i as i32 % 1000) * (r as i32 + 1))
         .collect();
@@ -142,22 +146,22 @@ fn shapes(comm: &Communicator, n: usize) -> Shapes {
     let send = stream.clone_htod(&whole).unwrap();
     let mut rs = stream.alloc_zeros::<i32>(n).unwrap();
     step("reduce_scatter_device");
-    comm.reduce_scatter_device(&send, &mut rs, ReduceOp::Sum, &stream)
+    comm.reduce_scatter_device(&send, &mut rs, ReduceOp::Sum, stream)
         .unwrap();
     step("all_gather_device");
     let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
     let mine_d = stream.clone_htod(&mine).unwrap();
     let mut ag = stream.alloc_zeros::<f32>(n * world as usize).unwrap();
-    comm.all_gather_device(&mine_d, &mut ag, &stream).unwrap();
+    comm.all_gather_device(&mine_d, &mut ag, stream).unwrap();
     step("broadcast_device_in_place");
     let mut b = stream
         .clone_htod(&vec![bf16::from_f32(r as f32); n])
         .unwrap();
-    comm.broadcast_device_in_place(&mut b, 1 % world, &stream)
+    comm.broadcast_device_in_place(&mut b, 1 % world, stream)
         .unwrap();
     let mut avg = stream.alloc_zeros::<f32>(n).unwrap();
     step("all_reduce_device");
-    comm.all_reduce_device(&mine_d, &mut avg, ReduceOp::Avg, &stream)
+    comm.all_reduce_device(&mine_d, &mut avg, ReduceOp::Avg, stream)
         .unwrap();
     step("copies out");
     (
@@ -393,11 +397,15 @@ fn gpu_ring_rank() {
     // No device-wide synchronisation anywhere in the collectives' path: a one-thread kernel
     // spins on another stream of this GPU until the test releases it, after every collective
     // has returned; a synchronising call would wait for it forever (the parent's deadline).
+    // The test's own cudarc stream is made first: cudarc synchronises the whole context when a
+    // context handle makes its first stream (found by this check).
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
     let spinner = Spinner::start();
     for n in [1usize, 100_003] {
         for round in 0..2 {
             eprintln!("SPINNER_STEP rank={r} n={n} round={round}");
-            let got = shapes(&comm, n);
+            let got = shapes_on(&comm, n, &stream);
             check_shapes(r as usize, world, n, &got);
         }
     }
