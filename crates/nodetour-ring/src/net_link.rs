@@ -686,9 +686,14 @@ impl Engine {
         self.parked.extend(events.into_iter().map(|e| (role, e)));
     }
 
-    /// Nothing is in flight: every planned chunk written, landed and credited.
+    /// Nothing is in flight: every planned chunk written, landed and credited, both ways (a
+    /// credit still due back keeps the thread waiting on its connection, not asleep: the send
+    /// stream may be waiting for it to refill a slot).
     fn idle(&self) -> bool {
         self.send.completed() >= self.planned_sends
+            && (self.send.credited() >= self.send.completed()
+                || self.lost_next
+                || self.send.is_stopped())
             && self.recv.landed_count() >= self.planned_recvs
             && self.recv.credited() >= self.planned_recvs
     }
