@@ -14,7 +14,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use cudarc::driver::CudaContext;
 use nodetour_core::auth::JobToken;
 use nodetour_core::cuda::GpuStream;
@@ -39,13 +38,13 @@ pub struct HandoffRow {
 
 const SLOTS: u32 = 2;
 
-fn page(context: &Arc<CudaContext>) -> anyhow::Result<Arc<Flags>> {
+fn page(context: &Arc<CudaContext>) -> nodetour_ring::Result<Arc<Flags>> {
     let f = Flags::create(context, words::WORDS)?;
     f.unlink()?;
     Ok(Arc::new(f))
 }
 
-fn region(len: usize, context: Option<&Arc<CudaContext>>) -> anyhow::Result<SlotRegion> {
+fn region(len: usize, context: Option<&Arc<CudaContext>>) -> nodetour_ring::Result<SlotRegion> {
     let mut b = HostBuffer::new(len.max(4096))?;
     if let Some(c) = context {
         b.register_with_cuda(c)?;
@@ -64,7 +63,7 @@ struct End {
 }
 
 impl End {
-    fn new(context: &Arc<CudaContext>, slot_bytes: usize) -> anyhow::Result<End> {
+    fn new(context: &Arc<CudaContext>, slot_bytes: usize) -> nodetour_ring::Result<End> {
         let total = SLOTS as usize * slot_bytes;
         Ok(End {
             mine: page(context)?,
@@ -78,8 +77,14 @@ impl End {
 }
 
 /// Measures `sizes` (bytes per chunk), `iters` chunks each, on GPU `ordinal`.
-pub fn handoff(ordinal: usize, sizes: &[usize], iters: usize) -> anyhow::Result<Vec<HandoffRow>> {
-    let context = CudaContext::new(ordinal).with_context(|| format!("opening GPU {ordinal}"))?;
+pub fn handoff(
+    ordinal: usize,
+    sizes: &[usize],
+    iters: usize,
+) -> nodetour_ring::Result<Vec<HandoffRow>> {
+    let context = CudaContext::new(ordinal).map_err(|e| nodetour_ring::Error::Gpu {
+        reason: format!("opening GPU {ordinal}: {e:?}"),
+    })?;
     let largest = sizes.iter().copied().max().unwrap_or(8).max(8);
     let spin = NetOptions::from_env().spin;
     let (a, b) = (End::new(&context, largest)?, End::new(&context, largest)?);
@@ -158,7 +163,7 @@ pub fn handoff(ordinal: usize, sizes: &[usize], iters: usize) -> anyhow::Result<
             // Until B's credit is back at A, the slot is not A's to refill.
             while WordPage::read(&*a.mine, words::RELEASED)? < seq as u32 {
                 if let Some(e) = link_a.failure().or_else(|| link_b.failure()) {
-                    anyhow::bail!("the link failed: {e}");
+                    return Err(e);
                 }
                 std::thread::sleep(Duration::from_micros(5));
             }
