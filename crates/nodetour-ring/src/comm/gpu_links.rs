@@ -96,7 +96,17 @@ impl Default for GpuRingOptions {
 }
 
 impl GpuRingOptions {
-    fn validate(&self) -> Result<()> {
+    /// The in-host paths to build: `NODETOUR_TRANSPORT=shm|cuda-ipc` (`forced`) overrides
+    /// [`Self::paths`].
+    pub(crate) fn paths_under(&self, forced: Option<TransportKind>) -> GpuPaths {
+        match forced {
+            Some(TransportKind::Shm) => GpuPaths::Staged,
+            Some(TransportKind::CudaIpc) => GpuPaths::Direct,
+            _ => self.paths,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
         for (what, slots, bytes) in [
             ("cuda-ipc", self.ipc_slots, self.ipc_slot_bytes),
             ("shm", self.slots, self.shm_slot_bytes),
@@ -173,11 +183,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
     let (ipc_slots, ipc_slot_bytes) = (options.ipc_slots, options.ipc_slot_bytes);
     let (shm_slots_n, shm_slot_bytes) = (options.slots, options.shm_slot_bytes);
     // Which paths to build: the environment's override, else the options'.
-    let paths = match forced {
-        Some(TransportKind::Shm) => GpuPaths::Staged,
-        Some(TransportKind::CudaIpc) => GpuPaths::Direct,
-        _ => options.paths,
-    };
+    let paths = options.paths_under(forced);
     // What this rank receives into; the unused kind is freed once the previous rank has said
     // which it chose.
     let flags = Flags::create(context, flag::WORDS)?;

@@ -113,6 +113,7 @@ pub(crate) fn form(
     options: GpuRingOptions,
     job_config: &nodetour_core::Config,
 ) -> Result<FormedGpuRing> {
+    options.validate()?;
     let Seat {
         job,
         endpoint,
@@ -142,11 +143,7 @@ pub(crate) fn form(
     };
     let (slots, slot_bytes) = (options.slots, options.shm_slot_bytes);
     let slot_total = slots as usize * slot_bytes;
-    let paths = match forced {
-        Some(TransportKind::Shm) => GpuPaths::Staged,
-        Some(TransportKind::CudaIpc) => GpuPaths::Direct,
-        _ => options.paths,
-    };
+    let paths = options.paths_under(forced);
     let mine = Arc::new(Flags::create(context, flag::WORDS)?);
     // In-host: what the previous rank writes into (both kinds until it says which it chose).
     let (gpu_slots, shm_slots, device_flags) = if prev_local || next_local {
