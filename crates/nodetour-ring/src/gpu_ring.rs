@@ -38,7 +38,7 @@ use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
-    CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, HostSlots, ShmSender, ShmSlot,
+    CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, LinkSlots, ShmSender, ShmSlot,
     StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_reduce_then_signal, enqueue_signal,
     enqueue_wait,
 };
@@ -109,7 +109,7 @@ pub enum Outgoing {
     Shm(ShmSender),
     /// Into this rank's host send slots, which the network link's progress thread writes to
     /// the next rank (on another host).
-    Net(HostSlots),
+    Net(LinkSlots),
 }
 
 /// Where the previous rank's chunks land.
@@ -126,11 +126,16 @@ pub enum Incoming {
     /// This rank's GPU slots, where the network link's progress thread lands the previous
     /// rank's chunks (over tcp: through host bounce slots, copied in on a stream of its own).
     NetGpu(Arc<GpuSlot>),
+    /// This rank's GPU slots registered with the RDMA device: the previous rank's NIC writes
+    /// its chunks straight into them (the direct path), and the receive stream reduces from
+    /// them once the progress thread released each chunk (after a flush where the GPU needs
+    /// one).
+    NetDirect(LinkSlots),
     /// This rank's host slots, where the network link lands the previous rank's chunks, and
     /// one chunk of GPU scratch to reduce from.
     Net {
         /// The slots.
-        slots: HostSlots,
+        slots: LinkSlots,
         /// Scratch of one slot's size on this rank's GPU.
         scratch: DeviceBuffer,
     },
@@ -192,10 +197,11 @@ impl StreamLinks {
         let inc = match self.incoming {
             Incoming::CudaIpc(_) => TransportKind::CudaIpc,
             Incoming::Shm { .. } => TransportKind::Shm,
-            Incoming::Net { .. } | Incoming::NetGpu(_) => self.net_kind(),
+            Incoming::Net { .. } | Incoming::NetGpu(_) | Incoming::NetDirect(_) => self.net_kind(),
         };
         let landing = match self.incoming {
             Incoming::NetGpu(_) => "network, landing in GPU slots",
+            Incoming::NetDirect(_) => "network, written by the NIC into GPU slots",
             _ => "network, landing in host slots",
         };
         let path = |k| match k {
@@ -308,6 +314,14 @@ impl GpuRing {
             let have = match &l.incoming {
                 Incoming::CudaIpc(s) => s.buffer().len(),
                 Incoming::NetGpu(s) => s.buffer().len(),
+                Incoming::NetDirect(s) => match s.region().device_buffer() {
+                    Some(b) => b.len(),
+                    None => {
+                        return Err(Error::InvalidArgument {
+                            reason: "direct network slots that are not GPU memory".into(),
+                        });
+                    }
+                },
                 Incoming::Shm { slots, scratch } => {
                     small_scratch(scratch)?;
                     slots.grant().1
@@ -764,14 +778,14 @@ impl GpuRing {
         // an aborted rank's streams write is only its own memory).
         let credit: FlagValue = (&*links.prev_flags, flag::RELEASED, r.released);
         let release = |s: &GpuStream| enqueue_signal(s, kernels, guard, credit, None).map_err(g);
-        let gpu_slots = match &links.incoming {
-            Incoming::CudaIpc(slot) => Some(slot),
-            Incoming::NetGpu(slot) => Some(&**slot),
+        let gpu_slots: Option<&DeviceBuffer> = match &links.incoming {
+            Incoming::CudaIpc(slot) => Some(slot.buffer()),
+            Incoming::NetGpu(slot) => Some(slot.buffer()),
+            Incoming::NetDirect(slots) => slots.region().device_buffer(),
             _ => None,
         };
         match (gpu_slots, &links.incoming, r.kind) {
-            (Some(slot), _, RecvKind::Reduce { average }) => {
-                let src = slot.buffer();
+            (Some(src), _, RecvKind::Reduce { average }) => {
                 enqueue_reduce_then_signal(
                     s, kernels, guard, dtype, op, buffer, off, src, at, n, credit,
                 )
@@ -783,16 +797,17 @@ impl GpuRing {
                         .map_err(g)?;
                 }
             }
-            (Some(slot), _, RecvKind::Copy) => {
-                s.copy(buffer, off, slot.buffer(), at, n * size)
-                    .map_err(g)?;
+            (Some(src), _, RecvKind::Copy) => {
+                s.copy(buffer, off, src, at, n * size).map_err(g)?;
                 release(s)?;
             }
             (None, staged, kind) => {
                 let (slots, scratch): (&dyn StagedReceive, &DeviceBuffer) = match staged {
                     Incoming::Shm { slots, scratch } => (slots, scratch),
                     Incoming::Net { slots, scratch } => (slots, scratch),
-                    Incoming::CudaIpc(_) | Incoming::NetGpu(_) => unreachable!("matched above"),
+                    Incoming::CudaIpc(_) | Incoming::NetGpu(_) | Incoming::NetDirect(_) => {
+                        unreachable!("matched above (direct slots are checked GPU memory)")
+                    }
                 };
                 match kind {
                     RecvKind::Reduce { average } => {

@@ -18,7 +18,7 @@ use cudarc::driver::CudaContext;
 use nodetour_core::auth::JobToken;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, HostBuffer};
-use nodetour_core::transport::gpu::{FlagPage, Flags, HostSlots, StagedReceive};
+use nodetour_core::transport::gpu::{FlagPage, Flags, LinkSlots, StagedReceive};
 use nodetour_core::transport::tcp::loopback_pair;
 use nodetour_core::transport::{HostConnection, SlotRegion};
 use nodetour_ring::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage, words};
@@ -128,8 +128,8 @@ pub fn handoff(
     let src = DeviceBuffer::new(&context, largest)?;
     let dst = DeviceBuffer::new(&context, largest)?;
     let (a_send, b_recv) = (
-        HostSlots::new(a.send.clone())?,
-        HostSlots::new(b.recv.clone())?,
+        LinkSlots::new(a.send.clone())?,
+        LinkSlots::new(b.recv.clone())?,
     );
     let local_word = page(&context)?;
     let mut seq = 0u64;

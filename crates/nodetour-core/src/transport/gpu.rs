@@ -778,20 +778,22 @@ fn copy_in(
     }
 }
 
-/// Slots in this rank's own host memory that a network link carries (the network links of a
-/// GPU ring): the send stream fills them (a guarded kernel writing host memory through the
-/// mapping) and the link's progress thread writes them to the peer; or the peer's writes land
-/// in them and the receive stream copies them in. The region must have been registered with
-/// CUDA before it became a region.
-pub struct HostSlots {
+/// Slots of this rank that a network link carries (the network links of a GPU ring): the send
+/// stream fills them (a guarded kernel writing through the mapping) and the link's progress
+/// thread writes them to the peer; or the peer's writes land in them and the receive stream
+/// copies them in. Host memory registered with CUDA before it became a region (the staged
+/// path), or GPU memory registered with the RDMA device ([`SlotRegion::device`], the direct
+/// path: the send stream fills it at GPU speed and the NIC reads it; a receive stream reads
+/// such slots directly rather than copying them out).
+pub struct LinkSlots {
     region: SlotRegion,
 }
 
-impl HostSlots {
+impl LinkSlots {
     /// The slots of `region` (checked: registered with CUDA).
-    pub fn new(region: SlotRegion) -> Result<HostSlots> {
+    pub fn new(region: SlotRegion) -> Result<LinkSlots> {
         region.device_address(0, region.len())?;
-        Ok(HostSlots { region })
+        Ok(LinkSlots { region })
     }
 
     /// The region (for the link's transport).
@@ -812,8 +814,32 @@ impl HostSlots {
     ) -> Result<()> {
         src.check("GPU copy source", src_offset, len)?;
         let to = self.region.device_address(slot_offset, len)?;
+        if self.region.is_device() {
+            return copy_device(stream, src, src_offset, to, len, true);
+        }
         copy_out(stream, src, src_offset, to, len)
     }
+}
+
+/// Queues on `stream` a copy of `len` bytes between `buffer` at `offset` (checked by the caller)
+/// and GPU slot memory at `slot` (its checked, live address): into the slot when `to_slot`,
+/// else out of it.
+fn copy_device(
+    stream: &GpuStream,
+    buffer: &DeviceBuffer,
+    offset: usize,
+    slot: u64,
+    len: usize,
+    to_slot: bool,
+) -> Result<()> {
+    let s = stream.bind()?;
+    buffer.note_use(stream);
+    let at = buffer.device_ptr() + offset as u64;
+    let (dst, src) = if to_slot { (slot, at) } else { (at, slot) };
+    // SAFETY: both ranges are in bounds of live GPU memory (checked by the callers); the buffer
+    // noted this stream; the slots' registration outlives the streams' work (its owner drains
+    // them first).
+    unsafe { crate::cuda::result::memcpy_dtod_async(dst, src, len, s) }
 }
 
 /// Queues on `stream` a copy of `len` bytes of `src` at `src_offset` (checked by the caller)
@@ -840,13 +866,13 @@ fn copy_out(
     }
 }
 
-impl StagedSend for HostSlots {
+impl StagedSend for LinkSlots {
     fn host_address(&self, slot_offset: usize, len: usize) -> Result<u64> {
         self.region.device_address(slot_offset, len)
     }
 }
 
-impl StagedReceive for HostSlots {
+impl StagedReceive for LinkSlots {
     fn enqueue_copy_out(
         &self,
         stream: &GpuStream,
@@ -856,6 +882,10 @@ impl StagedReceive for HostSlots {
         len: usize,
     ) -> Result<()> {
         let from = self.region.device_address(slot_offset, len)?;
+        if self.region.is_device() {
+            dst.check("GPU copy destination", dst_offset, len)?;
+            return copy_device(stream, dst, dst_offset, from, len, false);
+        }
         copy_in(stream, dst, dst_offset, from, len)
     }
 }

@@ -66,7 +66,7 @@ impl HostConnection for MemConnection {
     }
 
     fn grant(&mut self, region: &SlotRegion) -> Result<SlotGrant> {
-        self.me.granted.insert(region);
+        self.me.granted.insert(region)?;
         Ok(SlotGrant {
             key: region.key(),
             len: region.len() as u64,

@@ -26,7 +26,7 @@ pub mod verbs;
 pub mod wire;
 
 pub use mem::MemConnection;
-pub use slots::{SlotGrant, SlotRegion, SlotTable};
+pub use slots::{SlotGrant, SlotRegion, SlotRegistration, SlotTable};
 
 use std::ops::Range;
 

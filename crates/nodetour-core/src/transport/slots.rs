@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, Ordering, fence};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
-use crate::memory::{HostBuffer, RdmaBuffer};
+use crate::memory::{DeviceBuffer, HostBuffer, RdmaBuffer};
 use crate::verbs::{MemoryRegion, RemoteRegion};
 
 static NEXT_KEY: AtomicU32 = AtomicU32::new(1);
@@ -15,6 +15,28 @@ enum Memory {
     // Held only to own (and in the end unmap) the memory behind `ptr`.
     Host(#[allow(dead_code)] HostBuffer),
     Registered(Arc<MemoryRegion<HostBuffer>>),
+    // GPU memory registered with an RDMA device (the direct path): NICs and GPU streams reach
+    // it, the CPU never does.
+    Device(Arc<MemoryRegion<DeviceBuffer>>),
+}
+
+/// The RDMA registration of a slot region, whichever memory it is.
+#[derive(Clone, Copy)]
+pub enum SlotRegistration<'a> {
+    /// Host memory.
+    Host(&'a Arc<MemoryRegion<HostBuffer>>),
+    /// GPU memory (registered through the ladder: dma-buf or peermem).
+    Device(&'a Arc<MemoryRegion<DeviceBuffer>>),
+}
+
+impl SlotRegistration<'_> {
+    /// The window a peer writes through.
+    pub fn remote(&self) -> RemoteRegion {
+        match self {
+            SlotRegistration::Host(r) => r.remote(),
+            SlotRegistration::Device(r) => r.remote(),
+        }
+    }
 }
 
 struct Inner {
@@ -45,25 +67,37 @@ impl SlotRegion {
     /// Slot memory for software transports (tcp, mem).
     pub fn host(buffer: HostBuffer) -> SlotRegion {
         let (ptr, len) = (buffer.as_mut_ptr(), RdmaBuffer::len(&buffer));
+        Self::with(ptr, len, Memory::Host(buffer))
+    }
+
+    fn with(ptr: *mut u8, len: usize, memory: Memory) -> SlotRegion {
         SlotRegion(Arc::new(Inner {
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
             ptr,
             len,
             cpu: Mutex::new(()),
-            memory: Memory::Host(buffer),
+            memory,
         }))
     }
 
     /// Slot memory registered with an RDMA device (verbs).
     pub fn registered(region: Arc<MemoryRegion<HostBuffer>>) -> SlotRegion {
-        let remote = region.remote();
-        SlotRegion(Arc::new(Inner {
-            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
-            ptr: remote.addr as *mut u8,
-            len: region.len(),
-            cpu: Mutex::new(()),
-            memory: Memory::Registered(region),
-        }))
+        let (ptr, len) = (region.remote().addr as *mut u8, region.len());
+        Self::with(ptr, len, Memory::Registered(region))
+    }
+
+    /// GPU memory registered with an RDMA device (the direct path: the NIC writes the slots,
+    /// or reads the send slots, and GPU streams read or fill them). The CPU never touches it:
+    /// [`Self::read_at`], [`Self::write_at`] and the GPU copies refuse, and a software transport
+    /// cannot land in it.
+    pub fn device(region: Arc<MemoryRegion<DeviceBuffer>>) -> SlotRegion {
+        let (ptr, len) = (region.remote().addr as *mut u8, region.len());
+        Self::with(ptr, len, Memory::Device(region))
+    }
+
+    /// Whether it is GPU memory (the direct path).
+    pub fn is_device(&self) -> bool {
+        matches!(self.0.memory, Memory::Device(_))
     }
 
     /// The key peers name it by.
@@ -81,11 +115,28 @@ impl SlotRegion {
         self.0.len == 0
     }
 
-    /// The verbs registration, if any.
+    /// The verbs registration of host memory, if any.
     pub fn memory_region(&self) -> Option<&Arc<MemoryRegion<HostBuffer>>> {
         match &self.0.memory {
             Memory::Registered(r) => Some(r),
+            Memory::Host(_) | Memory::Device(_) => None,
+        }
+    }
+
+    /// The verbs registration, host or GPU memory, if any.
+    pub fn registration(&self) -> Option<SlotRegistration<'_>> {
+        match &self.0.memory {
+            Memory::Registered(r) => Some(SlotRegistration::Host(r)),
+            Memory::Device(r) => Some(SlotRegistration::Device(r)),
             Memory::Host(_) => None,
+        }
+    }
+
+    /// The GPU memory of a [`Self::device`] region (what the streams read or fill).
+    pub fn device_buffer(&self) -> Option<&DeviceBuffer> {
+        match &self.0.memory {
+            Memory::Device(r) => Some(r.buffer()),
+            Memory::Host(_) | Memory::Registered(_) => None,
         }
     }
 
@@ -96,6 +147,10 @@ impl SlotRegion {
         let registered = match &self.0.memory {
             Memory::Host(b) => b.is_registered_with_cuda(),
             Memory::Registered(r) => r.buffer().is_registered_with_cuda(),
+            Memory::Device(_) => {
+                self.bounds("GPU access to a slot region", offset, len)?;
+                return Ok(self.0.ptr as u64 + offset as u64);
+            }
         };
         if !registered {
             return Err(Error::InvalidArgument {
@@ -167,7 +222,19 @@ impl SlotRegion {
         self.0.cpu.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Bounds, and CPU access (refused for GPU memory).
     pub(crate) fn check(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
+        if self.is_device() {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "{what}: the slot region is GPU memory, which the CPU never touches"
+                ),
+            });
+        }
+        self.bounds(what, offset, len)
+    }
+
+    fn bounds(&self, what: &'static str, offset: usize, len: usize) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.0.len => Ok(()),
             _ => Err(Error::OutOfBounds {
@@ -213,7 +280,7 @@ impl SlotGrant {
         SlotGrant {
             key: region.key(),
             len: region.len() as u64,
-            remote: region.memory_region().map(|m| m.remote()),
+            remote: region.registration().map(|m| m.remote()),
         }
     }
 
@@ -277,12 +344,19 @@ impl SlotGrant {
 pub struct SlotTable(Arc<Mutex<HashMap<u32, SlotRegion>>>);
 
 impl SlotTable {
-    /// Allows writes into `region`.
-    pub fn insert(&self, region: &SlotRegion) {
+    /// Allows writes into `region`. A software transport lands writes with the CPU: GPU memory
+    /// ([`SlotRegion::device`]) is refused.
+    pub fn insert(&self, region: &SlotRegion) -> Result<()> {
+        if region.is_device() {
+            return Err(Error::InvalidArgument {
+                reason: "a software transport cannot land in GPU memory: grant host slots".into(),
+            });
+        }
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(region.key(), region.clone());
+        Ok(())
     }
 
     /// Revokes `key`.
@@ -343,7 +417,7 @@ mod tests {
         let r = SlotRegion::host(HostBuffer::new(4096).unwrap());
         let t = SlotTable::default();
         assert!(t.target(r.key(), 0, 1).is_err(), "not granted yet");
-        t.insert(&r);
+        t.insert(&r).unwrap();
         assert!(t.target(r.key(), 0, 4096).is_ok());
         for (off, len) in [(0, 4097), (4096, 1), (u64::MAX, 2), (1 << 40, 1)] {
             assert!(t.target(r.key(), off, len).is_err(), "{off}+{len}");

@@ -64,7 +64,7 @@ impl TcpConnection {
         let received = Arc::new(Received::default());
         let granted = SlotTable::default();
         for r in regions {
-            granted.insert(r);
+            granted.insert(r)?;
         }
         let SessionKeys { send, recv } = keys;
         let reader = {
@@ -202,7 +202,7 @@ impl HostConnection for TcpConnection {
     }
 
     fn grant(&mut self, region: &SlotRegion) -> Result<SlotGrant> {
-        self.granted.insert(region);
+        self.granted.insert(region)?;
         Ok(SlotGrant {
             key: region.key(),
             len: region.len() as u64,

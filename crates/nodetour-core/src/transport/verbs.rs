@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Event, HostConnection, SlotGrant, SlotRegion, TransportKind};
+use super::{Event, HostConnection, SlotGrant, SlotRegion, SlotRegistration, TransportKind};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::verbs::{
@@ -130,8 +130,8 @@ impl HostConnection for VerbsConnection {
     }
 
     fn grant(&mut self, region: &SlotRegion) -> Result<SlotGrant> {
-        let mr = region.memory_region().ok_or_else(|| Error::InvalidArgument {
-            reason: "the verbs transport grants only registered slot regions (SlotRegion::registered)".into(),
+        let mr = region.registration().ok_or_else(|| Error::InvalidArgument {
+            reason: "the verbs transport grants only registered slot regions (SlotRegion::registered or ::device)".into(),
         })?;
         Ok(SlotGrant {
             key: region.key(),
@@ -148,7 +148,7 @@ impl HostConnection for VerbsConnection {
         dst_offset: u64,
         notify: Option<u32>,
     ) -> Result<()> {
-        let mr = src.memory_region().ok_or_else(|| Error::InvalidArgument {
+        let mr = src.registration().ok_or_else(|| Error::InvalidArgument {
             reason: "the verbs transport writes only from registered slot regions".into(),
         })?;
         let remote = dst.remote.ok_or_else(|| Error::InvalidArgument {
@@ -161,14 +161,17 @@ impl HostConnection for VerbsConnection {
             let end = (at + max).min(range.end);
             let last = end == range.end;
             let off = dst_offset + (at - range.start) as u64;
-            match self.qp.post_write(
-                mr,
-                at..end,
-                &remote,
-                off,
-                if last { notify } else { None },
-                last,
-            ) {
+            let imm = if last { notify } else { None };
+            // From host or GPU memory alike (the NIC reads GPU send slots directly).
+            let posted = match mr {
+                SlotRegistration::Host(r) => {
+                    self.qp.post_write(r, at..end, &remote, off, imm, last)
+                }
+                SlotRegistration::Device(r) => {
+                    self.qp.post_write(r, at..end, &remote, off, imm, last)
+                }
+            };
+            match posted {
                 Ok(_) => {
                     if last {
                         break;

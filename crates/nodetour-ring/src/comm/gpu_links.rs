@@ -42,18 +42,22 @@ pub enum GpuPaths {
 /// Where a network link lands the previous rank's chunks (a ring across hosts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NetLanding {
-    /// Host slots; the receive stream copies each chunk in (the staged path; the default).
+    /// The direct path where the registration ladder allows it (a verbs link: RDMA writes into
+    /// GPU slots, from GPU send slots), else host slots (the default).
+    Auto,
+    /// Host slots; the receive stream copies each chunk in (the staged path).
     Host,
-    /// GPU slots the receive stream reduces from directly: over tcp the progress thread lands
-    /// each chunk in a host bounce slot and copies it in on a stream of its own (the direct
-    /// path's stand-in until RDMA writes into GPU memory).
+    /// GPU slots the receive stream reduces from directly: over verbs the NIC writes them where
+    /// the ladder allows; else (tcp, or the ladder refused) the progress thread lands each chunk
+    /// in a host bounce slot and copies it in on a stream of its own.
     Gpu,
 }
 
 impl NetLanding {
-    /// Parses `NODETOUR_NET_LANDING` (`host` or `gpu`).
+    /// Parses `NODETOUR_NET_LANDING` (`auto`, `host` or `gpu`).
     pub fn parse(v: &str) -> Option<NetLanding> {
         match v.trim() {
+            "" | "auto" => Some(NetLanding::Auto),
             "host" => Some(NetLanding::Host),
             "gpu" => Some(NetLanding::Gpu),
             _ => None,
@@ -90,7 +94,7 @@ impl Default for GpuRingOptions {
             ipc_slots: IPC_SLOTS,
             device_flags: true,
             paths: GpuPaths::Auto,
-            net_landing: NetLanding::Host,
+            net_landing: NetLanding::Auto,
         }
     }
 }

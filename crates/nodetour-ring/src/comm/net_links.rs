@@ -8,9 +8,11 @@
 //! plans the same chunks), and every flag page is in host memory (the progress thread stores
 //! into it). What a network neighbour learns: the grant of the slots it writes (the previous
 //! rank only) and of its mailbox; the connection is the bootstrap's authenticated tcp.
-//! The network link is verbs (RDMA WRITE_WITH_IMM between registered host slots) where the
-//! host links to that neighbour chose verbs (both ranks have an RDMA device), else tcp; it
-//! lands in host slots.
+//! The network link is verbs (RDMA WRITE_WITH_IMM) where the host links to that neighbour chose
+//! verbs (both ranks have an RDMA device), else tcp. Over verbs the slots are GPU memory where
+//! the registration ladder allows it (the direct path, [`super::net_direct`]: the NIC reads the
+//! send slots and writes the receive slots), else registered host memory; over tcp, host
+//! memory. `paths()` says which, and why.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -18,7 +20,7 @@ use std::sync::Arc;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, HostBuffer};
 use nodetour_core::transport::gpu::{
-    CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, HostSlots, ShmSender, ShmSlot,
+    CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, LinkSlots, ShmSender, ShmSlot,
     StagedReceive,
 };
 use nodetour_core::transport::setup::{GpuNeighbourSetup, NeighbourSetup};
@@ -29,11 +31,14 @@ use nodetour_core::verbs::{
 };
 
 use super::gpu_links::{FormedGpuRing, GpuPaths, GpuRingOptions, NetLanding, Seat};
+use super::net_direct::{self, Ladder, Reveal};
 use crate::error::{Error, Result};
 use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, desc_cells, flag};
 use crate::net_link::{
     Lander, MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage, receive_depth,
 };
+use nodetour_core::registration::GdrMode;
+use nodetour_core::visibility::FlushMethod;
 
 const MODE_IPC: u32 = 1;
 const MODE_SHM: u32 = 2;
@@ -85,7 +90,7 @@ fn region(
 /// receive stream released the chunk, so after the copy.
 struct GpuLander {
     stream: GpuStream,
-    bounce: HostSlots,
+    bounce: LinkSlots,
     slots: Arc<GpuSlot>,
     mine: Arc<Flags>,
 }
@@ -156,13 +161,61 @@ pub(crate) fn form(
         (None, None, None)
     };
     // Network: this rank's send slots (the send stream fills them), receive slots, and one
-    // mailbox per network neighbour (one for both in a ring of two).
-    let send_slots = (!next_local)
-        .then(|| region(slot_total, Some(context), verbs, false))
-        .transpose()?;
-    let recv_slots = (!prev_local)
-        .then(|| region(slot_total, Some(context), verbs, true))
-        .transpose()?;
+    // mailbox per network neighbour (one for both in a ring of two). The slots are GPU memory
+    // where the ladder registers it for a verbs link (the direct path), else host memory.
+    let mut choice = Vec::new();
+    let mode = GdrMode::from_env()?;
+    let ladder = verbs.map(|l| Ladder::gather(context, l)).transpose()?;
+    let direct = |side: &str,
+                  allowed: std::result::Result<(), String>,
+                  access: Access|
+     -> Result<std::result::Result<(SlotRegion, String), String>> {
+        let why = match (allowed, verbs, &ladder) {
+            (Err(why), ..) => why,
+            (Ok(()), Some(l), Some(ladder)) => {
+                match net_direct::register(ladder, l, context, slot_total, access)? {
+                    Ok(direct) => return Ok(Ok(direct)),
+                    Err(why) => why,
+                }
+            }
+            (Ok(()), ..) => "no RDMA device".to_owned(),
+        };
+        net_direct::forced(mode, side, &why)?;
+        Ok(Err(why))
+    };
+    let send_direct = if next_local {
+        None
+    } else {
+        let allowed = net_direct::send_side(options.net_landing, over(next), mode);
+        Some(direct("the link to the next rank", allowed, Access::LOCAL)?)
+    };
+    let send_slots = match &send_direct {
+        None => None,
+        Some(Ok((r, _))) => Some(r.clone()),
+        Some(Err(_)) => Some(region(slot_total, Some(context), verbs, false)?),
+    };
+    let recv_flush = ladder
+        .as_ref()
+        .map_or_else(|| Err("no RDMA device".to_owned()), |l| l.flush.clone());
+    let recv_direct = if prev_local {
+        None
+    } else {
+        let allowed = net_direct::recv_side(options.net_landing, over(prev), mode, &recv_flush);
+        let flush = allowed.as_ref().ok().map(|f| f.method);
+        Some(
+            direct(
+                "the link from the previous rank",
+                allowed.map(|_| ()),
+                Access::REMOTE,
+            )?
+            .map(|(r, said)| (r, said, flush.unwrap_or(FlushMethod::None))),
+        )
+    };
+    let recv_slots = match &recv_direct {
+        None => None,
+        Some(Ok((r, ..))) => Some(r.clone()),
+        Some(Err(_)) => Some(region(slot_total, Some(context), verbs, true)?),
+    };
     let box_next = (!next_local)
         .then(|| region(MAILBOX_BYTES, None, verbs, true))
         .transpose()?;
@@ -246,7 +299,6 @@ pub(crate) fn form(
         rank: p,
         reason: format!("sent no {what}"),
     };
-    let mut choice = Vec::new();
     // To the next rank.
     let (outgoing, next_page, next_grants): (Outgoing, Arc<Flags>, Option<(SlotGrant, SlotGrant)>) =
         if next_local {
@@ -304,10 +356,15 @@ pub(crate) fn form(
                     ),
                 });
             }
-            let slots = HostSlots::new(send_slots.clone().expect("made for a network next"))?;
+            let slots = LinkSlots::new(send_slots.clone().expect("made for a network next"))?;
             choice.push(format!(
-                "to next: network ({}), rank {next} is on another host",
-                over(next)
+                "to next: network ({}), rank {next} is on another host, {}",
+                over(next),
+                match &send_direct {
+                    Some(Ok((_, said))) => format!("from GPU send slots the NIC reads: {said}"),
+                    Some(Err(why)) => format!("from host send slots ({why})"),
+                    None => unreachable!("a network next has send slots"),
+                }
             ));
             (
                 Outgoing::Net(slots),
@@ -331,14 +388,23 @@ pub(crate) fn form(
                 reason: format!("a mailbox of {} bytes", mailbox.len),
             });
         }
-        choice.push(format!(
-            "from previous: network ({}) landing in {}, rank {prev} is on another host",
-            over(prev),
-            match options.net_landing {
-                NetLanding::Host => "host slots",
-                NetLanding::Gpu =>
-                    "GPU slots (through host bounce slots, copied in on the link's stream)",
+        let landing = match (&recv_direct, options.net_landing) {
+            (Some(Ok((_, said, flush))), _) => {
+                let f = match &recv_flush {
+                    Ok(f) => f.to_string(),
+                    Err(_) => flush.to_string(),
+                };
+                format!("GPU slots the NIC writes: {said}; {f}")
             }
+            (Some(Err(why)), NetLanding::Gpu) => format!(
+                "GPU slots (through host bounce slots, copied in on the link's stream: {why})"
+            ),
+            (Some(Err(why)), _) => format!("host slots ({why})"),
+            (None, _) => unreachable!("a network previous has receive slots"),
+        };
+        choice.push(format!(
+            "from previous: network ({}) landing in {landing}, rank {prev} is on another host",
+            over(prev),
         ));
         (private_page(context)?, Some(mailbox))
     };
@@ -412,18 +478,28 @@ pub(crate) fn form(
                 });
             }
         }
+    } else if let Some(Ok((slots, _, flush))) = &recv_direct {
+        // The NIC writes the GPU slots: the thread releases each chunk once it is visible.
+        if *flush == FlushMethod::HostCall {
+            let ctx = context.clone();
+            lander = Some(Box::new(Reveal {
+                flush: move || nodetour_core::cuda::flush_rdma_writes(&ctx),
+                page: mine.clone() as Arc<dyn WordPage>,
+            }));
+        }
+        Incoming::NetDirect(LinkSlots::new(slots.clone())?)
     } else if options.net_landing == NetLanding::Gpu {
         let slots = Arc::new(GpuSlot::new(context, slot_total)?);
         lander = Some(Box::new(GpuLander {
             stream: GpuStream::new(context)?,
-            bounce: HostSlots::new(recv_slots.clone().expect("made for a network previous"))?,
+            bounce: LinkSlots::new(recv_slots.clone().expect("made for a network previous"))?,
             slots: slots.clone(),
             mine: mine.clone(),
         }));
         Incoming::NetGpu(slots)
     } else {
         Incoming::Net {
-            slots: HostSlots::new(recv_slots.clone().expect("made for a network previous"))?,
+            slots: LinkSlots::new(recv_slots.clone().expect("made for a network previous"))?,
             scratch: DeviceBuffer::new(context, slot_bytes)?,
         }
     };

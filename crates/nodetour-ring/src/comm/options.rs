@@ -135,10 +135,10 @@ impl Options {
             )?,
             gpu_ring: super::gpu_links::GpuRingOptions {
                 net_landing: match get("NODETOUR_NET_LANDING") {
-                    None => super::gpu_links::NetLanding::Host,
+                    None => super::gpu_links::NetLanding::Auto,
                     Some(v) => super::gpu_links::NetLanding::parse(&v).ok_or_else(|| {
                         Error::InvalidArgument {
-                            reason: format!("NODETOUR_NET_LANDING={v}: expected host or gpu"),
+                            reason: format!("NODETOUR_NET_LANDING={v}: expected auto, host or gpu"),
                         }
                     })?,
                 },
