@@ -13,13 +13,14 @@
 //! beside `ib_write_bw --use_cuda_dmabuf` (see the README).
 
 use std::fmt;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 use std::sync::Arc;
 
 use crate::cuda::GdrAttributes;
 use crate::error::Error;
 use crate::memory::{DeviceBuffer, RdmaBuffer};
+use crate::transport::read_flush::Alias;
 use crate::verbs::{Access, DmabufSupport, MemoryRegion, ProtectionDomain};
 
 /// Said with every direct-path outcome until the project's own hardware has run it.
@@ -239,6 +240,25 @@ pub trait LadderBuffer: RdmaBuffer + Sized {
         buffer: Self,
         access: Access,
     ) -> Result<MemoryRegion<Self>, (Error, Self)>;
+
+    /// Registers the memory of a dma-buf registration a second time, in `pd` (the flush by
+    /// read's own domain, [`crate::transport::read_flush`]). Buffers without a dma-buf of their
+    /// own cannot.
+    #[allow(clippy::type_complexity)]
+    fn register_dmabuf_again(
+        pd: &Arc<ProtectionDomain>,
+        alias: Alias<Self>,
+        access: Access,
+    ) -> Result<MemoryRegion<Alias<Self>>, (Error, Alias<Self>)> {
+        let _ = (pd, access);
+        Err((
+            Error::Unsupported {
+                what: "a second dma-buf registration",
+                reason: format!("{} memory exports no dma-buf", alias.kind()),
+            },
+            alias,
+        ))
+    }
 }
 
 impl LadderBuffer for DeviceBuffer {
@@ -248,6 +268,18 @@ impl LadderBuffer for DeviceBuffer {
         access: Access,
     ) -> Result<MemoryRegion<Self>, (Error, Self)> {
         MemoryRegion::try_register_dmabuf(pd, buffer, access)
+    }
+
+    fn register_dmabuf_again(
+        pd: &Arc<ProtectionDomain>,
+        alias: Alias<Self>,
+        access: Access,
+    ) -> Result<MemoryRegion<Alias<Self>>, (Error, Alias<Self>)> {
+        let export = match alias.first().device_buffer().export_dmabuf() {
+            Ok(x) => x,
+            Err(e) => return Err((e, alias)),
+        };
+        MemoryRegion::try_register_dmabuf_fd(pd, alias, export.fd.as_fd(), export.offset, access)
     }
 }
 

@@ -785,3 +785,76 @@ fn each_rung_is_attempted_and_its_failure_recorded() {
         outcome.describe()
     );
 }
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_read_flush_reads_landed_bytes_on_its_own_loopback_queue_pair() {
+    use nodetour_core::transport::read_flush::ReadFlush;
+    let Some((d0, _)) = devices() else { return };
+    let s = side(&d0);
+    // "GPU" slots registered for peers' writes only (the peermem rung: ibv_reg_mr on the
+    // address), as the ring registers its receive slots.
+    let mut memory = HostBuffer::new(1 << 20).unwrap();
+    for (i, b) in memory.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let slots =
+        Arc::new(MemoryRegion::register(&s.pd, StandInGpu(memory), Access::REMOTE).unwrap());
+    let mut flush = ReadFlush::new(
+        &s.context,
+        &s.port,
+        &s.gid,
+        &config(),
+        &slots,
+        Rung::PeerMem,
+        Duration::from_secs(5),
+    )
+    .expect("a read flush on soft-RoCE (loopback queue pair, its own protection domain)");
+    // Every chunk of the slots, many times over (each read completes before the next).
+    for round in 0..50usize {
+        for chunk in 0..16usize {
+            let at = chunk * (64 << 10);
+            flush
+                .flush(at, 64 << 10)
+                .unwrap_or_else(|e| panic!("round {round} chunk {chunk}: {e}"));
+            let want: Vec<u8> = (at..at + 4).map(|i| (i % 251) as u8).collect();
+            assert_eq!(flush.read_back().unwrap()[..], want[..], "chunk {chunk}");
+        }
+    }
+    flush.flush(0, 0).unwrap();
+    flush.flush((1 << 20) - 1, 1).unwrap();
+    // Outside the slots: refused before anything is posted, and the flush still works after.
+    assert!(matches!(
+        flush.flush(1 << 20, 4),
+        Err(Error::OutOfBounds { .. })
+    ));
+    flush.flush(0, 4).unwrap();
+    // A queue pair that reaches a peer never reads: it was not made a reader.
+    let peer_qp = QueuePair::new(&s.pd, s.port.port, QueuePairOptions::default()).unwrap();
+    let target = Arc::new(
+        MemoryRegion::register(&s.pd, HostBuffer::new(4096).unwrap(), Access::LOCAL).unwrap(),
+    );
+    assert!(matches!(
+        peer_qp.post_read(&target, 0..4, &slots.remote(), 0),
+        Err(Error::InvalidArgument { .. })
+    ));
+    // The dma-buf rung needs a buffer that exports one: the stand-in does not, and says so.
+    match ReadFlush::new(
+        &s.context,
+        &s.port,
+        &s.gid,
+        &config(),
+        &slots,
+        Rung::DmaBuf,
+        Duration::from_secs(5),
+    ) {
+        Err(Error::Unsupported { reason, .. }) => {
+            assert!(reason.contains("no dma-buf"), "{reason}")
+        }
+        other => panic!("{:?}", other.err()),
+    }
+    drop(flush);
+    // Teardown left the slots' own registration intact.
+    assert_eq!(slots.len(), 1 << 20);
+    println!("read flush: 801 reads of landed bytes on a loopback queue pair, each completed");
+}

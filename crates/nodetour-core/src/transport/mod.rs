@@ -19,6 +19,7 @@
 
 pub mod gpu;
 mod mem;
+pub mod read_flush;
 pub mod setup;
 mod slots;
 pub mod tcp;

@@ -26,6 +26,8 @@ use crate::memory::RdmaBuffer;
 const IBV_QPT_RC: u32 = 2;
 const IBV_WR_RDMA_WRITE: u32 = 0;
 const IBV_WR_RDMA_WRITE_WITH_IMM: u32 = 1;
+const IBV_WR_RDMA_READ: u32 = 4;
+const ACCESS_REMOTE_READ: u32 = 4;
 const IBV_SEND_SIGNALED: u32 = 2;
 const IBV_SEND_INLINE: u32 = 8;
 /// What a peer may do through a queue pair: RDMA WRITE (and WRITE_WITH_IMM) only. No remote
@@ -106,6 +108,15 @@ pub fn ack_timeout_code(budget: Duration, retries: u8) -> u8 {
     }
 }
 
+/// What a send-side work request does.
+#[derive(Clone, Copy)]
+enum Op {
+    /// RDMA WRITE, with an immediate (WRITE_WITH_IMM) or not.
+    Write(Option<u32>),
+    /// RDMA READ.
+    Read,
+}
+
 struct Posted {
     wr_id: u64,
     // Keeps the source region registered (and its memory alive) until the NIC is done.
@@ -140,6 +151,8 @@ pub struct QueuePair {
     pd: Arc<ProtectionDomain>,
     port: PortAttributes,
     options: QueuePairOptions,
+    // Serves and initiates RDMA READs (a loopback flush queue pair only).
+    reads: bool,
     max_inline: u32,
     drain_timeout: Duration,
 }
@@ -152,6 +165,26 @@ unsafe impl Sync for QueuePair {}
 impl QueuePair {
     /// Creates an RC queue pair on `port` (which must be ACTIVE) and moves it to INIT.
     pub fn new(pd: &Arc<ProtectionDomain>, port: u8, options: QueuePairOptions) -> Result<Self> {
+        Self::create(pd, port, options, false)
+    }
+
+    /// Like [`Self::new`], for a queue pair that both initiates and serves RDMA READs: only for
+    /// a queue pair connected to itself in a protection domain of its own (the flush by read,
+    /// [`crate::transport::read_flush`]); no queue pair that reaches a peer ever serves reads.
+    pub fn new_reader(
+        pd: &Arc<ProtectionDomain>,
+        port: u8,
+        options: QueuePairOptions,
+    ) -> Result<Self> {
+        Self::create(pd, port, options, true)
+    }
+
+    fn create(
+        pd: &Arc<ProtectionDomain>,
+        port: u8,
+        options: QueuePairOptions,
+        reads: bool,
+    ) -> Result<Self> {
         let context = pd.context();
         let port = context.active_port(port)?;
         let attr = context.attributes();
@@ -219,6 +252,7 @@ impl QueuePair {
             max_inline: init.cap.max_inline_data,
             port,
             options,
+            reads,
             drain_timeout: Duration::from_secs(5),
         };
         {
@@ -227,7 +261,11 @@ impl QueuePair {
             let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
             a.pkey_index = 0;
             a.port_num = qp.port.port;
-            a.qp_access_flags = ACCESS_REMOTE;
+            a.qp_access_flags = if reads {
+                ACCESS_REMOTE | ACCESS_REMOTE_READ
+            } else {
+                ACCESS_REMOTE
+            };
             qp.modify(&mut inner, QpState::Init, &mut a)?;
         }
         Ok(qp)
@@ -311,8 +349,9 @@ impl QueuePair {
         a.path_mtu = mtu.code();
         a.dest_qp_num = remote.qpn;
         a.rq_psn = remote.psn;
-        // No RDMA READ or atomic is ever served (ACCESS_REMOTE), so no responder resources.
-        a.max_dest_rd_atomic = 0;
+        // No RDMA READ or atomic is served (ACCESS_REMOTE), so no responder resources; except
+        // by a reader (its own loopback), one read at a time.
+        a.max_dest_rd_atomic = u8::from(self.reads);
         a.min_rnr_timer = path.min_rnr_timer;
         a.ah_attr.port_num = path.port;
         a.ah_attr.sl = path.service_level;
@@ -335,8 +374,8 @@ impl QueuePair {
         a.retry_cnt = path.retry_count.min(7);
         a.rnr_retry = path.rnr_retry.min(6);
         a.sq_psn = inner.local_psn;
-        // Nor initiated: nodetour only writes.
-        a.max_rd_atomic = 0;
+        // Nor initiated: nodetour only writes (a reader reads one at a time).
+        a.max_rd_atomic = u8::from(self.reads);
         self.modify(&mut inner, QpState::ReadyToSend, &mut a)?;
         tracing::debug!(
             qpn = self.qpn,
@@ -397,18 +436,58 @@ impl QueuePair {
         immediate: Option<u32>,
         signaled: bool,
     ) -> Result<u64> {
+        self.post_region(
+            local,
+            range,
+            remote,
+            remote_offset,
+            Op::Write(immediate),
+            signaled,
+        )
+    }
+
+    /// Posts a signalled RDMA READ of `remote` at `remote_offset` into `local[range]` (a
+    /// [`Self::new_reader`] queue pair only). Returns the work request id; the read is done
+    /// when its completion is polled.
+    pub fn post_read<B: RdmaBuffer>(
+        &self,
+        local: &Arc<MemoryRegion<B>>,
+        range: Range<usize>,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+    ) -> Result<u64> {
+        if !self.reads || range.is_empty() {
+            return Err(Error::InvalidArgument {
+                reason: "an RDMA READ needs bytes to read and a queue pair made for reads \
+                         (QueuePair::new_reader)"
+                    .into(),
+            });
+        }
+        self.post_region(local, range, remote, remote_offset, Op::Read, true)
+    }
+
+    /// Posts `op` between `local[range]` and `remote` at `remote_offset`, both bounds-checked.
+    fn post_region<B: RdmaBuffer>(
+        &self,
+        local: &Arc<MemoryRegion<B>>,
+        range: Range<usize>,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        op: Op,
+        signaled: bool,
+    ) -> Result<u64> {
         let len = range
             .end
             .checked_sub(range.start)
             .filter(|_| range.end <= local.len())
             .ok_or(Error::OutOfBounds {
-                what: "local write source",
+                what: "local side of an RDMA operation",
                 offset: range.start as u64,
                 len: range.end.saturating_sub(range.start) as u64,
                 region_len: local.len() as u64,
             })?;
         let len32 = u32::try_from(len).map_err(|_| Error::InvalidArgument {
-            reason: format!("a single write of {len} bytes exceeds 4 GiB"),
+            reason: format!("a single RDMA operation of {len} bytes exceeds 4 GiB"),
         })?;
         if len32 > self.port.max_message_size && self.port.max_message_size > 0 {
             return Err(Error::InvalidArgument {
@@ -430,7 +509,7 @@ impl QueuePair {
             len32,
             raddr,
             remote.rkey,
-            immediate,
+            op,
             signaled,
             0,
             Some(keep),
@@ -468,7 +547,7 @@ impl QueuePair {
             data.len() as u32,
             raddr,
             remote.rkey,
-            immediate,
+            Op::Write(immediate),
             signaled,
             IBV_SEND_INLINE,
             None,
@@ -482,7 +561,7 @@ impl QueuePair {
         len: u32,
         remote_addr: u64,
         rkey: u32,
-        immediate: Option<u32>,
+        op: Op,
         signaled: bool,
         extra_flags: u32,
         keep: Option<Arc<dyn Registered>>,
@@ -505,10 +584,14 @@ impl QueuePair {
         wr.wr_id = wr_id;
         wr.sg_list = sge;
         wr.num_sge = if len == 0 { 0 } else { 1 };
-        wr.opcode = if immediate.is_some() {
-            IBV_WR_RDMA_WRITE_WITH_IMM
-        } else {
-            IBV_WR_RDMA_WRITE
+        let immediate = match op {
+            Op::Write(i) => i,
+            Op::Read => None,
+        };
+        wr.opcode = match op {
+            Op::Read => IBV_WR_RDMA_READ,
+            Op::Write(Some(_)) => IBV_WR_RDMA_WRITE_WITH_IMM,
+            Op::Write(None) => IBV_WR_RDMA_WRITE,
         };
         wr.send_flags = extra_flags | if signal { IBV_SEND_SIGNALED } else { 0 };
         wr.imm_data_invalidated_rkey_union.imm_data = immediate.unwrap_or(0).to_be();

@@ -19,9 +19,10 @@
 use std::sync::Arc;
 
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_core::registration::{self, GdrMode, Probe, Registration};
+use nodetour_core::registration::{self, GdrMode, Probe, Registration, Rung};
+use nodetour_core::transport::read_flush::ReadFlush;
 use nodetour_core::transport::{SlotRegion, TransportKind};
-use nodetour_core::verbs::{Access, LocalSide};
+use nodetour_core::verbs::{Access, LocalSide, MemoryRegion};
 use nodetour_core::visibility::{self, Flush, FlushMethod, FlushOverride};
 
 use super::gpu_links::NetLanding;
@@ -48,14 +49,7 @@ pub(crate) fn recv_side(
     flush: &std::result::Result<Flush, String>,
 ) -> std::result::Result<Flush, String> {
     common(landing, kind, mode)?;
-    let flush = flush.clone()?;
-    if flush.method == FlushMethod::RdmaRead {
-        return Err(format!(
-            "landed chunks would need a {flush}, which nodetour does not build yet \
-             (NODETOUR_GDR_FLUSH=host uses cuFlushGPUDirectRDMAWrites where the GPU offers it)"
-        ));
-    }
-    Ok(flush)
+    flush.clone()
 }
 
 fn common(
@@ -111,24 +105,43 @@ impl Ladder {
     }
 }
 
+/// GPU slots the NIC reaches: the region, how it was registered and what the ladder said.
+#[derive(Clone)]
+pub(crate) struct DirectSlots {
+    /// The slots, as a region the link writes from or grants.
+    pub slots: SlotRegion,
+    /// Their registration (for the flush by read's second one).
+    pub region: Arc<MemoryRegion<DeviceBuffer>>,
+    /// The rung that registered them.
+    pub rung: Rung,
+    /// The ladder's account (for `paths()`).
+    pub said: String,
+}
+
 /// Allocates `len` bytes of GPU slots on `context` and runs the ladder for them with `access`:
-/// the registered region (the direct path, with its description), or why the slots stay in
-/// host memory. Under `NODETOUR_GDR=force` ending on staging is an error carrying every reason.
+/// the registered slots (the direct path), or why the slots stay in host memory. Under
+/// `NODETOUR_GDR=force` ending on staging is an error carrying every reason.
 pub(crate) fn register(
     ladder: &Ladder,
     local: &LocalSide,
     context: &Arc<cudarc::driver::CudaContext>,
     len: usize,
     access: Access,
-) -> Result<std::result::Result<(SlotRegion, String), String>> {
+) -> Result<std::result::Result<DirectSlots, String>> {
     let buffer = DeviceBuffer::new(context, len.max(4096))?;
     match registration::register_gpu(&local.pd, buffer, &ladder.probe, ladder.mode, access)? {
         outcome @ Registration::Direct { .. } => {
             let said = outcome.describe();
-            let Registration::Direct { region, .. } = outcome else {
+            let Registration::Direct { region, rung, .. } = outcome else {
                 unreachable!("matched above")
             };
-            Ok(Ok((SlotRegion::device(Arc::new(region)), said)))
+            let region = Arc::new(region);
+            Ok(Ok(DirectSlots {
+                slots: SlotRegion::device(region.clone()),
+                region,
+                rung,
+                said,
+            }))
         }
         outcome @ Registration::Staged { .. } => Ok(Err(outcome.describe())),
     }
@@ -145,19 +158,58 @@ pub(crate) fn forced(mode: GdrMode, side: &str, why: &str) -> Result<()> {
 }
 
 /// Releases chunks the NIC wrote into GPU slots: makes them visible first where the GPU needs
-/// it (`cuFlushGPUDirectRDMAWrites`), then sets `ready` in this rank's page.
+/// it (an RDMA read of the chunk on the flush's loopback queue pair, or
+/// `cuFlushGPUDirectRDMAWrites`), then sets `ready` in this rank's page.
 pub(crate) struct Reveal<F> {
-    /// The flush (called once per chunk, before the release).
+    /// The flush of the chunk at (offset, length) in the slots, before its release.
     pub flush: F,
     /// This rank's page (where the receive stream waits).
     pub page: Arc<dyn WordPage>,
 }
 
-impl<F: FnMut() -> nodetour_core::Result<()> + Send> Lander for Reveal<F> {
-    fn land(&mut self, _offset: usize, _len: usize, ready: u32) -> nodetour_core::Result<()> {
-        (self.flush)()?;
+impl<F: FnMut(usize, usize) -> nodetour_core::Result<()> + Send> Lander for Reveal<F> {
+    fn land(&mut self, offset: usize, len: usize, ready: u32) -> nodetour_core::Result<()> {
+        (self.flush)(offset, len)?;
         self.page.store(flag::READY, ready)
     }
+}
+
+/// The lander of direct receive slots under `flush`: none where nothing needs flushing (the
+/// thread stores `ready` itself), else a [`Reveal`] with the flush by read (its own protection
+/// domain, registration and loopback queue pair) or by host call.
+pub(crate) fn lander(
+    flush: FlushMethod,
+    direct: &DirectSlots,
+    local: &LocalSide,
+    config: &nodetour_core::Config,
+    context: &Arc<cudarc::driver::CudaContext>,
+    page: Arc<dyn WordPage>,
+) -> Result<Option<Box<dyn Lander>>> {
+    Ok(match flush {
+        FlushMethod::None => None,
+        FlushMethod::HostCall => {
+            let ctx = context.clone();
+            Some(Box::new(Reveal {
+                flush: move |_: usize, _: usize| nodetour_core::cuda::flush_rdma_writes(&ctx),
+                page,
+            }))
+        }
+        FlushMethod::RdmaRead => {
+            let mut read = ReadFlush::new(
+                &local.context,
+                &local.port,
+                &local.gid,
+                config,
+                &direct.region,
+                direct.rung,
+                config.timeout,
+            )?;
+            Some(Box::new(Reveal {
+                flush: move |offset: usize, len: usize| read.flush(offset, len),
+                page,
+            }))
+        }
+    })
 }
 
 #[cfg(test)]
@@ -212,9 +264,8 @@ mod tests {
             v,
             GdrMode::Auto,
             &flush(FlushMethod::RdmaRead),
-        )
-        .unwrap_err();
-        assert!(read.contains("does not build") && read.contains("NODETOUR_GDR_FLUSH=host"));
+        );
+        assert_eq!(read.unwrap().method, FlushMethod::RdmaRead);
         let no_gpu = recv_side(NetLanding::Auto, v, GdrMode::Auto, &Err("no GPU 3".into()));
         assert_eq!(no_gpu.unwrap_err(), "no GPU 3");
         // The link's own refusals come first.
@@ -241,20 +292,20 @@ mod tests {
         let seen = order.clone();
         let p = page.clone();
         let mut r = Reveal {
-            flush: move || {
+            flush: move |offset: usize, len: usize| {
                 seen.lock()
                     .unwrap()
-                    .push(("flush", p.read(flag::READY).unwrap()));
+                    .push((offset, len, p.read(flag::READY).unwrap()));
                 Ok(())
             },
             page: page.clone(),
         };
         r.land(0, 64, 1).unwrap();
         r.land(64, 64, 2).unwrap();
-        assert_eq!(*order.lock().unwrap(), [("flush", 0), ("flush", 1)]);
+        assert_eq!(*order.lock().unwrap(), [(0, 64, 0), (64, 64, 1)]);
         assert_eq!(page.read(flag::READY).unwrap(), 2);
         let mut failing = Reveal {
-            flush: || {
+            flush: |_: usize, _: usize| {
                 Err(nodetour_core::Error::Unsupported {
                     what: "cuFlushGPUDirectRDMAWrites",
                     reason: "fixture".into(),

@@ -31,7 +31,7 @@ use nodetour_core::verbs::{
 };
 
 use super::gpu_links::{FormedGpuRing, GpuPaths, GpuRingOptions, NetLanding, Seat};
-use super::net_direct::{self, Ladder, Reveal};
+use super::net_direct::{self, DirectSlots, Ladder};
 use crate::error::{Error, Result};
 use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, desc_cells, flag};
 use crate::net_link::{
@@ -169,7 +169,7 @@ pub(crate) fn form(
     let direct = |side: &str,
                   allowed: std::result::Result<(), String>,
                   access: Access|
-     -> Result<std::result::Result<(SlotRegion, String), String>> {
+     -> Result<std::result::Result<DirectSlots, String>> {
         let why = match (allowed, verbs, &ladder) {
             (Err(why), ..) => why,
             (Ok(()), Some(l), Some(ladder)) => {
@@ -191,7 +191,7 @@ pub(crate) fn form(
     };
     let send_slots = match &send_direct {
         None => None,
-        Some(Ok((r, _))) => Some(r.clone()),
+        Some(Ok(d)) => Some(d.slots.clone()),
         Some(Err(_)) => Some(region(slot_total, Some(context), verbs, false)?),
     };
     let recv_flush = ladder
@@ -208,12 +208,12 @@ pub(crate) fn form(
                 allowed.map(|_| ()),
                 Access::REMOTE,
             )?
-            .map(|(r, said)| (r, said, flush.unwrap_or(FlushMethod::None))),
+            .map(|d| (d, flush.unwrap_or(FlushMethod::None))),
         )
     };
     let recv_slots = match &recv_direct {
         None => None,
-        Some(Ok((r, ..))) => Some(r.clone()),
+        Some(Ok((d, _))) => Some(d.slots.clone()),
         Some(Err(_)) => Some(region(slot_total, Some(context), verbs, true)?),
     };
     let box_next = (!next_local)
@@ -361,7 +361,7 @@ pub(crate) fn form(
                 "to next: network ({}), rank {next} is on another host, {}",
                 over(next),
                 match &send_direct {
-                    Some(Ok((_, said))) => format!("from GPU send slots the NIC reads: {said}"),
+                    Some(Ok(d)) => format!("from GPU send slots the NIC reads: {}", d.said),
                     Some(Err(why)) => format!("from host send slots ({why})"),
                     None => unreachable!("a network next has send slots"),
                 }
@@ -389,12 +389,12 @@ pub(crate) fn form(
             });
         }
         let landing = match (&recv_direct, options.net_landing) {
-            (Some(Ok((_, said, flush))), _) => {
+            (Some(Ok((d, flush))), _) => {
                 let f = match &recv_flush {
                     Ok(f) => f.to_string(),
                     Err(_) => flush.to_string(),
                 };
-                format!("GPU slots the NIC writes: {said}; {f}")
+                format!("GPU slots the NIC writes: {}; {f}", d.said)
             }
             (Some(Err(why)), NetLanding::Gpu) => format!(
                 "GPU slots (through host bounce slots, copied in on the link's stream: {why})"
@@ -478,16 +478,12 @@ pub(crate) fn form(
                 });
             }
         }
-    } else if let Some(Ok((slots, _, flush))) = &recv_direct {
+    } else if let Some(Ok((direct, flush))) = &recv_direct {
         // The NIC writes the GPU slots: the thread releases each chunk once it is visible.
-        if *flush == FlushMethod::HostCall {
-            let ctx = context.clone();
-            lander = Some(Box::new(Reveal {
-                flush: move || nodetour_core::cuda::flush_rdma_writes(&ctx),
-                page: mine.clone() as Arc<dyn WordPage>,
-            }));
-        }
-        Incoming::NetDirect(LinkSlots::new(slots.clone())?)
+        let l = verbs.expect("direct slots are registered on the device");
+        let page = mine.clone() as Arc<dyn WordPage>;
+        lander = net_direct::lander(*flush, direct, l, job_config, context, page)?;
+        Incoming::NetDirect(LinkSlots::new(direct.slots.clone())?)
     } else if options.net_landing == NetLanding::Gpu {
         let slots = Arc::new(GpuSlot::new(context, slot_total)?);
         lander = Some(Box::new(GpuLander {
