@@ -979,9 +979,11 @@ impl Engine {
                     let at = slot as usize * self.setup.slot_bytes;
                     let len = len.min(self.setup.slot_bytes);
                     let conn = self.setup.to_next.as_mut().expect("a send end has a link");
+                    // Posted, not waited for: the slot is refilled only after the next
+                    // rank's credit for it, which it sends once the chunk has landed there.
                     let ok = !self.lost_next
                         && conn
-                            .write(
+                            .post(
                                 self.setup.send_slots.as_ref().expect("checked"),
                                 at..at + len,
                                 self.setup.next_recv.as_ref().expect("checked"),

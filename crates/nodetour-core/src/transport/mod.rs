@@ -88,6 +88,22 @@ pub trait HostConnection: Send {
         notify: Option<u32>,
     ) -> Result<()>;
 
+    /// Like [`Self::write`], but may return before the transport has read `src[range]`, so
+    /// that several writes are in flight at once: the caller leaves those bytes untouched until
+    /// the peer has acknowledged them (the peer acknowledges only what its notification told it
+    /// landed, so only bytes that have left this host). A failure of the write surfaces on a
+    /// later call. Transports that copy the bytes at once (tcp, in-process) just write.
+    fn post(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        self.write(src, range, dst, dst_offset, notify)
+    }
+
     /// Collects events without blocking.
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<()>;
 

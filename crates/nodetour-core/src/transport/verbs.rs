@@ -122,31 +122,17 @@ impl VerbsConnection {
         }
         Ok(())
     }
-}
 
-impl HostConnection for VerbsConnection {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Verbs
-    }
-
-    fn grant(&mut self, region: &SlotRegion) -> Result<SlotGrant> {
-        let mr = region.registration().ok_or_else(|| Error::InvalidArgument {
-            reason: "the verbs transport grants only registered slot regions (SlotRegion::registered or ::device)".into(),
-        })?;
-        Ok(SlotGrant {
-            key: region.key(),
-            len: region.len() as u64,
-            remote: Some(mr.remote()),
-        })
-    }
-
-    fn write(
+    /// Posts the write (split at the port's message size), then, if `wait`, waits until the
+    /// NIC is done with the source.
+    fn put(
         &mut self,
         src: &SlotRegion,
         range: Range<usize>,
         dst: &SlotGrant,
         dst_offset: u64,
         notify: Option<u32>,
+        wait: bool,
     ) -> Result<()> {
         let mr = src.registration().ok_or_else(|| Error::InvalidArgument {
             reason: "the verbs transport writes only from registered slot regions".into(),
@@ -185,10 +171,11 @@ impl HostConnection for VerbsConnection {
                 Err(e) => return Err(e),
             }
         }
-        // A zero-length write (a notification: a grant, an end notice) has no source to protect:
-        // return at once, its completion is reaped by the next wait or poll. (Waiting here
-        // would hold a failing rank for the retry timeout of a peer that is already gone.)
-        if range.is_empty() {
+        // A zero-length write (a notification: a grant, an end notice) has no source to protect,
+        // and a post's caller protects its source itself: return at once, the completions are
+        // reaped by the next wait or poll. (Waiting here would hold a failing rank for the
+        // retry timeout of a peer that is already gone.)
+        if range.is_empty() || !wait {
             return Ok(());
         }
         // The source may be reused on return: wait until the NIC is done with it.
@@ -197,6 +184,47 @@ impl HostConnection for VerbsConnection {
             self.absorb()?;
         }
         Ok(())
+    }
+}
+
+impl HostConnection for VerbsConnection {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Verbs
+    }
+
+    fn grant(&mut self, region: &SlotRegion) -> Result<SlotGrant> {
+        let mr = region.registration().ok_or_else(|| Error::InvalidArgument {
+            reason: "the verbs transport grants only registered slot regions (SlotRegion::registered or ::device)".into(),
+        })?;
+        Ok(SlotGrant {
+            key: region.key(),
+            len: region.len() as u64,
+            remote: Some(mr.remote()),
+        })
+    }
+
+    fn write(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        self.put(src, range, dst, dst_offset, notify, true)
+    }
+
+    /// Returns once the work requests are posted: the queue pair holds the source region until
+    /// their completions retire them (reaped by later polls and waits).
+    fn post(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        self.put(src, range, dst, dst_offset, notify, false)
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<()> {
