@@ -14,6 +14,7 @@ use nodetour_core::verbs::{
     Access, EndpointDescription, LocalSide, MemoryRegion, Near, PathOptions, QueuePairOptions,
 };
 
+use crate::comm::net_direct::Reveal;
 use crate::cpu_streams::{CpuLander, CpuRank, HostPage};
 use crate::error::Error;
 use crate::gpu_ring::flag;
@@ -21,6 +22,7 @@ use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions};
 use crate::plan::{Plan, Shape};
 use crate::reduce::ReduceOp;
 use crate::stream_plan::LinkCounters;
+use nodetour_core::transport::read_flush::ReadFlush;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Wire {
@@ -157,11 +159,31 @@ const DESC: (u32, u32) = (flag::DESC_BASE, 6);
 
 /// `n` ranks in a ring over `wire`.
 fn ring(n: u32, wire: Wire, slots: u32, slot_bytes: usize) -> Vec<CpuRank> {
-    ring_landing(n, wire, slots, slot_bytes, false)
+    ring_landing(n, wire, slots, slot_bytes, Landing::Plain)
 }
 
-/// [`ring`], each rank's chunks moved on by a lander (the GPU-slot landing) where `landers`.
-fn ring_landing(n: u32, wire: Wire, slots: u32, slot_bytes: usize, landers: bool) -> Vec<CpuRank> {
+/// What happens to a chunk once it landed in a rank's receive slots.
+#[derive(Clone)]
+enum Landing {
+    /// The thread releases it (host slots).
+    Plain,
+    /// A lander moves it on first (GPU slots over a host-landing wire).
+    Copied,
+    /// A lander flushes it first, then releases it in place (GPU slots the NIC writes): by an
+    /// RDMA read on the rank's own loopback queue pair (verbs only), or by a host call (here a
+    /// counter standing in for `cuFlushGPUDirectRDMAWrites`).
+    FlushedByRead,
+    FlushedByCall(Arc<std::sync::atomic::AtomicUsize>),
+}
+
+/// [`ring`], each rank's chunks handled as `landing` says.
+fn ring_landing(
+    n: u32,
+    wire: Wire,
+    slots: u32,
+    slot_bytes: usize,
+    landing: Landing,
+) -> Vec<CpuRank> {
     // Verbs: each rank on a device of its own (alternating between the two), its regions
     // registered there.
     let sides: Vec<Option<LocalSide>> = (0..n)
@@ -233,14 +255,43 @@ fn ring_landing(n: u32, wire: Wire, slots: u32, slot_bytes: usize, landers: bool
         .enumerate()
         .map(|(i, p)| {
             let (next, prev) = ((i as u32 + 1) % n, (i as u32 + n - 1) % n);
-            let landed = landers.then(|| region(slots as usize * slot_bytes));
-            let lander = landed.as_ref().map(|to| {
-                Box::new(CpuLander {
+            let landed =
+                matches!(landing, Landing::Copied).then(|| region(slots as usize * slot_bytes));
+            let page = p.mine.clone() as Arc<dyn crate::net_link::WordPage>;
+            let lander: Option<Box<dyn crate::net_link::Lander>> = match &landing {
+                Landing::Plain => None,
+                Landing::Copied => Some(Box::new(CpuLander {
                     from: p.recv.clone(),
-                    to: to.clone(),
+                    to: landed.clone().expect("made above"),
                     mine: p.mine.clone(),
-                }) as Box<dyn crate::net_link::Lander>
-            });
+                })),
+                Landing::FlushedByRead => {
+                    let side = sides[i].as_ref().expect("a read flush needs verbs");
+                    let mut read = ReadFlush::by_address(
+                        &side.context,
+                        &side.port,
+                        &side.gid,
+                        &nodetour_core::Config::default(),
+                        p.recv.memory_region().expect("registered"),
+                        Duration::from_secs(5),
+                    )
+                    .unwrap();
+                    Some(Box::new(Reveal {
+                        flush: move |offset: usize, len: usize| read.flush(offset, len),
+                        page,
+                    }))
+                }
+                Landing::FlushedByCall(calls) => {
+                    let calls = calls.clone();
+                    Some(Box::new(Reveal {
+                        flush: move |_: usize, _: usize| {
+                            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            Ok(())
+                        },
+                        page,
+                    }))
+                }
+            };
             let link = NetLink::start(NetLinkSetup {
                 next,
                 prev,
@@ -432,11 +483,49 @@ fn verbs_network_ring_every_shape_and_a_lost_peer() {
     println!("VERBS_NET_RING LOST_PEER {results:?}");
 }
 
+/// The GPU-slot variant's control flow over real verbs: chunks the NIC wrote are released only
+/// after their flush, by an RDMA read on each rank's own loopback queue pair (its own
+/// protection domain and readable registration) or by a host call; every shape checked.
+#[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/test.sh's vm tier)"]
+fn verbs_network_ring_releases_chunks_after_each_flush() {
+    if verbs_devices().is_none() {
+        return;
+    }
+    for n in [2u32, 3] {
+        let mut ranks = ring_landing(n, Wire::Verbs, 3, 4096, Landing::FlushedByRead);
+        every_shape(&mut ranks, &[1, 1031, 20_011]);
+        println!("VERBS_NET_RING FLUSH_BY_READ OK ranks={n}");
+    }
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut ranks = ring_landing(
+        3,
+        Wire::Verbs,
+        3,
+        4096,
+        Landing::FlushedByCall(calls.clone()),
+    );
+    every_shape(&mut ranks, &[1, 1031, 20_011]);
+    let calls = calls.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(calls > 0, "no chunk was flushed");
+    println!("VERBS_NET_RING FLUSH_BY_CALL OK ranks=3 flushes={calls}");
+}
+
+#[test]
+fn chunks_released_after_a_flush_arrive_whole_and_every_chunk_is_flushed() {
+    // The direct landing's control flow on any wire: each chunk flushed, then released in
+    // place (the count is every chunk each rank received).
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut ranks = ring_landing(3, Wire::Mem, 3, 64, Landing::FlushedByCall(calls.clone()));
+    every_shape(&mut ranks, &[1, 257]);
+    assert!(calls.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}
+
 #[test]
 fn chunks_moved_on_by_a_lander_arrive_whole_and_in_order() {
     // The GPU-slot landing's control flow: every chunk copied on before its `ready`.
     for n in [2u32, 3] {
-        let mut ranks = ring_landing(n, Wire::Tcp, 3, 64, true);
+        let mut ranks = ring_landing(n, Wire::Tcp, 3, 64, Landing::Copied);
         every_shape(&mut ranks, &[1, 257, 1031]);
     }
 }

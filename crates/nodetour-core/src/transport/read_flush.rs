@@ -95,6 +95,32 @@ impl ReadFlush {
             }
         }
         .map_err(|(e, _)| e)?;
+        Self::with(pd, second, port, gid, config, timeout)
+    }
+
+    /// The flush for `slots` registered by address (`ibv_reg_mr`: the peermem rung for GPU
+    /// memory; host memory in tests, where the flush's control flow runs over soft-RoCE).
+    pub fn by_address<B: RdmaBuffer>(
+        device: &Arc<Context>,
+        port: &PortAttributes,
+        gid: &GidChoice,
+        config: &Config,
+        slots: &Arc<MemoryRegion<B>>,
+        timeout: Duration,
+    ) -> Result<ReadFlush> {
+        let pd = ProtectionDomain::new(device)?;
+        let second = MemoryRegion::register(&pd, Alias(slots.clone()), READABLE)?;
+        Self::with(pd, second, port, gid, config, timeout)
+    }
+
+    fn with<B: RdmaBuffer>(
+        pd: Arc<ProtectionDomain>,
+        second: MemoryRegion<Alias<B>>,
+        port: &PortAttributes,
+        gid: &GidChoice,
+        config: &Config,
+        timeout: Duration,
+    ) -> Result<ReadFlush> {
         let source = second.remote();
         let target = Arc::new(MemoryRegion::register(
             &pd,

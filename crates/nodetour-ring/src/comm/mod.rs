@@ -63,7 +63,7 @@ mod gpu_links;
 mod host_job;
 mod in_flight;
 pub(crate) mod links;
-mod net_direct;
+pub(crate) mod net_direct;
 mod net_links;
 mod options;
 mod paths;
