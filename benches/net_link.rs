@@ -78,10 +78,13 @@ impl WordPage for Page {
     }
 }
 
+/// Two connected ends.
+type Connections = (Box<dyn HostConnection>, Box<dyn HostConnection>);
+
 /// Makes connected pairs and the regions their transport writes (registered for verbs).
 struct Wire {
     name: &'static str,
-    make: Box<dyn Fn() -> (Box<dyn HostConnection>, Box<dyn HostConnection>)>,
+    make: Box<dyn Fn() -> Connections>,
     region: Box<dyn Fn(usize) -> SlotRegion>,
 }
 
