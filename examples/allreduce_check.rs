@@ -146,6 +146,9 @@ fn run() -> anyhow::Result<()> {
                 let buffer = DeviceBuffer::new(ctx, data.len().max(1))?;
                 buffer.copy_from_host(0, &data)?;
                 comm.all_reduce_device_buffer(&buffer, args.count, dtype, op, stream)?;
+                // The collective is queued on `stream`; the copy out runs on a stream of its
+                // own, so wait for this one (only) first.
+                stream.synchronize()?;
                 buffer.copy_to_host(0, &mut data)?;
             }
         }
