@@ -362,6 +362,9 @@ pub(crate) fn form(
                 over(next),
                 match &send_direct {
                     Some(Ok(d)) => format!("from GPU send slots the NIC reads: {}", d.said),
+                    Some(Err(_)) if over(next) == TransportKind::Tcp => {
+                        "from host send slots".to_owned()
+                    }
                     Some(Err(why)) => format!("from host send slots ({why})"),
                     None => unreachable!("a network next has send slots"),
                 }
@@ -396,9 +399,17 @@ pub(crate) fn form(
                 };
                 format!("GPU slots the NIC writes: {}; {f}", d.said)
             }
-            (Some(Err(why)), NetLanding::Gpu) => format!(
-                "GPU slots (through host bounce slots, copied in on the link's stream: {why})"
-            ),
+            (Some(Err(why)), NetLanding::Gpu) => {
+                let why = if over(prev) == TransportKind::Tcp {
+                    String::new()
+                } else {
+                    format!(": {why}")
+                };
+                format!(
+                    "GPU slots (through host bounce slots, copied in on the link's stream{why})"
+                )
+            }
+            (Some(Err(_)), _) if over(prev) == TransportKind::Tcp => "host slots".to_owned(),
             (Some(Err(why)), _) => format!("host slots ({why})"),
             (None, _) => unreachable!("a network previous has receive slots"),
         };
