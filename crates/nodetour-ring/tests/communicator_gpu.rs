@@ -411,9 +411,32 @@ fn gpu_ring_rank() {
     }
     comm.wait(Deadline::after(Duration::from_secs(20))).unwrap();
     spinner.release();
+    // Capturing a collective into a CUDA graph is refused, typed, before anything is queued
+    // (the values its streams wait for are not yet replay-safe); the communicator goes on.
+    use cudarc::driver::sys;
+    let mut x = stream.clone_htod(&vec![1.0f32; 1024]).unwrap();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    let refused = comm.all_reduce_device_in_place(&mut x, ReduceOp::Sum, &stream);
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap();
+    drop(graph);
+    assert!(
+        matches!(&refused, Err(Error::Unsupported { reason }) if reason.contains("graph")),
+        "rank {r}: {refused:?}"
+    );
+    comm.all_reduce_device_in_place(&mut x, ReduceOp::Sum, &stream)
+        .unwrap();
+    let sum = stream.clone_dtoh(&x).unwrap();
+    assert!(
+        sum.iter().all(|v| *v == world as f32),
+        "rank {r}: after the refused capture"
+    );
     comm.close(Deadline::after(Duration::from_secs(20)))
         .unwrap();
-    println!("GPU_RING_SHAPES OK rank={r} world={world}");
+    println!("GPU_RING_SHAPES OK rank={r} world={world} (graph capture refused, typed)");
 }
 
 #[test]
