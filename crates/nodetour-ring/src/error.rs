@@ -123,6 +123,9 @@ impl From<nodetour_core::Error> for Error {
         match e {
             nodetour_core::Error::RankLost { rank, .. } => Error::PeerLost { rank },
             nodetour_core::Error::Aborted { reason } => Error::Aborted { reason },
+            nodetour_core::Error::Unsupported { what, reason } => Error::Unsupported {
+                reason: format!("{what}: {reason}"),
+            },
             other => Error::Transport {
                 source: CoreError(std::sync::Arc::new(other)),
             },

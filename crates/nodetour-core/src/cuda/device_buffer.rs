@@ -180,7 +180,8 @@ impl DeviceBuffer {
 /// `stream`): a [`DeviceBuffer`] over the same bytes that nodetour's calls accept and that is
 /// never freed here. `stream` first waits for the slice's last write (cudarc's own ordering);
 /// after `f`, cudarc records that `stream` read the slice, so cudarc orders later writes and the
-/// slice's free after the work `f` queued. Queue work only on `stream` in `f`.
+/// slice's free after the work `f` queued. Queue work only on `stream` in `f`. A stream being
+/// captured into a CUDA graph is refused (`Unsupported`) before anything is queued on it.
 pub fn with_cudarc_slice<T, S, R>(
     slice: &S,
     stream: &Arc<cudarc::driver::CudaStream>,
@@ -226,6 +227,19 @@ fn cudarc_view_of<T, S: cudarc::driver::DeviceSlice<T> + ?Sized>(
     if !crate::cuda::same_context(&context, stream.context()) {
         return Err(Error::InvalidArgument {
             reason: "the slice and the stream are on different GPUs".into(),
+        });
+    }
+    // Refused before cudarc orders the slice on `stream`: that wait names an event recorded
+    // outside the capture, which would invalidate the caller's capture.
+    let capture = stream
+        .capture_status()
+        .map_err(|e| crate::cuda::result::cuda_error("cuStreamIsCapturing", e))?;
+    if capture != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        return Err(Error::Unsupported {
+            what: "graph capture",
+            reason: "the stream is being captured into a CUDA graph; nodetour's collectives \
+                     do not support graph capture yet"
+                .into(),
         });
     }
     Ok((context, slice.num_bytes()))
