@@ -182,6 +182,35 @@ impl SlotRegion {
         Ok(())
     }
 
+    /// Copies `len` bytes at `offset` into `dst` at `dst_offset` (another region, or this one:
+    /// the ranges may overlap), CPU to CPU without an intermediate buffer (after the
+    /// notification that the bytes landed).
+    pub fn copy_to(
+        &self,
+        offset: usize,
+        dst: &SlotRegion,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.check("copy source", offset, len)?;
+        dst.check("copy destination", dst_offset, len)?;
+        // Both regions' CPU locks, in key order (one lock for a copy within a region).
+        let same = Arc::ptr_eq(&self.0, &dst.0);
+        let (first, second) = if self.0.key <= dst.0.key {
+            (self, dst)
+        } else {
+            (dst, self)
+        };
+        let _a = first.cpu_lock();
+        let _b = (!same).then(|| second.cpu_lock());
+        fence(Ordering::Acquire);
+        // SAFETY: both ranges are in bounds of live memory (checked), reached only through raw
+        // pointers; `ptr::copy` allows the overlap of a copy within one region.
+        unsafe { std::ptr::copy(self.0.ptr.add(offset), dst.0.ptr.add(dst_offset), len) };
+        fence(Ordering::Release);
+        Ok(())
+    }
+
     /// Copies `len` bytes at `offset` into GPU memory `dst` at `dst_offset` on `stream`, after
     /// the work queued there, and waits for `stream` (only) until they have landed. Fast when
     /// the region's buffer was registered with CUDA before it became a region.
@@ -396,6 +425,29 @@ impl SlotTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn regions_copy_to_each_other_and_within_themselves() {
+        let a = SlotRegion::host(HostBuffer::new(4096).unwrap());
+        let b = SlotRegion::host(HostBuffer::new(4096).unwrap());
+        a.write_at(0, b"abcdef").unwrap();
+        a.copy_to(1, &b, 100, 4).unwrap();
+        b.copy_to(100, &a, 2, 4).unwrap(); // the other lock order
+        let mut out = [0u8; 6];
+        a.read_at(0, &mut out).unwrap();
+        assert_eq!(&out, b"abbcde");
+        a.copy_to(0, &a, 1, 5).unwrap(); // overlapping, within one region
+        a.read_at(0, &mut out).unwrap();
+        assert_eq!(&out, b"aabbcd");
+        assert!(matches!(
+            a.copy_to(4090, &b, 0, 8),
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            a.copy_to(0, &b, 4090, 8),
+            Err(Error::OutOfBounds { .. })
+        ));
+    }
 
     #[test]
     fn regions_copy_in_and_out_within_bounds() {
