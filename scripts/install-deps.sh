@@ -5,7 +5,7 @@
 #
 # Usage: scripts/install-deps.sh [--build-only]
 #   --build-only  only what the build needs (headers for the verbs bindings, libclang for
-#                 bindgen, pkg-config), not the VM tier
+#                 bindgen, pkg-config), not the VM tier nor Open MPI (the host paths' reference)
 #
 # Runs apt-get as root, through sudo when not root. Prints one line per action.
 set -euo pipefail
@@ -18,6 +18,9 @@ build_pkgs=(libibverbs-dev librdmacm-dev libclang-dev pkg-config)
 # sets up soft-RoCE with (iproute2, rdma-core) and the verbs userspace and tools.
 vm_pkgs=(qemu-system-x86 kmod cpio busybox-static iproute2 rdma-core ibverbs-providers
     ibverbs-utils rdmacm-utils perftest valgrind)
+
+# The test tier's reference for the host paths: Open MPI over tcp (scripts/mpi-compare.sh).
+test_pkgs=(openmpi-bin libopenmpi-dev)
 
 build_only=0
 case ${1:-} in
@@ -41,6 +44,7 @@ fi
 
 pkgs=("${build_pkgs[@]}")
 if ((!build_only)); then
+    pkgs+=("${test_pkgs[@]}")
     if [[ $(dpkg --print-architecture) != amd64 ]]; then
         # The VM boots an x86_64 kernel over this machine's own root filesystem.
         say "skipping the VM packages: the VM tier needs an amd64 machine"

@@ -136,6 +136,15 @@ tcp_bench() {
     scripts/launch-local.sh -n 2 --timeout 120 -- target/release/examples/transport_check --bench 268435456 2>&1 | grep TCP_BENCH
 }
 check "tcp large writes against a plain TCP stream (ratio printed, not asserted)" tcp_bench
+mpi_compare() { # issue 16's reference, same run: ratios printed, not asserted (timings are noisy)
+    scripts/mpi-compare.sh --ranks "2 4" --batches 5 --iters 20 2>&1 | grep -E '^(MPI_COMPARE|SKIP|mpi-compare)'
+    return "${PIPESTATUS[0]}"
+}
+if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
+    check "the host allreduce over tcp against Open MPI's, interleaved batches (MPI_COMPARE lines, printed)" mpi_compare
+else
+    echo "SKIP mpi-compare: Open MPI is not installed (scripts/install-deps.sh installs it)"; skipped=$((skipped + 1))
+fi
 soak_tcp() { scripts/soak.sh tcp 10000 4; }
 drills_tcp() { # 3 kill + 3 abort trials, 4 processes; every Ok result checked (recorded: 20 each)
     NODETOUR_TIMEOUT_MS=3000 scripts/host-drills.sh tcp 3 4 /tmp/host-drills-ci.log | sed 's/^/  /'
