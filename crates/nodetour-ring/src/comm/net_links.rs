@@ -38,7 +38,7 @@ use crate::net_link::{
     Lander, MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage, receive_depth,
 };
 use nodetour_core::registration::GdrMode;
-use nodetour_core::visibility::FlushMethod;
+use nodetour_core::visibility;
 
 const MODE_IPC: u32 = 1;
 const MODE_SHM: u32 = 2;
@@ -201,15 +201,9 @@ pub(crate) fn form(
         None
     } else {
         let allowed = net_direct::recv_side(options.net_landing, over(prev), mode, &recv_flush);
-        let flush = allowed.as_ref().ok().map(|f| f.method);
-        Some(
-            direct(
-                "the link from the previous rank",
-                allowed.map(|_| ()),
-                Access::REMOTE,
-            )?
-            .map(|d| (d, flush.unwrap_or(FlushMethod::None))),
-        )
+        let flush = allowed.clone().unwrap_or_else(|_| visibility::host_slots());
+        let side = "the link from the previous rank";
+        Some(direct(side, allowed.map(|_| ()), Access::REMOTE)?.map(|d| (d, flush)))
     };
     let recv_slots = match &recv_direct {
         None => None,
@@ -392,13 +386,7 @@ pub(crate) fn form(
             });
         }
         let landing = match (&recv_direct, options.net_landing) {
-            (Some(Ok((d, flush))), _) => {
-                let f = match &recv_flush {
-                    Ok(f) => f.to_string(),
-                    Err(_) => flush.to_string(),
-                };
-                format!("GPU slots the NIC writes: {}; {f}", d.said)
-            }
+            (Some(Ok((d, flush))), _) => format!("GPU slots the NIC writes: {}; {flush}", d.said),
             (Some(Err(why)), NetLanding::Gpu) => {
                 let why = if over(prev) == TransportKind::Tcp {
                     String::new()
@@ -493,7 +481,7 @@ pub(crate) fn form(
         // The NIC writes the GPU slots: the thread releases each chunk once it is visible.
         let l = verbs.expect("direct slots are registered on the device");
         let page = mine.clone() as Arc<dyn WordPage>;
-        lander = net_direct::lander(*flush, direct, l, job_config, context, page)?;
+        lander = net_direct::lander(flush.method, direct, l, job_config, context, page)?;
         Incoming::NetDirect(LinkSlots::new(direct.slots.clone())?)
     } else if options.net_landing == NetLanding::Gpu {
         let slots = Arc::new(GpuSlot::new(context, slot_total)?);
