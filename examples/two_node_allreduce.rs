@@ -2,8 +2,11 @@
 //! cluster: one process per GPU, started by a launcher (torchrun, Slurm, Open MPI, or
 //! `scripts/launch-local.sh`). It forms a communicator from the launcher's environment, prints
 //! each link's path and the reason for it (between nodes with GPUDirect RDMA, expect the GPU
-//! ring's network links over verbs), checks an allreduce on every rank, then sweeps f32 sums
-//! beside NCCL's allreduce on the same buffers and streams, in the same run.
+//! ring's network links over verbs, "from GPU send slots the NIC reads: direct (dma-buf …)" and
+//! "landing in GPU slots the NIC writes: direct (dma-buf …); no flush (…)" on Hopper; where a
+//! rung is refused, host slots and every rung's reason), checks an allreduce on every rank,
+//! then sweeps f32 sums beside NCCL's allreduce on the same buffers and streams, in the same
+//! run.
 //!
 //! ```text
 //! # on each of two nodes (NODE_RANK 0 and 1), 8 GPUs each:
