@@ -83,19 +83,18 @@ impl ReadFlush {
         rung: Rung,
         timeout: Duration,
     ) -> Result<ReadFlush> {
-        let pd = ProtectionDomain::new(device)?;
-        let alias = Alias(slots.clone());
-        let second = match rung {
-            Rung::DmaBuf => B::register_dmabuf_again(&pd, alias, READABLE),
-            Rung::PeerMem => MemoryRegion::try_register(&pd, alias, READABLE),
-            Rung::Staged => {
-                return Err(Error::InvalidArgument {
-                    reason: "host slots are never flushed".into(),
-                });
+        match rung {
+            Rung::DmaBuf => {
+                let pd = ProtectionDomain::new(device)?;
+                let second = B::register_dmabuf_again(&pd, Alias(slots.clone()), READABLE)
+                    .map_err(|(e, _)| e)?;
+                Self::with(pd, second, port, gid, config, timeout)
             }
+            Rung::PeerMem => Self::by_address(device, port, gid, config, slots, timeout),
+            Rung::Staged => Err(Error::InvalidArgument {
+                reason: "host slots are never flushed".into(),
+            }),
         }
-        .map_err(|(e, _)| e)?;
-        Self::with(pd, second, port, gid, config, timeout)
     }
 
     /// The flush for `slots` registered by address (`ibv_reg_mr`: the peermem rung for GPU
