@@ -25,7 +25,7 @@ use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
+use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion, wait_any};
 
 use crate::descriptor::{self, Descriptor};
 use crate::error::{Error, Result};
@@ -132,6 +132,9 @@ pub struct HostRingOptions {
     pub slots: u32,
     /// No progress for this long fails the collective.
     pub timeout: Duration,
+    /// After each notification, how long the rank looks for the next without blocking
+    /// (`NODETOUR_SPIN_US`) before it waits in the kernel.
+    pub spin: Duration,
 }
 
 impl HostRingOptions {
@@ -141,6 +144,7 @@ impl HostRingOptions {
             slot_bytes: 1 << 20,
             slots: 4,
             timeout: config.timeout,
+            spin: config.spin,
         }
     }
 }
@@ -585,8 +589,14 @@ impl HostRing<'_> {
         ops: &mut dyn ChunkOps,
     ) -> Result<()> {
         let epoch = (what.seq & 0x7f) as u8;
+        // This thread receives the neighbours' writes itself while it drives the collective
+        // (one wake-up per message). It keeps doing so between collectives when this one
+        // succeeds: a neighbour then writes us only small notices until we grant slots again.
+        self.read_inline(true);
         let result = self.run_until_end(plan, what, alive, ops);
         if let Err(e) = &result {
+            // A neighbour may still be writing data we granted: the transport's threads take it.
+            self.read_inline(false);
             // Tell both neighbours, so that the ring ends this collective now rather than at
             // its deadline. Best effort: a neighbour that is gone cannot be told.
             let reason = match e {
@@ -597,6 +607,16 @@ impl HostRing<'_> {
             self.send_end(epoch, reason);
         }
         result
+    }
+
+    fn read_inline(&mut self, on: bool) {
+        match &mut self.links {
+            Links::One(c) => c.read_inline(on),
+            Links::Two { next, prev } => {
+                next.read_inline(on);
+                prev.read_inline(on);
+            }
+        }
     }
 
     fn send_end(&mut self, epoch: u8, reason: EndReason) {
@@ -644,6 +664,8 @@ impl HostRing<'_> {
         // (from the previous rank?, value)
         let mut events: Vec<(bool, u32)> = Vec::new();
         let mut polled: Vec<Event> = Vec::new();
+        let mut polled_any: Vec<(usize, Event)> = Vec::new();
+        let mut last_event = Instant::now();
         // What neighbours already sent for this collective while the previous one ran.
         let early: Vec<u32> = std::mem::take(&mut self.backlog);
         let mut replay: Vec<(bool, u32)> = early
@@ -734,41 +756,48 @@ impl HostRing<'_> {
                 }
                 continue;
             }
-            // Collect notifications: spin on polls briefly, then wait in short slices so that
-            // both neighbours are served and the deadline is checked.
+            // Collect notifications: poll without blocking for `spin` after the last one, then
+            // wait in short slices so that both neighbours are served and the deadline is
+            // checked.
+            let spinning = last_event.elapsed() < self.options.spin;
             events.clear();
             events.append(&mut replay);
             match &mut self.links {
                 Links::One(c) => {
                     polled.clear();
                     c.poll(&mut polled)?;
-                    if polled.is_empty() {
+                    if polled.is_empty() && spinning {
+                        std::hint::spin_loop();
+                    } else if polled.is_empty() {
                         wait_slice(&mut **c, &mut polled)?;
                     }
                     // One peer is both neighbours: data and end notices count as its.
                     events.extend(polled.iter().map(|Event::Notified(v)| (true, *v)));
                 }
                 Links::Two { next, prev } => {
-                    // Grants come from next, data from prev: wait on each in turn, briefly, so
-                    // neither waits behind the other for long. (A progress engine blocking on
-                    // both at once comes with the GPU executors.)
-                    let mut from_next = Vec::new();
-                    let mut from_prev = Vec::new();
-                    next.poll(&mut from_next)?;
-                    prev.poll(&mut from_prev)?;
-                    if from_next.is_empty() && from_prev.is_empty() {
-                        wait_slice(&mut **prev, &mut from_prev)?;
-                        next.poll(&mut from_next)?;
+                    // Grants come from next, data from prev: wait on both at once.
+                    polled_any.clear();
+                    let slice = if spinning {
+                        Duration::ZERO
+                    } else {
+                        Duration::from_micros(200)
+                    };
+                    let d = Deadline::after(slice);
+                    match wait_any(&mut [&mut **next, &mut **prev], &mut polled_any, d) {
+                        Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => {}
+                        Err(e) => return Err(e.into()),
                     }
-                    if from_next.is_empty() && from_prev.is_empty() {
-                        wait_slice(&mut **next, &mut from_next)?;
-                        prev.poll(&mut from_prev)?;
-                    }
-                    events.extend(from_next.iter().map(|Event::Notified(v)| (false, *v)));
-                    events.extend(from_prev.iter().map(|Event::Notified(v)| (true, *v)));
+                    events.extend(
+                        polled_any
+                            .iter()
+                            .map(|(i, Event::Notified(v))| (*i == 1, *v)),
+                    );
                 }
             }
             let now = Instant::now();
+            if !events.is_empty() {
+                last_event = now;
+            }
             for &(from_prev, v) in &events {
                 let e_epoch = epoch_of(v);
                 if e_epoch != u32::from(epoch) {

@@ -205,6 +205,7 @@ fn small_slots() -> HostRingOptions {
         slot_bytes: 256,
         slots: 2,
         timeout: Duration::from_secs(20),
+        spin: Duration::ZERO,
     }
 }
 
@@ -233,6 +234,7 @@ fn ring_sizes_counts_and_slot_shapes() {
             slot_bytes: 4096,
             slots: 1,
             timeout: Duration::from_secs(20),
+            spin: Duration::ZERO,
         },
     );
     check(
@@ -340,6 +342,7 @@ fn an_abort_on_one_rank_ends_the_collective_everywhere_at_once() {
         slot_bytes: 1024,
         slots: 2,
         timeout: Duration::from_secs(30),
+        spin: Duration::ZERO,
     };
     let count = 200_000;
     let inputs = ints(world, count);

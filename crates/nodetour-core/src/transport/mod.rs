@@ -23,13 +23,17 @@ pub mod read_flush;
 pub mod setup;
 mod slots;
 pub mod tcp;
+mod tcp_rx;
 pub mod verbs;
+mod wait_any;
 pub mod wire;
 
 pub use mem::MemConnection;
 pub use slots::{SlotGrant, SlotRegion, SlotRegistration, SlotTable};
+pub use wait_any::wait_any;
 
 use std::ops::Range;
+use std::os::fd::BorrowedFd;
 
 use crate::deadline::Deadline;
 use crate::error::Result;
@@ -109,6 +113,20 @@ pub trait HostConnection: Send {
 
     /// Waits until at least one event arrives or `deadline` passes.
     fn wait(&mut self, events: &mut Vec<Event>, deadline: Deadline) -> Result<()>;
+
+    /// Asks that the thread calling [`Self::poll`] and [`Self::wait`] receive the peer's writes
+    /// itself (`true`), instead of a transport thread handing them over (`false`, the default
+    /// mode): one wake-up per message instead of two. The caller promises to poll or wait
+    /// whenever the peer may be writing to it, and a write of this process that would block
+    /// ends the mode for every connection (the transport's threads read again), so a ring of
+    /// blocked writers cannot wait for itself. Transports without receive threads ignore it.
+    fn read_inline(&mut self, _on: bool) {}
+
+    /// While the connection reads inline: a descriptor that becomes readable when
+    /// [`Self::poll`] may find events (for [`wait_any()`]); `None` otherwise.
+    fn readiness(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
 }
 
 /// Why a transport was chosen for a pair of ranks.

@@ -8,15 +8,17 @@
 //! frame is sent or accepted: the connector answers the acceptor's nonce with its rank and an
 //! HMAC, and the acceptor answers the connector's nonce with its own HMAC.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::ops::Range;
-use std::os::fd::AsRawFd;
-use std::sync::{Arc, Condvar, Mutex};
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::tcp_rx::{self, Receiver};
 use super::wire::{CONTROL_MAX, HEADER_LEN, MAX_FRAME, WriteHeader};
 use super::{Event, HostConnection, SlotGrant, SlotRegion, SlotTable, TransportKind};
 use crate::auth::{JobToken, nonce};
@@ -24,18 +26,12 @@ use crate::auth::{SessionKey, SessionKeys, TAG_LEN, Tag};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 
-#[derive(Default)]
-struct Received {
-    events: Mutex<(VecDeque<Event>, Option<String>)>,
-    arrived: Condvar,
-}
-
 /// A tcp connection to one peer.
 pub struct TcpConnection {
     // Shut down (waking the reader) and joined in Drop before the table releases the regions.
     stream: TcpStream,
     reader: Option<JoinHandle<()>>,
-    received: Arc<Received>,
+    rx: Arc<Receiver>,
     granted: SlotTable,
     peer: String,
     timeout: Duration,
@@ -61,36 +57,32 @@ impl TcpConnection {
         };
         stream.set_nodelay(true).map_err(setup)?;
         stream.set_read_timeout(None).map_err(setup)?;
-        let received = Arc::new(Received::default());
+        // Writes block at most this long (set once: a write is one system call or a few).
+        stream.set_write_timeout(Some(timeout)).map_err(setup)?;
         let granted = SlotTable::default();
         for r in regions {
             granted.insert(r)?;
         }
         let SessionKeys { send, recv } = keys;
+        let rx = Arc::new(Receiver::new(
+            stream.try_clone().map_err(setup)?,
+            granted.clone(),
+            recv,
+        ));
         let reader = {
-            let (mut s, received, granted, who) = (
-                stream.try_clone().map_err(setup)?,
-                received.clone(),
-                granted.clone(),
-                peer.clone(),
-            );
-            let mut recv = recv;
+            let (rx, who) = (rx.clone(), peer.clone());
             std::thread::Builder::new()
                 .name("nodetour-tcp-rx".into())
                 .spawn(move || {
-                    let why = receive_loop(&mut s, &granted, &received, &mut recv);
+                    let why = rx.run();
                     tracing::debug!(peer = %who, reason = %why, "tcp receiver stopped");
-                    let _ = s.shutdown(Shutdown::Both);
-                    let mut ev = received.events.lock().unwrap_or_else(|p| p.into_inner());
-                    ev.1.get_or_insert(why);
-                    received.arrived.notify_all();
                 })
                 .map_err(setup)?
         };
         Ok(TcpConnection {
             stream,
             reader: Some(reader),
-            received,
+            rx,
             granted,
             peer,
             timeout,
@@ -104,94 +96,17 @@ impl TcpConnection {
     }
 
     fn failure(&self) -> Option<Error> {
-        let ev = self
-            .received
-            .events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let ev = self.rx.events();
         ev.1.as_ref()
             .filter(|_| ev.0.is_empty())
-            .map(|why| Error::Exchange {
-                op: "receive",
-                peer: self.peer.clone(),
-                source: io::Error::new(io::ErrorKind::ConnectionAborted, why.clone()),
-            })
+            .map(|why| self.ended(why))
     }
-}
 
-/// Reads frames until the connection ends; returns why it ended. A frame's header is checked
-/// against the grants, then its tag: a control-sized payload is read into local memory and
-/// lands in the region only once its tag is right; a larger one (whose tag covers the header)
-/// goes straight from the socket into the region.
-fn receive_loop(
-    s: &mut TcpStream,
-    granted: &SlotTable,
-    received: &Received,
-    key: &mut SessionKey,
-) -> String {
-    let mut header = [0u8; HEADER_LEN];
-    let mut tag: Tag = [0u8; TAG_LEN];
-    let mut small = vec![0u8; CONTROL_MAX as usize];
-    loop {
-        if let Err(e) = s.read_exact(&mut header) {
-            return if e.kind() == io::ErrorKind::UnexpectedEof {
-                "the peer closed the connection".into()
-            } else {
-                e.to_string()
-            };
-        }
-        let h = match WriteHeader::decode(&header) {
-            Ok(h) => h,
-            Err(e) => return format!("refused a malformed frame from the peer: {e}"),
-        };
-        let (region, dst) = match granted.target(h.key, h.offset, u64::from(h.len)) {
-            Ok(t) => t,
-            Err(e) => {
-                return format!(
-                    "refused the peer's write (key {}, offset {}, {} bytes): {e}",
-                    h.key, h.offset, h.len
-                );
-            }
-        };
-        if let Err(e) = s.read_exact(&mut tag) {
-            return format!("the peer's frame was truncated: {e}");
-        }
-        let len = h.len as usize;
-        if h.len <= CONTROL_MAX {
-            if let Err(e) = s.read_exact(&mut small[..len]) {
-                return format!("the peer's frame was truncated: {e}");
-            }
-            if !key.open(&[&header, &small[..len]], &tag) {
-                return "refused a frame that failed the session's authentication (tampered, \
-                        replayed or out of order)"
-                    .into();
-            }
-            // SAFETY: dst..dst+len lies inside the granted region (checked by the slot table,
-            // which `region` holds); `small` is this thread's own buffer. Raw copy: no slice is
-            // formed over slot memory, which other threads and peers may touch.
-            unsafe { std::ptr::copy_nonoverlapping(small.as_ptr(), dst, len) };
-        } else {
-            if !key.open(&[&header], &tag) {
-                return "refused a frame that failed the session's authentication (tampered, \
-                        replayed or out of order)"
-                    .into();
-            }
-            // The bytes go straight from the socket into the region through its raw address:
-            // no slice is ever formed over slot memory, which other threads and peers may touch.
-            if let Err(e) = read_exact_raw(s, dst, len) {
-                return format!("the peer's frame was truncated: {e}");
-            }
-        }
-        drop(region);
-        if let Some(v) = h.notify {
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
-            received
-                .events
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .0
-                .push_back(Event::Notified(v));
-            received.arrived.notify_all();
+    fn ended(&self, why: &str) -> Error {
+        Error::Exchange {
+            op: "receive",
+            peer: self.peer.clone(),
+            source: io::Error::new(io::ErrorKind::ConnectionAborted, why.to_owned()),
         }
     }
 }
@@ -254,9 +169,6 @@ impl HostConnection for TcpConnection {
                 }
             }
         };
-        self.stream
-            .set_write_timeout(Some(self.timeout))
-            .map_err(io_err)?;
         let mut sent = 0usize;
         loop {
             let n = (len - sent).min(MAX_FRAME as usize);
@@ -295,18 +207,15 @@ impl HostConnection for TcpConnection {
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<()> {
-        let mut ev = self
-            .received
-            .events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        if self.rx.inline() {
+            // The owner reads: whatever is on the socket lands now (a failure is recorded and
+            // reported below, once the events before it are taken).
+            let _ = self.rx.pump();
+        }
+        let mut ev = self.rx.events();
         if ev.0.is_empty() {
             if let Some(why) = &ev.1 {
-                return Err(Error::Exchange {
-                    op: "receive",
-                    peer: self.peer.clone(),
-                    source: io::Error::new(io::ErrorKind::ConnectionAborted, why.clone()),
-                });
+                return Err(self.ended(why));
             }
         }
         events.extend(ev.0.drain(..));
@@ -321,52 +230,50 @@ impl HostConnection for TcpConnection {
                 return Ok(());
             }
             deadline.check(|| format!("a notification from tcp peer {}", self.peer))?;
-            let ev = self
-                .received
-                .events
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
+            if self.rx.inline() {
+                // Woken by the kernel when bytes arrive, not by another thread.
+                crate::net::wait_readable(
+                    self.stream.as_raw_fd(),
+                    deadline,
+                    Duration::from_millis(100),
+                );
+                continue;
+            }
+            let ev = self.rx.events();
             if ev.0.is_empty() && ev.1.is_none() {
+                // Counted under the queue's lock, which the receive thread takes before it
+                // looks at the count: no wake-up is lost.
+                let sleepers = &self.rx.received.sleepers;
+                sleepers.fetch_add(1, Ordering::AcqRel);
                 drop(
-                    self.received
+                    self.rx
+                        .received
                         .arrived
                         .wait_timeout(ev, deadline.remaining().min(Duration::from_millis(100))),
                 );
+                sleepers.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }
-}
 
-/// Reads exactly `len` bytes from `s` into the memory at `dst` (`read(2)` on the raw address).
-///
-/// `dst..dst + len` must be writable memory that stays mapped for the call (the caller holds
-/// the region); other agents may write it too, which is why it is never a `&mut [u8]`.
-fn read_exact_raw(s: &TcpStream, dst: *mut u8, len: usize) -> io::Result<()> {
-    let mut got = 0usize;
-    while got < len {
-        // SAFETY: dst + got .. dst + len lies inside the caller's region (checked by the slot
-        // table) and stays mapped while the caller holds it; read(2) writes at most len - got
-        // bytes there.
-        let n = unsafe { libc::read(s.as_raw_fd(), dst.add(got).cast(), len - got) };
-        match n {
-            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-            n if n > 0 => got += n as usize,
-            _ => {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
+    fn read_inline(&mut self, on: bool) {
+        self.rx.read_inline(on);
     }
-    Ok(())
+
+    fn readiness(&self) -> Option<BorrowedFd<'_>> {
+        self.rx.inline().then(|| self.rx.fd())
+    }
 }
 
-/// Writes `header`, then `len` bytes at `payload`, with `writev(2)` (one system call for small
-/// frames) until all are sent. `payload..payload + len` must stay mapped for the call.
+/// Writes `header`, then `len` bytes at `payload`, with `sendmsg(2)` (one system call for
+/// small frames) until all are sent. The first attempt does not block; if the socket is full,
+/// inline reading ends in this process ([`tcp_rx::revoke`]) before the write waits, so that a
+/// peer blocked writing to us is read by our receive threads meanwhile. `payload..payload + len`
+/// must stay mapped for the call.
 fn write_all_raw(s: &TcpStream, header: &[u8], payload: *const u8, len: usize) -> io::Result<()> {
     let total = header.len() + len;
     let mut sent = 0usize;
+    let mut flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
     while sent < total {
         let mut iov = [libc::iovec {
             iov_base: std::ptr::null_mut(),
@@ -389,9 +296,13 @@ fn write_all_raw(s: &TcpStream, header: &[u8], payload: *const u8, len: usize) -
             };
             count += 1;
         }
+        // SAFETY: an all-zero msghdr is valid (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = count as _;
         // SAFETY: every iovec names readable memory (the header slice, the caller's payload);
-        // writev(2) only reads it.
-        let n = unsafe { libc::writev(s.as_raw_fd(), iov.as_ptr(), count as libc::c_int) };
+        // sendmsg(2) only reads it.
+        let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, flags) };
         match n {
             0 => {
                 return Err(io::Error::new(
@@ -402,10 +313,17 @@ fn write_all_raw(s: &TcpStream, header: &[u8], payload: *const u8, len: usize) -
             n if n > 0 => sent += n as usize,
             _ => {
                 let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
+                match e.kind() {
+                    io::ErrorKind::Interrupted => {}
+                    io::ErrorKind::WouldBlock if flags & libc::MSG_DONTWAIT != 0 => {}
+                    _ => return Err(e),
                 }
             }
+        }
+        if sent < total && flags & libc::MSG_DONTWAIT != 0 {
+            // The socket is full: from here on the write may wait (up to the write timeout).
+            tcp_rx::revoke();
+            flags = libc::MSG_NOSIGNAL;
         }
     }
     Ok(())
@@ -414,7 +332,8 @@ fn write_all_raw(s: &TcpStream, header: &[u8], payload: *const u8, len: usize) -
 impl Drop for TcpConnection {
     fn drop(&mut self) {
         // Stop the receiver before the granted regions can be released: once it has joined, no
-        // peer byte can land anywhere.
+        // peer byte can land anywhere (and the owner, which reads inline, is this thread).
+        self.rx.close();
         let _ = self.stream.shutdown(Shutdown::Both);
         if let Some(r) = self.reader.take() {
             let _ = r.join();
@@ -836,6 +755,10 @@ fn loopback_pair_tokens(
 }
 
 #[cfg(test)]
+#[path = "tcp_inline_tests.rs"]
+mod inline_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::memory::HostBuffer;
@@ -1097,8 +1020,10 @@ mod tests {
             v.extend(std::iter::repeat_n(0xee, len.min(64) as usize));
             v
         }
-        for (what, make) in cases {
+        for ((what, make), inline) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
             let (mut a, b) = pair("t", "t").unwrap();
+            // Both ways of receiving: the receive thread, and the owner reading inline.
+            a.read_inline(inline);
             let target = SlotRegion::host(HostBuffer::new(3 * 4096).unwrap());
             let other = SlotRegion::host(HostBuffer::new(4096).unwrap());
             target.write_at(0, &[GUARD; 3 * 4096]).unwrap();
@@ -1109,19 +1034,19 @@ mod tests {
             let mut ev = Vec::new();
             match a.wait(&mut ev, Deadline::after(Duration::from_secs(5))) {
                 Err(Error::Exchange { op: "receive", .. }) => {}
-                other => panic!("{what}: {other:?} {ev:?}"),
+                other => panic!("{what} (inline: {inline}): {other:?} {ev:?}"),
             }
-            assert!(ev.is_empty(), "{what}: no notification");
+            assert!(ev.is_empty(), "{what} (inline: {inline}): no notification");
             let mut got = vec![0u8; 3 * 4096];
             target.read_at(0, &mut got).unwrap();
             assert!(
                 got.iter().all(|x| *x == GUARD),
-                "{what}: the region is untouched"
+                "{what} (inline: {inline}): the region is untouched"
             );
             other.read_at(0, &mut got[..4096]).unwrap();
             assert!(
                 got[..4096].iter().all(|x| *x == GUARD),
-                "{what}: the other region is untouched"
+                "{what} (inline: {inline}): the other region is untouched"
             );
         }
     }
@@ -1132,8 +1057,14 @@ mod tests {
     #[test]
     fn forged_and_replayed_frames_fail_the_session_and_land_nothing() {
         const GUARD: u8 = 0x5a;
-        for case in ["forged", "replayed"] {
+        for (case, inline) in [
+            ("forged", false),
+            ("replayed", false),
+            ("forged", true),
+            ("replayed", true),
+        ] {
             let (mut a, mut b) = pair("t", "t").unwrap();
+            a.read_inline(inline);
             let target = SlotRegion::host(HostBuffer::new(4096).unwrap());
             target.write_at(0, &[GUARD; 4096]).unwrap();
             let grant = a.grant(&target).unwrap();
@@ -1186,7 +1117,14 @@ mod tests {
 
     #[test]
     fn truncated_frames_and_disconnects_are_errors_not_hangs() {
+        for inline in [false, true] {
+            truncated_frame_then_disconnect(inline);
+        }
+    }
+
+    fn truncated_frame_then_disconnect(inline: bool) {
         let (mut a, b) = pair("t", "t").unwrap();
+        a.read_inline(inline);
         let target = SlotRegion::host(HostBuffer::new(4096).unwrap());
         let grant = a.grant(&target).unwrap();
         let mut raw = b.stream.try_clone().unwrap();

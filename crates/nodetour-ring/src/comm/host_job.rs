@@ -198,6 +198,7 @@ impl HostJob {
             slot_bytes: options.slot_bytes,
             slots: options.slots,
             timeout,
+            spin: options.config.spin,
         };
         // Only the regions peers write (slots, doorbell) allow remote writes; the staging
         // region is a send source and local only.
