@@ -35,6 +35,8 @@ use crate::schedule::{Action, RingSchedule};
 
 const GRANT_BIT: u32 = 1 << 31;
 const END_BIT: u32 = 1 << 30;
+const RELEASE: u32 = 4;
+const DESCRIBE: u32 = 5;
 
 /// Where a rank's next rank writes its descriptor in the rank's doorbell region (by epoch
 /// parity: the next collective's first grant may land while this one runs).
@@ -44,10 +46,25 @@ const DESCRIPTOR_SOURCE_AT: usize = 2 * descriptor::ENCODED_LEN;
 /// The doorbell region holds both.
 pub const BELL_BYTES: usize = 4 * descriptor::ENCODED_LEN;
 
-/// A notification with the top bit set: `1 | end:1 | tag_hi:7 | epoch:7 | tag_lo:8 | slot:8`
-/// for a grant, `1 | 1 | 0:7 | epoch:7 | 0:8 | reason:8` for an end notice.
+/// A notification with the top bit set: `1 | 0 | tag_hi:7 | epoch:7 | tag_lo:8 | slot:8` for a
+/// grant; `1 | 1 | tag_hi:7 | epoch:7 | tag_lo:8 | kind:8` for the others (an end notice's kind is
+/// its reason (1-3), a release is 4, a description 5; only a description carries a tag).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Notice {
+    /// The sender's descriptor of collective `epoch` was written with this notice (into our
+    /// doorbell region); `tag` is its [`Descriptor::tag`].
+    Describe {
+        /// Collective generation.
+        epoch: u8,
+        /// [`Descriptor::tag`] of the sender's collective.
+        tag: u16,
+    },
+    /// The sender's standing slots (its half of the slots for collectives of `epoch`'s parity)
+    /// are free for collective `epoch`: it finished reading them two collectives before.
+    Release {
+        /// Collective generation the slots are released for.
+        epoch: u8,
+    },
     /// The sender may write our slot `slot`; `tag` is our descriptor's.
     Grant {
         /// Collective generation.
@@ -96,6 +113,17 @@ impl Notice {
                 };
                 GRANT_BIT | END_BIT | (u32::from(epoch) & 0x7f) << 16 | r
             }
+            Notice::Release { epoch } => {
+                GRANT_BIT | END_BIT | (u32::from(epoch) & 0x7f) << 16 | RELEASE
+            }
+            Notice::Describe { epoch, tag } => {
+                GRANT_BIT
+                    | END_BIT
+                    | (u32::from(tag >> 8) & 0x7f) << 23
+                    | (u32::from(epoch) & 0x7f) << 16
+                    | u32::from(tag & 0xff) << 8
+                    | DESCRIBE
+            }
         }
     }
 
@@ -106,11 +134,15 @@ impl Notice {
             return None;
         }
         let epoch = ((v >> 16) & 0x7f) as u8;
+        let tag = (((v >> 23) & 0x7f) << 8 | ((v >> 8) & 0xff)) as u16;
         if v & END_BIT != 0 {
-            let reason = match v & 0xff {
-                1 => EndReason::Disagreement,
-                2 => EndReason::Failed,
-                3 => EndReason::Relayed,
+            let reason = match (v & 0xff, tag) {
+                (DESCRIBE, tag) => return Some(Notice::Describe { epoch, tag }),
+                (_, 1..) => return None,
+                (RELEASE, _) => return Some(Notice::Release { epoch }),
+                (1, _) => EndReason::Disagreement,
+                (2, _) => EndReason::Failed,
+                (3, _) => EndReason::Relayed,
                 _ => return None,
             };
             return Some(Notice::End { epoch, reason });
@@ -118,7 +150,7 @@ impl Notice {
         Some(Notice::Grant {
             epoch,
             slot: v as u8,
-            tag: (((v >> 23) & 0x7f) << 8 | ((v >> 8) & 0xff)) as u16,
+            tag,
         })
     }
 }
@@ -223,9 +255,13 @@ pub struct HostRing<'a> {
     pub work: SlotRegion,
     /// Sizes and limits.
     pub options: HostRingOptions,
-    /// Notifications of the next collective that arrived while this one ran (a neighbour that
-    /// finished first already granted its slots for the next epoch): kept, not dropped.
+    /// Notifications of later collectives that arrived while this one ran (a neighbour that
+    /// finished first already released its slots or described the next one): kept, not
+    /// dropped.
     pub backlog: Vec<u32>,
+    /// Epochs for which this rank still owes its previous rank the release of their half of
+    /// the slots (the collective two before failed): sent when that collective starts.
+    pub owed: Vec<u8>,
 }
 
 fn epoch_of(v: u32) -> u32 {
@@ -577,8 +613,23 @@ impl HostRing<'_> {
             (bytes / es) as u64,
             es as u32,
             slot_bytes as u64,
-            slots,
+            self.slots_per_collective(),
         )
+    }
+
+    /// Whether the slots are split by the parity of the collective's epoch (two or more
+    /// slots): each half is released for the collective two later as soon as this one is done
+    /// with it, so a collective starts with its first slots already granted.
+    fn halves(&self) -> bool {
+        self.options.slots >= 2
+    }
+
+    fn slots_per_collective(&self) -> u32 {
+        if self.halves() {
+            self.options.slots / 2
+        } else {
+            self.options.slots
+        }
     }
 
     fn run(
@@ -589,24 +640,52 @@ impl HostRing<'_> {
         ops: &mut dyn ChunkOps,
     ) -> Result<()> {
         let epoch = (what.seq & 0x7f) as u8;
+        // Until this collective's half of the slots is released for the one two later (when
+        // it is done with them), the release is owed: a failure sends it when that collective
+        // starts instead.
+        self.owe_release(what.seq);
         // This thread receives the neighbours' writes itself while it drives the collective
         // (one wake-up per message). It keeps doing so between collectives when this one
         // succeeds: a neighbour then writes us only small notices until we grant slots again.
         self.read_inline(true);
         let result = self.run_until_end(plan, what, alive, ops);
-        if let Err(e) = &result {
-            // A neighbour may still be writing data we granted: the transport's threads take it.
-            self.read_inline(false);
-            // Tell both neighbours, so that the ring ends this collective now rather than at
-            // its deadline. Best effort: a neighbour that is gone cannot be told.
-            let reason = match e {
-                Error::Disagreement { .. } => EndReason::Disagreement,
-                Error::PeerFailed { .. } => EndReason::Relayed,
-                _ => EndReason::Failed,
-            };
-            self.send_end(epoch, reason);
+        match &result {
+            Ok(()) => {
+                if self.halves() && self.world > 1 {
+                    let later = epoch.wrapping_add(2) & 0x7f;
+                    self.owed.retain(|e| *e != later);
+                    if let Err(e) = self.notify_prev(Notice::Release { epoch: later }.encode()) {
+                        // The collective is done and right here; the link is not, and the next
+                        // collectives will say so.
+                        tracing::warn!(error = %e, "could not release the slots for a later collective");
+                    }
+                }
+            }
+            Err(e) => {
+                // A neighbour may still be writing data we granted: the transport's threads
+                // take it.
+                self.read_inline(false);
+                // Tell both neighbours, so that the ring ends this collective now rather than
+                // at its deadline. Best effort: a neighbour that is gone cannot be told.
+                let reason = match e {
+                    Error::Disagreement { .. } => EndReason::Disagreement,
+                    Error::PeerFailed { .. } => EndReason::Relayed,
+                    _ => EndReason::Failed,
+                };
+                self.send_end(epoch, reason);
+            }
         }
         result
+    }
+
+    /// Records that the release of collective `seq`'s half of the slots (for the collective two
+    /// later) is owed until it is sent. Callers that consume a sequence number without running
+    /// the collective (an abort before it starts, a refused argument) call it too.
+    pub fn owe_release(&mut self, seq: u64) {
+        let later = (seq.wrapping_add(2) & 0x7f) as u8;
+        if self.halves() && self.world > 1 && !self.owed.contains(&later) {
+            self.owed.push(later);
+        }
     }
 
     fn read_inline(&mut self, on: bool) {
@@ -617,6 +696,15 @@ impl HostRing<'_> {
                 prev.read_inline(on);
             }
         }
+    }
+
+    /// A notice to the previous rank (the rank that writes our slots).
+    fn notify_prev(&mut self, value: u32) -> Result<()> {
+        let prev = match &mut self.links {
+            Links::One(c) => &mut **c,
+            Links::Two { prev, .. } => &mut **prev,
+        };
+        Ok(prev.write(&self.work, 0..0, &self.prev_slots, 0, Some(value))?)
     }
 
     fn send_end(&mut self, epoch: u8, reason: EndReason) {
@@ -631,6 +719,20 @@ impl HostRing<'_> {
                 let _ = prev.write(work, 0..0, &prev_slots, 0, Some(value));
             }
         }
+    }
+
+    /// Whether send `unit` may go before the next rank's descriptor matched ours: only a first
+    /// step's chunk (this rank's own input), and only in shapes where every rank's completion
+    /// waits for a later chunk of every other rank but one, each sent only after its sender's
+    /// check (an allreduce, reduce-scatter or all-gather whose segments all hold data): a rank
+    /// then finishes only where every pair of neighbours but one checked each other, which
+    /// chains them all. Every other chunk waits for the check.
+    fn may_send_early(plan: &Plan, sched: &RingSchedule, unit: u32) -> bool {
+        matches!(
+            plan.shape,
+            Shape::AllReduce | Shape::ReduceScatter | Shape::AllGather
+        ) && (0..plan.world).all(|s| plan.chunks_in(s) > 0)
+            && sched.send_step(unit) == Some(0)
     }
 
     fn run_until_end(
@@ -654,30 +756,83 @@ impl HostRing<'_> {
                 reason: format!("doorbell regions must hold {BELL_BYTES} bytes"),
             });
         }
-        // Our descriptor, the source of the write that goes with our first grant.
-        self.bell
-            .write_at(DESCRIPTOR_SOURCE_AT + parity, &what.encode())?;
-        let mut described = false;
-        let mut agreed = false;
-        let mut sched =
-            RingSchedule::new(plan, self.rank, epoch, self.options.timeout, Instant::now());
+        let halves = self.halves();
+        // This collective's slots: its parity's half (or all of them).
+        let per = self.slots_per_collective() as usize;
+        let base = if halves {
+            usize::from(epoch & 1) * per
+        } else {
+            0
+        };
+        let now = Instant::now();
+        let mut sched = if halves {
+            RingSchedule::new_standing(plan, self.rank, epoch, self.options.timeout, now)
+        } else {
+            RingSchedule::new(plan, self.rank, epoch, self.options.timeout, now)
+        };
+        if halves && what.seq < 2 && !sched.is_done() {
+            // The first two collectives find every slot free.
+            sched.handle_released(now)?;
+        }
+        let (sends, recvs) = sched.units();
+        // Agreement: a rank that sends checks its next rank's descriptor, which a rank that
+        // receives writes to its previous rank first thing (with a release it owes, if any).
+        let mut agreed = self.world == 1 || sends == 0;
+        if self.world > 1 {
+            if let Some(i) = self.owed.iter().position(|e| *e == epoch) {
+                self.owed.swap_remove(i);
+                self.notify_prev(Notice::Release { epoch }.encode())?;
+            }
+            if recvs > 0 {
+                self.bell
+                    .write_at(DESCRIPTOR_SOURCE_AT + parity, &what.encode())?;
+                let prev = match &mut self.links {
+                    Links::One(c) => &mut **c,
+                    Links::Two { prev, .. } => &mut **prev,
+                };
+                let at = DESCRIPTOR_SOURCE_AT + parity;
+                prev.write(
+                    &self.bell,
+                    at..at + descriptor::ENCODED_LEN,
+                    &self.prev_slots,
+                    (DESCRIPTOR_AT + parity) as u64,
+                    Some(Notice::Describe { epoch, tag }.encode()),
+                )?;
+            }
+        }
+        let mut done = false;
+        // Sends that wait for the agreement, in the schedule's order.
+        let mut held: std::collections::VecDeque<Action> = std::collections::VecDeque::new();
         // (from the previous rank?, value)
         let mut events: Vec<(bool, u32)> = Vec::new();
         let mut polled: Vec<Event> = Vec::new();
         let mut polled_any: Vec<(usize, Event)> = Vec::new();
         let mut last_event = Instant::now();
-        // What neighbours already sent for this collective while the previous one ran.
+        // What neighbours already sent for this collective while the previous ones ran.
         let early: Vec<u32> = std::mem::take(&mut self.backlog);
-        let mut replay: Vec<(bool, u32)> = early
-            .into_iter()
-            .filter(|v| epoch_of(*v) == u32::from(epoch))
-            .map(unmark)
-            .collect();
+        let mut replay: Vec<(bool, u32)> = Vec::new();
+        for v in early {
+            match ahead(epoch_of(v), epoch) {
+                0 => replay.push(unmark(v)),
+                1..=63 => self.backlog.push(v),
+                _ => {}
+            }
+        }
         loop {
-            while let Some(action) = sched.poll_action() {
+            loop {
+                let action = match held.front() {
+                    Some(_) if agreed => held.pop_front(),
+                    _ => sched.poll_action(),
+                };
+                let Some(action) = action else { break };
                 let now = Instant::now();
                 let reduce = matches!(action, Action::Reduce { .. });
                 match action {
+                    Action::Send { unit, .. }
+                        if !agreed && (!held.is_empty() || !Self::may_send_early(&plan, &sched, unit)) =>
+                    {
+                        held.push_back(action);
+                    }
                     Action::Send {
                         unit,
                         elements,
@@ -693,7 +848,7 @@ impl HostRing<'_> {
                             &self.work,
                             bytes,
                             &self.next_slots,
-                            u64::from(slot) * slot_bytes as u64,
+                            ((base + usize::from(slot)) * slot_bytes) as u64,
                             Some(imm),
                         )?;
                         sched.handle_sent(unit, now)?;
@@ -709,7 +864,7 @@ impl HostRing<'_> {
                         slot,
                     } => {
                         let c = Chunk {
-                            slot: slot as usize * slot_bytes,
+                            slot: (base + usize::from(slot)) * slot_bytes,
                             at: elements.start as usize * es,
                             n: (elements.end - elements.start) as usize * es,
                         };
@@ -721,29 +876,15 @@ impl HostRing<'_> {
                         sched.handle_processed(unit, now)?;
                     }
                     Action::Grant { slot } => {
-                        let value = Notice::Grant { epoch, slot, tag }.encode();
-                        let prev = match &mut self.links {
-                            Links::One(c) => &mut **c,
-                            Links::Two { prev, .. } => &mut **prev,
-                        };
-                        if described {
-                            prev.write(&self.work, 0..0, &self.prev_slots, 0, Some(value))?;
-                        } else {
-                            // The first grant carries the whole descriptor.
-                            let at = DESCRIPTOR_SOURCE_AT + parity;
-                            prev.write(
-                                &self.bell,
-                                at..at + descriptor::ENCODED_LEN,
-                                &self.prev_slots,
-                                (DESCRIPTOR_AT + parity) as u64,
-                                Some(value),
-                            )?;
-                            described = true;
-                        }
+                        let slot = (base + usize::from(slot)) as u8;
+                        self.notify_prev(Notice::Grant { epoch, slot, tag }.encode())?;
                     }
-                    Action::Done => return Ok(()),
+                    Action::Done => done = true,
                     Action::Failed(e) => return Err(e),
                 }
+            }
+            if done && agreed {
+                return Ok(());
             }
             if let Err(e) = alive() {
                 match Error::from(e) {
@@ -753,6 +894,13 @@ impl HostRing<'_> {
                     // stale.
                     Error::Aborted { reason } => sched.abort(reason),
                     other => sched.abort(other.to_string()),
+                }
+                if done {
+                    // Finished here but never agreed with the next rank: not a success.
+                    return Err(Error::Aborted {
+                        reason: "the collective ended before the next rank's descriptor came"
+                            .into(),
+                    });
                 }
                 continue;
             }
@@ -799,36 +947,48 @@ impl HostRing<'_> {
                 last_event = now;
             }
             for &(from_prev, v) in &events {
-                let e_epoch = epoch_of(v);
-                if e_epoch != u32::from(epoch) {
-                    // The next collective's (kept for it), or a stale one's (dropped).
-                    if e_epoch == (u32::from(epoch) + 1) & 0x7f {
+                match ahead(epoch_of(v), epoch) {
+                    0 => {}
+                    // A later collective's (kept for it: a neighbour that finished first
+                    // already released or described it), or a stale one's (dropped).
+                    1..=63 => {
                         self.backlog.push(mark(from_prev, v));
+                        continue;
                     }
-                    continue;
+                    _ => continue,
                 }
                 if v & GRANT_BIT == 0 {
                     sched.handle_arrived(v, now)?;
                     continue;
                 }
+                let from = if from_prev { prev_rank } else { next_rank };
                 match Notice::decode(v) {
-                    Some(Notice::Grant { slot, tag, .. }) => {
-                        // Before anything is sent: does the next rank call the same collective?
-                        agree(
-                            what,
-                            &self.bell,
-                            epoch,
-                            tag,
-                            !agreed,
-                            (self.rank, next_rank),
-                        )?;
+                    Some(Notice::Describe { tag, .. }) if !from_prev || self.world == 2 => {
+                        // Before anything but first chunks is sent: does the next rank call the
+                        // same collective?
+                        agree(what, &self.bell, epoch, tag, true, (self.rank, next_rank))?;
                         agreed = true;
-                        sched.handle_granted(slot, now)?;
+                    }
+                    Some(Notice::Grant { slot, tag, .. }) if agreed => {
+                        agree(what, &self.bell, epoch, tag, false, (self.rank, next_rank))?;
+                        let Some(s) = usize::from(slot).checked_sub(base).filter(|s| *s < per)
+                        else {
+                            return Err(Error::Protocol {
+                                rank: next_rank,
+                                reason: format!("granted slot {slot}, outside this collective's"),
+                            });
+                        };
+                        sched.handle_granted(s as u8, now)?;
+                    }
+                    Some(Notice::Release { .. }) if halves && (!from_prev || self.world == 2) => {
+                        // (A rank with nothing to send may be done before it comes.)
+                        if !sched.is_done() {
+                            sched.handle_released(now)?;
+                        }
                     }
                     Some(Notice::End { reason, .. }) => {
-                        let peer = if from_prev { prev_rank } else { next_rank };
                         return Err(Error::PeerFailed {
-                            peer,
+                            peer: from,
                             seq: what.seq,
                             reason: match reason {
                                 EndReason::Disagreement => {
@@ -841,10 +1001,10 @@ impl HostRing<'_> {
                             },
                         });
                     }
-                    None => {
+                    _ => {
                         return Err(Error::Protocol {
-                            rank: if from_prev { prev_rank } else { next_rank },
-                            reason: format!("an unknown notice {v:#010x}"),
+                            rank: from,
+                            reason: format!("an unexpected notice {v:#010x}"),
                         });
                     }
                 }
@@ -854,13 +1014,19 @@ impl HostRing<'_> {
     }
 }
 
+/// How many collectives `e` is ahead of `current` (7-bit epochs): 0 for this one, 1..=63 for a
+/// later one, more for an earlier (stale) one.
+fn ahead(e: u32, current: u8) -> u32 {
+    e.wrapping_sub(u32::from(current)) & 0x7f
+}
+
 /// Marks, in the backlog only, an end notice that came from the previous rank (bit 7 of the
 /// reason byte, which the wire never sets). Data comes from the previous rank and grants from
 /// the next, so only end notices need it.
 const FROM_PREV: u32 = 0x80;
 
 fn is_end(v: u32) -> bool {
-    v & GRANT_BIT != 0 && v & END_BIT != 0
+    matches!(Notice::decode(v & !FROM_PREV), Some(Notice::End { .. }))
 }
 
 fn mark(from_prev: bool, v: u32) -> u32 {

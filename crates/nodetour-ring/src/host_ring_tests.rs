@@ -174,6 +174,7 @@ fn run_ring(
                         work,
                         options,
                         backlog: Vec::new(),
+                        owed: Vec::new(),
                     };
                     let result = body(r, &mut ring, &mut data);
                     (result, data)

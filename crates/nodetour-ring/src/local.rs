@@ -22,6 +22,7 @@ struct Rank {
     next_slots: SlotGrant,
     prev_slots: SlotGrant,
     backlog: Vec<u32>,
+    owed: Vec<u8>,
 }
 
 /// `world` ranks in this process, joined in a ring over [`MemConnection`]s.
@@ -102,6 +103,7 @@ impl LocalRing {
                 next_slots: recv_grants[(r + 1) % n],
                 prev_slots: bell_grants[(r + n - 1) % n],
                 backlog: Vec::new(),
+                owed: Vec::new(),
             })
             .collect();
         Ok(LocalRing {
@@ -189,9 +191,12 @@ impl LocalRing {
                             work: rank.work.clone(),
                             options,
                             backlog: std::mem::take(&mut rank.backlog),
+                            owed: std::mem::take(&mut rank.owed),
                         };
+                        ring.owe_release(seq);
                         let result = f(r, &mut ring, seq);
                         rank.backlog = std::mem::take(&mut ring.backlog);
+                        rank.owed = std::mem::take(&mut ring.owed);
                         result
                     })
                 })

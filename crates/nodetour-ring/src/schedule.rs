@@ -154,6 +154,31 @@ impl RingSchedule {
     /// The schedule of `rank` for `plan`, in collective generation `epoch`, failing after
     /// `timeout` without progress. The first actions (the initial grants) are ready at once.
     pub fn new(plan: Plan, rank: u32, epoch: u8, timeout: Duration, now: Instant) -> RingSchedule {
+        Self::build(plan, rank, epoch, timeout, now, false)
+    }
+
+    /// Like [`Self::new`], with *standing* grants: the previous rank already holds our first
+    /// `min(slots, chunks we receive)` slots (we released them to it before this collective
+    /// began), so none are granted now; and our first sends wait for
+    /// [`Self::handle_released`], the next rank's release of its slots to us.
+    pub fn new_standing(
+        plan: Plan,
+        rank: u32,
+        epoch: u8,
+        timeout: Duration,
+        now: Instant,
+    ) -> RingSchedule {
+        Self::build(plan, rank, epoch, timeout, now, true)
+    }
+
+    fn build(
+        plan: Plan,
+        rank: u32,
+        epoch: u8,
+        timeout: Duration,
+        now: Instant,
+        standing: bool,
+    ) -> RingSchedule {
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
         if plan.world > 1 {
@@ -225,10 +250,38 @@ impl RingSchedule {
             stale: 0,
         };
         for slot in 0..(plan.slots as usize).min(nr) {
-            s.grant(slot as u8);
+            if standing {
+                s.granted[slot] = true;
+                s.grants_issued += 1;
+            } else {
+                s.grant(slot as u8);
+            }
         }
         s.progress();
         s
+    }
+
+    /// The next rank released its standing slots to us (see [`Self::new_standing`]): the first
+    /// `min(slots, chunks we send)` of them may be written now.
+    pub fn handle_released(&mut self, now: Instant) -> Result<()> {
+        self.running()?;
+        let next = (self.rank + 1) % self.plan.world;
+        let k = (self.plan.slots as usize).min(self.sends.len());
+        if self.grants_received + k > self.sends.len()
+            || (0..k).any(|s| self.free_remote.contains(&(s as u8)))
+        {
+            return self.violation(next, "released its slots twice".into());
+        }
+        self.grants_received += k;
+        self.free_remote.extend((0..k).map(|s| s as u8));
+        self.last_progress = now;
+        self.progress();
+        Ok(())
+    }
+
+    /// The step of send unit `unit` (0: it carries only this rank's own input).
+    pub fn send_step(&self, unit: u32) -> Option<u32> {
+        self.sends.get(unit as usize).map(|u| u.step)
     }
 
     /// The next action, if any.

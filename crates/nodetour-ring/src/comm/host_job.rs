@@ -56,6 +56,7 @@ pub(crate) struct HostJob {
     prev_slots: SlotGrant,
     options: HostRingOptions,
     backlog: Vec<u32>,
+    owed: Vec<u8>,
     seq: u64,
     gpu: Option<GpuSide>,
     /// The GPU ring of a one-host job with a GPU on every rank (device collectives).
@@ -431,6 +432,7 @@ impl HostJob {
             prev_slots,
             options: ring_options,
             backlog: Vec::new(),
+            owed: Vec::new(),
             seq: 0,
             gpu: None,
             gpu_ring,
@@ -461,9 +463,6 @@ impl HostJob {
         let (prev, next) = self.neighbours;
         let seq = self.seq;
         self.seq += 1;
-        if let Some(reason) = aborted.lock().ok().and_then(|r| r.clone()) {
-            return Err(Error::Aborted { reason });
-        }
         let gone = |what: &str| Error::InvalidArgument {
             reason: format!("no connection to the {what} rank"),
         };
@@ -499,7 +498,11 @@ impl HostJob {
             work: self.work.clone(),
             options: self.options,
             backlog: std::mem::take(&mut self.backlog),
+            owed: std::mem::take(&mut self.owed),
         };
+        // Owed until the collective gives its slots back (also when it never starts).
+        ring.owe_release(seq);
+        let aborted_before = aborted.lock().ok().and_then(|r| r.clone());
         let job = &self.job;
         let alive = || {
             if let Some(reason) = aborted.lock().ok().and_then(|r| r.clone()) {
@@ -507,8 +510,12 @@ impl HostJob {
             }
             job.check_present()
         };
-        let result = f(&mut ring, seq, &alive);
+        let result = match aborted_before {
+            Some(reason) => Err(Error::Aborted { reason }),
+            None => f(&mut ring, seq, &alive),
+        };
         self.backlog = std::mem::take(&mut ring.backlog);
+        self.owed = std::mem::take(&mut ring.owed);
         result.map_err(|e| self.blame(e))
     }
 
