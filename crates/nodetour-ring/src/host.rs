@@ -648,17 +648,18 @@ impl HostRing<'_> {
         // (one wake-up per message). It keeps doing so between collectives when this one
         // succeeds: a neighbour then writes us only small notices until we grant slots again.
         self.read_inline(true);
-        let result = self.run_until_end(plan, what, alive, ops);
+        let mut result = self.run_until_end(plan, what, alive, ops);
         match &result {
             Ok(()) => {
                 if self.halves() && self.world > 1 {
                     let later = epoch.wrapping_add(2) & 0x7f;
                     self.owed.retain(|e| *e != later);
-                    if let Err(e) = self.notify_prev(Notice::Release { epoch: later }.encode()) {
-                        // The collective is done and right here; the link is not, and the next
-                        // collectives will say so.
-                        tracing::warn!(error = %e, "could not release the slots for a later collective");
-                    }
+                    result = self.notify_prev(Notice::Release { epoch: later }.encode());
+                }
+                // What this rank held back (its last chunks, the release) leaves now: nothing
+                // is left for a later call.
+                if result.is_ok() {
+                    result = self.flush();
                 }
             }
             Err(e) => {
@@ -673,9 +674,22 @@ impl HostRing<'_> {
                     _ => EndReason::Failed,
                 };
                 self.send_end(epoch, reason);
+                let _ = self.flush();
             }
         }
         result
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        match &mut self.links {
+            Links::One(c) => c.flush()?,
+            Links::Two { next, prev } => {
+                let n = next.flush();
+                prev.flush()?;
+                n?;
+            }
+        }
+        Ok(())
     }
 
     /// Records that the release of collective `seq`'s half of the slots (for the collective two
@@ -704,7 +718,7 @@ impl HostRing<'_> {
             Links::One(c) => &mut **c,
             Links::Two { prev, .. } => &mut **prev,
         };
-        Ok(prev.write(&self.work, 0..0, &self.prev_slots, 0, Some(value))?)
+        Ok(prev.write_deferred(&self.work, 0..0, &self.prev_slots, 0, Some(value))?)
     }
 
     fn send_end(&mut self, epoch: u8, reason: EndReason) {
@@ -712,11 +726,11 @@ impl HostRing<'_> {
         let (work, next_slots, prev_slots) = (&self.work, self.next_slots, self.prev_slots);
         match &mut self.links {
             Links::One(c) => {
-                let _ = c.write(work, 0..0, &next_slots, 0, Some(value));
+                let _ = c.write_deferred(work, 0..0, &next_slots, 0, Some(value));
             }
             Links::Two { next, prev } => {
-                let _ = next.write(work, 0..0, &next_slots, 0, Some(value));
-                let _ = prev.write(work, 0..0, &prev_slots, 0, Some(value));
+                let _ = next.write_deferred(work, 0..0, &next_slots, 0, Some(value));
+                let _ = prev.write_deferred(work, 0..0, &prev_slots, 0, Some(value));
             }
         }
     }
@@ -791,7 +805,7 @@ impl HostRing<'_> {
                     Links::Two { prev, .. } => &mut **prev,
                 };
                 let at = DESCRIPTOR_SOURCE_AT + parity;
-                prev.write(
+                prev.write_deferred(
                     &self.bell,
                     at..at + descriptor::ENCODED_LEN,
                     &self.prev_slots,
@@ -829,7 +843,8 @@ impl HostRing<'_> {
                 let reduce = matches!(action, Action::Reduce { .. });
                 match action {
                     Action::Send { unit, .. }
-                        if !agreed && (!held.is_empty() || !Self::may_send_early(&plan, &sched, unit)) =>
+                        if !agreed
+                            && (!held.is_empty() || !Self::may_send_early(&plan, &sched, unit)) =>
                     {
                         held.push_back(action);
                     }
@@ -844,7 +859,9 @@ impl HostRing<'_> {
                             Links::One(c) => &mut **c,
                             Links::Two { next, .. } => &mut **next,
                         };
-                        next.write(
+                        // Held back with the other small writes until this rank next looks for
+                        // events (one system call for them all); larger ones go at once.
+                        next.write_deferred(
                             &self.work,
                             bytes,
                             &self.next_slots,
@@ -946,16 +963,17 @@ impl HostRing<'_> {
             if !events.is_empty() {
                 last_event = now;
             }
+            // Later collectives' notices first (kept for them: a neighbour that finished first
+            // already released or described them), so that none is lost when one of this
+            // collective's ends it; a stale one's are dropped.
             for &(from_prev, v) in &events {
-                match ahead(epoch_of(v), epoch) {
-                    0 => {}
-                    // A later collective's (kept for it: a neighbour that finished first
-                    // already released or described it), or a stale one's (dropped).
-                    1..=63 => {
-                        self.backlog.push(mark(from_prev, v));
-                        continue;
-                    }
-                    _ => continue,
+                if (1..=63).contains(&ahead(epoch_of(v), epoch)) {
+                    self.backlog.push(mark(from_prev, v));
+                }
+            }
+            for &(from_prev, v) in &events {
+                if ahead(epoch_of(v), epoch) != 0 {
+                    continue;
                 }
                 if v & GRANT_BIT == 0 {
                     sched.handle_arrived(v, now)?;

@@ -382,3 +382,76 @@ fn an_abort_on_one_rank_ends_the_collective_everywhere_at_once() {
         assert_eq!(data, &inputs[r], "rank {r} wrote nothing");
     }
 }
+
+/// A collective that fails (a disagreement, an abort) does not give its half of the slots back
+/// at its end; the release it owes goes when the collective two later starts. Checked over the
+/// collectives after it, with data: every one of them succeeds, right on every rank.
+#[test]
+fn collectives_after_a_failed_one_run_and_are_right() {
+    for (world, slots) in [(2, 2), (3, 4), (4, 2)] {
+        let options = HostRingOptions {
+            slots,
+            ..small_slots()
+        };
+        let count = 3000;
+        let inputs = ints(world, count);
+        let out = run_ring(
+            world,
+            count * 4,
+            options,
+            inputs.clone(),
+            &|r, ring, data| {
+                let input = data.clone();
+                for seq in 0..8u64 {
+                    data.copy_from_slice(&input);
+                    let result = match seq {
+                        // Rank 1 calls another count (its first chunks may already be out).
+                        2 => {
+                            let n = if r == 1 { count / 2 } else { count };
+                            ring.all_reduce(
+                                &mut data[..n * 4],
+                                DataType::I32,
+                                ReduceOp::Sum,
+                                seq,
+                                &|| Ok(()),
+                            )
+                        }
+                        // Rank 0 is aborted before anything moves; the others fail with it.
+                        5 => ring.all_reduce(data, DataType::I32, ReduceOp::Sum, seq, &|| {
+                            if r == 0 {
+                                Err(nodetour_core::Error::Aborted {
+                                    reason: "the test".into(),
+                                })
+                            } else {
+                                Ok(())
+                            }
+                        }),
+                        _ => ring.all_reduce(data, DataType::I32, ReduceOp::Sum, seq, &|| Ok(())),
+                    };
+                    match (seq, result) {
+                        (2 | 5, Err(_)) => {
+                            assert_eq!(data, &input, "rank {r} seq {seq}: untouched")
+                        }
+                        (2 | 5, Ok(())) => panic!("rank {r}: seq {seq} must fail"),
+                        (_, Err(e)) => panic!("rank {r} seq {seq}: {e}"),
+                        (_, Ok(())) => {
+                            for i in 0..count {
+                                let got =
+                                    i32::from_ne_bytes(data[i * 4..i * 4 + 4].try_into().unwrap());
+                                let want: i32 = (0..world as i32).map(|q| (i as i32 % 7) + q).sum();
+                                assert_eq!(
+                                    got, want,
+                                    "world {world} rank {r} seq {seq} element {i}"
+                                );
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            },
+        );
+        for (r, (result, _)) in out.into_iter().enumerate() {
+            result.unwrap_or_else(|e| panic!("world {world} rank {r}: {e}"));
+        }
+    }
+}

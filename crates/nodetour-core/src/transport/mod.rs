@@ -108,6 +108,27 @@ pub trait HostConnection: Send {
         self.write(src, range, dst, dst_offset, notify)
     }
 
+    /// Like [`Self::write`] (`src[range]` may be reused when it returns), but the transport may
+    /// hold the write back, with others, until the next [`Self::flush`], [`Self::poll`],
+    /// [`Self::wait`] or [`Self::write`] on this connection: several small writes then leave
+    /// in one system call. The caller flushes before it stops driving the connection.
+    /// Transports that write at once just write.
+    fn write_deferred(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        self.write(src, range, dst, dst_offset, notify)
+    }
+
+    /// Sends what [`Self::write_deferred`] held back.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Collects events without blocking.
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<()>;
 

@@ -37,7 +37,12 @@ pub struct TcpConnection {
     timeout: Duration,
     // Tags what this side sends (see `wire`): the session key of this direction.
     send: SessionKey,
+    // Whole frames held back by `write_deferred` until the next flush (in order, tagged).
+    pending: Vec<u8>,
 }
+
+/// Bytes of held-back frames that are sent at once.
+const PENDING_MAX: usize = 64 << 10;
 
 impl TcpConnection {
     /// Starts the connection with `regions` already granted: a peer that learned of them
@@ -87,6 +92,7 @@ impl TcpConnection {
             peer,
             timeout,
             send,
+            pending: Vec::new(),
         })
     }
 
@@ -100,6 +106,75 @@ impl TcpConnection {
         ev.1.as_ref()
             .filter(|_| ev.0.is_empty())
             .map(|why| self.ended(why))
+    }
+
+    /// The checked source of a write of `src[range]` to `dst` at `dst_offset`: its address
+    /// and length. A connection that already ended refuses it.
+    fn source(
+        &self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+    ) -> Result<(*const u8, usize)> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        let len = range
+            .end
+            .checked_sub(range.start)
+            .ok_or(Error::InvalidArgument {
+                reason: "an inverted range".into(),
+            })?;
+        let end = dst_offset.checked_add(len as u64);
+        if end.is_none_or(|e| e > dst.len) {
+            return Err(Error::OutOfBounds {
+                what: "tcp write",
+                offset: dst_offset,
+                len: len as u64,
+                region_len: dst.len,
+            });
+        }
+        Ok((
+            src.ptr_at("write source", range.start, len)?.cast_const(),
+            len,
+        ))
+    }
+
+    /// Appends the whole frame of a control-sized write (`n <= CONTROL_MAX` bytes at
+    /// `payload`, which the caller vouches for) to the queue: header, tag, payload.
+    fn frame_into_pending(&mut self, h: &WriteHeader, payload: *const u8, n: usize) {
+        let header = h.encode();
+        let at = self.pending.len();
+        self.pending.extend_from_slice(&header);
+        self.pending.resize(at + HEADER_LEN + TAG_LEN + n, 0);
+        let body = &mut self.pending[at + HEADER_LEN + TAG_LEN..];
+        // SAFETY: `payload..payload + n` is readable (the caller's checked source); `body` is
+        // this connection's own queue, n bytes long. A raw copy: the source may be memory
+        // other agents write, which is never seen as a slice.
+        unsafe { std::ptr::copy_nonoverlapping(payload, body.as_mut_ptr(), n) };
+        let tag = self
+            .send
+            .seal(&[&header, &self.pending[at + HEADER_LEN + TAG_LEN..]]);
+        self.pending[at + HEADER_LEN..at + HEADER_LEN + TAG_LEN].copy_from_slice(&tag);
+    }
+
+    fn io_error(&self, source: io::Error) -> Error {
+        if matches!(
+            source.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            Error::Timeout {
+                what: format!("the tcp peer {} to take a write", self.peer),
+                after: self.timeout,
+            }
+        } else {
+            Error::Exchange {
+                op: "write",
+                peer: self.peer.clone(),
+                source,
+            }
+        }
     }
 
     fn ended(&self, why: &str) -> Error {
@@ -133,42 +208,8 @@ impl HostConnection for TcpConnection {
         dst_offset: u64,
         notify: Option<u32>,
     ) -> Result<()> {
-        if let Some(e) = self.failure() {
-            return Err(e);
-        }
-        let len = range
-            .end
-            .checked_sub(range.start)
-            .ok_or(Error::InvalidArgument {
-                reason: "an inverted range".into(),
-            })?;
-        let end = dst_offset.checked_add(len as u64);
-        if end.is_none_or(|e| e > dst.len) {
-            return Err(Error::OutOfBounds {
-                what: "tcp write",
-                offset: dst_offset,
-                len: len as u64,
-                region_len: dst.len,
-            });
-        }
-        let from = src.ptr_at("write source", range.start, len)?;
-        let io_err = |source: io::Error| {
-            if matches!(
-                source.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-            ) {
-                Error::Timeout {
-                    what: format!("the tcp peer {} to take a write", self.peer),
-                    after: self.timeout,
-                }
-            } else {
-                Error::Exchange {
-                    op: "write",
-                    peer: self.peer.clone(),
-                    source,
-                }
-            }
-        };
+        self.flush()?;
+        let (from, len) = self.source(src, range, dst, dst_offset)?;
         let mut sent = 0usize;
         loop {
             let n = (len - sent).min(MAX_FRAME as usize);
@@ -179,25 +220,21 @@ impl HostConnection for TcpConnection {
                 len: n as u32,
                 notify: if last { notify } else { None },
             };
-            let header = h.encode();
-            // SAFETY: from+sent..from+sent+n lies inside `src` (checked above), which the
+            // SAFETY: from+sent..from+sent+n lies inside `src` (checked by `source`), which the
             // caller keeps alive until this returns; the kernel reads it, no slice is formed.
             let payload = unsafe { from.add(sent) };
-            let mut head = [0u8; HEADER_LEN + TAG_LEN];
-            head[..HEADER_LEN].copy_from_slice(&header);
             if n <= CONTROL_MAX as usize {
-                // A control-sized payload is tagged too: copied out first (raw), so the bytes
-                // sent are the bytes tagged.
-                let mut copy = vec![0u8; n];
-                // SAFETY: as above; `copy` is a distinct allocation of n bytes.
-                unsafe { std::ptr::copy_nonoverlapping(payload, copy.as_mut_ptr(), n) };
-                let tag = self.send.seal(&[&header, &copy]);
-                head[HEADER_LEN..].copy_from_slice(&tag);
-                write_all_raw(&self.stream, &head, copy.as_ptr(), n).map_err(io_err)?;
+                // A control-sized payload is tagged too: framed into the queue first (a raw
+                // copy), so the bytes sent are the bytes tagged.
+                self.frame_into_pending(&h, payload, n);
+                self.flush()?;
             } else {
+                let header = h.encode();
+                let mut head = [0u8; HEADER_LEN + TAG_LEN];
+                head[..HEADER_LEN].copy_from_slice(&header);
                 let tag = self.send.seal(&[&header]);
                 head[HEADER_LEN..].copy_from_slice(&tag);
-                write_all_raw(&self.stream, &head, payload, n).map_err(io_err)?;
+                write_all_raw(&self.stream, &head, payload, n).map_err(|e| self.io_error(e))?;
             }
             sent += n;
             if last {
@@ -206,7 +243,44 @@ impl HostConnection for TcpConnection {
         }
     }
 
+    fn write_deferred(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        let (from, len) = self.source(src, range.clone(), dst, dst_offset)?;
+        if len > CONTROL_MAX as usize {
+            return self.write(src, range, dst, dst_offset, notify);
+        }
+        let h = WriteHeader {
+            key: dst.key,
+            offset: dst_offset,
+            len: len as u32,
+            notify,
+        };
+        self.frame_into_pending(&h, from, len);
+        if self.pending.len() >= PENDING_MAX {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let sent = write_all_raw(&self.stream, &pending, std::ptr::null(), 0);
+        self.pending = pending;
+        self.pending.clear();
+        sent.map_err(|e| self.io_error(e))
+    }
+
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        self.flush()?;
         if self.rx.inline() {
             // The owner reads: whatever is on the socket lands now (a failure is recorded and
             // reported below, once the events before it are taken).
@@ -334,6 +408,18 @@ impl Drop for TcpConnection {
         // Stop the receiver before the granted regions can be released: once it has joined, no
         // peer byte can land anywhere (and the owner, which reads inline, is this thread).
         self.rx.close();
+        if !self.pending.is_empty() {
+            // Best effort, without blocking: held-back notices (an end notice) still go.
+            // SAFETY: `pending` is this connection's own buffer; send(2) only reads it.
+            unsafe {
+                libc::send(
+                    self.stream.as_raw_fd(),
+                    self.pending.as_ptr().cast(),
+                    self.pending.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+        }
         let _ = self.stream.shutdown(Shutdown::Both);
         if let Some(r) = self.reader.take() {
             let _ = r.join();

@@ -173,3 +173,47 @@ fn an_inline_waiter_sees_the_peer_close() {
         "the drop is prompt"
     );
 }
+
+/// Deferred writes leave in order, with the immediate ones, when the writer flushes (or polls,
+/// waits, or writes at once); nothing is sent before.
+#[test]
+fn deferred_writes_leave_together_and_in_order() {
+    let (mut a, mut b) = pair();
+    let target = region(1 << 20);
+    let grant = a.grant(&target).unwrap();
+    let src = region(1 << 20);
+    let data = pattern(1 << 20, 4);
+    src.write_at(0, &data).unwrap();
+    for i in 0..10u32 {
+        b.write_deferred(
+            &src,
+            i as usize * 8..i as usize * 8 + 8,
+            &grant,
+            u64::from(i) * 8,
+            Some(i),
+        )
+        .unwrap();
+    }
+    let mut ev = Vec::new();
+    let quiet = a.wait(&mut ev, Deadline::after(Duration::from_millis(100)));
+    assert!(quiet.is_err() && ev.is_empty(), "held back until flushed");
+    b.flush().unwrap();
+    assert_eq!(notifications(&mut a, 10), (0..10).collect::<Vec<_>>());
+    // A large deferred write goes at once, after what was held back before it.
+    b.write_deferred(&src, 0..8, &grant, 4096, Some(20))
+        .unwrap();
+    b.write_deferred(&src, 8192..(1 << 20), &grant, 8192, Some(21))
+        .unwrap();
+    assert_eq!(notifications(&mut a, 2), [20, 21]);
+    // A poll flushes too.
+    b.write_deferred(&src, 0..16, &grant, 100, Some(30))
+        .unwrap();
+    b.poll(&mut Vec::new()).unwrap();
+    assert_eq!(notifications(&mut a, 1), [30]);
+    let mut out = vec![0u8; 1 << 20];
+    target.read_at(0, &mut out).unwrap();
+    assert_eq!(&out[..80], &data[..80]);
+    assert_eq!(&out[100..116], &data[..16]);
+    assert_eq!(&out[4096..4104], &data[..8]);
+    assert_eq!(&out[8192..], &data[8192..]);
+}
