@@ -147,6 +147,7 @@ pub struct RingSchedule {
     next_recv: usize,
     granted: [bool; 256],
     grants_issued: usize,
+    released: bool,
     stale: u64,
 }
 
@@ -247,6 +248,7 @@ impl RingSchedule {
             next_recv: 0,
             granted: [false; 256],
             grants_issued: 0,
+            released: false,
             stale: 0,
         };
         for slot in 0..(plan.slots as usize).min(nr) {
@@ -267,11 +269,10 @@ impl RingSchedule {
         self.running()?;
         let next = (self.rank + 1) % self.plan.world;
         let k = (self.plan.slots as usize).min(self.sends.len());
-        if self.grants_received + k > self.sends.len()
-            || (0..k).any(|s| self.free_remote.contains(&(s as u8)))
-        {
+        if self.released || self.grants_received + k > self.sends.len() {
             return self.violation(next, "released its slots twice".into());
         }
+        self.released = true;
         self.grants_received += k;
         self.free_remote.extend((0..k).map(|s| s as u8));
         self.last_progress = now;
@@ -585,6 +586,36 @@ mod tests {
             );
             assert!(s.is_done());
         }
+    }
+
+    #[test]
+    fn standing_grants_start_without_grants_and_sends_wait_for_the_release() {
+        let now = Instant::now();
+        let plan = Plan::new(2, 64, 4, 64, 2).unwrap(); // 2 chunks per segment
+        let mut s = RingSchedule::new_standing(plan, 0, 3, Duration::from_secs(1), now);
+        assert_eq!(s.poll_action(), None, "no grants, and nothing to send yet");
+        s.handle_released(now).unwrap();
+        assert!(matches!(
+            s.poll_action(),
+            Some(Action::Send { slot: 0, .. })
+        ));
+        assert!(matches!(
+            s.poll_action(),
+            Some(Action::Send { slot: 1, .. })
+        ));
+        assert_eq!(s.send_step(0), Some(0));
+        // Our slots were standing too: the peer's first chunk lands without a grant from us.
+        let imm = Immediate {
+            epoch: 3,
+            slot: 0,
+            seq: 0,
+        };
+        assert_eq!(s.handle_arrived(imm.encode(), now), Ok(Arrival::Accepted));
+        // A second release is the peer's protocol violation.
+        assert!(matches!(
+            s.handle_released(now),
+            Err(Error::Protocol { rank: 1, .. })
+        ));
     }
 
     #[test]

@@ -107,7 +107,17 @@ fn run_shaped(
         .collect();
     let mut ranks: Vec<Rank> = (0..world)
         .map(|r| Rank {
-            sched: RingSchedule::new(plan, r, epoch, timeout, t0),
+            // Half the runs with standing grants: the first slots were released before the
+            // collective began (no initial grants; the sender starts on the release).
+            sched: if seed & 2 != 0 {
+                let mut s = RingSchedule::new_standing(plan, r, epoch, timeout, t0);
+                if !s.is_done() {
+                    s.handle_released(t0).unwrap();
+                }
+                s
+            } else {
+                RingSchedule::new(plan, r, epoch, timeout, t0)
+            },
             data: initial[r as usize].clone(),
             slots: vec![Vec::new(); slots as usize],
             wire: VecDeque::new(),
