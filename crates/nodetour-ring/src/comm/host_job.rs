@@ -195,11 +195,30 @@ impl HostJob {
         let local = verbs
             .ok()
             .filter(|_| kinds.values().any(|k| *k == TransportKind::Verbs));
+        // Spinning only pays where every rank of this host has a CPU to spin on: with more
+        // ranks than CPUs a spinning rank takes the CPU a neighbour needs to answer it (as MPI
+        // yields when oversubscribed).
+        let local_ranks = job
+            .peers()
+            .iter()
+            .filter(|p| p.host.same_host(&job.peers()[me as usize].host))
+            .count();
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let spin = if local_ranks > cpus {
+            tracing::info!(
+                local_ranks,
+                cpus,
+                "more ranks than CPUs on this host: the host ring waits without spinning"
+            );
+            std::time::Duration::ZERO
+        } else {
+            options.config.spin
+        };
         let ring_options = HostRingOptions {
             slot_bytes: options.slot_bytes,
             slots: options.slots,
             timeout,
-            spin: options.config.spin,
+            spin,
         };
         // Only the regions peers write (slots, doorbell) allow remote writes; the staging
         // region is a send source and local only.
