@@ -9,31 +9,55 @@ pub use nodetour_core::dtype::{DataType, ReduceOp};
 
 macro_rules! apply {
     ($acc:expr, $other:expr, $t:ty, $op:expr, $from:expr, $to:expr, $sum:expr, $prod:expr) => {{
-        const N: usize = std::mem::size_of::<$t>();
-        for (a, b) in $acc.chunks_exact_mut(N).zip($other.chunks_exact(N)) {
-            let x: $t = $from(a.try_into().expect("N bytes"));
-            let y: $t = $from(b.try_into().expect("N bytes"));
-            let r: $t = match $op {
-                ReduceOp::Sum | ReduceOp::Avg => $sum(x, y),
-                ReduceOp::Prod => $prod(x, y),
-                ReduceOp::Min => {
-                    if y < x {
-                        y
-                    } else {
-                        x
+        let aligned = bytemuck::try_cast_slice::<u8, $t>(&*$acc).is_ok()
+            && bytemuck::try_cast_slice::<u8, $t>($other).is_ok();
+        if aligned {
+            // Typed, one loop per operation: the compiler vectorises it.
+            let (a, b) = (
+                bytemuck::cast_slice_mut::<u8, $t>($acc),
+                bytemuck::cast_slice::<u8, $t>($other),
+            );
+            match $op {
+                ReduceOp::Sum | ReduceOp::Avg => typed(a, b, $sum),
+                ReduceOp::Prod => typed(a, b, $prod),
+                ReduceOp::Min => typed(a, b, |x: $t, y: $t| if y < x { y } else { x }),
+                ReduceOp::Max => typed(a, b, |x: $t, y: $t| if y > x { y } else { x }),
+            }
+        } else {
+            const N: usize = std::mem::size_of::<$t>();
+            for (a, b) in $acc.chunks_exact_mut(N).zip($other.chunks_exact(N)) {
+                let x: $t = $from(a.try_into().expect("N bytes"));
+                let y: $t = $from(b.try_into().expect("N bytes"));
+                let r: $t = match $op {
+                    ReduceOp::Sum | ReduceOp::Avg => $sum(x, y),
+                    ReduceOp::Prod => $prod(x, y),
+                    ReduceOp::Min => {
+                        if y < x {
+                            y
+                        } else {
+                            x
+                        }
                     }
-                }
-                ReduceOp::Max => {
-                    if y > x {
-                        y
-                    } else {
-                        x
+                    ReduceOp::Max => {
+                        if y > x {
+                            y
+                        } else {
+                            x
+                        }
                     }
-                }
-            };
-            a.copy_from_slice(&$to(r));
+                };
+                a.copy_from_slice(&$to(r));
+            }
         }
     }};
+}
+
+/// `a[i] = f(a[i], b[i])`.
+#[inline(always)]
+fn typed<T: Copy>(a: &mut [T], b: &[T], f: impl Fn(T, T) -> T) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x = f(*x, *y);
+    }
 }
 
 /// `acc = op(acc, other)`, element-wise (`Avg` sums; [`finish_avg`] divides at the end).
@@ -55,8 +79,8 @@ pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) 
             op,
             f32::from_ne_bytes,
             f32::to_ne_bytes,
-            |x, y| x + y,
-            |x, y| x * y
+            |x: f32, y: f32| x + y,
+            |x: f32, y: f32| x * y
         ),
         DataType::F64 => apply!(
             acc,
@@ -65,8 +89,8 @@ pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) 
             op,
             f64::from_ne_bytes,
             f64::to_ne_bytes,
-            |x, y| x + y,
-            |x, y| x * y
+            |x: f64, y: f64| x + y,
+            |x: f64, y: f64| x * y
         ),
         DataType::F16 => apply!(
             acc,
