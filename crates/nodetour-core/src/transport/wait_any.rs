@@ -51,7 +51,9 @@ pub fn wait_any(
                 };
             }
             None => {
-                let slice = Duration::from_micros(50);
+                // (A transport without a descriptor spins first, then blocks in its own way:
+                // a slice long enough to block in, as the ring always waited.)
+                let slice = Duration::from_micros(200);
                 for (i, c) in conns.iter_mut().enumerate() {
                     got.clear();
                     let d = Deadline::after(slice.min(deadline.remaining()));

@@ -208,8 +208,10 @@ impl HostJob {
             tracing::info!(
                 local_ranks,
                 cpus,
-                "more ranks than CPUs on this host: the host ring waits without spinning"
+                "more ranks than CPUs on this host: waits block without spinning"
             );
+            // The verbs waits of this process too (their setting is per process).
+            nodetour_core::verbs::set_spin(std::time::Duration::ZERO);
             std::time::Duration::ZERO
         } else {
             options.config.spin
