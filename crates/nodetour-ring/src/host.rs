@@ -951,14 +951,16 @@ impl HostRing<'_> {
                         Duration::from_micros(200)
                     };
                     let d = Deadline::after(slice);
-                    match wait_any(&mut [&mut **next, &mut **prev], &mut polled_any, d) {
+                    // (The previous rank first: where a transport is waited on in turn, the
+                    // data it sends matters more than the next rank's rarer grants.)
+                    match wait_any(&mut [&mut **prev, &mut **next], &mut polled_any, d) {
                         Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => {}
                         Err(e) => return Err(e.into()),
                     }
                     events.extend(
                         polled_any
                             .iter()
-                            .map(|(i, Event::Notified(v))| (*i == 1, *v)),
+                            .map(|(i, Event::Notified(v))| (*i == 0, *v)),
                     );
                 }
             }

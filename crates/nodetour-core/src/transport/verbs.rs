@@ -227,6 +227,20 @@ impl HostConnection for VerbsConnection {
         self.put(src, range, dst, dst_offset, notify, false)
     }
 
+    /// A notice without bytes (a grant, a release, an end notice) is posted: no source to
+    /// hold, so nothing to wait for; a write with bytes waits as [`Self::write`] does.
+    fn write_deferred(
+        &mut self,
+        src: &SlotRegion,
+        range: Range<usize>,
+        dst: &SlotGrant,
+        dst_offset: u64,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        let wait = !range.is_empty();
+        self.put(src, range, dst, dst_offset, notify, wait)
+    }
+
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<()> {
         self.qp.poll(&mut self.completions)?;
         self.absorb()?;
