@@ -6,7 +6,8 @@
 # Prints one `MPI_COMPARE` line per ranks x size (time ratio nodetour / MPI: < 1 is faster;
 # busbw ratio: > 1 is faster), then `MPI_COMPARE_SUMMARY`. Printed, not asserted.
 #   scripts/mpi-compare.sh [--ranks "2 4"] [--sizes 8:16M] [--factor 8] [--batches 5]
-#                          [--iters 30] [--spin-us N]   (NODETOUR_SPIN_US for nodetour's run)
+#                          [--iters 30] [--spin-us N]   (NODETOUR_SPIN_US and NODETOUR_RING_SPIN_US
+#                                                        for nodetour's run: busy polling, like MPI)
 # Needs mpicc and mpirun (Debian: openmpi-bin libopenmpi-dev); else prints SKIP and exits 0.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -47,13 +48,13 @@ PY
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mpi_flags=(--allow-run-as-root --oversubscribe --mca btl tcp,self --mca btl_tcp_if_include lo --bind-to none)
-echo "mpi-compare: $(mpirun --version 2>&1 | head -n 1); nodetour $(git rev-parse --short HEAD 2>/dev/null); ranks $ranks; ${#list[@]} sizes; $batches batches of $iters iterations, interleaved${spin:+; NODETOUR_SPIN_US=$spin}"
+echo "mpi-compare: $(mpirun --version 2>&1 | head -n 1); nodetour $(git rev-parse --short HEAD 2>/dev/null); ranks $ranks; ${#list[@]} sizes; $batches batches of $iters iterations, interleaved${spin:+; NODETOUR_SPIN_US=NODETOUR_RING_SPIN_US=$spin}"
 failed=0
 for n in $ranks; do
     for b in $(seq 1 "$batches"); do
         ITERS=$iters WARMUP=3 timeout 600 mpirun "${mpi_flags[@]}" -np "$n" "$target/mpi/allreduce" "${list[@]}" \
             >"$work/mpi-$n-$b.txt" 2>&1 || { echo "mpi-compare: MPI run failed (ranks $n)"; tail -5 "$work/mpi-$n-$b.txt"; failed=1; }
-        env ${spin:+NODETOUR_SPIN_US=$spin} NODETOUR_TRANSPORT=tcp timeout 600 scripts/launch-local.sh -n "$n" --timeout 550 -- \
+        env ${spin:+NODETOUR_SPIN_US=$spin NODETOUR_RING_SPIN_US=$spin} NODETOUR_TRANSPORT=tcp timeout 600 scripts/launch-local.sh -n "$n" --timeout 550 -- \
             "$nodetour" perf --sizes "$sizes" --factor "$factor" --iters "$iters" --warmup 3 --format csv \
             >"$work/nt-$n-$b.txt" 2>&1 || { echo "mpi-compare: nodetour run failed (ranks $n)"; tail -5 "$work/nt-$n-$b.txt"; failed=1; }
     done

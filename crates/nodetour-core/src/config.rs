@@ -28,7 +28,14 @@ pub struct Config {
     /// `NODETOUR_SPIN_US`: how long a waiter polls before it blocks (default 50 µs). Longer
     /// trades a CPU core for latency; 0 blocks at once.
     pub spin: Duration,
+    /// `NODETOUR_RING_SPIN_US`: how long a host collective keeps looking for its neighbours'
+    /// next notification without blocking, after each one (default 1 ms). Only while a
+    /// collective runs, and 0 where a host has more ranks than CPUs.
+    pub ring_spin: Duration,
 }
+
+/// Default for `NODETOUR_RING_SPIN_US`.
+pub const DEFAULT_RING_SPIN: Duration = Duration::from_millis(1);
 
 impl Default for Config {
     fn default() -> Self {
@@ -39,6 +46,7 @@ impl Default for Config {
             service_level: 0,
             timeout: DEFAULT_TIMEOUT,
             spin: crate::verbs::DEFAULT_SPIN,
+            ring_spin: DEFAULT_RING_SPIN,
         }
     }
 }
@@ -72,19 +80,24 @@ impl Config {
         if let Some(v) = get("NODETOUR_SPIN_US") {
             config.spin = Duration::from_micros(parse_int("NODETOUR_SPIN_US", &v, 0, 1_000_000)?);
         }
+        if let Some(v) = get("NODETOUR_RING_SPIN_US") {
+            config.ring_spin =
+                Duration::from_micros(parse_int("NODETOUR_RING_SPIN_US", &v, 0, 1_000_000)?);
+        }
         Ok(config)
     }
 
     /// One line with every effective value, for the startup log.
     pub fn describe(&self) -> String {
         format!(
-            "NODETOUR_IB_DEVICE={} NODETOUR_IB_GID_INDEX={} NODETOUR_IB_TC={} NODETOUR_IB_SL={} NODETOUR_TIMEOUT_MS={} NODETOUR_SPIN_US={}",
+            "NODETOUR_IB_DEVICE={} NODETOUR_IB_GID_INDEX={} NODETOUR_IB_TC={} NODETOUR_IB_SL={} NODETOUR_TIMEOUT_MS={} NODETOUR_SPIN_US={} NODETOUR_RING_SPIN_US={}",
             self.ib_device.as_deref().unwrap_or("auto"),
             self.gid_index.map_or("auto".to_owned(), |i| i.to_string()),
             self.traffic_class,
             self.service_level,
             self.timeout.as_millis(),
-            self.spin.as_micros()
+            self.spin.as_micros(),
+            self.ring_spin.as_micros()
         )
     }
 }
@@ -139,8 +152,12 @@ mod tests {
             ("NODETOUR_IB_TC", "106"),
             ("NODETOUR_IB_SL", "5"),
             ("NODETOUR_TIMEOUT_MS", "1500"),
+            ("NODETOUR_SPIN_US", "7"),
+            ("NODETOUR_RING_SPIN_US", "0"),
         ])
         .unwrap();
+        assert_eq!(c.spin, Duration::from_micros(7));
+        assert_eq!(c.ring_spin, Duration::ZERO);
         assert_eq!(c.ib_device.as_deref(), Some("mlx5_0"));
         assert_eq!(c.gid_index, Some(3));
         assert_eq!(c.traffic_class, 106);
@@ -156,6 +173,7 @@ mod tests {
             ("NODETOUR_IB_SL", "16"),
             ("NODETOUR_IB_TC", "x"),
             ("NODETOUR_TIMEOUT_MS", "0"),
+            ("NODETOUR_RING_SPIN_US", "1000001"),
         ] {
             match config(&[(name, value)]) {
                 Err(Error::InvalidConfig { name: n, .. }) => assert_eq!(n, name),

@@ -165,7 +165,7 @@ pub struct HostRingOptions {
     /// No progress for this long fails the collective.
     pub timeout: Duration,
     /// After each notification, how long the rank looks for the next without blocking
-    /// (`NODETOUR_SPIN_US`) before it waits in the kernel.
+    /// (`NODETOUR_RING_SPIN_US`) before it waits in the kernel.
     pub spin: Duration,
 }
 
@@ -176,7 +176,7 @@ impl HostRingOptions {
             slot_bytes: 1 << 20,
             slots: 4,
             timeout: config.timeout,
-            spin: config.spin,
+            spin: config.ring_spin,
         }
     }
 }

@@ -214,7 +214,7 @@ impl HostJob {
             nodetour_core::verbs::set_spin(std::time::Duration::ZERO);
             std::time::Duration::ZERO
         } else {
-            options.config.spin
+            options.config.ring_spin
         };
         let ring_options = HostRingOptions {
             slot_bytes: options.slot_bytes,
