@@ -72,7 +72,7 @@ pub fn drive(data: &[u8]) -> usize {
     actions
 }
 
-/// The descriptor a rank's next rank sends with its first grant: any 32 bytes decode to a
+/// The descriptor a rank's next rank sends with its description: any 32 bytes decode to a
 /// descriptor that re-encodes to them, or fail with a typed error. Run on every 32-byte window
 /// of `data` by the fuzz target and the corpus replay.
 pub fn descriptors(data: &[u8]) -> usize {

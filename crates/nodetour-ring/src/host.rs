@@ -7,11 +7,28 @@
 //! schedule's immediates (data) or, with the top bit set, a grant or an end notice (see
 //! [`Notice`]).
 //!
-//! Agreement: every grant carries a 15-bit tag of the collective's [`Descriptor`], and the first
-//! grant of each collective carries the whole descriptor (32 bytes into the previous rank's
-//! doorbell region). A rank sends data only after its next rank's first grant matched its own
-//! descriptor exactly, so every chunk that lands comes from a rank that called the same
-//! collective; on a disagreement nothing is sent and no rank writes its buffer.
+//! Slots: with two or more slots, collectives of even and odd epochs use separate halves, and a
+//! rank that finishes a collective *releases* its half for the collective two later at once
+//! ([`Notice::Release`]; after a failure, when that collective starts): a collective starts
+//! with its first slots granted, and its first chunks leave without waiting a round trip for
+//! grants. Slots reused within a collective are granted as they free up, each grant tagged with
+//! a 15-bit tag of the collective's [`Descriptor`].
+//!
+//! Agreement: a rank that receives writes its whole descriptor to its previous rank first thing
+//! ([`Notice::Describe`], 32 bytes into that rank's doorbell region), and a rank that sends
+//! checks it against its own. Before the check only first-step chunks (the rank's own input)
+//! may leave, and only in shapes where every rank's completion waits for a later chunk of every
+//! other rank but one, each sent only after its sender's check (an allreduce, reduce-scatter or
+//! all-gather whose segments all hold data): a rank that finishes then knows that every pair of
+//! neighbours but one checked each other, which chains them all. Otherwise nothing leaves
+//! before the check. A rank also finishes only after its own check. On a disagreement no rank
+//! writes its buffer; chunks that landed early stay in slots.
+//!
+//! Waiting: the rank's thread reads its sockets itself while it runs a collective (no receive
+//! thread between it and the kernel, see [`HostConnection::read_inline`]), holds small writes
+//! back until it next looks for events (one system call for several), polls without blocking
+//! for `NODETOUR_RING_SPIN_US` after each notification (not where its host has more ranks than
+//! CPUs), then blocks on both neighbours at once.
 //!
 //! Ending: a rank whose collective fails for any reason (a disagreement, an abort, a lost peer, a
 //! timeout) sends an end notice with the collective's epoch to both neighbours, and a rank that
@@ -39,7 +56,7 @@ const RELEASE: u32 = 4;
 const DESCRIBE: u32 = 5;
 
 /// Where a rank's next rank writes its descriptor in the rank's doorbell region (by epoch
-/// parity: the next collective's first grant may land while this one runs).
+/// parity: the next collective's description may land while this one runs).
 const DESCRIPTOR_AT: usize = 0;
 /// Where a rank keeps its own descriptor as the source of that write.
 const DESCRIPTOR_SOURCE_AT: usize = 2 * descriptor::ENCODED_LEN;
@@ -234,7 +251,8 @@ pub enum Links<'a> {
 /// One rank's side of the ring.
 ///
 /// The executor below [`crate::comm::Communicator`]'s host collectives; runtimes use the
-/// communicator.
+/// communicator. A ring's collectives are numbered from 0 (the first two find every slot
+/// free); every number is run or given up ([`Self::owe_release`]) on every rank.
 pub struct HostRing<'a> {
     /// This rank.
     pub rank: u32,
