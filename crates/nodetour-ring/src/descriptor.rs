@@ -35,6 +35,9 @@ pub enum Algorithm {
     StreamRing,
     /// The stream-ordered GPU ring's two-rank exchange step.
     StreamExchange,
+    /// Small host allreduces: every rank's whole input gathered to every rank around the ring,
+    /// reduced by each rank itself in ring order.
+    HostGather,
 }
 
 /// One collective as one rank sees it.
@@ -69,11 +72,12 @@ const COLLECTIVES: [Collective; 4] = [
     Collective::AllGather,
     Collective::Broadcast,
 ];
-const ALGORITHMS: [Algorithm; 4] = [
+const ALGORITHMS: [Algorithm; 5] = [
     Algorithm::HostRing,
     Algorithm::HostRingGpuStaged,
     Algorithm::StreamRing,
     Algorithm::StreamExchange,
+    Algorithm::HostGather,
 ];
 
 impl Descriptor {

@@ -28,12 +28,21 @@ fn options() -> Options {
 /// Runs `body` on `world` ranks (threads), each with its own communicator; returns what each
 /// returned, by rank.
 fn ranks<R: Send>(world: u32, options: Options, body: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
+    ranks_with(world, |_| options.clone(), body)
+}
+
+/// [`ranks`] with each rank's own options.
+fn ranks_with<R: Send>(
+    world: u32,
+    options: impl Fn(u32) -> Options,
+    body: impl Fn(Communicator) -> R + Sync,
+) -> Vec<R> {
     // Rank 0's listener is bound here, before any rank forms (the port cannot be taken).
     let id = UniqueId::create().unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|r| {
-                let (id, options, body) = (&id, options.clone(), &body);
+                let (id, options, body) = (&id, options(r), &body);
                 s.spawn(move || {
                     let comm = Communicator::from_unique_id(id, r, world, options)
                         .unwrap_or_else(|e| panic!("rank {r} formation: {e}"));
@@ -318,4 +327,91 @@ fn an_abort_ends_the_collective_on_every_rank_with_the_reason() {
         got[1].0
     );
     assert!(got[0].1 && got[1].1, "nothing was written");
+}
+
+/// Small allreduces gather every input to every rank and reduce there (`host_gather_max`):
+/// every type's answer is right (exact for integers), the same bits on every rank, with every
+/// operation, for 2-4 ranks, in pieces and whole; and ranks that choose differently (another
+/// threshold) disagree and write nothing, rather than mixing algorithms.
+#[test]
+fn small_allreduces_gather_and_are_the_same_bits_on_every_rank() {
+    for world in 2..=4u32 {
+        for gather_max in [0usize, 64 << 10] {
+            let o = Options {
+                host_gather_max: gather_max,
+                piece_bytes: 64 << 10,
+                ..options()
+            };
+            let got = ranks(world, o, |comm| {
+                let r = comm.rank();
+                let mut results = Vec::new();
+                for op in ReduceOp::ALL {
+                    let mut ints = input(r, 700);
+                    comm.all_reduce_in_place(&mut ints, op).unwrap();
+                    let mut floats: Vec<f32> = (0..1000)
+                        .map(|i| (i as f32 * 0.37 + r as f32).sin() * 1e3)
+                        .collect();
+                    comm.all_reduce_in_place(&mut floats, op).unwrap();
+                    let mut halves: Vec<half::bf16> = (0..333)
+                        .map(|i| half::bf16::from_f32(i as f32 * 0.01 - r as f32))
+                        .collect();
+                    comm.all_reduce_in_place(&mut halves, op).unwrap();
+                    results.push((
+                        op,
+                        ints,
+                        floats.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        halves.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    ));
+                }
+                comm.close(Deadline::after(Duration::from_secs(10)))
+                    .unwrap();
+                results
+            });
+            for (r, results) in got.iter().enumerate() {
+                assert_eq!(
+                    results, &got[0],
+                    "world {world} gather_max {gather_max} rank {r}"
+                );
+            }
+            for (op, ints, _, _) in &got[0] {
+                for (i, got) in ints.iter().enumerate() {
+                    let all = (0..world).map(|q| input(q, 700)[i]);
+                    let want = match op {
+                        ReduceOp::Sum => all.sum::<i64>(),
+                        ReduceOp::Avg => all.sum::<i64>() / i64::from(world),
+                        ReduceOp::Prod => all.fold(1i64, i64::wrapping_mul),
+                        ReduceOp::Min => all.min().unwrap(),
+                        ReduceOp::Max => all.max().unwrap(),
+                    };
+                    assert_eq!(*got, want, "world {world} {op:?} element {i}");
+                }
+            }
+        }
+    }
+    // Rank 1 would run the ring where the others gather: a disagreement, nothing written.
+    let got = ranks_with(
+        3,
+        |r| Options {
+            host_gather_max: if r == 1 { 0 } else { 64 << 10 },
+            ..options()
+        },
+        |comm| {
+            let mut data = input(comm.rank(), 100);
+            let before = data.clone();
+            let e = comm.all_reduce_in_place(&mut data, ReduceOp::Sum).err();
+            (e, data == before)
+        },
+    );
+    for (r, (e, untouched)) in got.into_iter().enumerate() {
+        assert!(
+            matches!(
+                e,
+                Some(
+                    Error::Disagreement { .. } | Error::PeerFailed { .. } | Error::PeerLost { .. }
+                )
+            ),
+            "rank {r}: {e:?}"
+        );
+        assert!(untouched, "rank {r} wrote a result");
+    }
 }

@@ -58,6 +58,7 @@ pub(crate) struct HostJob {
     backlog: Vec<u32>,
     owed: Vec<u8>,
     seq: u64,
+    host_gather_max: usize,
     gpu: Option<GpuSide>,
     /// The GPU ring of a one-host job with a GPU on every rank (device collectives).
     pub gpu_ring: Option<GpuRing>,
@@ -454,6 +455,7 @@ impl HostJob {
             options: ring_options,
             backlog: Vec::new(),
             owed: Vec::new(),
+            host_gather_max: options.host_gather_max,
             seq: 0,
             gpu: None,
             gpu_ring,
@@ -471,6 +473,12 @@ impl HostJob {
     /// Bytes of the staging region (the largest piece).
     pub fn piece_bytes(&self) -> usize {
         self.work.len()
+    }
+
+    /// The largest host allreduce that gathers instead of running the ring
+    /// ([`super::Options::host_gather_max`]).
+    pub fn host_gather_max(&self) -> usize {
+        self.host_gather_max
     }
 
     /// Runs one ring collective through `f` (given the ring, the collective's sequence number

@@ -75,7 +75,9 @@ pub use device_set::Group;
 pub use gpu_links::{GpuPaths, GpuRingOptions, NetLanding};
 pub use in_flight::{Failed, InFlight};
 pub use nodetour_net::bootstrap::UniqueId;
-pub use options::{DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options};
+pub use options::{
+    DEFAULT_HOST_GATHER_MAX, DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options,
+};
 pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
 
 use std::ops::Range;
@@ -550,6 +552,13 @@ impl Communicator {
     ) -> Result<()> {
         let es = dtype.size();
         let n = out.len() / es;
+        let gather_max = {
+            let state = self.usable()?;
+            state.job.as_ref().map_or(0, HostJob::host_gather_max)
+        };
+        if self.world > 1 && n > 0 && out.len() <= gather_max {
+            return self.all_reduce_gathered(send, out, dtype, op);
+        }
         let what = Descriptor {
             dtype,
             ..self.descriptor::<u8>(Collective::AllReduce, n, op, None)
@@ -564,6 +573,51 @@ impl Communicator {
                 op,
             };
             ring.collective(staged, d, &mut [(0, &mut out[b])], alive)
+        })
+    }
+
+    /// A small allreduce: every rank's whole input goes to every rank (an all-gather around the
+    /// ring: `world − 1` hops of the buffer, where the ring takes `2 (world − 1)` hops of a
+    /// block), and each rank reduces the `world` inputs itself, in ring order from position 0:
+    /// the same operations in the same order on every rank, so every rank's result is bitwise
+    /// the same. The algorithm is in the descriptor the ranks agree on.
+    fn all_reduce_gathered(
+        &self,
+        send: Option<&[u8]>,
+        out: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let n = out.len() / es;
+        let world = self.world as usize;
+        let what = Descriptor {
+            dtype,
+            algorithm: Algorithm::HostGather,
+            ..self.descriptor::<u8>(Collective::AllReduce, n, op, None)
+        };
+        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
+            let b = r.start * es..r.end * es;
+            let len = b.len();
+            // Segment p of the gathered buffer is position p's input.
+            ring.stage_in(ring.rank as usize * len, &send.unwrap_or(&*out)[b.clone()])?;
+            let staged = Staged {
+                shape: Shape::AllGather,
+                count: (r.len() * world) as u64,
+                dtype,
+                op,
+            };
+            let mut all = vec![0u8; len * world];
+            ring.collective(staged, d, &mut [(0, &mut all[..])], alive)?;
+            let result = &mut out[b];
+            result.copy_from_slice(&all[..len]);
+            for input in all[len..].chunks_exact(len) {
+                crate::reduce::reduce_into(dtype, op, result, input)?;
+            }
+            if op == ReduceOp::Avg {
+                crate::reduce::finish_avg(dtype, result, self.world);
+            }
+            Ok(())
         })
     }
 

@@ -54,7 +54,15 @@ pub struct Options {
     /// GPU rings of two processes: run the allreduce as one exchange step (the default) rather
     /// than the two-step ring.
     pub two_rank_exchange: bool,
+    /// Host-memory allreduces of at most this many bytes gather every rank's whole input to
+    /// every rank and reduce there (`world − 1` hops instead of the ring's `2 (world − 1)`)
+    /// (`NODETOUR_HOST_GATHER_MAX`; default [`DEFAULT_HOST_GATHER_MAX`]; 0: always the ring).
+    /// Part of what the ranks agree on: every rank must use the same value.
+    pub host_gather_max: usize,
 }
+
+/// Default for [`Options::host_gather_max`].
+pub const DEFAULT_HOST_GATHER_MAX: usize = 32 << 10;
 
 impl Default for Options {
     /// The defaults, with no environment read.
@@ -71,6 +79,7 @@ impl Default for Options {
             one_step_max: crate::gpu::ONE_STEP_MAX,
             gpu_ring: super::gpu_links::GpuRingOptions::default(),
             two_rank_exchange: true,
+            host_gather_max: DEFAULT_HOST_GATHER_MAX,
         }
     }
 }
@@ -132,6 +141,12 @@ impl Options {
                 crate::gpu::ONE_STEP_MAX,
                 0,
                 usize::MAX,
+            )?,
+            host_gather_max: number(
+                "NODETOUR_HOST_GATHER_MAX",
+                DEFAULT_HOST_GATHER_MAX,
+                0,
+                1 << 30,
             )?,
             gpu_ring: super::gpu_links::GpuRingOptions {
                 net_landing: match get("NODETOUR_NET_LANDING") {
