@@ -756,18 +756,17 @@ impl HostRing<'_> {
         }
     }
 
-    /// Whether send `unit` may go before the next rank's descriptor matched ours: only a first
-    /// step's chunk (this rank's own input), and only in shapes where every rank's completion
+    /// Whether first-step chunks (this rank's own input) may go before the next rank's
+    /// descriptor matched ours: only in shapes where every rank's completion
     /// waits for a later chunk of every other rank but one, each sent only after its sender's
     /// check (an allreduce, reduce-scatter or all-gather whose segments all hold data): a rank
     /// then finishes only where every pair of neighbours but one checked each other, which
     /// chains them all. Every other chunk waits for the check.
-    fn may_send_early(plan: &Plan, sched: &RingSchedule, unit: u32) -> bool {
+    fn first_steps_may_go_early(plan: &Plan) -> bool {
         matches!(
             plan.shape,
             Shape::AllReduce | Shape::ReduceScatter | Shape::AllGather
         ) && (0..plan.world).all(|s| plan.chunks_in(s) > 0)
-            && sched.send_step(unit) == Some(0)
     }
 
     fn run_until_end(
@@ -835,6 +834,7 @@ impl HostRing<'_> {
                 )?;
             }
         }
+        let first_steps_early = Self::first_steps_may_go_early(&plan);
         let mut done = false;
         // Sends that wait for the agreement, in the schedule's order.
         let mut held: std::collections::VecDeque<Action> = std::collections::VecDeque::new();
@@ -864,8 +864,10 @@ impl HostRing<'_> {
                 let reduce = matches!(action, Action::Reduce { .. });
                 match action {
                     Action::Send { unit, .. }
-                        if !agreed
-                            && (!held.is_empty() || !Self::may_send_early(&plan, &sched, unit)) =>
+                        if !(agreed
+                            || held.is_empty()
+                                && first_steps_early
+                                && sched.send_step(unit) == Some(0)) =>
                     {
                         held.push_back(action);
                     }
