@@ -672,15 +672,19 @@ impl HostRing<'_> {
         let mut result = self.run_until_end(plan, what, alive, ops);
         match &result {
             Ok(()) => {
-                if self.halves() && self.world > 1 {
+                // What this rank held back (its last chunks) leaves now: a neighbour may wait
+                // for it to finish.
+                result = self.flush();
+                if result.is_ok() && self.halves() && self.world > 1 {
+                    // The release waits for this rank's next write to its previous rank (its
+                    // next collective's description or first chunk, one system call for
+                    // them): that rank needs it only for the collective after next, which it
+                    // reaches only after this rank started the next one (its first poll sends
+                    // what is held; TCP keeps the order). Dropping the connection still sends
+                    // it, best effort.
                     let later = epoch.wrapping_add(2) & 0x7f;
                     self.owed.retain(|e| *e != later);
                     result = self.notify_prev(Notice::Release { epoch: later }.encode());
-                }
-                // What this rank held back (its last chunks, the release) leaves now: nothing
-                // is left for a later call.
-                if result.is_ok() {
-                    result = self.flush();
                 }
             }
             Err(e) => {

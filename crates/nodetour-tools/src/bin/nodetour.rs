@@ -585,8 +585,15 @@ fn perf(
     });
     options.devices = devices.to_vec();
     options.slot_bytes = slot_bytes;
-    // One piece per collective at every size measured (as the ring ran before pieces).
-    options.piece_bytes = sizes.iter().copied().max().unwrap_or(8).max(4096);
+    // One piece per collective at every size measured (as the ring ran before pieces), and
+    // at least the default staging region: a small allreduce gathers every rank's input
+    // (world × its size), which a region of the largest size alone would split.
+    options.piece_bytes = sizes
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(8)
+        .max(nodetour::ring::comm::DEFAULT_PIECE_BYTES);
     let timeout = options.timeout();
     let comm = nodetour::Communicator::from_env(options)?;
     if comm.rank() == 0 && sweep.format != "json" && sweep.format != "csv" {
