@@ -323,6 +323,30 @@ fn agree(
     }
 }
 
+/// The bytes of the ring's buffer of `staged`, overflow-checked.
+fn staged_bytes(staged: Staged) -> Result<usize> {
+    usize::try_from(staged.count)
+        .ok()
+        .and_then(|c| c.checked_mul(staged.dtype.size()))
+        .ok_or_else(|| Error::InvalidArgument {
+            reason: format!("{} elements of {:?} overflow", staged.count, staged.dtype),
+        })
+}
+
+/// Every output lies inside a buffer of `bytes`.
+fn check_outputs(outputs: &[(usize, &mut [u8])], bytes: usize) -> Result<()> {
+    let fits = |at: usize, n: usize| at.checked_add(n).is_some_and(|end| end <= bytes);
+    match outputs.iter().find(|(at, b)| !fits(*at, b.len())) {
+        Some((at, b)) => Err(Error::InvalidArgument {
+            reason: format!(
+                "an output of {} bytes at {at} in a {bytes}-byte buffer",
+                b.len()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A landed chunk: byte offset `slot` in the slot region, `n` bytes, for byte offset `at` of
 /// the buffer.
 #[derive(Clone, Copy)]
@@ -342,12 +366,16 @@ trait ChunkOps {
 }
 
 /// Host buffers: the work region is the local buffer, reduced by the CPU.
-struct HostOps {
+struct HostOps<'a> {
     dtype: DataType,
     op: ReduceOp,
     // 8-byte aligned (as u64s), so that the reduction runs typed and vectorised.
     scratch: Vec<u64>,
     mine: Vec<u64>,
+    /// The caller's input in the buffer's layout, where reductions read this rank's own values
+    /// from it rather than from the work region (an allreduce's reduce-scatter reduces each
+    /// range once, into this rank's input: only the ranges sent unreduced are staged).
+    input: Option<&'a [u8]>,
 }
 
 /// Bytes reduced at a time: the two copies out and the one back stay in the core's cache, so a
@@ -355,7 +383,7 @@ struct HostOps {
 /// and written once). A multiple of every element size.
 const REDUCE_BLOCK: usize = 32 << 10;
 
-impl ChunkOps for HostOps {
+impl ChunkOps for HostOps<'_> {
     fn reduce(&mut self, work: &SlotRegion, recv: &SlotRegion, c: Chunk) -> Result<()> {
         let Chunk { slot, at, n } = c;
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
@@ -364,7 +392,21 @@ impl ChunkOps for HostOps {
         while done < n {
             let k = (n - done).min(REDUCE_BLOCK).min(scratch.len());
             recv.read_at(slot + done, &mut scratch[..k])?;
-            work.read_at(at + done, &mut mine[..k])?;
+            match self.input {
+                Some(input) => {
+                    let from = input.get(at + done..at + done + k).ok_or_else(|| {
+                        Error::InvalidArgument {
+                            reason: format!(
+                                "a chunk at {} of {k} bytes past an input of {}",
+                                at + done,
+                                input.len()
+                            ),
+                        }
+                    })?;
+                    mine[..k].copy_from_slice(from);
+                }
+                None => work.read_at(at + done, &mut mine[..k])?,
+            }
             reduce_into(self.dtype, self.op, &mut mine[..k], &scratch[..k])?;
             work.write_at(at + done, &mine[..k])?;
             done += k;
@@ -473,8 +515,8 @@ impl HostRing<'_> {
             dtype,
             op,
         };
-        self.stage_in(0, data)?;
-        self.collective(staged, &what, &mut [(0, data)], alive)
+        self.all_reduce_from(staged, &what, data, alive)?;
+        self.read_out(staged, &mut [(0, data)])
     }
 
     /// Copies `bytes` into the work region at byte offset `at`: the input of the next
@@ -509,45 +551,87 @@ impl HostRing<'_> {
         outputs: &mut [(usize, &mut [u8])],
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
-        let Staged {
-            shape,
-            count,
-            dtype,
-            op,
-        } = staged;
-        let es = dtype.size();
-        let bytes = usize::try_from(count)
-            .ok()
-            .and_then(|c| c.checked_mul(es))
-            .ok_or_else(|| Error::InvalidArgument {
-                reason: format!("{count} elements of {dtype:?} overflow"),
-            })?;
-        let plan = self.plan(bytes, dtype)?.with_shape(shape)?;
-        let fits = |at: usize, n: usize| at.checked_add(n).is_some_and(|end| end <= bytes);
-        if let Some((at, b)) = outputs.iter().find(|(at, b)| !fits(*at, b.len())) {
+        let bytes = staged_bytes(staged)?;
+        check_outputs(outputs, bytes)?;
+        self.run_host(staged, what, None, alive)?;
+        self.read_out(staged, outputs)
+    }
+
+    /// An allreduce of `input` (the whole buffer, this rank's values), as [`Self::collective`]
+    /// with `staged.shape` [`Shape::AllReduce`] would run it after staging `input`, but staging
+    /// only the ranges this rank sends before it reduces them (its first step's segment): every
+    /// other range is reduced once, from `input` itself into the work region (one copy of the
+    /// buffer less). The result stays in the work region until [`Self::read_out`] (which the
+    /// caller calls only after this returned `Ok`: nothing of its output is written before).
+    pub fn all_reduce_from(
+        &mut self,
+        staged: Staged,
+        what: &Descriptor,
+        input: &[u8],
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+    ) -> Result<()> {
+        let bytes = staged_bytes(staged)?;
+        if staged.shape != Shape::AllReduce || input.len() != bytes {
             return Err(Error::InvalidArgument {
                 reason: format!(
-                    "an output of {} bytes at {at} in a {bytes}-byte buffer",
-                    b.len()
+                    "an allreduce of {bytes} bytes from an input of {} ({:?})",
+                    input.len(),
+                    staged.shape
                 ),
             });
         }
+        let es = staged.dtype.size();
+        let plan = self
+            .plan(bytes, staged.dtype)?
+            .with_shape(Shape::AllReduce)?;
+        // Segments this rank reduces into during the reduce-scatter read the input itself;
+        // the others (its first step's) are sent as they are and are staged now.
+        let reduced: Vec<u32> = (0..plan.world.saturating_sub(1))
+            .filter_map(|s| plan.recv_segment(self.rank, s))
+            .collect();
+        for seg in (0..plan.world).filter(|s| !reduced.contains(s)) {
+            let r = plan.segment(seg);
+            let (a, b) = (r.start as usize * es, r.end as usize * es);
+            self.stage_in(a, &input[a..b])?;
+        }
+        self.run_host(staged, what, Some(input), alive)
+    }
+
+    /// Runs collective `staged` over the work region; reductions read this rank's values from
+    /// `input` where given ([`Self::all_reduce_from`]).
+    fn run_host(
+        &mut self,
+        staged: Staged,
+        what: &Descriptor,
+        input: Option<&[u8]>,
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+    ) -> Result<()> {
+        let bytes = staged_bytes(staged)?;
+        let plan = self.plan(bytes, staged.dtype)?.with_shape(staged.shape)?;
         // Reduced block by block (a chunk is at most a slot and at most the collective): no
         // collective pays for zeroing whole slots.
         let block = REDUCE_BLOCK.min(self.options.slot_bytes).min(bytes).max(1);
         let mut ops = HostOps {
-            dtype,
-            op,
+            dtype: staged.dtype,
+            op: staged.op,
             scratch: vec![0u64; block.div_ceil(8)],
             mine: vec![0u64; block.div_ceil(8)],
+            input,
         };
-        self.run(plan, what, alive, &mut ops)?;
-        let average =
-            op == ReduceOp::Avg && matches!(shape, Shape::AllReduce | Shape::ReduceScatter);
+        self.run(plan, what, alive, &mut ops)
+    }
+
+    /// Fills each `(offset, destination)` of `outputs` from the work region at that byte
+    /// offset (an average divided by the world size): the result of the collective `staged`
+    /// that just finished on this rank.
+    pub fn read_out(&mut self, staged: Staged, outputs: &mut [(usize, &mut [u8])]) -> Result<()> {
+        check_outputs(outputs, staged_bytes(staged)?)?;
+        let average = staged.op == ReduceOp::Avg
+            && matches!(staged.shape, Shape::AllReduce | Shape::ReduceScatter);
         for (at, b) in outputs.iter_mut() {
             self.work.read_at(*at, b)?;
             if average {
-                finish_avg(dtype, b, self.world);
+                finish_avg(staged.dtype, b, self.world);
             }
         }
         Ok(())

@@ -565,14 +565,15 @@ impl Communicator {
         };
         self.run_pieces(&what, n, 1, |ring, r, d, alive| {
             let b = r.start * es..r.end * es;
-            ring.stage_in(0, &send.unwrap_or(&*out)[b.clone()])?;
             let staged = Staged {
                 shape: Shape::AllReduce,
                 count: r.len() as u64,
                 dtype,
                 op,
             };
-            ring.collective(staged, d, &mut [(0, &mut out[b])], alive)
+            // Reductions read the input where it is; the output is written once it finished.
+            ring.all_reduce_from(staged, d, &send.unwrap_or(&*out)[b.clone()], alive)?;
+            ring.read_out(staged, &mut [(0, &mut out[b])])
         })
     }
 
