@@ -1037,39 +1037,45 @@ impl HostRing<'_> {
             // checked.
             let spinning = last_event.elapsed() < self.options.spin;
             events.clear();
-            events.append(&mut replay);
-            match &mut self.links {
-                Links::One(c) => {
-                    polled.clear();
-                    c.poll(&mut polled)?;
-                    if polled.is_empty() && spinning {
-                        std::hint::spin_loop();
-                    } else if polled.is_empty() {
-                        wait_slice(&mut **c, &mut polled)?;
+            if !replay.is_empty() {
+                // What came early (a release, a description) is handled before this rank
+                // looks for more: the first chunks it unblocks then leave with its
+                // description, in one write.
+                events.append(&mut replay);
+            } else {
+                match &mut self.links {
+                    Links::One(c) => {
+                        polled.clear();
+                        c.poll(&mut polled)?;
+                        if polled.is_empty() && spinning {
+                            std::hint::spin_loop();
+                        } else if polled.is_empty() {
+                            wait_slice(&mut **c, &mut polled)?;
+                        }
+                        // One peer is both neighbours: data and end notices count as its.
+                        events.extend(polled.iter().map(|Event::Notified(v)| (true, *v)));
                     }
-                    // One peer is both neighbours: data and end notices count as its.
-                    events.extend(polled.iter().map(|Event::Notified(v)| (true, *v)));
-                }
-                Links::Two { next, prev } => {
-                    // Grants come from next, data from prev: wait on both at once.
-                    polled_any.clear();
-                    let slice = if spinning {
-                        Duration::ZERO
-                    } else {
-                        Duration::from_micros(200)
-                    };
-                    let d = Deadline::after(slice);
-                    // (The previous rank first: where a transport is waited on in turn, the
-                    // data it sends matters more than the next rank's rarer grants.)
-                    match wait_any(&mut [&mut **prev, &mut **next], &mut polled_any, d) {
-                        Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => {}
-                        Err(e) => return Err(e.into()),
+                    Links::Two { next, prev } => {
+                        // Grants come from next, data from prev: wait on both at once.
+                        polled_any.clear();
+                        let slice = if spinning {
+                            Duration::ZERO
+                        } else {
+                            Duration::from_micros(200)
+                        };
+                        let d = Deadline::after(slice);
+                        // (The previous rank first: where a transport is waited on in turn, the
+                        // data it sends matters more than the next rank's rarer grants.)
+                        match wait_any(&mut [&mut **prev, &mut **next], &mut polled_any, d) {
+                            Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => {}
+                            Err(e) => return Err(e.into()),
+                        }
+                        events.extend(
+                            polled_any
+                                .iter()
+                                .map(|(i, Event::Notified(v))| (*i == 0, *v)),
+                        );
                     }
-                    events.extend(
-                        polled_any
-                            .iter()
-                            .map(|(i, Event::Notified(v))| (*i == 0, *v)),
-                    );
                 }
             }
             let now = Instant::now();
