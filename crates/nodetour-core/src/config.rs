@@ -30,7 +30,8 @@ pub struct Config {
     pub spin: Duration,
     /// `NODETOUR_RING_SPIN_US`: how long a host collective keeps looking for its neighbours'
     /// next notification without blocking, after each one (default 1 ms). Only while a
-    /// collective runs, and 0 where a host has more ranks than CPUs.
+    /// collective runs; where a host has more ranks than CPUs the ring yields its CPU between
+    /// looks.
     pub ring_spin: Duration,
 }
 

@@ -184,6 +184,10 @@ pub struct HostRingOptions {
     /// After each notification, how long the rank looks for the next without blocking
     /// (`NODETOUR_RING_SPIN_US`) before it waits in the kernel.
     pub spin: Duration,
+    /// While it looks, the rank gives up its CPU after each look (`sched_yield`): where its
+    /// host runs more ranks than CPUs, the neighbour it waits for may need that CPU (as MPI
+    /// yields when oversubscribed), and a rank that blocked would need a wake-up instead.
+    pub spin_yields: bool,
 }
 
 impl HostRingOptions {
@@ -194,6 +198,7 @@ impl HostRingOptions {
             slots: 4,
             timeout: config.timeout,
             spin: config.ring_spin,
+            spin_yields: false,
         }
     }
 }
@@ -1048,7 +1053,7 @@ impl HostRing<'_> {
                         polled.clear();
                         c.poll(&mut polled)?;
                         if polled.is_empty() && spinning {
-                            std::hint::spin_loop();
+                            pause(self.options.spin_yields);
                         } else if polled.is_empty() {
                             wait_slice(&mut **c, &mut polled)?;
                         }
@@ -1069,6 +1074,9 @@ impl HostRing<'_> {
                         match wait_any(&mut [&mut **prev, &mut **next], &mut polled_any, d) {
                             Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => {}
                             Err(e) => return Err(e.into()),
+                        }
+                        if polled_any.is_empty() && spinning {
+                            pause(self.options.spin_yields);
                         }
                         events.extend(
                             polled_any
@@ -1180,6 +1188,16 @@ fn unmark(v: u32) -> (bool, u32) {
         (v & FROM_PREV != 0, v & !FROM_PREV)
     } else {
         (v & GRANT_BIT == 0, v)
+    }
+}
+
+/// Between two looks while spinning: a pause of the core, or where ranks outnumber CPUs
+/// the rest of this time slice to whoever is runnable.
+fn pause(yields: bool) {
+    if yields {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
     }
 }
 

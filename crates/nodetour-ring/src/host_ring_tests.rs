@@ -207,6 +207,7 @@ fn small_slots() -> HostRingOptions {
         slots: 2,
         timeout: Duration::from_secs(20),
         spin: Duration::ZERO,
+        spin_yields: false,
     }
 }
 
@@ -236,6 +237,7 @@ fn ring_sizes_counts_and_slot_shapes() {
             slots: 1,
             timeout: Duration::from_secs(20),
             spin: Duration::ZERO,
+            spin_yields: false,
         },
     );
     check(
@@ -245,6 +247,21 @@ fn ring_sizes_counts_and_slot_shapes() {
         ReduceOp::Avg,
         HostRingOptions::default(),
     );
+    // Spinning between looks, as ranks that outnumber their CPUs do (yielding) and as ranks
+    // that each have one do (pausing the core).
+    for spin_yields in [true, false] {
+        check(
+            5,
+            10_007,
+            DataType::I32,
+            ReduceOp::Max,
+            HostRingOptions {
+                spin: Duration::from_micros(300),
+                spin_yields,
+                ..small_slots()
+            },
+        );
+    }
 }
 
 #[test]
@@ -344,6 +361,7 @@ fn an_abort_on_one_rank_ends_the_collective_everywhere_at_once() {
         slots: 2,
         timeout: Duration::from_secs(30),
         spin: Duration::ZERO,
+        spin_yields: false,
     };
     let count = 200_000;
     let inputs = ints(world, count);

@@ -196,32 +196,33 @@ impl HostJob {
         let local = verbs
             .ok()
             .filter(|_| kinds.values().any(|k| *k == TransportKind::Verbs));
-        // Spinning only pays where every rank of this host has a CPU to spin on: with more
-        // ranks than CPUs a spinning rank takes the CPU a neighbour needs to answer it (as MPI
-        // yields when oversubscribed).
+        // Spinning on a CPU only pays where every rank of this host has one: with more ranks
+        // than CPUs a spinning rank would take the CPU a neighbour needs to answer it, so the
+        // ring's spin gives its CPU away after each look (as MPI yields when oversubscribed):
+        // a neighbour's message then finds the rank runnable, not asleep.
         let local_ranks = job
             .peers()
             .iter()
             .filter(|p| p.host.same_host(&job.peers()[me as usize].host))
             .count();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let spin = if local_ranks > cpus {
+        let oversubscribed = local_ranks > cpus;
+        if oversubscribed {
             tracing::info!(
                 local_ranks,
                 cpus,
-                "more ranks than CPUs on this host: waits block without spinning"
+                "more ranks than CPUs on this host: the ring yields its CPU while it spins"
             );
-            // The verbs waits of this process too (their setting is per process).
+            // The verbs waits of this process do not spin at all (their setting is per
+            // process).
             nodetour_core::verbs::set_spin(std::time::Duration::ZERO);
-            std::time::Duration::ZERO
-        } else {
-            options.config.ring_spin
-        };
+        }
         let ring_options = HostRingOptions {
             slot_bytes: options.slot_bytes,
             slots: options.slots,
             timeout,
-            spin,
+            spin: options.config.ring_spin,
+            spin_yields: oversubscribed,
         };
         // Only the regions peers write (slots, doorbell) allow remote writes; the staging
         // region is a send source and local only.
