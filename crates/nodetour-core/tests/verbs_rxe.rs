@@ -531,6 +531,98 @@ fn waiting_with_nothing_in_flight_times_out_on_schedule() {
 
 #[test]
 #[ignore = "needs an RDMA device"]
+fn one_wait_covers_several_verbs_connections() {
+    use nodetour_core::transport::verbs::PreparedVerbs;
+    use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion, wait_any};
+    let Some((d0, d1)) = devices() else {
+        return;
+    };
+    let (a_side, b_side) = (side(&d0), side(&d1));
+    let options = QueuePairOptions {
+        send_depth: 16,
+        recv_depth: 8,
+        max_inline: 0,
+    };
+    let cfg = config();
+    let (mut a_conns, mut b_conns) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let qa = PreparedVerbs::new(&a_side.pd, a_side.port.port, options).unwrap();
+        let qb = PreparedVerbs::new(&b_side.pd, b_side.port.port, options).unwrap();
+        let (ea, eb) = (qa.endpoint(&a_side.gid), qb.endpoint(&b_side.gid));
+        let path_a = PathOptions::new(a_side.port.port, &a_side.gid, &cfg);
+        let path_b = PathOptions::new(b_side.port.port, &b_side.gid, &cfg);
+        a_conns.push(qa.connect(&eb, &path_a, "b".into(), cfg.timeout).unwrap());
+        b_conns.push(qb.connect(&ea, &path_b, "a".into(), cfg.timeout).unwrap());
+    }
+    let region = |pd: &Arc<ProtectionDomain>, access| {
+        SlotRegion::registered(Arc::new(
+            MemoryRegion::register(pd, HostBuffer::new(4096).unwrap(), access).unwrap(),
+        ))
+    };
+    let target = region(&a_side.pd, Access::REMOTE);
+    let source = region(&b_side.pd, Access::LOCAL);
+    let grants: Vec<SlotGrant> = a_conns
+        .iter_mut()
+        .map(|a| a.grant(&target).unwrap())
+        .collect();
+    let mut events = Vec::new();
+    let wait = |conns: &mut Vec<nodetour_core::transport::verbs::VerbsConnection>,
+                events: &mut Vec<(usize, Event)>,
+                d: Duration| {
+        let mut refs: Vec<&mut dyn HostConnection> = conns
+            .iter_mut()
+            .map(|c| c as &mut dyn HostConnection)
+            .collect();
+        wait_any(&mut refs, events, Deadline::after(d)).unwrap();
+    };
+
+    // Nothing sent: the wait blocks until its deadline, with no events.
+    let start = Instant::now();
+    wait(&mut a_conns, &mut events, Duration::from_millis(300));
+    let took = start.elapsed();
+    assert!(events.is_empty(), "{events:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+
+    // A notification on the second connection while the wait blocks wakes it, by index, and
+    // the completion channel's event is taken (the next wait blocks again).
+    std::thread::scope(|s| {
+        let (b, g, src) = (&mut b_conns[1], grants[1], &source);
+        s.spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            b.write(src, 0..64, &g, 0, Some(7)).unwrap();
+        });
+        let start = Instant::now();
+        wait(&mut a_conns, &mut events, Duration::from_secs(20));
+        assert_eq!(events, vec![(1, Event::Notified(7))]);
+        assert!(start.elapsed() < Duration::from_secs(10));
+    });
+    events.clear();
+    let start = Instant::now();
+    wait(&mut a_conns, &mut events, Duration::from_millis(200));
+    assert!(events.is_empty(), "{events:?}");
+    assert!(start.elapsed() >= Duration::from_millis(200));
+
+    // Notifications on both, sent before the wait: both come, each once.
+    for (i, b) in b_conns.iter_mut().enumerate() {
+        b.write(&source, 0..8, &grants[i], 0, Some(10 + i as u32))
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while events.len() < 2 && Instant::now() < deadline {
+        wait(&mut a_conns, &mut events, Duration::from_secs(1));
+    }
+    events.sort_by_key(|e| e.0);
+    assert_eq!(
+        events,
+        vec![(0, Event::Notified(10)), (1, Event::Notified(11))]
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
 fn injected_completion_errors_and_call_failures_are_typed() {
     let Some(p) = connected(QueuePairOptions::default()) else {
         return;

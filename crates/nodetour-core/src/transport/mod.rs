@@ -33,7 +33,7 @@ pub use slots::{SlotGrant, SlotRegion, SlotRegistration, SlotTable};
 pub use wait_any::wait_any;
 
 use std::ops::Range;
-use std::os::fd::BorrowedFd;
+use std::os::fd::RawFd;
 
 use crate::deadline::Deadline;
 use crate::error::Result;
@@ -143,11 +143,27 @@ pub trait HostConnection: Send {
     /// blocked writers cannot wait for itself. Transports without receive threads ignore it.
     fn read_inline(&mut self, _on: bool) {}
 
-    /// While the connection reads inline: a descriptor that becomes readable when
-    /// [`Self::poll`] may find events (for [`wait_any()`]); `None` otherwise.
-    fn readiness(&self) -> Option<BorrowedFd<'_>> {
-        None
+    /// Prepares to block on this connection together with others (one `poll(2)`, see
+    /// [`wait_any()`]), after a [`Self::poll`] that found nothing: the descriptors that become
+    /// readable when the next [`Self::poll`] may find events, or that events came meanwhile.
+    /// The descriptors stay valid while the connection lives; the caller polls the connection
+    /// after it woke (or gave up), which takes what woke it.
+    fn arm(&mut self) -> Result<Armed> {
+        Ok(Armed::Unsupported)
     }
+}
+
+/// What [`HostConnection::arm`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Armed {
+    /// Events came while arming: the next [`HostConnection::poll`] returns them, so do not
+    /// block.
+    Pending,
+    /// Block until one of these descriptors is readable (negative ones are ignored, as by
+    /// `poll(2)`).
+    Fds([RawFd; 2]),
+    /// No descriptor to block on now: wait on the connection itself, in slices.
+    Unsupported,
 }
 
 /// Why a transport was chosen for a pair of ranks.

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::ops::Range;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use super::tcp_rx::{self, Receiver};
 use super::wire::{CONTROL_MAX, HEADER_LEN, MAX_FRAME, WriteHeader};
-use super::{Event, HostConnection, SlotGrant, SlotRegion, SlotTable, TransportKind};
+use super::{Armed, Event, HostConnection, SlotGrant, SlotRegion, SlotTable, TransportKind};
 use crate::auth::{JobToken, nonce};
 use crate::auth::{SessionKey, SessionKeys, TAG_LEN, Tag};
 use crate::deadline::Deadline;
@@ -334,8 +334,13 @@ impl HostConnection for TcpConnection {
         self.rx.read_inline(on);
     }
 
-    fn readiness(&self) -> Option<BorrowedFd<'_>> {
-        self.rx.inline().then(|| self.rx.fd())
+    fn arm(&mut self) -> Result<Armed> {
+        // Readable whenever bytes wait on the socket (level-triggered): nothing to arm.
+        Ok(if self.rx.inline() {
+            Armed::Fds([self.rx.fd().as_raw_fd(), -1])
+        } else {
+            Armed::Unsupported
+        })
     }
 }
 

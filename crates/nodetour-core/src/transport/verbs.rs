@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Event, HostConnection, SlotGrant, SlotRegion, SlotRegistration, TransportKind};
+use super::{Armed, Event, HostConnection, SlotGrant, SlotRegion, SlotRegistration, TransportKind};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::verbs::{
@@ -87,6 +87,7 @@ impl PreparedVerbs {
             events: VecDeque::new(),
             completions: Vec::new(),
             recv_depth: self.recv_depth,
+            armed: false,
         })
     }
 }
@@ -99,6 +100,9 @@ pub struct VerbsConnection {
     events: VecDeque<Event>,
     completions: Vec<Completion>,
     recv_depth: u32,
+    /// Armed for a wait over many connections ([`HostConnection::arm`]): the next poll takes
+    /// the channel's event.
+    armed: bool,
 }
 
 impl VerbsConnection {
@@ -242,10 +246,26 @@ impl HostConnection for VerbsConnection {
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        if std::mem::take(&mut self.armed) {
+            self.qp.after_wake()?;
+        }
         self.qp.poll(&mut self.completions)?;
         self.absorb()?;
         events.extend(self.events.drain(..));
         Ok(())
+    }
+
+    fn arm(&mut self) -> Result<Armed> {
+        let fds = self.qp.arm()?;
+        self.armed = true;
+        // What completed before the arming raises no event: look once more.
+        self.qp.poll(&mut self.completions)?;
+        self.absorb()?;
+        Ok(if self.events.is_empty() {
+            Armed::Fds(fds)
+        } else {
+            Armed::Pending
+        })
     }
 
     fn wait(&mut self, events: &mut Vec<Event>, deadline: Deadline) -> Result<()> {

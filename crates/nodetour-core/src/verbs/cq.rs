@@ -170,7 +170,16 @@ impl CompletionQueue {
         }
     }
 
-    fn consume_event(&self) -> Result<()> {
+    /// Asks for an event on the channel at the next completion (a completion already queued
+    /// raises none: poll after arming, before blocking on [`Self::fd`]).
+    pub(crate) fn arm(&self) -> Result<()> {
+        // SAFETY: the CQ is live.
+        unsafe { result::req_notify_cq(self.raw) }
+            .map_err(|source| Error::WaitCompletionChannel { source })
+    }
+
+    /// Takes (and acknowledges) the channel's event, if one is queued, without blocking.
+    pub(crate) fn consume_event(&self) -> Result<()> {
         let lib = self.context.lib();
         // SAFETY: channel is live; the fd is non-blocking, so EAGAIN means no event.
         match unsafe { result::get_cq_event(lib, self.channel) } {

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -629,6 +630,28 @@ impl QueuePair {
             out,
             Some((deadline, &|| format!("a completion on queue pair {qpn}"))),
         )
+    }
+
+    /// Prepares a wait on many queue pairs at once (one `poll(2)` over their descriptors):
+    /// arms the completion queue and returns the descriptors to block on, its channel's and the
+    /// device's asynchronous event file (negative where events are not watched). A completion
+    /// queued before arming raises no event: the caller polls once more before it blocks, and
+    /// calls [`Self::after_wake`] before it next polls.
+    pub fn arm(&self) -> Result<[RawFd; 2]> {
+        let _inner = self.lock();
+        self.cq.arm()?;
+        Ok([self.cq.fd(), self.pd.context().async_fd()])
+    }
+
+    /// After a wait prepared by [`Self::arm`]: takes the channel's event (if it fired), and
+    /// reports an asynchronous event that is fatal for this queue pair or its port (a port that
+    /// went down, a queue pair the device killed).
+    pub fn after_wake(&self) -> Result<()> {
+        {
+            let _inner = self.lock();
+            self.cq.consume_event()?;
+        }
+        self.pd.context().check_async(self.port.port, self.qpn)
     }
 
     /// Waits until every posted send has been retired.
