@@ -8,10 +8,11 @@
 //! [`Notice`]).
 //!
 //! Slots: with two or more slots, collectives of even and odd epochs use separate halves, and a
-//! rank that finishes a collective *releases* its half for the collective two later at once
-//! ([`Notice::Release`]; after a failure, when that collective starts): a collective starts
-//! with its first slots granted, and its first chunks leave without waiting a round trip for
-//! grants. Slots reused within a collective are granted as they free up, each grant tagged with
+//! rank that finishes a collective *releases* its half for the collective two later
+//! ([`Notice::Release`], sent with its next write to that neighbour, which needs it only after
+//! this rank started its next collective; after a failure, when that collective starts): a
+//! collective starts with its first slots granted, and its first chunks leave without waiting a
+//! round trip for grants, in the same system call as the rank's description. Slots reused within a collective are granted as they free up, each grant tagged with
 //! a 15-bit tag of the collective's [`Descriptor`].
 //!
 //! Agreement: a rank that receives writes its whole descriptor to its previous rank first thing
@@ -27,8 +28,9 @@
 //! Waiting: the rank's thread reads its sockets itself while it runs a collective (no receive
 //! thread between it and the kernel, see [`HostConnection::read_inline`]), holds small writes
 //! back until it next looks for events (one system call for several), polls without blocking
-//! for `NODETOUR_RING_SPIN_US` after each notification (not where its host has more ranks than
-//! CPUs), then blocks on both neighbours at once.
+//! for `NODETOUR_RING_SPIN_US` after each notification (yielding its CPU between looks where its
+//! host has more ranks than CPUs), then blocks on both neighbours at once (one `poll(2)` over
+//! their sockets or completion channels).
 //!
 //! Ending: a rank whose collective fails for any reason (a disagreement, an abort, a lost peer, a
 //! timeout) sends an end notice with the collective's epoch to both neighbours, and a rank that
