@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# onehost-reference.sh: issue 17's reference run, on the GPU machine, from the packed directory
+# (scripts/gpu-pack.sh copies it there with onehost_reference.py):
+#   ./onehost-reference.sh OUTDIR [small|large] [--rounds N] [--gpus N]
+# One allreduce (bf16 sum), the same sizes for every implementation, rounds interleaved: per
+# round PyTorch's implementations (dist.all_reduce over NCCL and symmetric memory's one-shot and
+# two-shot, eager and in a CUDA graph, interleaved within each size: onehost_reference.py under
+# torchrun), then nodetour's per-process GPU ring (direct and staged, with NCCL called from our
+# binary on the same buffers), then nodetour's one-process ring over the GPUs (`--gpus`).
+# Per implementation and size: the median over rounds (5 by default with two GPUs) and its spread, as
+# ONEHOST lines, and per size the fastest of ours against the fastest reference (ONEHOST_BEST).
+#   small: 16 KiB to 64 MiB by 4, 50 iterations;  large: 256 MiB to 4 GiB by 4, 10 iterations.
+# Each part is one command of well under 10 minutes on two H200s.
+# With one GPU, nothing here is a measurement: PyTorch runs as a world of one (the script's own
+# check), nodetour's ring runs two processes on the shared GPU (correctness only), and NCCL and
+# the one-process ring are skipped (SKIP lines). Multicast is off in every process.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+out=${1:?usage: ./onehost-reference.sh OUTDIR [small|large] [--rounds N] [--gpus N]}
+part=${2:-small}
+shift $(($# >= 2 ? 2 : 1))
+rounds= gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+while (($#)); do
+    case $1 in
+        --rounds) rounds=$2; shift 2 ;;
+        --gpus) gpus=$2; shift 2 ;;
+        *) echo "usage: ./onehost-reference.sh OUTDIR [small|large] [--rounds N] [--gpus N]" >&2; exit 2 ;;
+    esac
+done
+case $part in
+    small) sizes=16K:64M iters=50 ;;
+    large) sizes=256M:4G iters=10 ;;
+    *) echo "part: small or large" >&2; exit 2 ;;
+esac
+# Five rounds where they measure something; on one GPU (a check of the script: two processes
+# share the GPU, the large part alone takes ~3 minutes a round) two and one.
+if [[ -z $rounds ]]; then
+    if [[ $gpus -ge 2 ]]; then rounds=5; elif [[ $part == small ]]; then rounds=2; else rounds=1; fi
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NODETOUR_CACHE_DIR=$PWD/kernel-cache NODETOUR_LOG=${NODETOUR_LOG:-warn}
+mkdir -p "$out"
+log=$out/onehost-$part.log
+: >"$log"
+if [[ $gpus -lt 1 ]]; then
+    echo "SKIP onehost-reference: no GPU" | tee -a "$log"
+    exit 0
+fi
+world=$((gpus >= 2 ? 2 : 1)) ranks=2
+echo "onehost-reference: $part, sizes $sizes, $rounds rounds, $gpus GPU(s): $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); nodetour $(cat VERSION 2>/dev/null || ./nodetour --version)" | tee -a "$log"
+if [[ $gpus -lt 2 ]]; then
+    echo "SKIP references on one GPU: PyTorch runs as a world of one (a check of this script, not a reference), nodetour's ring as two processes sharing the GPU (correctness only); NCCL and the one-process ring need two GPUs" | tee -a "$log"
+fi
+failed=0
+for r in $(seq 1 "$rounds"); do
+    echo "== round $r" >>"$log"
+    timeout 300 torchrun --standalone --nproc-per-node="$world" onehost_reference.py \
+        --sizes "$sizes" --factor 4 --iters "$iters" --large-iters "$iters" --batch "$r" >>"$log" 2>&1 ||
+        { echo "onehost-reference: the PyTorch run failed (round $r; see $log)"; failed=1; }
+    compare=() nt_path=both
+    [[ $gpus -ge 2 ]] && compare=(--compare nccl)
+    if timeout 300 ./launch-local.sh -n "$ranks" --timeout 280 -- ./nodetour perf --gpu --path "$nt_path" "${compare[@]}" \
+        --dtype bf16 --sizes "$sizes" --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
+        sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_PROCESS round=$r /" >>"$log"
+    else
+        echo "onehost-reference: nodetour's per-process ring failed (round $r)"; tail -5 "$out/nt.tmp"; failed=1
+    fi
+    if [[ $gpus -ge 2 ]]; then
+        if timeout 300 ./nodetour perf --gpus "$(seq -s, 0 $((world - 1)))" --dtype bf16 --sizes "$sizes" --factor 4 \
+            --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
+            grep -E '^[0-9]+,' "$out/nt.tmp" | sed "s/^/NT_ONEPROC round=$r /" >>"$log"
+        else
+            echo "onehost-reference: nodetour's one-process ring failed (round $r)"; tail -5 "$out/nt.tmp"; failed=1
+        fi
+    fi
+done
+rm -f "$out/nt.tmp"
+grep -h REF_VERSIONS "$log" | head -n 1
+python3 - "$log" "$world" "$gpus" <<'PY' | tee "$out/onehost-$part-summary.txt"
+import math, re, statistics, sys
+log, world, gpus = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rows = {}  # (impl, bytes) -> [us per round]
+wrong = set()
+skipped = {}
+def add(impl, b, us, ok):
+    if not math.isnan(us):
+        rows.setdefault((impl, b), []).append(us)
+    if not ok:
+        wrong.add((impl, b))
+for line in open(log, errors="replace"):
+    m = re.match(r"REF impl=(\S+) world=\d+ bytes=(\d+) batch=\d+ us=(\S+) busbw=\S+ check=(\S+)", line)
+    if m:
+        if m[4].startswith("SKIP"):
+            skipped[m[1]] = m[4]
+            continue
+        add(m[1], int(m[2]), float(m[3]), m[4] == "ok")
+        continue
+    m = re.match(r"NT_(PROCESS|ONEPROC) round=\d+ (.*)", line)
+    if m:
+        f = m[2].split(",")
+        # bytes,count,path,time_us,busbw,correct,ceiling,vs_ceiling,nccl_us,nccl_busbw,nccl_correct,ratio
+        b, path, us, ok = int(f[0]), f[2], float(f[3]), f[5] == "true"
+        impl = "nodetour-" + ("one-process" if m[1] == "ONEPROC" else path)
+        add(impl, b, us, ok)
+        if m[1] == "PROCESS" and len(f) > 10 and f[8] and path in ("direct", "auto"):
+            add("nccl-from-nodetour", b, float(f[8]), f[10] == "true")
+for impl, why in sorted(skipped.items()):
+    print(f"SKIP impl={impl} {why}")
+n = world if world > 1 else 2
+def busbw(b, us):
+    return b / (us * 1e-6) / 1e9 * 2 * (n - 1) / n
+ours = lambda i: i.startswith("nodetour")
+for b in sorted({k[1] for k in rows}):
+    best = {}
+    for (impl, bb), v in sorted(rows.items()):
+        if bb != b:
+            continue
+        med = statistics.median(v)
+        print(f"ONEHOST bytes={b} impl={impl} median_us={med:.2f} spread_us={max(v) - min(v):.2f} "
+              f"busbw={busbw(b, med):.1f} rounds={len(v)} check={'wrong' if (impl, b) in wrong else 'ok'}")
+        side = "ours" if ours(impl) else "ref"
+        if side not in best or med < best[side][1]:
+            best[side] = (impl, med)
+    if "ours" in best and "ref" in best:
+        (oi, ot), (ri, rt) = best["ours"], best["ref"]
+        note = "" if gpus >= 2 else " (one GPU: not a measurement)"
+        print(f"ONEHOST_BEST bytes={b} ours={oi}:{ot:.2f}us ref={ri}:{rt:.2f}us time_ratio={ot / rt:.2f}{note}")
+if wrong:
+    print("ONEHOST_WRONG " + " ".join(f"{i}@{b}" for i, b in sorted(wrong)))
+    sys.exit(1)
+PY
+[[ ${PIPESTATUS[0]} == 0 ]] || failed=1
+echo "onehost-reference: failed=$failed"
+exit "$failed"
