@@ -251,12 +251,12 @@ fn ring_sizes_counts_and_slot_shapes() {
     // that each have one do (pausing the core).
     for spin_yields in [true, false] {
         check(
-            5,
-            10_007,
+            3,
+            1_009,
             DataType::I32,
             ReduceOp::Max,
             HostRingOptions {
-                spin: Duration::from_micros(300),
+                spin: Duration::from_micros(100),
                 spin_yields,
                 ..small_slots()
             },
