@@ -266,17 +266,21 @@ fn ring_sizes_counts_and_slot_shapes() {
 
 #[test]
 fn back_to_back_collectives_keep_the_next_epochs_early_notifications() {
+    // 150 collectives: the 7-bit epochs wrap. 800 elements: a few dozen chunks per collective
+    // (a neighbour that finishes first sends the next collective's notices while this one still
+    // runs), cheap enough to run under valgrind.
+    const COUNT: usize = 800;
     for world in [2, 3, 5] {
         let results = all_reduce_repeated(
             world,
-            5000,
+            COUNT,
             DataType::I64,
             ReduceOp::Sum,
             small_slots(),
             150,
         );
         for out in &results {
-            for i in 0..5000 {
+            for i in 0..COUNT {
                 let got = i64::from_ne_bytes(out[i * 8..i * 8 + 8].try_into().unwrap()) as f64;
                 assert_eq!(got, reference(DataType::I64, ReduceOp::Sum, world, i));
             }
