@@ -126,23 +126,23 @@ def time_batch(impl, iters, warmup, graph_calls):
                 impl.call()
         replays = max(1, iters // graph_calls)
         g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            g.replay()
-        end.record()
-        end.synchronize()
+        secs = timed(g.replay, replays) / (replays * graph_calls)
         del g
-        return start.elapsed_time(end) / 1e3 / (replays * graph_calls)
+        return secs
     for _ in range(warmup):
         impl.call()
+    return timed(impl.call, iters) / iters
+
+
+def timed(step, n):
+    """Seconds that `n` calls of `step` take on the current stream (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        impl.call()
+    for _ in range(n):
+        step()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    return start.elapsed_time(end) / 1e3
 
 
 def main():
