@@ -559,8 +559,9 @@ impl HostRing<'_> {
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
         let bytes = staged_bytes(staged)?;
+        let plan = self.plan(bytes, staged.dtype)?.with_shape(staged.shape)?;
         check_outputs(outputs, bytes)?;
-        self.run_host(staged, what, None, alive)?;
+        self.run_host(plan, staged, what, None, alive)?;
         self.read_out(staged, outputs)
     }
 
@@ -601,20 +602,20 @@ impl HostRing<'_> {
             let (a, b) = (r.start as usize * es, r.end as usize * es);
             self.stage_in(a, &input[a..b])?;
         }
-        self.run_host(staged, what, Some(input), alive)
+        self.run_host(plan, staged, what, Some(input), alive)
     }
 
-    /// Runs collective `staged` over the work region; reductions read this rank's values from
-    /// `input` where given ([`Self::all_reduce_from`]).
+    /// Runs collective `staged`, laid out by `plan`, over the work region; reductions read this
+    /// rank's values from `input` where given ([`Self::all_reduce_from`]).
     fn run_host(
         &mut self,
+        plan: Plan,
         staged: Staged,
         what: &Descriptor,
         input: Option<&[u8]>,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
-        let bytes = staged_bytes(staged)?;
-        let plan = self.plan(bytes, staged.dtype)?.with_shape(staged.shape)?;
+        let bytes = plan.count as usize * plan.elem_size as usize;
         // Reduced block by block (a chunk is at most a slot and at most the collective): no
         // collective pays for zeroing whole slots.
         let block = REDUCE_BLOCK.min(self.options.slot_bytes).min(bytes).max(1);
