@@ -924,11 +924,12 @@ mod tests {
     }
 
     /// Runs `exchange` between rank 0 (accepting) and rank 1 (dialling) with the given tokens
-    /// and payloads; returns each side's result.
+    /// and payloads, each side with `wait` to finish; returns each side's result.
     #[allow(clippy::type_complexity)]
     fn exchange_pair(
         tokens: (&str, &str),
         payloads: (Vec<u8>, Vec<u8>),
+        wait: Duration,
     ) -> (Result<HashMap<u32, Vec<u8>>>, Result<HashMap<u32, Vec<u8>>>) {
         let timeout = Duration::from_secs(5);
         let e0 = TcpEndpoint::bind("127.0.0.1:0", JobToken::new(tokens.0), timeout).unwrap();
@@ -944,7 +945,7 @@ mod tests {
                     &|_| a0.clone(),
                     &|_| p1.clone(),
                     &|| Ok(()),
-                    Deadline::after(Duration::from_secs(2)),
+                    Deadline::after(wait),
                 )
             });
             let r0 = e0.exchange(
@@ -954,7 +955,7 @@ mod tests {
                 &|_| unreachable!("rank 0 dials no one"),
                 &|_| p0.clone(),
                 &|| Ok(()),
-                Deadline::after(Duration::from_secs(2)),
+                Deadline::after(wait),
             );
             (r0, t.join().unwrap())
         })
@@ -962,16 +963,28 @@ mod tests {
 
     #[test]
     fn neighbours_exchange_setup_payloads_only_with_the_job_token() {
-        let (r0, r1) = exchange_pair(("t", "t"), (b"from 0".to_vec(), b"from 1".to_vec()));
+        // Generous where both sides should succeed: under valgrind, beside the other tests on
+        // two CPUs, a 2 s deadline once expired mid-exchange (the side that gave up closed its
+        // socket with the other's payload unread, and the other saw a reset).
+        let ample = Duration::from_secs(60);
+        let (r0, r1) = exchange_pair(("t", "t"), (b"from 0".to_vec(), b"from 1".to_vec()), ample);
         assert_eq!(r0.unwrap()[&1], b"from 1");
         assert_eq!(r1.unwrap()[&0], b"from 0");
         // A stranger (wrong token) learns nothing and gets nothing: the acceptor refuses it and
         // reaches its deadline; the dialler is refused.
-        let (r0, r1) = exchange_pair(("t", "wrong"), (b"secret".to_vec(), b"x".to_vec()));
+        let (r0, r1) = exchange_pair(
+            ("t", "wrong"),
+            (b"secret".to_vec(), b"x".to_vec()),
+            Duration::from_secs(2),
+        );
         assert!(matches!(r0, Err(Error::Timeout { .. })), "{r0:?}");
         assert!(r1.is_err());
         // An oversized payload is refused before it is sent.
-        let (_, r1) = exchange_pair(("t", "t"), (vec![], vec![0; EXCHANGE_MAX + 1]));
+        let (_, r1) = exchange_pair(
+            ("t", "t"),
+            (vec![], vec![0; EXCHANGE_MAX + 1]),
+            Duration::from_secs(2),
+        );
         assert!(matches!(r1, Err(Error::InvalidArgument { .. })), "{r1:?}");
     }
 
