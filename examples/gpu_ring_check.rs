@@ -86,6 +86,11 @@ struct Args {
     /// communicator, formed from a unique id).
     #[arg(long)]
     also_ring: bool,
+    /// Bytes per collective of the drills (default: 64 MiB for the kill and abort drills,
+    /// 4 MiB for the agreement drill); at most `NODETOUR_ONE_KERNEL_MAX` drills the one-kernel
+    /// path where it is on.
+    #[arg(long)]
+    drill_bytes: Option<usize>,
 }
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -137,7 +142,7 @@ fn run() -> anyhow::Result<()> {
         return close_drill(g, victim, &config);
     }
     if let Some(odd) = args.disagree_rank {
-        return disagree_drill(&g, odd, &config);
+        return disagree_drill(&g, odd, args.drill_bytes.unwrap_or(4 << 20), &config);
     }
     println!("{}", comm.paths());
     let stream = GpuStream::new(&g.context)?;
@@ -224,9 +229,9 @@ fn run() -> anyhow::Result<()> {
 
 /// The agreement drill: rank `odd` calls with half the count; every rank's wait must fail long
 /// before the deadline.
-fn disagree_drill(g: &GpuJob, odd: u32, config: &Config) -> anyhow::Result<()> {
+fn disagree_drill(g: &GpuJob, odd: u32, bytes: usize, config: &Config) -> anyhow::Result<()> {
     let comm = &g.variants[0].comm;
-    let count = (4 << 20) / 4;
+    let count = bytes / 4;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     let stream = GpuStream::new(&g.context)?;
     let me = g.rank;
@@ -301,7 +306,7 @@ fn close_drill(g: GpuJob, victim: u32, config: &Config) -> anyhow::Result<()> {
 /// the failure.
 fn drill(g: &GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
     let comm = &g.variants[0].comm;
-    let count = (64 << 20) / 4;
+    let count = args.drill_bytes.unwrap_or(64 << 20) / 4;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     let stream = GpuStream::new(&g.context)?;
     let me = g.rank;

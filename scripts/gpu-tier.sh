@@ -122,6 +122,8 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./bench_allreduce --bench 2>&1 | grep -E '^(allreduce|SKIP)|time:|thrpt:' || failed=1
     echo "== transport_check over tcp, 4 processes"
     ./launch-local.sh -n 4 --timeout 120 -- ./transport_check || failed=1
+    echo "== the one-kernel allreduce (gpu-one-kernel.sh)"
+    ./gpu-one-kernel.sh "$out" || failed=1
     echo "== the network links across \"hosts\" (gpu-net.sh)"
     ./gpu-net.sh "$out" || failed=1
     echo "gpu-tier: failed=$failed"

@@ -38,6 +38,12 @@ pub enum Algorithm {
     /// Small host allreduces: every rank's whole input gathered to every rank around the ring,
     /// reduced by each rank itself in ring order.
     HostGather,
+    /// Small GPU allreduces of ranks on one host, one GPU each: one kernel per collective that
+    /// reads every rank's input from its mapped scratch and reduces in rank order
+    /// (`nodetour_core::cuda::one_kernel`).
+    OneShot,
+    /// The one-kernel path's two-shot kernel (reduce-scatter and all-gather in one kernel).
+    TwoShot,
 }
 
 /// One collective as one rank sees it.
@@ -72,12 +78,14 @@ const COLLECTIVES: [Collective; 4] = [
     Collective::AllGather,
     Collective::Broadcast,
 ];
-const ALGORITHMS: [Algorithm; 5] = [
+const ALGORITHMS: [Algorithm; 7] = [
     Algorithm::HostRing,
     Algorithm::HostRingGpuStaged,
     Algorithm::StreamRing,
     Algorithm::StreamExchange,
     Algorithm::HostGather,
+    Algorithm::OneShot,
+    Algorithm::TwoShot,
 ];
 
 impl Descriptor {
@@ -156,6 +164,17 @@ impl Descriptor {
             count: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
             seq: u64::from_be_bytes(b[16..24].try_into().expect("8 bytes")),
         })
+    }
+
+    /// A 32-bit digest of the descriptor without its sequence number: what the one-kernel
+    /// path's ranks compare in the kernel (the sequence number travels beside it).
+    pub fn digest(&self) -> u32 {
+        let mut h: u32 = 0x811c_9dc5;
+        for b in (Descriptor { seq: 0, ..*self }).encode() {
+            h ^= u32::from(b);
+            h = h.wrapping_mul(0x0100_0193);
+        }
+        h
     }
 
     /// A 15-bit tag of the whole descriptor (FNV-1a over the encoding, folded): carried in

@@ -42,6 +42,7 @@ use nodetour_core::transport::gpu::{
     StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_reduce_then_signal, enqueue_signal,
     enqueue_wait,
 };
+use nodetour_core::transport::one_kernel::{OneKernel, OneKernelFailure};
 
 use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
@@ -249,6 +250,12 @@ pub struct GpuRing {
     queued: u64,
     path: String,
     exchange: bool,
+    // The largest allreduce (bytes) the one-kernel path takes (0: none), and why it is on or
+    // off (for the log).
+    one_kernel_max: usize,
+    one_kernel_path: String,
+    // The last one-kernel collective queued (to word its failure).
+    one_kernel_what: Option<Descriptor>,
 }
 
 /// The streams and what their queued work touches, dropped once the streams have drained (or
@@ -263,6 +270,8 @@ struct Held {
     kernels: ReduceKernels,
     // Each stream's guard words (its latch and completion counter): see StreamGuard.
     guards: Option<[StreamGuard; 2]>,
+    // Small allreduces as one kernel on the caller's stream, where formation enabled it.
+    one_kernel: Option<OneKernel>,
 }
 
 /// The memory a rank exported (its slots, its flag pages): freed only once its neighbours have
@@ -273,6 +282,8 @@ struct Exports {
     _incoming: Incoming,
     _flags: Arc<dyn FlagPage>,
     _ends: EndPages,
+    // The one-kernel path's scratch and signal page (its mappings of the peers' are closed).
+    _one_kernel: Option<OneKernel>,
 }
 
 /// How long dropping a ring waits for its collectives in flight (after aborting them) before
@@ -367,6 +378,7 @@ impl GpuRing {
                 links,
                 kernels: ReduceKernels::load(context).map_err(g)?,
                 guards,
+                one_kernel: None,
             }),
             exports: None,
             start: GpuEvent::marker(context).map_err(g)?,
@@ -394,6 +406,9 @@ impl GpuRing {
             queued: 0,
             path,
             exchange: true,
+            one_kernel_max: 0,
+            one_kernel_path: String::new(),
+            one_kernel_what: None,
         })
     }
 
@@ -433,9 +448,14 @@ impl GpuRing {
             links,
             kernels,
             guards,
+            one_kernel,
         } = held;
         // Drained: nothing queued uses any of it.
         drop((send, recv, kernels, guards));
+        let one_kernel = one_kernel.map(|mut k| {
+            k.close_imports();
+            k
+        });
         if let Some(l) = links {
             let StreamLinks {
                 flags,
@@ -455,6 +475,7 @@ impl GpuRing {
                 _incoming: incoming,
                 _flags: flags,
                 _ends: ends,
+                _one_kernel: one_kernel,
             });
         }
         Ok(())
@@ -526,6 +547,27 @@ impl GpuRing {
         self.exchange = on;
     }
 
+    /// The stop word the ring's waits poll (`None` for a ring of one): what the one-kernel
+    /// path's kernels poll too.
+    pub(crate) fn stop_word(&self) -> Option<nodetour_core::transport::gpu::StopWord> {
+        self.abort.shared.stop.clone()
+    }
+
+    /// Runs allreduces of at most `max` bytes as one kernel on the caller's stream (formed by
+    /// `comm::one_kernel_links`; every rank must have it on with the same `max`), or, with
+    /// `None`, on the ring; `why` says which and why (for [`Self::path`]).
+    pub(crate) fn set_one_kernel(&mut self, kernel: Option<OneKernel>, max: usize, why: String) {
+        if let Some(h) = self.held.as_mut() {
+            self.one_kernel_max = if kernel.is_some() {
+                max.min(kernel.as_ref().map_or(0, OneKernel::max_bytes))
+            } else {
+                0
+            };
+            h.one_kernel = kernel;
+        }
+        self.one_kernel_path = why;
+    }
+
     /// The transport of the link to the next rank (`None` for a ring of one).
     pub fn kind(&self) -> Option<TransportKind> {
         let links = self.held.as_ref().and_then(|h| h.links.as_ref());
@@ -539,7 +581,11 @@ impl GpuRing {
             (2, true) => "; two ranks: one exchange step",
             _ => "; ring: reduce-scatter + all-gather",
         };
-        format!("{}{algo}", self.path)
+        if self.one_kernel_path.is_empty() {
+            format!("{}{algo}", self.path)
+        } else {
+            format!("{}{algo}; {}", self.path, self.one_kernel_path)
+        }
     }
 
     /// Queues `shape` in place on the first `count` elements of `buffer` (in ring positions:
@@ -570,10 +616,37 @@ impl GpuRing {
             self.abort.abort_with(e.clone());
             return Err(e);
         }
-        self.check(buffer, count, dtype, stream)?;
+        // A one-kernel collective that failed since the last call (a graph replay's, which no
+        // wait saw): this one cannot run.
+        if let Some(e) = self.one_kernel_failure() {
+            self.abort.abort_with(e.clone());
+            return Err(e);
+        }
+        let capturing = self.check(buffer, count, dtype, stream)?;
         let Some(links) = &self.h().links else {
             return Ok(()); // one rank: the sum, min, max, product and average of one value
         };
+        let bytes = count * dtype.size(); // checked by self.check
+        let one_kernel = shape == Shape::AllReduce && bytes <= self.one_kernel_max && bytes > 0;
+        if one_kernel {
+            return self.one_kernel(buffer, count, dtype, op, stream, capturing);
+        }
+        if capturing {
+            return Err(Error::Unsupported {
+                reason: format!(
+                    "the stream is being captured into a CUDA graph: only allreduces on the \
+                     one-kernel path (at most {} bytes here{}) can be captured; this {shape:?} \
+                     of {bytes} bytes takes the stream-ordered ring, whose counters live on the \
+                     host",
+                    self.one_kernel_max,
+                    if self.one_kernel_max == 0 {
+                        ": the path is off"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
         let plan = Plan::new(
             self.world,
             count as u64,
@@ -633,6 +706,90 @@ impl GpuRing {
                 .abort(&format!("queueing a collective failed: {e}"));
         }
         queued
+    }
+
+    /// Queues an allreduce as one kernel on `stream` (the caller's): see
+    /// `nodetour_core::cuda::one_kernel`. The kernel checks that every rank's descriptor
+    /// digest (the algorithm in it) is the same.
+    ///
+    /// Into a CUDA graph (`capturing`): only the kernel is captured. Its sequence numbers live
+    /// in GPU memory and are advanced by the kernel itself, so every replay is the next
+    /// collective; the host's count of collectives (what end notices name) counts eager ones
+    /// only. A replay that fails latches its status, which the next [`Self::wait_alive`] or
+    /// collective reports.
+    fn one_kernel(
+        &mut self,
+        buffer: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+        capturing: bool,
+    ) -> Result<()> {
+        let seq = self.queued;
+        let held = self.held.as_ref().expect("checked by the caller");
+        let kernel = held.one_kernel.as_ref().expect("checked by the caller");
+        let algorithm = if kernel.two_shot(count * dtype.size()) {
+            Algorithm::TwoShot
+        } else {
+            Algorithm::OneShot
+        };
+        let what = Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq);
+        let g = |e| gpu_error("queueing the collective", e);
+        // From here the peers count this collective: a failure to queue breaks the ring.
+        let queued = kernel
+            .enqueue_all_reduce(
+                &held.kernels,
+                stream,
+                dtype,
+                op,
+                buffer,
+                buffer,
+                count,
+                what.digest(),
+            )
+            .map_err(g)
+            .and_then(|()| {
+                if capturing {
+                    return Ok(());
+                }
+                // What `wait` polls: both ends of the collective are the caller's stream.
+                stream.record_marker(&self.end[0]).map_err(g)?;
+                stream.record_marker(&self.end[1]).map_err(g)
+            });
+        if !capturing {
+            self.queued += 1;
+        }
+        self.one_kernel_what = Some(what);
+        if let Err(e) = &queued {
+            self.abort
+                .abort(&format!("queueing a collective failed: {e}"));
+        }
+        queued
+    }
+
+    /// What the one-kernel path's blocks latched, as the error to report (once the streams
+    /// have passed every collective queued).
+    fn one_kernel_failure(&self) -> Option<Error> {
+        let kernel = self.held.as_ref()?.one_kernel.as_ref()?;
+        let what = self
+            .one_kernel_what
+            .map_or_else(|| "a one-kernel allreduce".to_owned(), |d| d.to_string());
+        Some(match kernel.failure()? {
+            OneKernelFailure::Aborted { peer } => Error::Aborted {
+                reason: format!("{what}: stopped while waiting for rank {peer}"),
+            },
+            OneKernelFailure::Timeout { peer } => Error::Timeout {
+                waiting_for: format!("rank {peer} to arrive at {what}"),
+                after: kernel.timeout(),
+            },
+            OneKernelFailure::Disagreement { peer } => Error::Disagreement {
+                rank: self.rank,
+                peer,
+                ours: what,
+                theirs: "another collective (its descriptor digest differs)".into(),
+            },
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -879,7 +1036,13 @@ impl GpuRing {
                     .net()
                     .filter(|n| n.broke_protocol())
                     .and_then(NetLink::failure);
-                return match failed.or(lost).or(tainted).or(broke) {
+                // A one-kernel collective that a block gave up on (its peers learn through the
+                // end notices of the abort below).
+                let kernel = self.one_kernel_failure();
+                if let Some(e) = &kernel {
+                    self.abort.abort_with(e.clone());
+                }
+                return match failed.or(lost).or(tainted).or(broke).or(kernel) {
                     Some(e) => Err(e),
                     None => {
                         self.abort.confirm(self.queued);
@@ -936,13 +1099,14 @@ impl GpuRing {
         self.abort.clone()
     }
 
+    /// Checks the arguments; whether `stream` is being captured into a CUDA graph.
     fn check(
         &self,
         buffer: &DeviceBuffer,
         count: usize,
         dtype: DataType,
         stream: &GpuStream,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let bytes = count
             .checked_mul(dtype.size())
             .ok_or_else(|| Error::InvalidArgument {
@@ -966,17 +1130,9 @@ impl GpuRing {
                 reason: format!("the stream is not on rank {}'s GPU", self.rank),
             });
         }
-        if stream
+        stream
             .is_capturing()
-            .map_err(|e| gpu_error("asking about stream capture", e))?
-        {
-            return Err(Error::Unsupported {
-                reason: "the stream is being captured into a CUDA graph; nodetour's \
-                         collectives do not support graph capture yet"
-                    .into(),
-            });
-        }
-        Ok(())
+            .map_err(|e| gpu_error("asking about stream capture", e))
     }
 }
 

@@ -247,54 +247,19 @@ fn device_collectives_on_a_gpu_ring_across_hosts() {
 }
 
 fn gpu_ring_of_processes(world: u32, host_of: impl Fn(u32) -> Option<String>) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..world)
-        .map(|r| {
-            let mut c = std::process::Command::new(&exe);
-            c.args([
-                "--exact",
-                "gpu_ring_rank",
-                "--include-ignored",
-                "--nocapture",
-            ])
-            .env(CHILD, "1")
-            .env("NODETOUR_RANK", r.to_string())
-            .env("NODETOUR_WORLD_SIZE", world.to_string())
-            .env("NODETOUR_LOCAL_RANK", r.to_string())
-            .env("NODETOUR_MASTER_ADDR", "127.0.0.1")
-            .env("NODETOUR_PORT", port.to_string())
-            .env("NODETOUR_JOB_TOKEN", format!("gpu-ring-test-{port}"))
-            .env("NODETOUR_TIMEOUT_MS", "20000");
+    common::run_rank_processes(
+        "gpu_ring_rank",
+        CHILD,
+        world,
+        20_000,
+        |r, c| {
             match host_of(r) {
                 Some(h) => c.env("NODETOUR_HOST_ID", h),
                 None => c.env_remove("NODETOUR_HOST_ID"),
             };
-            c.spawn().unwrap()
-        })
-        .collect();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    for r in 0..children.len() {
-        let status = loop {
-            if let Some(s) = children[r].try_wait().unwrap() {
-                break s;
-            }
-            if std::time::Instant::now() > deadline {
-                // Every rank goes (a rank left behind would hold the output open).
-                for c in children.iter_mut() {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-                panic!("{world} ranks: rank {r} did not finish in 120 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        assert!(status.success(), "{world} ranks: rank {r} failed: {status}");
-    }
+        },
+        Duration::from_secs(120),
+    );
 }
 
 /// A one-thread kernel spinning on a host-mapped word, on a stream of its own. A watchdog

@@ -93,6 +93,8 @@ impl GpuJob {
             o.gpu_ring = GpuRingOptions {
                 paths: s.paths,
                 net_landing: o.gpu_ring.net_landing,
+                one_kernel: o.gpu_ring.one_kernel,
+                one_kernel_max: o.gpu_ring.one_kernel_max,
                 ..gpu_ring
             };
             o.two_rank_exchange = s.two_rank_exchange;

@@ -181,7 +181,8 @@ impl DeviceBuffer {
 /// never freed here. `stream` first waits for the slice's last write (cudarc's own ordering);
 /// after `f`, cudarc records that `stream` read the slice, so cudarc orders later writes and the
 /// slice's free after the work `f` queued. Queue work only on `stream` in `f`. A stream being
-/// captured into a CUDA graph is refused (`Unsupported`) before anything is queued on it.
+/// captured into a CUDA graph is refused (`Unsupported`) before anything is queued on it while
+/// the context tracks events (cudarc's default); with event tracking off the call goes on.
 pub fn with_cudarc_slice<T, S, R>(
     slice: &S,
     stream: &Arc<cudarc::driver::CudaStream>,
@@ -229,16 +230,23 @@ fn cudarc_view_of<T, S: cudarc::driver::DeviceSlice<T> + ?Sized>(
             reason: "the slice and the stream are on different GPUs".into(),
         });
     }
-    // Refused before cudarc orders the slice on `stream`: that wait names an event recorded
-    // outside the capture, which would invalidate the caller's capture.
+    // With cudarc's event tracking on, refused before cudarc orders the slice on `stream`:
+    // that wait names an event recorded outside the capture, which would invalidate the
+    // caller's capture. Without it (`CudaContext::disable_event_tracking`, what code that
+    // captures does) cudarc queues nothing, and the collective decides whether it can be
+    // captured.
     let capture = stream
         .capture_status()
         .map_err(|e| crate::cuda::result::cuda_error("cuStreamIsCapturing", e))?;
-    if capture != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+    if capture != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        && context.is_event_tracking()
+    {
         return Err(Error::Unsupported {
             what: "graph capture",
-            reason: "the stream is being captured into a CUDA graph; nodetour's collectives \
-                     do not support graph capture yet"
+            reason: "the stream is being captured into a CUDA graph while cudarc tracks events \
+                     (its wait for the slice's last write would break the capture): disable \
+                     event tracking on the context (CudaContext::disable_event_tracking) to \
+                     capture nodetour's collectives"
                 .into(),
         });
     }

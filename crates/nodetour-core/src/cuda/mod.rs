@@ -12,6 +12,7 @@ pub mod device_buffer;
 pub mod driver;
 pub mod kernel_cache;
 pub mod nvrtc;
+pub mod one_kernel;
 pub mod reduce;
 pub(crate) mod result;
 pub mod stream;

@@ -15,6 +15,7 @@ use cudarc::driver::{CudaContext, result, sys};
 use super::GpuStream;
 use super::device_buffer::DeviceBuffer;
 use super::kernel_cache::{self, KernelCache};
+use super::one_kernel::{ONE_SHOT_BLOCKS, ONE_SHOT_THREADS, OneShotArgs};
 use super::result::cuda_error;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
@@ -255,6 +256,8 @@ struct Loaded {
     signal: sys::CUfunction,
     send: sys::CUfunction,
     reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
+    one_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
+    two_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     blocks: u32,
     context: Arc<CudaContext>,
 }
@@ -310,9 +313,12 @@ impl ReduceKernels {
             .max(1) as u32;
         let nvrtc = super::nvrtc::version().ok();
         let arch = format!("sm{major}{minor}");
+        // One module: the ring's kernels and the one-kernel collectives (which use the
+        // element types and operations defined above them).
+        let source = [SOURCE, super::one_kernel::SOURCE].concat();
         let key = kernel_cache::entry_name(
             "reduce",
-            SOURCE,
+            &source,
             &nvrtc.map_or("none".into(), |(a, b)| format!("nvrtc {a}.{b}")),
             &driver.to_string(),
             &arch,
@@ -337,7 +343,7 @@ impl ReduceKernels {
             Some(c) => c,
             None => {
                 let c = super::nvrtc::compile_cubin(
-                    SOURCE,
+                    &source,
                     "nodetour_reduce.cu",
                     (major, minor),
                     &["--std=c++14"],
@@ -370,6 +376,8 @@ impl ReduceKernels {
         let mut both = Vec::new();
         let mut average = Vec::new();
         let mut pattern = Vec::new();
+        let mut one_shot = Vec::new();
+        let mut two_shot = Vec::new();
         for dtype in DataType::ALL {
             for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
                 reduce.push((
@@ -383,6 +391,14 @@ impl ReduceKernels {
                 reduce_then.push((
                     (dtype, op),
                     get(format!("nt_reduce_then_{}_{}", dtype.name(), op.name()))?,
+                ));
+                one_shot.push((
+                    (dtype, op),
+                    get(format!("nt_one_shot_{}_{}", dtype.name(), op.name()))?,
+                ));
+                two_shot.push((
+                    (dtype, op),
+                    get(format!("nt_two_shot_{}_{}", dtype.name(), op.name()))?,
                 ));
             }
             average.push((dtype, get(format!("nt_average_{}", dtype.name()))?));
@@ -400,6 +416,8 @@ impl ReduceKernels {
             signal: get("nt_signal".to_owned())?,
             send: get("nt_send".to_owned())?,
             reduce_then,
+            one_shot,
+            two_shot,
             blocks: sms * 4,
             context: context.clone(),
         };
@@ -704,6 +722,28 @@ impl ReduceKernels {
         let per = 16 / dtype.size();
         let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.k.blocks);
         self.launch_grid(stream, f, &mut params, blocks, 512)
+    }
+
+    /// Queues on `stream` one one-kernel allreduce (see [`super::one_kernel`]: one-shot, or
+    /// two-shot) of [`ONE_SHOT_BLOCKS`] blocks. The caller (`transport::one_kernel`) built
+    /// `args` from memory it owns or mapped and checked every range, and keeps it alive until
+    /// the stream has passed the launch.
+    pub(crate) fn one_kernel(
+        &self,
+        stream: &GpuStream,
+        dtype: DataType,
+        op: ReduceOp,
+        two_shot: bool,
+        args: &mut OneShotArgs,
+    ) -> Result<()> {
+        let table = if two_shot {
+            &self.k.two_shot
+        } else {
+            &self.k.one_shot
+        };
+        let f = pick(table, dtype, op);
+        let mut params = [(args as *mut OneShotArgs).cast::<c_void>()];
+        self.launch_grid(stream, f, &mut params, ONE_SHOT_BLOCKS, ONE_SHOT_THREADS)
     }
 
     fn launch_grid(

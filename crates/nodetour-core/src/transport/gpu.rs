@@ -179,6 +179,11 @@ impl StopWord {
     pub fn is_set(&self) -> bool {
         self.page.read(self.index).is_ok_and(|v| v != 0)
     }
+
+    /// The word's address in the GPU (host memory mapped into it), for kernels that poll it.
+    pub(crate) fn device_address(&self) -> Result<u64> {
+        FlagPage::address(&*self.page, self.index)
+    }
 }
 
 /// One stream's guard: the rank's [`StopWord`], and the stream's latch (what its last guarded
@@ -441,13 +446,15 @@ impl FlagPage for PeerDeviceFlags {
 
 /// A peer's GPU allocation mapped into this process (`cuIpcOpenMemHandle`), closed on drop
 /// once the work queued on it has run (at most [`IPC_CLOSE_DEADLINE`]; leaked past it).
-struct IpcMapping {
+pub(crate) struct IpcMapping {
     base: u64,
-    dst: u64,
-    len: u64,
+    /// Where the grant starts, as mapped here.
+    pub(crate) dst: u64,
+    /// The grant's length (checked against the mapped allocation).
+    pub(crate) len: u64,
     context: Arc<CudaContext>,
     // The streams that queued work on the mapping.
-    uses: Uses,
+    pub(crate) uses: Uses,
 }
 
 /// How long dropping a cuda-ipc mapping waits for the work queued on it before it leaks the
@@ -460,7 +467,7 @@ unsafe impl Send for IpcMapping {}
 unsafe impl Sync for IpcMapping {}
 
 impl IpcMapping {
-    fn open(context: &Arc<CudaContext>, grant: &IpcGrant) -> Result<IpcMapping> {
+    pub(crate) fn open(context: &Arc<CudaContext>, grant: &IpcGrant) -> Result<IpcMapping> {
         context
             .bind_to_thread()
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;

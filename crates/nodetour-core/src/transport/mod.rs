@@ -19,6 +19,7 @@
 
 pub mod gpu;
 mod mem;
+pub mod one_kernel;
 pub mod read_flush;
 pub mod setup;
 mod slots;

@@ -65,6 +65,45 @@ impl NetLanding {
     }
 }
 
+/// Whether small allreduces run as one kernel per collective (`nodetour_core::cuda::one_kernel`:
+/// every rank reads every rank's mapped scratch) where every rank of the host has a GPU of its
+/// own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OneKernelMode {
+    /// Where every rank has its own GPU and every peer's memory can be mapped (the default).
+    Auto,
+    /// Never: every collective runs on the stream-ordered ring.
+    Off,
+    /// Always (an error where the peers' memory cannot be mapped), even between ranks that
+    /// share a GPU: for tests only. Ranks sharing a GPU are time-sliced, so each wait lasts
+    /// until the driver switches contexts (milliseconds, not microseconds).
+    Force,
+}
+
+impl OneKernelMode {
+    /// Parses `NODETOUR_ONE_KERNEL` (`auto`, `off` or `force`).
+    pub fn parse(v: &str) -> Option<OneKernelMode> {
+        match v.trim() {
+            "" | "auto" => Some(OneKernelMode::Auto),
+            "off" => Some(OneKernelMode::Off),
+            "force" => Some(OneKernelMode::Force),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            OneKernelMode::Auto => 0,
+            OneKernelMode::Off => 1,
+            OneKernelMode::Force => 2,
+        }
+    }
+}
+
+/// Default for [`GpuRingOptions::one_kernel_max`]: allreduces of at most this many bytes run
+/// as one kernel.
+pub const ONE_KERNEL_MAX: usize = 1 << 20;
+
 /// Slot shapes and paths of a GPU ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuRingOptions {
@@ -83,6 +122,12 @@ pub struct GpuRingOptions {
     pub paths: GpuPaths,
     /// Where network links land (`NODETOUR_NET_LANDING`).
     pub net_landing: NetLanding,
+    /// Small allreduces as one kernel (`NODETOUR_ONE_KERNEL`).
+    pub one_kernel: OneKernelMode,
+    /// The largest allreduce, in bytes, that runs as one kernel (`NODETOUR_ONE_KERNEL_MAX`;
+    /// also the size of each of the two halves of every rank's scratch). Every rank must use
+    /// the same value (checked at formation).
+    pub one_kernel_max: usize,
 }
 
 impl Default for GpuRingOptions {
@@ -95,6 +140,8 @@ impl Default for GpuRingOptions {
             device_flags: true,
             paths: GpuPaths::Auto,
             net_landing: NetLanding::Auto,
+            one_kernel: OneKernelMode::Auto,
+            one_kernel_max: ONE_KERNEL_MAX,
         }
     }
 }
@@ -111,6 +158,16 @@ impl GpuRingOptions {
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
+        if self.one_kernel_max == 0 || self.one_kernel_max > SLOT_MEMORY_MAX / 2 {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "one-kernel collectives of up to {} bytes: between 1 and {} (two halves of \
+                     scratch are bounded by the slot memory bound)",
+                    self.one_kernel_max,
+                    SLOT_MEMORY_MAX / 2
+                ),
+            });
+        }
         for (what, slots, bytes) in [
             ("cuda-ipc", self.ipc_slots, self.ipc_slot_bytes),
             ("shm", self.slots, self.shm_slot_bytes),
@@ -160,6 +217,8 @@ pub(crate) struct Seat<'a> {
     pub forced: Option<TransportKind>,
     /// Formation's deadline.
     pub deadline: Deadline,
+    /// The collective timeout (how long a one-kernel collective waits for a peer).
+    pub timeout: std::time::Duration,
 }
 
 /// Forms the GPU ring of `seat`'s job with `options` (every rank calls it, with the same
@@ -177,6 +236,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
         next,
         forced,
         deadline,
+        timeout,
     } = seat;
     if world == 1 {
         return Ok(FormedGpuRing {
@@ -370,7 +430,25 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
     let links = rings.pop().ok_or_else(|| Error::Unsupported {
         reason: "no GPU path was built".into(),
     })?;
-    let ring = GpuRing::new(context, position, world, Some(links))?;
+    let mut ring = GpuRing::new(context, position, world, Some(links))?;
+    // Small allreduces as one kernel, where every rank can map every rank's memory.
+    let stop = ring.stop_word().ok_or_else(|| Error::InvalidArgument {
+        reason: "a GPU ring with links has a stop word".into(),
+    })?;
+    let one = super::one_kernel_links::form(super::one_kernel_links::OneKernelSeat {
+        job,
+        endpoint,
+        context,
+        me,
+        world,
+        mode: options.one_kernel,
+        max: options.one_kernel_max,
+        timeout,
+        stop,
+        deadline,
+    })?;
+    let choice = format!("{choice}; {}", one.reason);
+    ring.set_one_kernel(one.kernel, options.one_kernel_max, one.reason);
     tracing::info!(rank = me, path = ring.path(), reason = %choice, "GPU ring formed");
     Ok(FormedGpuRing { ring, choice })
 }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
+use nodetour_core::cuda::one_kernel::ONE_SHOT_MAX_RANKS;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::{DeviceBuffer, HostBuffer};
 use nodetour_core::transport::setup::NeighbourSetup;
@@ -130,11 +131,23 @@ impl HostJob {
             blob: ours.encode(),
         };
         // Each rank receives the addresses of its ring neighbours only (rank 0 orders the ring
-        // as every rank does below); every rank's host and announcement reach everyone.
+        // as every rank does below); every rank's host and announcement reach everyone. The
+        // exception: a job of GPU ranks all on one host, small enough for the one-kernel path
+        // (`one_kernel_links`), where every rank exchanges its scratch with every rank.
         let share = |table: &[PeerEntry]| -> Vec<Vec<u32>> {
             let keys: Vec<&str> = table.iter().map(|p| p.host.boot_id.as_str()).collect();
             let order = ring_order(&keys);
-            (0..table.len() as u32)
+            let one_host = table.iter().all(|p| p.host.same_host(&table[0].host));
+            let all_gpus = table
+                .iter()
+                .all(|p| Announcement::decode(p.rank, &p.blob).is_ok_and(|a| a.gpu.is_some()));
+            let n = table.len() as u32;
+            if one_host && all_gpus && (2..=ONE_SHOT_MAX_RANKS as u32).contains(&n) {
+                return (0..n)
+                    .map(|r| (0..n).filter(|p| *p != r).collect())
+                    .collect();
+            }
+            (0..n)
                 .map(|r| neighbours(&order, r).map_or(vec![], |(p, n)| vec![p, n]))
                 .collect()
         };
@@ -401,6 +414,7 @@ impl HostJob {
                     next,
                     forced: options.transport,
                     deadline,
+                    timeout: options.timeout(),
                 };
                 // A link between hosts (or processes) makes it a ring with network links.
                 let network = |l: &Pair<'_>| table::network_link(l, options.transport);

@@ -65,6 +65,7 @@ mod in_flight;
 pub(crate) mod links;
 pub(crate) mod net_direct;
 mod net_links;
+pub(crate) mod one_kernel_links;
 mod options;
 mod paths;
 mod scratch;
@@ -72,7 +73,7 @@ pub(crate) mod table;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;
-pub use gpu_links::{GpuPaths, GpuRingOptions, NetLanding};
+pub use gpu_links::{GpuPaths, GpuRingOptions, NetLanding, ONE_KERNEL_MAX, OneKernelMode};
 pub use in_flight::{Failed, InFlight};
 pub use nodetour_net::bootstrap::UniqueId;
 pub use options::{

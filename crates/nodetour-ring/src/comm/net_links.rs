@@ -130,6 +130,8 @@ pub(crate) fn form(
         next,
         forced,
         deadline,
+        // Network rings take no one-kernel path.
+        timeout: _,
     } = seat;
     let Locality {
         next_local,

@@ -157,6 +157,20 @@ impl Options {
                         }
                     })?,
                 },
+                one_kernel: match get("NODETOUR_ONE_KERNEL") {
+                    None => super::gpu_links::OneKernelMode::Auto,
+                    Some(v) => super::gpu_links::OneKernelMode::parse(&v).ok_or_else(|| {
+                        Error::InvalidArgument {
+                            reason: format!("NODETOUR_ONE_KERNEL={v}: expected auto, off or force"),
+                        }
+                    })?,
+                },
+                one_kernel_max: number(
+                    "NODETOUR_ONE_KERNEL_MAX",
+                    super::gpu_links::ONE_KERNEL_MAX,
+                    1,
+                    crate::gpu_ring::SLOT_MEMORY_MAX / 2,
+                )?,
                 ..super::gpu_links::GpuRingOptions::default()
             },
             two_rank_exchange: true,
@@ -220,6 +234,8 @@ mod tests {
             ("NODETOUR_SLOT_BYTES", "big"),
             ("NODETOUR_TIMEOUT_MS", "-1"),
             ("NODETOUR_NET_LANDING", "nic"),
+            ("NODETOUR_ONE_KERNEL", "sometimes"),
+            ("NODETOUR_ONE_KERNEL_MAX", "0"),
         ] {
             let e = Options::from_lookup(lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");

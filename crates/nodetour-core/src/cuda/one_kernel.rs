@@ -1,0 +1,296 @@
+//! The one-kernel allreduces of ranks on one host (one GPU each): their CUDA source (compiled
+//! into the same module as [`super::reduce::SOURCE`], which defines the element types and
+//! operations they use) and their argument block.
+//!
+//! One launch is a whole collective. Every rank owns a **scratch** allocation (two halves, by
+//! the parity of the collective) and a **signal page**, both mapped by every other rank of the
+//! host. The grid is a constant, [`ONE_SHOT_BLOCKS`], so every rank cuts the elements alike,
+//! and block `b` of a rank meets only block `b` of its peers: at a barrier it stores
+//! `tick << 32 | digest` into word `(rank, b)` of every peer's signal page (after a system-wide
+//! fence: whoever sees the word sees what the block wrote before), and waits until word
+//! `(peer, b)` of its own page reached `tick` for every peer — polling the rank's stop word and
+//! the global timer between reads, so an abort or a deadline ends the wait, latched into the
+//! block's word of the rank's status page (1 aborted, 2 timeout, 3 a peer's digest differs; the
+//! peer in bits 8..16). A block that fails a barrier writes nothing more.
+//!
+//! - **One-shot**: block `b` copies its slice of the caller's input into this rank's scratch
+//!   half, meets its peers, and reduces the slice from every rank's half **in rank order**
+//!   0, 1, …, world − 1 (halves and bfloat16 widened to f32 and rounded after each step, like
+//!   the host reducer) into the output: every rank computes bitwise the same result.
+//! - **Two-shot** (more ranks, larger sizes): the elements in `world` segments, block `b`
+//!   owning sub-slice `b` of each. It copies its sub-slices in, meets its peers, reduces
+//!   sub-slice `b` of segment `rank` (rank order) in place in this rank's half, meets its peers
+//!   again, and gathers sub-slice `b` of every segment from the rank that reduced it. Each
+//!   segment is reduced once, so again every rank holds the same bytes; each rank reads
+//!   `2 (world − 1) / world` of the buffer from its peers instead of `world − 1`.
+//!
+//! Each block's **sequence words** (this GPU's memory: the last barrier tick, and the
+//! collectives it has run) are read at the start of a launch and advanced at its end by the
+//! kernel itself, so a CUDA graph replay is the next collective like an eager launch.
+//!
+//! Why two halves suffice: a rank writes half `calls & 1` of collective `calls` only after its
+//! block passed the first barrier of `calls`, for which every peer's block `b` had started
+//! `calls`, so every peer's launch of `calls − 2` (stream-ordered before it) had finished
+//! reading that half.
+
+/// The most ranks the one-kernel path takes (the signal and scratch tables of the launch).
+pub const ONE_SHOT_MAX_RANKS: usize = 8;
+/// Blocks per launch (of 512 threads): a constant, so every rank cuts the elements alike; the
+/// SMs the collective occupies while it runs.
+pub const ONE_SHOT_BLOCKS: u32 = 32;
+/// Threads per block.
+pub const ONE_SHOT_THREADS: u32 = 512;
+/// Bytes of a rank's sequence words.
+pub const SEQUENCE_BYTES: usize = 8 * ONE_SHOT_BLOCKS as usize;
+/// With more than two ranks, allreduces above this many bytes take the two-shot kernel (a
+/// constant: every rank chooses alike). Two ranks always take the one-shot kernel, which reads
+/// as much from the peer and meets it once instead of twice.
+pub const TWO_SHOT_ABOVE: usize = 256 << 10;
+
+/// A launch's arguments, passed by value (the layout of `struct OneShot` in [`SOURCE`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct OneShotArgs {
+    /// Each rank's scratch (both halves), as mapped in this process.
+    pub scratch: [u64; ONE_SHOT_MAX_RANKS],
+    /// Each rank's signal page, as mapped in this process.
+    pub signals: [u64; ONE_SHOT_MAX_RANKS],
+    pub input: u64,
+    pub output: u64,
+    /// Elements.
+    pub count: u64,
+    /// Bytes per scratch half.
+    pub half: u64,
+    /// This rank's sequence words (this GPU's memory): [`ONE_SHOT_BLOCKS`] `u32` barrier ticks,
+    /// then as many collective counts.
+    pub counters: u64,
+    /// The rank's stop word (host memory mapped into the GPU).
+    pub stop: u64,
+    /// The rank's status page (host memory mapped into the GPU): one word per block, 64 bytes
+    /// apart.
+    pub status: u64,
+    /// How long a block waits for a peer before it gives up.
+    pub timeout_ns: u64,
+    pub world: u32,
+    pub rank: u32,
+    /// The collective's descriptor digest (every rank must pass the same).
+    pub digest: u32,
+    /// Divide the sum by `world` (`Avg`).
+    pub average: u32,
+}
+
+/// Status codes a block latches (low byte of its status word; the peer in bits 8..16).
+pub mod status {
+    /// The rank's stop word was set while the block waited.
+    pub const ABORTED: u32 = 1;
+    /// A peer did not arrive before the deadline.
+    pub const TIMEOUT: u32 = 2;
+    /// A peer arrived with another descriptor digest.
+    pub const DISAGREEMENT: u32 = 3;
+}
+
+/// The kernels' CUDA source (appended to [`super::reduce::SOURCE`]).
+pub const SOURCE: &str = r#"
+#define NT_ONE_MAX_RANKS 8
+struct OneShot {
+    u64 scratch[NT_ONE_MAX_RANKS];
+    u64 signals[NT_ONE_MAX_RANKS];
+    u64 input, output, count, half, counters, stop, status, timeout_ns;
+    unsigned world, rank, digest, average;
+};
+__device__ __forceinline__ u64 nt_now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+// 16 bytes from memory another GPU writes: from L2 (or the peer), never a stale L1 line.
+__device__ __forceinline__ v16 nt_ld_cg(const v16* p) {
+    v16 r; asm volatile("ld.global.cg.v2.u64 {%0, %1}, [%2];" : "=l"(r.a), "=l"(r.b) : "l"(p)); return r;
+}
+// One element from memory another GPU writes (as above).
+template<class T> __device__ __forceinline__ T nt_ld1(const T* p) {
+    union { T t; unsigned char c; unsigned short s; unsigned u; u64 l; } x;
+    if (sizeof(T) == 1) { unsigned v; asm volatile("ld.global.cg.u8 %0, [%1];" : "=r"(v) : "l"(p)); x.c = (unsigned char)v; }
+    else if (sizeof(T) == 2) { unsigned short v; asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p)); x.s = v; }
+    else if (sizeof(T) == 4) { asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(x.u) : "l"(p)); }
+    else { asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(x.l) : "l"(p)); }
+    return x.t;
+}
+// Thread 0 of a block: arrive at every peer, then wait for every peer's arrival at `tick`
+// (or the stop word, or the deadline). Returns the status code (0: every peer arrived).
+__device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned* who) {
+    const unsigned G = gridDim.x, b = blockIdx.x;
+    const u64 word = ((u64)tick << 32) | a.digest;
+    for (unsigned r = 0; r < a.world; r++)
+        if (r != a.rank) *(volatile u64*)(a.signals[r] + 8ull * ((u64)a.rank * G + b)) = word;
+    const u64 t0 = nt_now();
+    for (unsigned r = 0; r < a.world; r++) {
+        if (r == a.rank) continue;
+        const volatile u64* w = (const volatile u64*)(a.signals[a.rank] + 8ull * ((u64)r * G + b));
+        for (unsigned i = 0;; i++) {
+            const u64 v = *w;
+            const unsigned s = (unsigned)(v >> 32);
+            if ((int)(s - tick) >= 0) {
+                // A peer already past `tick` checked our digest against its own at `tick`.
+                if (s == tick && (unsigned)v != a.digest) { *who = r; return 3; }
+                break;
+            }
+            if ((i & 63) == 63) {
+                if (*(const volatile unsigned*)a.stop) { *who = r; return 1; }
+                if (nt_now() - t0 > a.timeout_ns) { *who = r; return 2; }
+            }
+            if (i > 256) nt_pause();
+        }
+    }
+    return 0;
+}
+// Every thread of the block: what it wrote is visible system-wide, then the block's barrier
+// with every peer's block of the same index at `tick`; whether every peer arrived (else the
+// block's status word says why, and the block must stop).
+__device__ bool nt_sync_peers(const OneShot& a, unsigned tick) {
+    __shared__ unsigned s_ok;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned who = 0;
+        const unsigned code = nt_one_barrier(a, tick, &who);
+        __threadfence_system();
+        s_ok = code == 0;
+        if (code) *(volatile unsigned*)(a.status + 64ull * blockIdx.x) = code | (who << 8);
+    }
+    __syncthreads();
+    return s_ok != 0;
+}
+// d[lo..hi) = s[lo..hi) (lo a multiple of the 16-byte lanes; `vec`: both 16-byte aligned).
+template<class T> __device__ void nt_copy_range(T* d, const T* s, u64 lo, u64 hi, bool vec) {
+    const unsigned lanes = 16 / sizeof(T);
+    u64 i0 = lo;
+    if (vec) {
+        for (u64 v = lo / lanes + threadIdx.x; v < hi / lanes; v += blockDim.x) ((v16*)d)[v] = nt_ld_cg((const v16*)s + v);
+        i0 = hi / lanes * lanes;
+    }
+    for (u64 i = i0 + threadIdx.x; i < hi; i += blockDim.x) d[i] = nt_ld1(s + i);
+}
+// d[lo..hi) = the fold of every rank's scratch half over [lo..hi) in rank order 0..world-1
+// (then divided by world for Avg): the same bytes whichever rank computes it.
+template<class T, class Op> __device__ void nt_reduce_range(T* d, const OneShot& a, u64 half, u64 lo, u64 hi, bool vec) {
+    const unsigned lanes = 16 / sizeof(T), W = a.world;
+    union Lanes { v16 v; T t[16 / sizeof(T)]; };
+    u64 i0 = lo;
+    if (vec) {
+        for (u64 v = lo / lanes + threadIdx.x; v < hi / lanes; v += blockDim.x) {
+            Lanes acc, x;
+            acc.v = nt_ld_cg((const v16*)(a.scratch[0] + half) + v);
+            for (unsigned r = 1; r < W; r++) {
+                x.v = nt_ld_cg((const v16*)(a.scratch[r] + half) + v);
+#pragma unroll
+                for (unsigned k = 0; k < lanes; k++) acc.t[k] = combine<Op>(acc.t[k], x.t[k]);
+            }
+            if (a.average) {
+#pragma unroll
+                for (unsigned k = 0; k < lanes; k++) acc.t[k] = divide(acc.t[k], W);
+            }
+            ((v16*)d)[v] = acc.v;
+        }
+        i0 = hi / lanes * lanes;
+    }
+    for (u64 i = i0 + threadIdx.x; i < hi; i += blockDim.x) {
+        T acc = nt_ld1((const T*)(a.scratch[0] + half) + i);
+        for (unsigned r = 1; r < W; r++) acc = combine<Op>(acc, nt_ld1((const T*)(a.scratch[r] + half) + i));
+        if (a.average) acc = divide(acc, W);
+        d[i] = acc;
+    }
+}
+__device__ __forceinline__ u64 nt_round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
+// This block's sequence words: the last barrier tick and the collectives run. Read by thread 0
+// at the start, written by it at the end (only when every barrier passed).
+struct NtSeq { unsigned tick, calls; };
+__device__ NtSeq nt_seq_begin(const OneShot& a) {
+    __shared__ NtSeq s;
+    if (threadIdx.x == 0) {
+        s.tick = ((volatile unsigned*)a.counters)[blockIdx.x];
+        s.calls = ((volatile unsigned*)a.counters)[gridDim.x + blockIdx.x] + 1;
+    }
+    __syncthreads();
+    return s;
+}
+__device__ void nt_seq_end(const OneShot& a, NtSeq s) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ((volatile unsigned*)a.counters)[blockIdx.x] = s.tick;
+        ((volatile unsigned*)a.counters)[gridDim.x + blockIdx.x] = s.calls;
+    }
+}
+// One-shot: block b copies its slice of the input into this rank's scratch half, meets every
+// peer's block b, and reduces the slice from every rank's half into the output.
+template<class T, class Op> __device__ void one_shot(const OneShot& a) {
+    const unsigned lanes = 16 / sizeof(T), G = gridDim.x, b = blockIdx.x;
+    const u64 per = nt_round_up((a.count + G - 1) / G, lanes);
+    const u64 lo = min(a.count, (u64)b * per), hi = min(a.count, lo + per);
+    const bool vec = ((a.input | a.output) & 15) == 0;
+    NtSeq s = nt_seq_begin(a);
+    const u64 half = (u64)(s.calls & 1) * a.half;
+    nt_copy_range((T*)(a.scratch[a.rank] + half), (const T*)a.input, lo, hi, vec);
+    if (!nt_sync_peers(a, ++s.tick)) return;
+    nt_reduce_range<T, Op>((T*)a.output, a, half, lo, hi, vec);
+    nt_seq_end(a, s);
+}
+// Two-shot: the elements in `world` segments; block b owns sub-slice b of every segment. It
+// copies its sub-slices of the input into this rank's half, meets the peers, reduces sub-slice
+// b of segment `rank` from every rank's half into this rank's half (in place: no peer reads it
+// before the next barrier), meets the peers again, and gathers sub-slice b of every segment
+// from the rank that reduced it into the output. Each segment is reduced once, in rank order.
+template<class T, class Op> __device__ void two_shot(const OneShot& a) {
+    const unsigned lanes = 16 / sizeof(T), G = gridDim.x, b = blockIdx.x, W = a.world;
+    const u64 seg = nt_round_up((a.count + W - 1) / W, lanes);
+    const u64 sub = nt_round_up((seg + G - 1) / G, lanes);
+    const bool vec = ((a.input | a.output) & 15) == 0;
+    NtSeq s = nt_seq_begin(a);
+    const u64 half = (u64)(s.calls & 1) * a.half;
+    T* mine = (T*)(a.scratch[a.rank] + half);
+    for (unsigned q = 0; q < W; q++) {
+        const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
+        nt_copy_range(mine, (const T*)a.input, lo, hi, vec);
+    }
+    if (!nt_sync_peers(a, ++s.tick)) return;
+    {
+        const u64 lo = min(a.count, a.rank * seg + b * sub), hi = min(min(a.count, (a.rank + 1) * seg), lo + sub);
+        nt_reduce_range<T, Op>(mine, a, half, lo, hi, true);
+    }
+    if (!nt_sync_peers(a, ++s.tick)) return;
+    for (unsigned q = 0; q < W; q++) {
+        const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
+        nt_copy_range((T*)a.output, (const T*)(a.scratch[q] + half), lo, hi, vec);
+    }
+    nt_seq_end(a, s);
+}
+#define ONE_SHOT(T, N) \
+extern "C" __global__ void nt_one_shot_##N##_sum(OneShot a) { one_shot<T, Sum>(a); } \
+extern "C" __global__ void nt_one_shot_##N##_prod(OneShot a) { one_shot<T, Prod>(a); } \
+extern "C" __global__ void nt_one_shot_##N##_min(OneShot a) { one_shot<T, Min>(a); } \
+extern "C" __global__ void nt_one_shot_##N##_max(OneShot a) { one_shot<T, Max>(a); } \
+extern "C" __global__ void nt_two_shot_##N##_sum(OneShot a) { two_shot<T, Sum>(a); } \
+extern "C" __global__ void nt_two_shot_##N##_prod(OneShot a) { two_shot<T, Prod>(a); } \
+extern "C" __global__ void nt_two_shot_##N##_min(OneShot a) { two_shot<T, Min>(a); } \
+extern "C" __global__ void nt_two_shot_##N##_max(OneShot a) { two_shot<T, Max>(a); }
+ONE_SHOT(float, f32)
+ONE_SHOT(double, f64)
+ONE_SHOT(h16, f16)
+ONE_SHOT(b16, bf16)
+ONE_SHOT(int, i32)
+ONE_SHOT(long long, i64)
+ONE_SHOT(unsigned char, u8)
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_argument_block_matches_the_kernels_struct() {
+        // 16 addresses, 8 words of 8 bytes, 4 of 4: no padding on either side.
+        assert_eq!(std::mem::size_of::<OneShotArgs>(), 16 * 8 + 8 * 8 + 4 * 4);
+        assert!(
+            SOURCE.contains("u64 input, output, count, half, counters, stop, status, timeout_ns;")
+        );
+        assert!(SOURCE.contains("unsigned world, rank, digest, average;"));
+        assert_eq!(ONE_SHOT_MAX_RANKS, 8);
+        assert!(SOURCE.contains("#define NT_ONE_MAX_RANKS 8"));
+    }
+}

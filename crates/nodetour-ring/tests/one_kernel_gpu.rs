@@ -1,0 +1,272 @@
+//! The one-kernel allreduce (`nodetour_core::cuda::one_kernel`) between processes of one host:
+//! this binary starts itself again as 2, 3 and 4 ranks on GPU 0 with the path forced on
+//! (`OneKernelMode::Force`: ranks that share a GPU are time-sliced, so each wait lasts a context
+//! switch; on GPUs of their own the path is chosen by default). Each rank checks, bit for bit:
+//!
+//! - every type × operation at several counts, eager, against the rank-order fold of every
+//!   rank's input by the host reducer (which the kernels match bit for bit): so every rank
+//!   holds the same bytes;
+//! - collectives captured into a CUDA graph, replayed several times with new inputs each time,
+//!   interleaved with eager collectives on the same communicator; a collective too large for
+//!   the path refused under capture, typed, with nothing queued;
+//! - drills: an abort while a replayed kernel waits for a rank that never replays (ends by the
+//!   stop word, long before the deadline), then the peer's next collective fails too.
+//!
+//! SKIP without a GPU.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use nodetour_core::Deadline;
+use nodetour_core::cuda::GpuStream;
+use nodetour_core::memory::DeviceBuffer;
+use nodetour_ring::comm::{Communicator, OneKernelMode, Options};
+use nodetour_ring::reduce::{finish_avg, reduce_into};
+use nodetour_ring::{DataType, ReduceOp};
+
+const CHILD: &str = "NODETOUR_ONE_KERNEL_TEST_CHILD";
+
+#[test]
+fn one_kernel_allreduces_eager_and_replayed_across_processes() {
+    if common::gpus().is_none() {
+        return;
+    }
+    for world in [2u32, 3, 4] {
+        run_ranks(world);
+    }
+}
+
+fn run_ranks(world: u32) {
+    common::run_rank_processes(
+        "one_kernel_rank",
+        CHILD,
+        world,
+        20_000,
+        |_, c| {
+            c.env_remove("NODETOUR_HOST_ID")
+                .env_remove("NODETOUR_TRANSPORT");
+        },
+        Duration::from_secs(300),
+    );
+}
+
+/// Rank `rank`'s input for case `seed`: values exact in every type, different per rank and
+/// element (small integers and halves, signed, so that sums, products, minima and maxima all
+/// depend on the order only through rounding, which must then be the same on every rank).
+fn input(dtype: DataType, rank: u32, count: usize, seed: u64) -> Vec<u8> {
+    let mut rng =
+        common::Rng((seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ((u64::from(rank) + 1) << 32)) | 1);
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        let v = (rng.below(41) as f64 - 20.0) / 2.0 + rng.below(1000) as f64 / 1024.0;
+        match dtype {
+            DataType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DataType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+            DataType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+            DataType::Bf16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+            DataType::I32 => out.extend_from_slice(&(v.round() as i32).to_le_bytes()),
+            DataType::I64 => out.extend_from_slice(&(v.round() as i64).to_le_bytes()),
+            DataType::U8 => out.push(rng.below(256) as u8),
+        }
+    }
+    out
+}
+
+/// What every rank must hold: the fold of every rank's input in rank order.
+fn expected(dtype: DataType, op: ReduceOp, world: u32, count: usize, seed: u64) -> Vec<u8> {
+    let mut acc = input(dtype, 0, count, seed);
+    for r in 1..world {
+        reduce_into(dtype, op, &mut acc, &input(dtype, r, count, seed)).unwrap();
+    }
+    if op == ReduceOp::Avg {
+        finish_avg(dtype, &mut acc, world);
+    }
+    acc
+}
+
+fn check(what: &str, rank: u32, got: &[u8], want: &[u8]) {
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "rank {rank}: {what}: byte {i} is {:#04x}, want {:#04x}",
+            got[i], want[i]
+        );
+    }
+}
+
+/// One rank (only as a child of the test above).
+#[test]
+#[ignore = "a rank of one_kernel_allreduces_eager_and_replayed_across_processes"]
+fn one_kernel_rank() {
+    if std::env::var_os(CHILD).is_none() {
+        println!(
+            "SKIP runs only as a rank of one_kernel_allreduces_eager_and_replayed_across_processes"
+        );
+        return;
+    }
+    let mut o = Options::from_env().unwrap();
+    o.gpu = Some(0);
+    o.gpu_ring.one_kernel = OneKernelMode::Force;
+    let max = o.gpu_ring.one_kernel_max;
+    let comm = Communicator::from_env(o).unwrap();
+    let (r, world) = (comm.rank(), comm.world());
+    let paths = comm.paths().to_string();
+    assert!(
+        paths.contains("one kernel per allreduce up to"),
+        "rank {r}: {paths}"
+    );
+    if r == 0 {
+        println!("ONE_KERNEL_PATHS world={world} {paths}");
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let cu_stream = ctx.new_stream().unwrap();
+    let stream = GpuStream::of_cudarc(&cu_stream);
+    let wait = || comm.wait(Deadline::after(Duration::from_secs(20)));
+
+    // Every type × operation, eager, at counts from one element to the path's largest.
+    let mut cases = 0;
+    for dtype in DataType::ALL {
+        for op in ReduceOp::ALL {
+            let counts = [1usize, 9, 4099, max / dtype.size()];
+            for (k, &count) in counts.iter().enumerate() {
+                let seed = (cases * 8 + k) as u64;
+                let buf = DeviceBuffer::new(&ctx, count * dtype.size()).unwrap();
+                buf.copy_from_host(0, &input(dtype, r, count, seed))
+                    .unwrap();
+                comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)
+                    .unwrap();
+                wait().unwrap();
+                stream.synchronize().unwrap();
+                let mut got = vec![0u8; count * dtype.size()];
+                buf.copy_to_host(0, &mut got).unwrap();
+                let what = format!("{dtype:?} {op:?} x {count}");
+                check(&what, r, &got, &expected(dtype, op, world, count, seed));
+            }
+            cases += 1;
+        }
+    }
+    println!("ONE_KERNEL_EAGER OK rank={r} world={world} cases={cases}");
+
+    // Captured: three collectives in one graph, replayed with new inputs, eager ones between.
+    let shapes = [
+        (DataType::Bf16, ReduceOp::Sum, 3001usize),
+        (DataType::F32, ReduceOp::Avg, 65536),
+        (DataType::I64, ReduceOp::Max, 17),
+    ];
+    let bufs: Vec<DeviceBuffer> = shapes
+        .iter()
+        .map(|(t, _, n)| DeviceBuffer::new(&ctx, n * t.size()).unwrap())
+        .collect();
+    use cudarc::driver::sys;
+    cu_stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    for ((t, op, n), b) in shapes.iter().zip(&bufs) {
+        comm.all_reduce_device_buffer(b, *n, *t, *op, &stream)
+            .unwrap();
+    }
+    // Too large for the path: refused under capture, typed, nothing queued.
+    let big = DeviceBuffer::new(&ctx, 2 * max + 64).unwrap();
+    let refused = comm.all_reduce_device_buffer(
+        &big,
+        (2 * max + 64) / 4,
+        DataType::F32,
+        ReduceOp::Sum,
+        &stream,
+    );
+    assert!(
+        matches!(&refused, Err(nodetour_ring::Error::Unsupported { reason }) if reason.contains("one-kernel")),
+        "rank {r}: {refused:?}"
+    );
+    let graph = cu_stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph with the captured kernels");
+    for replay in 0..6u64 {
+        for ((t, _, n), b) in shapes.iter().zip(&bufs) {
+            b.copy_from_host(0, &input(*t, r, *n, 1000 + replay))
+                .unwrap();
+        }
+        graph.launch().unwrap();
+        cu_stream.synchronize().unwrap();
+        for ((t, op, n), b) in shapes.iter().zip(&bufs) {
+            let mut got = vec![0u8; n * t.size()];
+            b.copy_to_host(0, &mut got).unwrap();
+            let what = format!("replay {replay}: {t:?} {op:?} x {n}");
+            check(&what, r, &got, &expected(*t, *op, world, *n, 1000 + replay));
+        }
+        // An eager collective between replays (every third replay, a ring-sized one too).
+        let (t, op, n) = if replay % 3 == 2 {
+            (DataType::F32, ReduceOp::Sum, (2 * max + 64) / 4)
+        } else {
+            (DataType::F16, ReduceOp::Min, 777)
+        };
+        let b = if n * t.size() > max { &big } else { &bufs[1] };
+        b.copy_from_host(0, &input(t, r, n, 2000 + replay)).unwrap();
+        comm.all_reduce_device_buffer(b, n, t, op, &stream).unwrap();
+        wait().unwrap();
+        stream.synchronize().unwrap();
+        let mut got = vec![0u8; n * t.size()];
+        b.copy_to_host(0, &mut got).unwrap();
+        if n * t.size() <= max {
+            check(
+                &format!("eager after replay {replay}"),
+                r,
+                &got,
+                &expected(t, op, world, n, 2000 + replay),
+            );
+        }
+    }
+    wait().unwrap();
+    println!(
+        "ONE_KERNEL_GRAPH OK rank={r} world={world} replays=6 (3 collectives each, eager ones between)"
+    );
+
+    // Drill: rank 0 replays once more alone and aborts while its kernel waits for ranks that
+    // never replay; the kernel ends by the stop word, long before the deadline.
+    share_barrier(&comm);
+    if r == 0 {
+        let handle = comm.abort_handle();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            handle.abort("the one-kernel abort drill");
+        });
+        let t = Instant::now();
+        graph.launch().unwrap();
+        cu_stream.synchronize().unwrap();
+        let ms = t.elapsed().as_millis();
+        let e = wait().unwrap_err();
+        println!("ONE_KERNEL_DRILL rank=0 replay_ended_after_ms={ms} error=\"{e}\"");
+        assert!(ms < 10_000, "rank 0: the replay ended only after {ms} ms");
+    } else {
+        // Once rank 0 has aborted (its replay waits 300 ms for these ranks, which join no
+        // collective meanwhile), its notice reaches every rank (passed around the ring): the
+        // next collective fails, never Ok.
+        std::thread::sleep(Duration::from_millis(1500));
+        let b = &bufs[2];
+        let t = Instant::now();
+        let mut failed = None;
+        while failed.is_none() && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(100));
+            failed = comm
+                .all_reduce_device_buffer(b, 17, DataType::I64, ReduceOp::Max, &stream)
+                .and_then(|()| wait())
+                .err();
+        }
+        let e = failed.expect("the peers of an aborted rank fail");
+        println!(
+            "ONE_KERNEL_DRILL rank={r} failed_after_ms={} error=\"{e}\"",
+            t.elapsed().as_millis()
+        );
+    }
+    drop(graph);
+    let _ = comm.close(Deadline::after(Duration::from_secs(20)));
+    println!("ONE_KERNEL OK rank={r} world={world}");
+}
+
+/// Every rank here before any goes on (a host allreduce: the communicator's host path).
+fn share_barrier(comm: &Communicator) {
+    let mut x = [1i32];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    assert_eq!(x[0], comm.world() as i32);
+}

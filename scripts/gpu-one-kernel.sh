@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# gpu-one-kernel.sh: the one-kernel allreduce (small messages, one kernel per collective) on a
+# GPU machine, from the directory gpu-pack.sh filled; gpu-tier.sh runs it, or alone:
+#   ./gpu-one-kernel.sh [OUTDIR]     (writes gpu-one-kernel.log there)
+# With one GPU the ranks share it and the path is forced (NODETOUR_ONE_KERNEL=force): the
+# cross-process parts (cuda-ipc mappings, signal pages, digests, status words, graph capture)
+# are exercised, each wait lasting a context switch; with 2+ GPUs the default (auto) chooses it.
+# 1. one_kernel_tests: every type x op at 2, 3, 4 processes, eager and replayed in CUDA graphs,
+#    bit for bit against the rank-order fold; an abort inside a replay;
+# 2. gpu_ring_check --all with the path on (counts 1 and 7919 take it, 5000011 the ring);
+# 3. drills on the path: a disagreement (another count), a rank SIGKILLed, a rank aborted.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+out=${1:-.}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NODETOUR_REQUIRE_GPU=1
+export NODETOUR_CACHE_DIR=$PWD/kernel-cache
+failed=0
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+mode=auto
+[[ $gpus -ge 2 ]] || mode=force
+{
+    echo "== one_kernel_tests (ranks on GPU 0, the path forced)"
+    ./one_kernel_tests --include-ignored --test-threads 1 --nocapture 2>&1 |
+        grep -E 'ONE_KERNEL|SKIP|test result|panicked|FAILED|error' || true
+    [[ ${PIPESTATUS[0]} == 0 ]] || { echo "one_kernel_tests failed"; failed=1; }
+    echo "== gpu_ring_check --all with NODETOUR_ONE_KERNEL=$mode (2 and 3 processes)"
+    for n in 2 3; do
+        NODETOUR_ONE_KERNEL=$mode ./launch-local.sh -n $n --timeout 300 -- ./gpu_ring_check --all 2>&1 |
+            grep -E 'one kernel|GPU_RING OK|rror' | sort | uniq -c
+        [[ ${PIPESTATUS[0]} == 0 ]] || { echo "gpu_ring_check ($n ranks, one kernel) failed"; failed=1; }
+    done
+    echo "== agreement drill on the path: one rank calls with half the count (64 KiB collectives)"
+    for n in 2 3; do
+        NODETOUR_ONE_KERNEL=$mode NODETOUR_TIMEOUT_MS=5000 timeout 60 ./launch-local.sh -n $n --timeout 50 -- \
+            ./gpu_ring_check --disagree-rank 1 --drill-bytes 65536 2>&1 | grep -E 'GPU_RING_DISAGREE|rror'
+        [[ ${PIPESTATUS[0]} == 0 ]] || { echo "agreement drill (one kernel, $n ranks) failed"; failed=1; }
+    done
+    echo "== failure drills on the path: a rank SIGKILLed, or aborted from a watchdog thread (64 KiB collectives)"
+    for spec in "2|--kill-rank 1" "3|--abort-rank 2"; do
+        IFS='|' read -r n a <<<"$spec"
+        ok=$(NODETOUR_ONE_KERNEL=$mode NODETOUR_TIMEOUT_MS=5000 timeout 90 ./launch-local.sh -n "$n" --timeout 80 -- \
+            ./gpu_ring_check $a --drill-bytes 65536 2>&1 | tee /tmp/ok-drill.log | grep -c 'GPU_RING_DRILL rank=[0-9]* failed_at')
+        grep DRILL /tmp/ok-drill.log
+        [[ $ok == "$n" || ( $a == --kill* && $ok == $((n - 1)) ) ]] || { echo "drill $spec (one kernel): $ok ranks reported"; failed=1; }
+    done
+    echo "gpu-one-kernel: failed=$failed"
+} 2>&1 | tee "$out/gpu-one-kernel.log"
+exit "$failed"
