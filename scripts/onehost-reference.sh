@@ -6,7 +6,9 @@
 # round PyTorch's implementations (dist.all_reduce over NCCL and symmetric memory's one-shot and
 # two-shot, eager and in a CUDA graph, interleaved within each size: onehost_reference.py under
 # torchrun), then nodetour's per-process GPU ring (direct and staged, with NCCL called from our
-# binary on the same buffers), then nodetour's one-process ring over the GPUs (`--gpus`).
+# binary on the same buffers; up to 1 MiB the direct column is the one-kernel path where the GPUs
+# are the ranks' own, and the small part runs the ring beside it with that path off:
+# nodetour-ring-direct), then nodetour's one-process ring over the GPUs (`--gpus`).
 # Per implementation and size: the median over rounds (5 by default with two GPUs) and its spread, as
 # ONEHOST lines, and per size the fastest of ours against the fastest reference (ONEHOST_BEST).
 #   small: 16 KiB to 64 MiB by 4, 50 iterations;  large: 256 MiB to 4 GiB by 4, 10 iterations.
@@ -65,6 +67,16 @@ for r in $(seq 1 "$rounds"); do
     else
         echo "onehost-reference: nodetour's per-process ring failed (round $r)"; tail -5 "$out/nt.tmp"; failed=1
     fi
+    # With GPUs of their own the ranks take the one-kernel path up to 1 MiB (the direct column):
+    # the stream-ordered ring beside it at those sizes, the path turned off.
+    if [[ $gpus -ge 2 && $part == small ]]; then
+        if NODETOUR_ONE_KERNEL=off timeout 300 ./launch-local.sh -n "$ranks" --timeout 280 -- ./nodetour perf --gpu \
+            --path direct --dtype bf16 --sizes 16K:1M --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
+            sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_RING round=$r /" >>"$log"
+        else
+            echo "onehost-reference: nodetour's ring with the one-kernel path off failed (round $r)"; tail -5 "$out/nt.tmp"; failed=1
+        fi
+    fi
     if [[ $gpus -ge 2 ]]; then
         if timeout 300 ./nodetour perf --gpus "$(seq -s, 0 $((world - 1)))" --dtype bf16 --sizes "$sizes" --factor 4 \
             --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
@@ -95,12 +107,12 @@ for line in open(log, errors="replace"):
             continue
         add(m[1], int(m[2]), float(m[3]), m[4] == "ok")
         continue
-    m = re.match(r"NT_(PROCESS|ONEPROC) round=\d+ (.*)", line)
+    m = re.match(r"NT_(PROCESS|ONEPROC|RING) round=\d+ (.*)", line)
     if m:
         f = m[2].split(",")
         # bytes,count,path,time_us,busbw,correct,ceiling,vs_ceiling,nccl_us,nccl_busbw,nccl_correct,ratio
         b, path, us, ok = int(f[0]), f[2], float(f[3]), f[5] == "true"
-        impl = "nodetour-" + ("one-process" if m[1] == "ONEPROC" else path)
+        impl = "nodetour-" + {"ONEPROC": "one-process", "RING": "ring-" + path}.get(m[1], path)
         add(impl, b, us, ok)
         if m[1] == "PROCESS" and len(f) > 10 and f[8] and path in ("direct", "auto"):
             add("nccl-from-nodetour", b, float(f[8]), f[10] == "true")

@@ -117,6 +117,9 @@ template<class T> __device__ __forceinline__ T nt_ld1(const T* p) {
 __device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned* who) {
     const unsigned G = gridDim.x, b = blockIdx.x;
     const u64 word = ((u64)tick << 32) | a.digest;
+    // A stopped rank (aborted: its communicator is broken) arrives nowhere, even in a graph
+    // replayed after the abort, and writes nothing.
+    if (*(const volatile unsigned*)a.stop) { *who = a.rank; return 1; }
     for (unsigned r = 0; r < a.world; r++)
         if (r != a.rank) *(volatile u64*)(a.signals[r] + 8ull * ((u64)a.rank * G + b)) = word;
     const u64 t0 = nt_now();

@@ -441,7 +441,13 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
         context,
         me,
         world,
-        mode: options.one_kernel,
+        // The staged path asked for (`NODETOUR_TRANSPORT=shm`, `GpuPaths::Staged`) maps no peer
+        // GPU memory: no one-kernel path either.
+        mode: if paths == GpuPaths::Staged {
+            OneKernelMode::Off
+        } else {
+            options.one_kernel
+        },
         max: options.one_kernel_max,
         timeout,
         stop,

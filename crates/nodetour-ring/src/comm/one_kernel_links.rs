@@ -118,7 +118,7 @@ pub(crate) fn form(seat: OneKernelSeat<'_>) -> Result<OneKernelChoice> {
         ));
     }
     let arena = match mode {
-        OneKernelMode::Off => Err("NODETOUR_ONE_KERNEL=off".to_owned()),
+        OneKernelMode::Off => Err("off (NODETOUR_ONE_KERNEL=off, or the staged path)".to_owned()),
         _ => OneKernelArena::create(context, me, world, max).map_err(|e| e.to_string()),
     };
     let mine = Offer {
