@@ -284,4 +284,25 @@ mod tests {
             assert!(Descriptor::decode(&b).is_err(), "byte {i} = {v}");
         }
     }
+
+    #[test]
+    fn the_digest_ignores_the_sequence_number_and_names_the_algorithm() {
+        let d = |algorithm, seq| {
+            Descriptor::all_reduce(4099, DataType::Bf16, ReduceOp::Sum, algorithm, seq)
+        };
+        assert_eq!(
+            d(Algorithm::OneShot, 1).digest(),
+            d(Algorithm::OneShot, 9).digest()
+        );
+        assert_ne!(
+            d(Algorithm::OneShot, 1).digest(),
+            d(Algorithm::TwoShot, 1).digest()
+        );
+        let other =
+            Descriptor::all_reduce(4098, DataType::Bf16, ReduceOp::Sum, Algorithm::OneShot, 1);
+        assert_ne!(other.digest(), d(Algorithm::OneShot, 1).digest());
+        for a in [Algorithm::OneShot, Algorithm::TwoShot] {
+            assert_eq!(Descriptor::decode(&d(a, 3).encode()).unwrap(), d(a, 3));
+        }
+    }
 }

@@ -492,3 +492,33 @@ pub(crate) fn teardown(
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_kernel_modes_parse_and_thresholds_are_bounded() {
+        assert_eq!(OneKernelMode::parse(""), Some(OneKernelMode::Auto));
+        assert_eq!(OneKernelMode::parse(" off "), Some(OneKernelMode::Off));
+        assert_eq!(OneKernelMode::parse("force"), Some(OneKernelMode::Force));
+        assert_eq!(OneKernelMode::parse("on"), None);
+        let codes: Vec<u8> = [
+            OneKernelMode::Auto,
+            OneKernelMode::Off,
+            OneKernelMode::Force,
+        ]
+        .iter()
+        .map(|m| m.code())
+        .collect();
+        assert_eq!(codes, [0, 1, 2]);
+        assert!(GpuRingOptions::default().validate().is_ok());
+        for max in [0, SLOT_MEMORY_MAX / 2 + 1] {
+            let o = GpuRingOptions {
+                one_kernel_max: max,
+                ..GpuRingOptions::default()
+            };
+            assert!(matches!(o.validate(), Err(Error::InvalidArgument { .. })));
+        }
+    }
+}

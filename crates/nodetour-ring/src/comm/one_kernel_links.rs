@@ -270,3 +270,70 @@ pub(crate) fn form(seat: OneKernelSeat<'_>) -> Result<OneKernelChoice> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nodetour_core::transport::gpu::IpcGrant;
+
+    fn grant() -> OneKernelGrant {
+        let ipc = |b: u8| IpcGrant {
+            handle: [b; 64],
+            offset: 0,
+            len: 4 << 20,
+        };
+        OneKernelGrant {
+            scratch: ipc(1),
+            signals: ipc(2),
+            gpu: [0, 0x1b, 0],
+        }
+    }
+
+    #[test]
+    fn offers_round_trip_and_bad_ones_are_protocol_errors() {
+        for offer in [
+            Offer {
+                mode: 0,
+                max: 1 << 20,
+                grant: Ok(grant()),
+            },
+            Offer {
+                mode: 1,
+                max: 4096,
+                grant: Err("off (NODETOUR_ONE_KERNEL=off, or the staged path)".into()),
+            },
+        ] {
+            let back = Offer::decode(3, &offer.encode()).unwrap();
+            assert_eq!((back.mode, back.max), (offer.mode, offer.max));
+            assert_eq!(back.grant, offer.grant);
+        }
+        let good = Offer {
+            mode: 0,
+            max: 1,
+            grant: Ok(grant()),
+        }
+        .encode();
+        for bad in [&good[..5], &good[..good.len() - 1]] {
+            assert!(matches!(
+                Offer::decode(2, bad),
+                Err(Error::Protocol { rank: 2, .. })
+            ));
+        }
+        let mut kind = good.clone();
+        kind[9] = 7;
+        assert!(matches!(
+            Offer::decode(2, &kind),
+            Err(Error::Protocol { .. })
+        ));
+    }
+
+    #[test]
+    fn a_long_reason_is_cut_to_512_bytes() {
+        let offer = Offer {
+            mode: 0,
+            max: 1,
+            grant: Err("x".repeat(5000)),
+        };
+        assert_eq!(offer.encode().len(), 10 + 512);
+    }
+}
