@@ -204,6 +204,7 @@ fn run() -> anyhow::Result<()> {
             iters: 0,
             compare_nccl: args.compare_nccl,
             ceiling: args.ceiling,
+            beside_compute: false,
         };
         let rows = ring_sweep(&g, &spec, TIMEOUT)?;
         let what = format!("{} processes, one GPU each", g.world);

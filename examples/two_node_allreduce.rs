@@ -107,6 +107,7 @@ fn run() -> anyhow::Result<()> {
         iters: args.iters,
         compare_nccl: args.compare_nccl,
         ceiling: false,
+        beside_compute: false,
     };
     let rows = ring_sweep(&g, &spec, config.timeout)?;
     if g.rank == 0 {

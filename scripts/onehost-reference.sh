@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # onehost-reference.sh: issue 17's reference run, on the GPU machine, from the packed directory
 # (scripts/gpu-pack.sh copies it there with onehost_reference.py):
-#   ./onehost-reference.sh OUTDIR [small|large] [--rounds N] [--gpus N]
+#   ./onehost-reference.sh OUTDIR [small|large|cost] [--rounds N] [--gpus N]
 # One allreduce (bf16 sum), the same sizes for every implementation, rounds interleaved: per
 # round PyTorch's implementations (dist.all_reduce over NCCL and symmetric memory's one-shot and
 # two-shot, eager and in a CUDA graph, interleaved within each size: onehost_reference.py under
@@ -11,14 +11,18 @@
 # nodetour-ring-direct), then nodetour's one-process ring over the GPUs (`--gpus`).
 # Per implementation and size: the median over rounds (5 by default with two GPUs) and its spread, as
 # ONEHOST lines, and per size the fastest of ours against the fastest reference (ONEHOST_BEST).
-#   small: 16 KiB to 64 MiB by 4, 50 iterations;  large: 256 MiB to 4 GiB by 4, 10 iterations.
+#   small: 16 KiB to 64 MiB by 4, 50 iterations;  large: 256 MiB to 4 GiB by 4, 10 iterations;
+#   cost: the honest cost, 64 KiB to 256 MiB by 4, 20 iterations: nodetour's per-process direct
+#   path and NCCL from our binary, each beside a compute load on another stream of every GPU
+#   (`nodetour perf --beside-compute`): busbw beside compute, and the share of the compute's
+#   throughput each leaves (ONEHOST_COST lines); PyTorch's references are not run in this part.
 # Each part is one command of well under 10 minutes on two H200s.
 # With one GPU, nothing here is a measurement: PyTorch runs as a world of one (the script's own
 # check), nodetour's ring runs two processes on the shared GPU (correctness only), and NCCL and
 # the one-process ring are skipped (SKIP lines). Multicast is off in every process.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-out=${1:?usage: ./onehost-reference.sh OUTDIR [small|large] [--rounds N] [--gpus N]}
+out=${1:?usage: ./onehost-reference.sh OUTDIR [small|large|cost] [--rounds N] [--gpus N]}
 part=${2:-small}
 shift $(($# >= 2 ? 2 : 1))
 rounds= gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -26,18 +30,20 @@ while (($#)); do
     case $1 in
         --rounds) rounds=$2; shift 2 ;;
         --gpus) gpus=$2; shift 2 ;;
-        *) echo "usage: ./onehost-reference.sh OUTDIR [small|large] [--rounds N] [--gpus N]" >&2; exit 2 ;;
+        *) echo "usage: ./onehost-reference.sh OUTDIR [small|large|cost] [--rounds N] [--gpus N]" >&2; exit 2 ;;
     esac
 done
 case $part in
     small) sizes=16K:64M iters=50 ;;
     large) sizes=256M:4G iters=10 ;;
-    *) echo "part: small or large" >&2; exit 2 ;;
+    cost) sizes=64K:256M iters=20 ;;
+    *) echo "part: small, large or cost" >&2; exit 2 ;;
 esac
 # Five rounds where they measure something; on one GPU (a check of the script: two processes
 # share the GPU, the large part alone takes ~3 minutes a round) two and one.
 if [[ -z $rounds ]]; then
-    if [[ $gpus -ge 2 ]]; then rounds=5; elif [[ $part == small ]]; then rounds=2; else rounds=1; fi
+    if [[ $part == cost ]]; then rounds=$((gpus >= 2 ? 3 : 1))
+    elif [[ $gpus -ge 2 ]]; then rounds=5; elif [[ $part == small ]]; then rounds=2; else rounds=1; fi
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NODETOUR_CACHE_DIR=$PWD/kernel-cache NODETOUR_LOG=${NODETOUR_LOG:-warn}
@@ -54,6 +60,44 @@ if [[ $gpus -lt 2 ]]; then
     echo "SKIP references on one GPU: PyTorch runs as a world of one (a check of this script, not a reference), nodetour's ring as two processes sharing the GPU (correctness only); NCCL and the one-process ring need two GPUs" | tee -a "$log"
 fi
 failed=0
+if [[ $part == cost ]]; then
+    compare=()
+    [[ $gpus -ge 2 ]] && compare=(--compare nccl)
+    for r in $(seq 1 "$rounds"); do
+        if timeout 500 ./launch-local.sh -n "$ranks" --timeout 480 -- ./nodetour perf --gpu --path direct "${compare[@]}" \
+            --beside-compute --dtype bf16 --sizes "$sizes" --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
+            grep -h 'compute load' "$out/nt.tmp" | head -n 2 >>"$log"
+            sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_COST round=$r /" >>"$log"
+        else
+            echo "onehost-reference: the cost run failed (round $r)"; tail -5 "$out/nt.tmp"; failed=1
+        fi
+    done
+    rm -f "$out/nt.tmp"
+    # bytes,count,path,time_us,busbw,correct,ceiling,vs_ceiling,nccl_us,nccl_busbw,nccl_correct,ratio,compute_share,nccl_compute_share
+    python3 - "$log" <<'PY' | tee "$out/onehost-cost-summary.txt"
+import re, statistics, sys
+rows = {}
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"NT_COST round=\d+ (.*)", line)
+    if m:
+        f = m[1].split(",")
+        rows.setdefault(int(f[0]), []).append(f)
+def med(v):
+    v = [float(x) for x in v if x]
+    return f"{statistics.median(v):.3f}" if v else "-"
+bad = False
+for b, fs in sorted(rows.items()):
+    ok = all(f[5] == "true" and f[10] in ("", "true") for f in fs)
+    bad |= not ok
+    print(f"ONEHOST_COST bytes={b} busbw={med(f[4] for f in fs)} nccl_busbw={med(f[9] for f in fs)} "
+          f"compute_share={med(f[12] for f in fs)} nccl_compute_share={med(f[13] for f in fs)} "
+          f"rounds={len(fs)} check={'ok' if ok else 'wrong'}")
+sys.exit(1 if bad or not rows else 0)
+PY
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
+    echo "onehost-reference: failed=$failed"
+    exit "$failed"
+fi
 for r in $(seq 1 "$rounds"); do
     echo "== round $r" >>"$log"
     timeout 300 torchrun --standalone --nproc-per-node="$world" onehost_reference.py \

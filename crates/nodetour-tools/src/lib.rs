@@ -11,6 +11,7 @@
 
 pub mod blob;
 pub mod ceiling;
+pub mod compute_load;
 pub mod doctor;
 pub mod gpu_job;
 pub mod link;

@@ -22,12 +22,15 @@ use nodetour_ring::{DataType, ReduceOp};
 use serde_json::json;
 
 use crate::ceiling::{CEILING_BYTES, Ceilings, measure};
+use crate::compute_load::ComputeLoad;
 use crate::gpu_job::{GpuJob, is_direct};
 use crate::perf::{median, pattern, verify};
 use crate::plot::Series;
 
 /// Batches per size and implementation (the median is reported).
 const BATCHES: usize = 5;
+/// Length of one kernel of the compute load, alone (µs): about a large GEMM tile's worth.
+const COMPUTE_KERNEL_US: f64 = 200.0;
 
 /// One measured size of one path.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,6 +47,31 @@ pub struct GpuRow {
     pub nodetour: (f64, f64, bool),
     /// NCCL, when compared: seconds per collective, busbw GB/s, result correct.
     pub nccl: Option<(f64, f64, bool)>,
+    /// Beside a compute load ([`SweepSpec::beside_compute`]): what the collectives left of it.
+    pub compute: Option<ComputeShare>,
+}
+
+/// The compute load's kernels finished per second, alone and while each implementation's
+/// collectives ran beside it (a share of 1.0: the collective took nothing from the compute).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ComputeShare {
+    /// With nothing else on the GPU.
+    pub alone_per_s: f64,
+    /// While nodetour's collectives ran.
+    pub beside_ours_per_s: f64,
+    /// While NCCL's ran (when compared).
+    pub beside_nccl_per_s: Option<f64>,
+}
+
+impl ComputeShare {
+    fn ours(&self) -> f64 {
+        self.beside_ours_per_s / self.alone_per_s.max(1e-9)
+    }
+
+    fn nccl(&self) -> Option<f64> {
+        self.beside_nccl_per_s
+            .map(|v| v / self.alone_per_s.max(1e-9))
+    }
 }
 
 struct Ranks {
@@ -99,6 +127,9 @@ pub struct SweepSpec {
     pub compare_nccl: bool,
     /// The copy ceilings.
     pub ceiling: bool,
+    /// Run every collective beside a compute load on another stream of the same GPU
+    /// ([`crate::compute_load`]); per-process sweeps only.
+    pub beside_compute: bool,
 }
 
 /// Runs the sweep on the GPUs `ordinals` (one rank each, in that order).
@@ -116,7 +147,12 @@ pub fn sweep(
         iters,
         compare_nccl,
         ceiling,
+        beside_compute,
     } = *spec;
+    anyhow::ensure!(
+        !beside_compute,
+        "--beside-compute measures one GPU per process (--gpu under a launcher)"
+    );
     let contexts = ordinals
         .iter()
         .map(|&o| CudaContext::new(o).with_context(|| format!("opening GPU {o}")))
@@ -229,6 +265,7 @@ pub fn sweep(
                 let t = median(theirs);
                 (t, busbw(t), ok)
             }),
+            compute: None,
         });
     }
     Ok((path, rows))
@@ -256,6 +293,9 @@ pub fn render(
                 "ceiling_GBps": r.ceiling, "busbw_vs_ceiling": frac(r),
                 "nccl_time_us": r.nccl.map(|x| x.0 * 1e6), "nccl_busbw_GBps": r.nccl.map(|x| x.1),
                 "nccl_correct": r.nccl.map(|x| x.2), "busbw_vs_nccl": ratio(r),
+                "compute_alone_per_s": r.compute.map(|c| c.alone_per_s),
+                "compute_beside_per_s": r.compute.map(|c| c.beside_ours_per_s),
+                "compute_beside_nccl_per_s": r.compute.and_then(|c| c.beside_nccl_per_s),
             })).collect::<Vec<_>>(),
         }))
         .unwrap_or_default(),
@@ -282,10 +322,10 @@ pub fn render(
             s
         }
         "csv" => {
-            let mut s = "bytes,count,path,time_us,busbw_GBps,correct,ceiling_GBps,busbw_vs_ceiling,nccl_time_us,nccl_busbw_GBps,nccl_correct,busbw_vs_nccl\n".to_owned();
+            let mut s = "bytes,count,path,time_us,busbw_GBps,correct,ceiling_GBps,busbw_vs_ceiling,nccl_time_us,nccl_busbw_GBps,nccl_correct,busbw_vs_nccl,compute_share,nccl_compute_share\n".to_owned();
             for r in rows {
                 s.push_str(&format!(
-                    "{},{},{},{:.1},{:.3},{},{},{},{},{},{},{}\n",
+                    "{},{},{},{:.1},{:.3},{},{},{},{},{},{},{},{},{}\n",
                     r.bytes,
                     r.count,
                     r.path,
@@ -297,7 +337,9 @@ pub fn render(
                     opt(r.nccl.map(|x| x.0 * 1e6), 1),
                     opt(r.nccl.map(|x| x.1), 3),
                     r.nccl.map_or(String::new(), |x| x.2.to_string()),
-                    opt(ratio(r), 3)
+                    opt(ratio(r), 3),
+                    opt(r.compute.map(|c| c.ours()), 3),
+                    opt(r.compute.and_then(|c| c.nccl()), 3)
                 ));
             }
             s
@@ -306,6 +348,12 @@ pub fn render(
             let mut s = format!(
                 "# nodetour perf: all_reduce on {what}, {dtype:?} {op:?}\n# path: {path}\n"
             );
+            if rows.iter().any(|r| r.compute.is_some()) {
+                s.push_str(
+                    "# beside a compute load on another stream of each GPU: cmp = its kernels \
+                     finished per second beside our collectives / alone, ncmp = beside NCCL's\n",
+                );
+            }
             s.push_str(&format!(
                 "{:>12} {:>12} {:>7} {:>10} {:>9} {:>6} {:>8} {:>10} {:>9} {:>6} {:>8}\n",
                 "size(B)",
@@ -320,6 +368,11 @@ pub fn render(
                 "check",
                 "vs nccl"
             ));
+            let beside = rows.iter().any(|r| r.compute.is_some());
+            if beside {
+                s.pop();
+                s.push_str(&format!(" {:>6} {:>6}\n", "cmp", "ncmp"));
+            }
             for r in rows {
                 let ok = |c: bool| if c { "ok" } else { "WRONG" };
                 let (nt, nb, nc) = r.nccl.map_or(("-".into(), "-".into(), "-"), |(t, b, c)| {
@@ -340,6 +393,14 @@ pub fn render(
                     nc,
                     dash(opt(ratio(r), 3))
                 ));
+                if beside {
+                    s.pop();
+                    s.push_str(&format!(
+                        " {:>6} {:>6}\n",
+                        dash(opt(r.compute.map(|c| c.ours()), 2)),
+                        dash(opt(r.compute.and_then(|c| c.nccl()), 2))
+                    ));
+                }
             }
             s
         }
@@ -425,6 +486,24 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
     let buf = DeviceBuffer::new(&g.context, largest)?;
     let stream = GpuStream::new(&g.context)?;
     let n = f64::from(g.world);
+    // Every rank's load runs before any rank measures it alone (the GPUs may be shared).
+    let load = if spec.beside_compute {
+        let l = ComputeLoad::start(&g.context, COMPUTE_KERNEL_US, Duration::from_millis(300))?;
+        g.barrier()?;
+        eprintln!(
+            "rank {}: compute load: {} blocks of {} threads per kernel, {:.0} µs alone, {:.0} kernels/s",
+            g.rank,
+            l.blocks,
+            nodetour_core::cuda::busy::BUSY_THREADS,
+            l.kernel_us,
+            l.alone_per_s
+        );
+        Some(l)
+    } else {
+        None
+    };
+    // Kernels of the load finished, and seconds, while each implementation ran.
+    let (mut beside_ours, mut beside_nccl) = ((0u64, 0f64), (0u64, 0f64));
     let deadline = || Deadline::after(timeout);
     let mut rows = Vec::new();
     for (k, &size) in sizes.iter().enumerate() {
@@ -449,6 +528,7 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
         }
         let mut theirs = Vec::new();
         let mut per_ring = Vec::new();
+        let mut shares = Vec::new();
         for v in &g.variants {
             let comm = &v.comm;
             buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
@@ -463,6 +543,7 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 } else {
                     iters.max(1)
                 };
+                let mark = load.as_ref().map(ComputeLoad::mark);
                 let start = stream.record()?;
                 for _ in 0..reps {
                     comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
@@ -471,9 +552,15 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 comm.wait(deadline())?;
                 if round > 0 {
                     ours.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / reps as f64);
+                    if let (Some(l), Some(m)) = (&load, mark) {
+                        stream.synchronize()?;
+                        let (k, t) = l.since(m);
+                        beside_ours = (beside_ours.0 + k, beside_ours.1 + t);
+                    }
                 }
                 // NCCL alternates with the first path's batches.
                 if let (Some(c), true) = (nccl.as_mut(), per_ring.is_empty()) {
+                    let mark = load.as_ref().map(ComputeLoad::mark);
                     let start = stream.record()?;
                     for _ in 0..reps {
                         c.all_reduce(&[&buf], &[&stream], count, dtype, op)?;
@@ -481,16 +568,28 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                     let end = stream.record()?;
                     if round > 0 {
                         theirs.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / reps as f64);
+                        if let (Some(l), Some(m)) = (&load, mark) {
+                            stream.synchronize()?;
+                            let (k, t) = l.since(m);
+                            beside_nccl = (beside_nccl.0 + k, beside_nccl.1 + t);
+                        }
                     }
                 }
             }
             per_ring.push((is_direct(comm), median(ours), ok));
+            let rate = |(k, t): (u64, f64)| k as f64 / t.max(1e-9);
+            shares.push(load.as_ref().map(|l| ComputeShare {
+                alone_per_s: l.alone_per_s,
+                beside_ours_per_s: rate(std::mem::take(&mut beside_ours)),
+                beside_nccl_per_s: (beside_nccl.1 > 0.0).then(|| rate(beside_nccl)),
+            }));
         }
         let nccl_row = nccl_ok.map(|ok| {
             let t = median(std::mem::take(&mut theirs));
             (t, busbw(t), ok)
         });
-        for (direct, t, ok) in per_ring {
+        beside_nccl = (0, 0.0);
+        for ((direct, t, ok), compute) in per_ring.into_iter().zip(shares) {
             rows.push(GpuRow {
                 bytes,
                 count,
@@ -498,8 +597,12 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 ceiling: ceilings.and_then(|c| if direct { c.peer } else { Some(c.staged()) }),
                 nodetour: (t, busbw(t), ok),
                 nccl: nccl_row,
+                compute,
             });
         }
+    }
+    if let Some(l) = load {
+        l.stop()?;
     }
     progress(sizes.len(), sizes.len(), "done");
     Ok(rows)

@@ -7,6 +7,7 @@
 //! points newer than CUDA 11.0 are resolved with `cuGetProcAddress`, so an old driver is a typed
 //! error, not a panic.
 
+pub mod busy;
 pub(crate) mod copy;
 pub mod device_buffer;
 pub mod driver;

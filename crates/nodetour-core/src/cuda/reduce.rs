@@ -258,6 +258,8 @@ struct Loaded {
     reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     one_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     two_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
+    busy: sys::CUfunction,
+    sms: u32,
     blocks: u32,
     context: Arc<CudaContext>,
 }
@@ -313,9 +315,10 @@ impl ReduceKernels {
             .max(1) as u32;
         let nvrtc = super::nvrtc::version().ok();
         let arch = format!("sm{major}{minor}");
-        // One module: the ring's kernels and the one-kernel collectives (which use the
-        // element types and operations defined above them).
-        let source = [SOURCE, super::one_kernel::SOURCE].concat();
+        // One module: the ring's kernels, the one-kernel collectives (which use the element
+        // types and operations defined above them) and the compute-bound kernel of the
+        // measurements.
+        let source = [SOURCE, super::one_kernel::SOURCE, super::busy::SOURCE].concat();
         let key = kernel_cache::entry_name(
             "reduce",
             &source,
@@ -418,6 +421,8 @@ impl ReduceKernels {
             reduce_then,
             one_shot,
             two_shot,
+            busy: get("nt_busy".to_owned())?,
+            sms,
             blocks: sms * 4,
             context: context.clone(),
         };
@@ -744,6 +749,32 @@ impl ReduceKernels {
         let f = pick(table, dtype, op);
         let mut params = [(args as *mut OneShotArgs).cast::<c_void>()];
         self.launch_grid(stream, f, &mut params, ONE_SHOT_BLOCKS, ONE_SHOT_THREADS)
+    }
+
+    /// The GPU's streaming multiprocessors.
+    pub fn sms(&self) -> u32 {
+        self.k.sms
+    }
+
+    /// Queues on `stream` the compute-bound kernel of [`super::busy`]: `blocks` blocks of
+    /// [`super::busy::BUSY_THREADS`] threads, `iters` rounds of four FMAs each per thread
+    /// (`sink`, at least 1 KiB, is never written in practice).
+    pub fn busy(
+        &self,
+        stream: &GpuStream,
+        sink: &DeviceBuffer,
+        iters: u32,
+        blocks: u32,
+    ) -> Result<()> {
+        check(sink, 0, 1024, DataType::U8)?;
+        sink.note_use(stream);
+        let (mut p, mut n) = (sink.device_ptr(), iters);
+        let mut params = [
+            (&mut p as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u32).cast::<c_void>(),
+        ];
+        let threads = super::busy::BUSY_THREADS;
+        self.launch_grid(stream, self.k.busy, &mut params, blocks.max(1), threads)
     }
 
     fn launch_grid(

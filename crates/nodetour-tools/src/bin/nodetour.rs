@@ -149,6 +149,11 @@ struct GpuArgs {
     /// ceiling (the copy ceilings: peer copies and concurrent D2H+H2D on all GPUs at once).
     #[arg(long, value_delimiter = ',')]
     compare: Vec<String>,
+    /// With --gpu: every collective (ours and NCCL's) beside a compute load on another stream
+    /// of each GPU (compute-bound kernels, 4 blocks per SM): how fast each runs beside compute,
+    /// and how much of the compute it leaves (the `cmp` columns).
+    #[arg(long)]
+    beside_compute: bool,
     /// With --gpus: the largest all-gather segment copied by a kernel instead of the copy
     /// engine (tuning; 0 = always the copy engine).
     #[arg(long)]
@@ -172,6 +177,7 @@ impl GpuArgs {
             iters: sweep.iters,
             compare_nccl,
             ceiling,
+            beside_compute: self.beside_compute,
         })
     }
 
