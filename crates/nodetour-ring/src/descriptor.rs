@@ -44,8 +44,6 @@ pub enum Algorithm {
     OneShot,
     /// The one-kernel path's two-shot kernel (reduce-scatter and all-gather in one kernel).
     TwoShot,
-    /// The two-shot kernel in place on a symmetric buffer (every rank's part read directly).
-    TwoShotSymmetric,
 }
 
 /// One collective as one rank sees it.
@@ -80,7 +78,7 @@ const COLLECTIVES: [Collective; 4] = [
     Collective::AllGather,
     Collective::Broadcast,
 ];
-const ALGORITHMS: [Algorithm; 8] = [
+const ALGORITHMS: [Algorithm; 7] = [
     Algorithm::HostRing,
     Algorithm::HostRingGpuStaged,
     Algorithm::StreamRing,
@@ -88,7 +86,6 @@ const ALGORITHMS: [Algorithm; 8] = [
     Algorithm::HostGather,
     Algorithm::OneShot,
     Algorithm::TwoShot,
-    Algorithm::TwoShotSymmetric,
 ];
 
 impl Descriptor {

@@ -69,7 +69,6 @@ pub(crate) mod one_kernel_links;
 mod options;
 mod paths;
 mod scratch;
-mod symmetric;
 pub(crate) mod table;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
@@ -81,7 +80,6 @@ pub use options::{
     DEFAULT_HOST_GATHER_MAX, DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options,
 };
 pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
-pub use symmetric::SymmetricBuffer;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
