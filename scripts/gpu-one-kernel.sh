@@ -20,9 +20,11 @@ mode=auto
 [[ $gpus -ge 2 ]] || mode=force
 {
     echo "== one_kernel_tests (ranks on GPU 0, the path forced)"
-    ./one_kernel_tests --include-ignored --test-threads 1 --nocapture 2>&1 |
-        grep -E 'ONE_KERNEL|SKIP|test result|panicked|FAILED|error' || true
-    [[ ${PIPESTATUS[0]} == 0 ]] || { echo "one_kernel_tests failed"; failed=1; }
+    ./one_kernel_tests --include-ignored --test-threads 1 --nocapture >"$out/one-kernel-tests.log" 2>&1
+    rc=$?
+    # The lines that say what ran, and every panic with the message on the line after it.
+    grep -E -A1 'ONE_KERNEL|SKIP|test result|panicked|FAILED' "$out/one-kernel-tests.log" | grep -v '^--$'
+    ((rc == 0)) || { echo "one_kernel_tests failed (rc $rc)"; failed=1; }
     echo "== gpu_ring_check --all with NODETOUR_ONE_KERNEL=$mode (2 and 3 processes)"
     for n in 2 3; do
         NODETOUR_ONE_KERNEL=$mode ./launch-local.sh -n $n --timeout 300 -- ./gpu_ring_check --all 2>&1 |
