@@ -775,7 +775,12 @@ impl GpuRing {
         let what = self
             .one_kernel_what
             .map_or_else(|| "a one-kernel allreduce".to_owned(), |d| d.to_string());
+        // The kernels name job ranks; on one host (the only place the path runs) the ring
+        // order is the rank order, so `self.rank` is this rank's too.
         Some(match kernel.failure()? {
+            OneKernelFailure::Aborted { peer } if peer == self.rank => Error::Aborted {
+                reason: format!("{what}: this rank had aborted before it arrived"),
+            },
             OneKernelFailure::Aborted { peer } => Error::Aborted {
                 reason: format!("{what}: stopped while waiting for rank {peer}"),
             },
