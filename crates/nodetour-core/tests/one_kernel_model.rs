@@ -160,9 +160,9 @@ fn run_with(world: usize, program: &[Kind], seed: u64, start: u32, half_of: impl
             }
             Step::Signal => {
                 tick = tick.wrapping_add(1);
-                for p in 0..world {
+                for (p, peer) in ranks.iter_mut().enumerate() {
                     if p != me {
-                        ranks[p].words[me] = tick;
+                        peer.words[me] = tick;
                     }
                 }
             }
