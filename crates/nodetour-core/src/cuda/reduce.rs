@@ -792,10 +792,11 @@ impl ReduceKernels {
         }
         let s = stream.bind()?;
         // SAFETY: f takes exactly the parameters given (the callers above pass device
-        // addresses of live words and in-bounds ranges they checked, and plain integers); the
-        // memory outlives the queued work (buffers noted this stream and free after it; the
-        // guard words and flag pages belong to owners that drain their streams first); the
-        // module is never unloaded.
+        // addresses of live words and in-bounds ranges they checked, and plain integers, or one
+        // `OneShotArgs` block of them, which the launch copies); the memory outlives the queued
+        // work (buffers and peer mappings noted this stream and are freed or closed after it;
+        // the guard words, flag pages and one-kernel words belong to owners that drain their
+        // streams first); the module is never unloaded.
         unsafe { result::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, s, params) }
             .map_err(|e| cuda_error("cuLaunchKernel", e))
     }
