@@ -581,10 +581,18 @@ impl GpuRing {
             (2, true) => "; two ranks: one exchange step",
             _ => "; ring: reduce-scatter + all-gather",
         };
+        // What the ring's kernels occupy (the honest cost: SMs taken from the caller's work).
+        let blocks = self.held.as_ref().map_or(String::new(), |h| {
+            format!(
+                "; kernels of up to {} blocks of 512 threads ({} SMs)",
+                h.kernels.max_blocks(),
+                h.kernels.sms()
+            )
+        });
         if self.one_kernel_path.is_empty() {
-            format!("{}{algo}", self.path)
+            format!("{}{algo}{blocks}", self.path)
         } else {
-            format!("{}{algo}; {}", self.path, self.one_kernel_path)
+            format!("{}{algo}{blocks}; {}", self.path, self.one_kernel_path)
         }
     }
 

@@ -756,6 +756,12 @@ impl ReduceKernels {
         self.k.sms
     }
 
+    /// The most blocks (of 512 threads) one reduce, copy or guarded kernel launches: a large
+    /// chunk's kernel fills every SM of the GPU while it runs.
+    pub fn max_blocks(&self) -> u32 {
+        self.k.blocks
+    }
+
     /// Queues on `stream` the compute-bound kernel of [`super::busy`]: `blocks` blocks of
     /// [`super::busy::BUSY_THREADS`] threads, `iters` rounds of four FMAs each per thread
     /// (`sink`, at least 1 KiB, is never written in practice).
