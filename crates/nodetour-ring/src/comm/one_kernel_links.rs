@@ -132,16 +132,19 @@ pub(crate) fn form(seat: OneKernelSeat<'_>) -> Result<OneKernelChoice> {
     let others: Vec<u32> = (0..world).filter(|r| *r != me).collect();
     let alive = || job.check_present();
     let address = |p: u32| job.peers()[p as usize].address.clone();
-    let payload = mine.encode();
-    let got = endpoint.exchange(
-        &others,
-        me,
-        world,
-        &address,
-        &|_| payload.clone(),
-        &alive,
-        deadline,
-    )?;
+    // The same bytes to every other rank, every other rank's back.
+    let all_to_all = |bytes: Vec<u8>| {
+        endpoint.exchange(
+            &others,
+            me,
+            world,
+            &address,
+            &|_| bytes.clone(),
+            &alive,
+            deadline,
+        )
+    };
+    let got = all_to_all(mine.encode())?;
     let mut offers = Vec::with_capacity(world as usize);
     for r in 0..world {
         offers.push(if r == me {
@@ -207,20 +210,13 @@ pub(crate) fn form(seat: OneKernelSeat<'_>) -> Result<OneKernelChoice> {
     let verdict = match &mapped {
         Ok(_) => vec![1],
         Err(e) => {
+            let why = e.to_string();
             let mut v = vec![0];
-            v.extend_from_slice(&e.to_string().as_bytes()[..e.to_string().len().min(512)]);
+            v.extend_from_slice(&why.as_bytes()[..why.len().min(512)]);
             v
         }
     };
-    let verdicts = endpoint.exchange(
-        &others,
-        me,
-        world,
-        &address,
-        &|_| verdict.clone(),
-        &alive,
-        deadline,
-    )?;
+    let verdicts = all_to_all(verdict.clone())?;
     let refused = std::iter::once((me, verdict.clone()))
         .chain(verdicts)
         .find(|(_, v)| v.first() != Some(&1));
