@@ -806,13 +806,19 @@ fn dial_authenticated(
 /// Two connected ends on the loopback interface, in this process (rank 0 accepting, rank 1
 /// connecting), for benches and tests: the accepting end is returned first.
 pub fn loopback_pair(token: &JobToken) -> Result<(TcpConnection, TcpConnection)> {
-    loopback_pair_tokens(token.clone(), token.clone())
+    // The setup ends as soon as both ends proved the token; the ample deadline only matters on
+    // a loaded machine (valgrind beside other tests on two CPUs once needed more than 5 s).
+    loopback_pair_tokens(token.clone(), token.clone(), Duration::from_secs(60))
 }
 
+/// [`loopback_pair`] with a token per end and a deadline for the setup (an acceptor that
+/// refuses the dialler waits for it until then).
 fn loopback_pair_tokens(
     accept: JobToken,
     dial: JobToken,
+    setup: Duration,
 ) -> Result<(TcpConnection, TcpConnection)> {
+    // The connections' own timeout (each blocking call of theirs).
     let timeout = Duration::from_secs(5);
     let ep = TcpEndpoint::bind("127.0.0.1:0", accept, timeout)?;
     let addr = ep.local_addr()?.to_string();
@@ -825,16 +831,10 @@ fn loopback_pair_tokens(
             &[],
             &|| Ok(()),
             timeout,
-            Deadline::after(timeout),
+            Deadline::after(setup),
         )
     });
-    let accepted = ep.accept(
-        &[1],
-        2,
-        &|_| Vec::new(),
-        &|| Ok(()),
-        Deadline::after(timeout),
-    );
+    let accepted = ep.accept(&[1], 2, &|_| Vec::new(), &|| Ok(()), Deadline::after(setup));
     let connected = t.join().map_err(|_| Error::InvalidArgument {
         reason: "the connecting thread panicked".into(),
     })?;
@@ -844,6 +844,11 @@ fn loopback_pair_tokens(
     })?;
     Ok((a, connected?))
 }
+
+/// How long a test's wait that should end at once (an event, or an error on its way) may take:
+/// ample, for valgrind beside other tests on two CPUs; it ends as soon as the event comes.
+#[cfg(test)]
+const AMPLE: Duration = Duration::from_secs(60);
 
 #[cfg(test)]
 #[path = "tcp_inline_tests.rs"]
@@ -855,7 +860,9 @@ mod tests {
     use crate::memory::HostBuffer;
 
     fn pair(token_a: &str, token_b: &str) -> Result<(TcpConnection, TcpConnection)> {
-        loopback_pair_tokens(JobToken::new(token_a), JobToken::new(token_b))
+        // Ample where both ends should connect; short where the acceptor waits out a stranger.
+        let setup = Duration::from_secs(if token_a == token_b { 60 } else { 5 });
+        loopback_pair_tokens(JobToken::new(token_a), JobToken::new(token_b), setup)
     }
 
     #[test]
@@ -869,8 +876,7 @@ mod tests {
         b.write(&src, 0..(1 << 20), &grant, 0, None).unwrap();
         b.write(&src, 10..20, &grant, 4096, Some(77)).unwrap();
         let mut ev = Vec::new();
-        a.wait(&mut ev, Deadline::after(Duration::from_secs(5)))
-            .unwrap();
+        a.wait(&mut ev, Deadline::after(AMPLE)).unwrap();
         assert_eq!(ev, [Event::Notified(77)]);
         let mut got = vec![0u8; 1 << 20];
         target.read_at(0, &mut got).unwrap();
@@ -1037,7 +1043,7 @@ mod tests {
             let _ = raw.write_all(&[0xee; 200][..h.len as usize]);
         }
         let mut ev = Vec::new();
-        match a.wait(&mut ev, Deadline::after(Duration::from_secs(5))) {
+        match a.wait(&mut ev, Deadline::after(AMPLE)) {
             Err(Error::Exchange {
                 op: "receive",
                 source,
@@ -1136,7 +1142,7 @@ mod tests {
             let mut raw = b.stream.try_clone().unwrap();
             let _ = raw.write_all(&make(&grant, &other));
             let mut ev = Vec::new();
-            match a.wait(&mut ev, Deadline::after(Duration::from_secs(5))) {
+            match a.wait(&mut ev, Deadline::after(AMPLE)) {
                 Err(Error::Exchange { op: "receive", .. }) => {}
                 other => panic!("{what} (inline: {inline}): {other:?} {ev:?}"),
             }
@@ -1187,8 +1193,7 @@ mod tests {
                 // The key as it stood before the authentic frame: it tags that frame again.
                 let mut before = b.send.clone();
                 b.write(&src, 0..64, &grant, 0, Some(5)).unwrap();
-                a.wait(&mut ev, Deadline::after(Duration::from_secs(5)))
-                    .unwrap();
+                a.wait(&mut ev, Deadline::after(AMPLE)).unwrap();
                 assert_eq!(ev, vec![Event::Notified(5)]);
                 ev.clear();
                 target.write_at(0, &[GUARD; 64]).unwrap();
@@ -1201,7 +1206,7 @@ mod tests {
                 raw.write_all(&[0u8; TAG_LEN]).unwrap();
                 raw.write_all(&[9; 64]).unwrap();
             }
-            match a.wait(&mut ev, Deadline::after(Duration::from_secs(5))) {
+            match a.wait(&mut ev, Deadline::after(AMPLE)) {
                 Err(Error::Exchange {
                     op: "receive",
                     source,
@@ -1247,7 +1252,7 @@ mod tests {
         drop(b);
         let mut ev = Vec::new();
         assert!(matches!(
-            a.wait(&mut ev, Deadline::after(Duration::from_secs(5))),
+            a.wait(&mut ev, Deadline::after(AMPLE)),
             Err(Error::Exchange { .. })
         ));
     }

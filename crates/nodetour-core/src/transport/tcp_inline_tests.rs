@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::{TcpConnection, loopback_pair};
+use super::{AMPLE, TcpConnection, loopback_pair};
 use crate::auth::JobToken;
 use crate::deadline::Deadline;
 use crate::memory::HostBuffer;
@@ -132,23 +132,13 @@ fn one_wait_serves_two_inline_connections() {
     assert!(quiet.is_ok() && ev.is_empty(), "nothing came: {quiet:?}");
     b2.write(&src, 0..8, &g2, 0, Some(22)).unwrap();
     while ev.is_empty() {
-        wait_any(
-            &mut [&mut a1, &mut a2],
-            &mut ev,
-            Deadline::after(Duration::from_secs(5)),
-        )
-        .unwrap();
+        wait_any(&mut [&mut a1, &mut a2], &mut ev, Deadline::after(AMPLE)).unwrap();
     }
     assert_eq!(ev, [(1, Event::Notified(22))]);
     ev.clear();
     b1.write(&src, 0..8, &g1, 0, Some(11)).unwrap();
     while ev.is_empty() {
-        wait_any(
-            &mut [&mut a1, &mut a2],
-            &mut ev,
-            Deadline::after(Duration::from_secs(5)),
-        )
-        .unwrap();
+        wait_any(&mut [&mut a1, &mut a2], &mut ev, Deadline::after(AMPLE)).unwrap();
     }
     assert_eq!(ev, [(0, Event::Notified(11))]);
 }
@@ -161,7 +151,7 @@ fn an_inline_waiter_sees_the_peer_close() {
     a.read_inline(true);
     drop(b);
     let mut ev = Vec::new();
-    let r = a.wait(&mut ev, Deadline::after(Duration::from_secs(5)));
+    let r = a.wait(&mut ev, Deadline::after(AMPLE));
     assert!(
         matches!(r, Err(crate::error::Error::Exchange { op: "receive", .. })),
         "{r:?}"
