@@ -168,7 +168,7 @@ fn eventually(limit: std::time::Duration, mut cond: impl FnMut() -> bool) -> boo
 fn teardown_waits_for_no_work_but_its_own() {
     use nodetour_core::cuda::GpuStream;
     use nodetour_core::cuda::reduce::ReduceKernels;
-    use nodetour_core::transport::gpu::{Flags, StopWord, StreamGuard, enqueue_wait};
+    use nodetour_core::transport::gpu::{FlagValue, Flags, StopWord, StreamGuard, enqueue_wait};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
@@ -184,7 +184,7 @@ fn teardown_waits_for_no_work_but_its_own() {
         &blocker,
         &kernels,
         &guard,
-        Some((&*page, 0, 1)),
+        Some(FlagValue::fixed(&*page, 0, 1)),
         false,
         None,
     )
@@ -237,7 +237,7 @@ fn teardown_waits_for_no_work_but_its_own() {
     let c = DeviceBuffer::new(&ctx, big).unwrap();
     let d = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
     let with_c = free_memory(&ctx);
-    enqueue_wait(&s2, &kernels, &guard2, Some((&*page, 1, 1)), false, None).unwrap();
+    enqueue_wait(&s2, &kernels, &guard2, Some(FlagValue::fixed(&*page, 1, 1)), false, None).unwrap();
     s2.copy(&c, big - (1 << 20), &d, 0, 1 << 20).unwrap();
     drop(c);
     drop(d);

@@ -50,7 +50,7 @@ use crate::net_link::NetLink;
 use crate::plan::{Plan, Shape};
 use crate::reduce::{DataType, ReduceOp};
 use crate::stream_plan::{
-    LinkCounters, RecvKind, RecvOp, StreamProgram, program, program_exchange,
+    LinkCounters, RecvKind, RecvOp, Replayable, StreamProgram, program_exchange_on, program_on,
 };
 
 /// Words of each rank's flag page.
@@ -237,10 +237,11 @@ pub struct GpuRing {
     held: Option<Held>,
     // What this rank exported to its neighbours, kept after `close_imports` until `close`.
     exports: Option<Exports>,
-    start: GpuEvent,
-    send_marks: Vec<GpuEvent>,
-    recv_marks: Vec<GpuEvent>,
-    end: [GpuEvent; 2],
+    // The events that order the streams of eager collectives (`end` is what `wait` polls),
+    // and those of collectives captured into CUDA graphs (never queried: an event last
+    // recorded under capture cannot be).
+    marks: Marks,
+    capture_marks: Marks,
     context: Arc<CudaContext>,
     rank: u32,
     world: u32,
@@ -248,6 +249,14 @@ pub struct GpuRing {
     abort: AbortHandle,
     /// Collectives queued so far (the next one's sequence number).
     queued: u64,
+    /// Ring collectives queued eagerly so far: while no ring collective was captured, the
+    /// collective counter of the streams' guards (which names the descriptor cells).
+    ring_queued: u64,
+    /// Whether a ring collective was captured into a CUDA graph: replays move the guards'
+    /// counters past what the host knows, so the host no longer reads descriptor cells.
+    ring_captured: bool,
+    /// How long a guarded wait of the streams waits (inside graphs too); `None`: until stopped.
+    wait_timeout: Option<Duration>,
     path: String,
     exchange: bool,
     // The largest allreduce (bytes) the one-kernel path takes (0: none), and why it is on or
@@ -256,6 +265,42 @@ pub struct GpuRing {
     one_kernel_path: String,
     // The last one-kernel collective queued (to word its failure).
     one_kernel_what: Option<Descriptor>,
+}
+
+/// The events that order one collective's streams: the caller's stream to both, the send
+/// stream's chunks to the receive stream's and back, both back to the caller's.
+struct Marks {
+    start: GpuEvent,
+    sends: Vec<GpuEvent>,
+    recvs: Vec<GpuEvent>,
+    end: [GpuEvent; 2],
+}
+
+impl Marks {
+    fn new(context: &Arc<CudaContext>) -> nodetour_core::Result<Marks> {
+        Ok(Marks {
+            start: GpuEvent::marker(context)?,
+            sends: Vec::new(),
+            recvs: Vec::new(),
+            end: [GpuEvent::marker(context)?, GpuEvent::marker(context)?],
+        })
+    }
+
+    /// At least `sends` and `recvs` chunk events.
+    fn grow(
+        &mut self,
+        context: &Arc<CudaContext>,
+        sends: usize,
+        recvs: usize,
+    ) -> nodetour_core::Result<()> {
+        while self.sends.len() < sends {
+            self.sends.push(GpuEvent::marker(context)?);
+        }
+        while self.recvs.len() < recvs {
+            self.recvs.push(GpuEvent::marker(context)?);
+        }
+        Ok(())
+    }
 }
 
 /// The streams and what their queued work touches, dropped once the streams have drained (or
@@ -381,13 +426,8 @@ impl GpuRing {
                 one_kernel: None,
             }),
             exports: None,
-            start: GpuEvent::marker(context).map_err(g)?,
-            send_marks: Vec::new(),
-            recv_marks: Vec::new(),
-            end: [
-                GpuEvent::marker(context).map_err(g)?,
-                GpuEvent::marker(context).map_err(g)?,
-            ],
+            marks: Marks::new(context).map_err(g)?,
+            capture_marks: Marks::new(context).map_err(g)?,
             context: context.clone(),
             rank,
             world,
@@ -404,6 +444,9 @@ impl GpuRing {
                 }),
             },
             queued: 0,
+            ring_queued: 0,
+            ring_captured: false,
+            wait_timeout: None,
             path,
             exchange: true,
             one_kernel_max: 0,
@@ -428,7 +471,7 @@ impl GpuRing {
     }
 
     fn drained(&self) -> bool {
-        self.end[0].is_complete().unwrap_or(false) && self.end[1].is_complete().unwrap_or(false)
+        self.marks.end[0].is_complete().unwrap_or(false) && self.marks.end[1].is_complete().unwrap_or(false)
     }
 
     /// The first half of the teardown handshake: drains the streams (aborting collectives in
@@ -541,7 +584,20 @@ impl GpuRing {
         result
     }
 
-    /// Two ranks run the allreduce as one exchange step ([`program_exchange`], the default)
+    /// How long each guarded wait of the streams waits for a peer's word (`timeout`, the job's
+    /// collective timeout): past it the wait sets the stop word itself, every later wait ends,
+    /// and the next call or [`Self::wait_alive`] reports the timeout. The deadline that holds
+    /// inside CUDA graphs, where no host waits; eager collectives have the host's too.
+    pub fn set_wait_timeout(&mut self, timeout: Duration) {
+        self.wait_timeout = Some(timeout);
+        if let Some(guards) = self.held.as_mut().and_then(|h| h.guards.as_mut()) {
+            for g in guards {
+                g.set_timeout(Some(timeout));
+            }
+        }
+    }
+
+    /// Two ranks run the allreduce as one exchange step ([`program_exchange_on`], the default)
     /// or, with `false`, as the two-step ring. Every rank must choose the same.
     pub fn set_two_rank_exchange(&mut self, on: bool) {
         self.exchange = on;
@@ -626,7 +682,7 @@ impl GpuRing {
         }
         // A one-kernel collective that failed since the last call (a graph replay's, which no
         // wait saw): this one cannot run.
-        if let Some(e) = self.one_kernel_failure() {
+        if let Some(e) = self.one_kernel_failure().or_else(|| self.guard_timeout()) {
             self.abort.abort_with(e.clone());
             return Err(e);
         }
@@ -639,19 +695,14 @@ impl GpuRing {
         if one_kernel {
             return self.one_kernel(buffer, count, dtype, op, stream, capturing);
         }
-        if capturing {
+        if capturing && links.net.is_some() {
             return Err(Error::Unsupported {
                 reason: format!(
-                    "the stream is being captured into a CUDA graph: only allreduces on the \
-                     one-kernel path (at most {} bytes here{}) can be captured; this {shape:?} \
-                     of {bytes} bytes takes the stream-ordered ring, whose counters live on the \
-                     host",
-                    self.one_kernel_max,
-                    if self.one_kernel_max == 0 {
-                        ": the path is off"
-                    } else {
-                        ""
-                    }
+                    "the stream is being captured into a CUDA graph: this {shape:?} of {bytes} \
+                     bytes takes a ring with a network link, whose progress thread cannot \
+                     follow replays (only allreduces on the one-kernel path, at most {} bytes, \
+                     or rings of one host can be captured)",
+                    self.one_kernel_max
                 ),
             });
         }
@@ -684,17 +735,28 @@ impl GpuRing {
             op: if reduces { op } else { ReduceOp::Sum },
             ..Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq)
         };
-        let desc = (
-            desc_cell(desc_cells(links.slots, links.desc_half), seq),
-            desc_word(seq, what.tag()),
-        );
-        // For the next rank's error message, should it disagree (a host store, no CUDA call).
-        let _ = links.ends.next.store_bytes(desc.0, 32, &what.encode());
-        self.abort.expect(seq, desc.1, what);
+        // The descriptor cell and word: the guards' collective counters name them on the GPU.
+        // The host reads the cells (to explain a disagreement) only while it knows those
+        // counters: until a ring collective is captured (replays move them unseen).
+        let cells = desc_cells(links.slots, links.desc_half);
+        let desc = (cells, 0x8000 | u32::from(what.tag() & 0x7fff));
+        if !capturing && !self.ring_captured {
+            let ring_seq = self.ring_queued;
+            let cell = desc_cell(cells, ring_seq);
+            // For the next rank's error message, should it disagree (a host store, no CUDA call).
+            let _ = links.ends.next.store_bytes(cell, 32, &what.encode());
+            self.abort
+                .expect(ring_seq, desc_word(ring_seq, what.tag()), what);
+        }
+        let replayable = Replayable {
+            send: !matches!(links.outgoing, Outgoing::Net(_)),
+            recv: matches!(links.incoming, Incoming::CudaIpc(_) | Incoming::Shm { .. }),
+        };
         let (prog, steps) = if exchange {
-            (program_exchange(&plan, average, &mut self.counters), 1)
+            let p = program_exchange_on(&plan, average, &mut self.counters, replayable);
+            (p, 1)
         } else {
-            let p = program(&plan, self.rank, average, &mut self.counters);
+            let p = program_on(&plan, self.rank, average, &mut self.counters, replayable);
             (p, plan.steps())
         };
         if let Some(net) = &self.h().links.as_ref().and_then(|l| l.net.as_ref()) {
@@ -706,9 +768,15 @@ impl GpuRing {
                 prog.recvs.iter().map(|r| bytes(&r.elements)),
             );
         }
+        self.ring_captured |= capturing;
         // From here the peers count these chunks: a failure to queue breaks the ring.
-        let queued = self.queue(buffer, dtype, op, stream, steps, &prog, desc);
-        self.queued += 1;
+        let queued = self.queue(buffer, dtype, op, stream, steps, &prog, desc, capturing, replayable);
+        // A captured collective is counted by its replays, on the GPU (as on the one-kernel
+        // path, the host's count names eager collectives only).
+        if !capturing {
+            self.queued += 1;
+            self.ring_queued += 1;
+        }
         if let Err(e) = &queued {
             self.abort
                 .abort(&format!("queueing a collective failed: {e}"));
@@ -762,8 +830,8 @@ impl GpuRing {
                     return Ok(());
                 }
                 // What `wait` polls: both ends of the collective are the caller's stream.
-                stream.record_marker(&self.end[0]).map_err(g)?;
-                stream.record_marker(&self.end[1]).map_err(g)
+                stream.record_marker(&self.marks.end[0]).map_err(g)?;
+                stream.record_marker(&self.marks.end[1]).map_err(g)
             });
         if !capturing {
             self.queued += 1;
@@ -774,6 +842,18 @@ impl GpuRing {
                 .abort(&format!("queueing a collective failed: {e}"));
         }
         queued
+    }
+
+    /// A guarded wait of the streams that gave up at its deadline (it set the stop word
+    /// itself: inside a CUDA graph no host waits), as the error to report.
+    fn guard_timeout(&self) -> Option<Error> {
+        let stop = self.abort.shared.stop.as_ref()?;
+        stop.timed_out().then(|| Error::Timeout {
+            waiting_for: "a peer's flag inside a ring collective (a guarded wait on this \
+                          rank's GPU gave up; its stop word now ends every wait)"
+                .into(),
+            after: self.wait_timeout.unwrap_or_default(),
+        })
     }
 
     /// What the one-kernel path's blocks latched, as the error to report (once the streams
@@ -805,6 +885,11 @@ impl GpuRing {
         })
     }
 
+    /// Queues `prog` on the send and receive streams between the caller's `stream` and back.
+    /// Every flag value is relative to the streams' guard counters (see
+    /// `nodetour_core::transport::gpu::Counted`), which each stream advances at its end of the
+    /// collective: so `capturing` (into a CUDA graph) changes only which events order the
+    /// streams; each replay is then the next collective.
     #[allow(clippy::too_many_arguments)]
     fn queue(
         &mut self,
@@ -814,38 +899,47 @@ impl GpuRing {
         stream: &GpuStream,
         steps: u32,
         prog: &StreamProgram,
-        (desc_cell, desc_word): (u32, u32),
+        (cells, desc_value): ((u32, u32), u32),
+        capturing: bool,
+        replayable: Replayable,
     ) -> Result<()> {
         let (sends, recvs) = (&prog.sends, &prog.recvs);
         let g = |e| gpu_error("queueing the collective", e);
-        while self.send_marks.len() < sends.len() {
-            self.send_marks
-                .push(GpuEvent::marker(&self.context).map_err(g)?);
-        }
-        while self.recv_marks.len() < recvs.len() {
-            self.recv_marks
-                .push(GpuEvent::marker(&self.context).map_err(g)?);
-        }
-        let links = self.h().links.as_ref().expect("checked by the caller");
-        let kernels = &self.h().kernels;
-        let [send_guard, _] = self
-            .h()
-            .guards
-            .as_ref()
-            .expect("a ring with links has guards");
-        stream.record_marker(&self.start).map_err(g)?;
-        self.h().send.wait_marker(&self.start).map_err(g)?;
-        self.h().recv.wait_marker(&self.start).map_err(g)?;
+        let context = self.context.clone();
+        let marks = if capturing {
+            &mut self.capture_marks
+        } else {
+            &mut self.marks
+        };
+        marks.grow(&context, sends.len(), recvs.len()).map_err(g)?;
+        let marks = if capturing {
+            &self.capture_marks
+        } else {
+            &self.marks
+        };
+        let h = self.held.as_ref().expect("checked by the caller");
+        let links = h.links.as_ref().expect("checked by the caller");
+        let kernels = &h.kernels;
+        let [send_guard, recv_guard] = h.guards.as_ref().expect("a ring with links has guards");
+        let slots = links.slots;
+        let (send_align, recv_align) = (
+            if replayable.send { slots } else { 1 },
+            if replayable.recv { slots } else { 1 },
+        );
+        // Values relative to where the collective's counters start (the guards add theirs).
+        let (s0, r0) = (prog.start.sent as u32, prog.start.received as u32);
+        stream.record_marker(&marks.start).map_err(g)?;
+        h.send.wait_marker(&marks.start).map_err(g)?;
+        h.recv.wait_marker(&marks.start).map_err(g)?;
         // Agreement before anything is used: the send stream tells the next rank what this
         // collective is just before its first chunk's ready flag (so the next rank's wait for
         // it costs no extra hand-off), and the receive stream reads no chunk of the previous
         // rank's before it said the same (see queue_recv). A rank that sends nothing says it
         // at the start. Every hand-off is guarded by the stop word (see the module's doc).
-        let tell: FlagValue = (&*links.ends.next, desc_cell, desc_word);
+        let tell = FlagValue::cell(&*links.ends.next, cells.0, cells.1, desc_value);
         if sends.is_empty() {
-            let send = &self.h().send;
-            enqueue_wait(send, kernels, send_guard, None, false, None).map_err(g)?;
-            enqueue_signal(send, kernels, send_guard, tell, None).map_err(g)?;
+            enqueue_wait(&h.send, kernels, send_guard, None, false, None).map_err(g)?;
+            enqueue_signal(&h.send, kernels, send_guard, tell, None).map_err(g)?;
         }
         let size = dtype.size();
         let slot_at = |slot: u32| slot as usize * links.slot_bytes;
@@ -854,19 +948,29 @@ impl GpuRing {
         for step in 0..steps {
             while let Some(s) = sends.get(si).filter(|s| s.step == step) {
                 if let Some(j) = s.after_recv {
-                    self.h().send.wait_marker(&self.recv_marks[j]).map_err(g)?;
+                    h.send.wait_marker(&marks.recvs[j]).map_err(g)?;
                 }
-                let send = &self.h().send;
+                let send = &h.send;
                 let off = s.elements.start as usize * size;
                 let len = (s.elements.end - s.elements.start) as usize * size;
                 let at = slot_at(s.slot);
-                let ready: FlagValue = (&*links.next_flags, flag::READY, s.ready);
+                let ready = FlagValue::chunks(
+                    &*links.next_flags,
+                    flag::READY,
+                    s.ready.wrapping_sub(s0),
+                    send_align,
+                );
                 // Wait for the slot's credit (or, for a slot never used, only read the stop
                 // word), then one kernel copies and stores the ready flag (the first chunk's
                 // carries the descriptor word just before it).
-                let credit = s
-                    .wait_released
-                    .map(|v| (&*links.flags as &dyn FlagPage, flag::RELEASED, v));
+                let credit = s.wait_released.map(|v| {
+                    FlagValue::chunks(
+                        &*links.flags as &dyn FlagPage,
+                        flag::RELEASED,
+                        v.wrapping_sub(s0),
+                        send_align,
+                    )
+                });
                 enqueue_wait(send, kernels, send_guard, credit, false, None).map_err(g)?;
                 let (first, second) = if si == 0 {
                     (tell, Some(ready))
@@ -888,32 +992,42 @@ impl GpuRing {
                     }
                 }
                 .map_err(g)?;
-                self.h()
-                    .send
-                    .record_marker(&self.send_marks[si])
-                    .map_err(g)?;
+                send.record_marker(&marks.sends[si]).map_err(g)?;
                 si += 1;
             }
             while let Some(r) = recvs.get(ri).filter(|r| r.step == step) {
                 // Nothing of the previous rank's lands in this rank's buffer before it has said
                 // it calls the same collective: the first receive waits for its descriptor word
                 // too.
-                let desc: Option<FlagValue> =
-                    (ri == 0).then_some((&*links.ends.mine, desc_cell, desc_word));
-                self.queue_recv(links, r, buffer, dtype, op, desc)?;
-                self.h()
-                    .recv
-                    .record_marker(&self.recv_marks[ri])
-                    .map_err(g)?;
+                let desc = (ri == 0)
+                    .then(|| FlagValue::cell(&*links.ends.mine, cells.0, cells.1, desc_value));
+                self.queue_recv(links, r, buffer, dtype, op, desc, marks, (r0, recv_align))?;
+                h.recv.record_marker(&marks.recvs[ri]).map_err(g)?;
                 ri += 1;
             }
         }
-        self.h().send.record_marker(&self.end[0]).map_err(g)?;
-        self.h().recv.record_marker(&self.end[1]).map_err(g)?;
-        stream.wait_marker(&self.end[0]).map_err(g)?;
-        stream.wait_marker(&self.end[1]).map_err(g)
+        // Each stream's end of the collective: its counters move past it (for the next
+        // collective, or the next replay).
+        let chunks = |n: usize| {
+            u32::try_from(n).map_err(|_| Error::InvalidArgument {
+                reason: format!("{n} chunks in one collective"),
+            })
+        };
+        send_guard
+            .enqueue_advance(&h.send, kernels, send_align, chunks(sends.len())?)
+            .map_err(g)?;
+        recv_guard
+            .enqueue_advance(&h.recv, kernels, recv_align, chunks(recvs.len())?)
+            .map_err(g)?;
+        h.send.record_marker(&marks.end[0]).map_err(g)?;
+        h.recv.record_marker(&marks.end[1]).map_err(g)?;
+        stream.wait_marker(&marks.end[0]).map_err(g)?;
+        stream.wait_marker(&marks.end[1]).map_err(g)
     }
 
+    /// Queues receive `r` (values relative to `r0`, the guard's chunk counter rounded up to
+    /// `align` added on the GPU).
+    #[allow(clippy::too_many_arguments)]
     fn queue_recv(
         &self,
         links: &StreamLinks,
@@ -922,6 +1036,8 @@ impl GpuRing {
         dtype: DataType,
         op: ReduceOp,
         desc: Option<FlagValue>,
+        marks: &Marks,
+        (r0, align): (u32, u32),
     ) -> Result<()> {
         let g = |e| gpu_error("queueing the collective", e);
         let s = &self.h().recv;
@@ -933,9 +1049,14 @@ impl GpuRing {
             .expect("a ring with links has guards");
         let size = dtype.size();
         if let Some(i) = r.after_send {
-            s.wait_marker(&self.send_marks[i]).map_err(g)?;
+            s.wait_marker(&marks.sends[i]).map_err(g)?;
         }
-        let ready: FlagValue = (&*links.flags, flag::READY, r.wait_ready);
+        let ready = FlagValue::chunks(
+            &*links.flags,
+            flag::READY,
+            r.wait_ready.wrapping_sub(r0),
+            align,
+        );
         match desc {
             Some(d) => enqueue_wait(s, kernels, guard, Some(d), true, Some(ready)),
             None => enqueue_wait(s, kernels, guard, Some(ready), false, None),
@@ -946,7 +1067,12 @@ impl GpuRing {
         let at = r.slot as usize * links.slot_bytes;
         // Credit back to the previous rank (skipped when the wait ended on the stop word: what
         // an aborted rank's streams write is only its own memory).
-        let credit: FlagValue = (&*links.prev_flags, flag::RELEASED, r.released);
+        let credit = FlagValue::chunks(
+            &*links.prev_flags,
+            flag::RELEASED,
+            r.released.wrapping_sub(r0),
+            align,
+        );
         let release = |s: &GpuStream| enqueue_signal(s, kernels, guard, credit, None).map_err(g);
         let gpu_slots: Option<&DeviceBuffer> = match &links.incoming {
             Incoming::CudaIpc(slot) => Some(slot.buffer()),
@@ -1028,8 +1154,8 @@ impl GpuRing {
                 n.all_sent() || n.failure().is_some() || self.abort.error().is_some()
             });
             if carried
-                && self.end[0].is_complete().map_err(g)?
-                && self.end[1].is_complete().map_err(g)?
+                && self.marks.end[0].is_complete().map_err(g)?
+                && self.marks.end[1].is_complete().map_err(g)?
             {
                 // Read the neighbours' notices once more after the streams finished: a
                 // neighbour that aborted told us before its stop word ended its waits.
@@ -1051,7 +1177,7 @@ impl GpuRing {
                     .and_then(NetLink::failure);
                 // A one-kernel collective that a block gave up on (its peers learn through the
                 // end notices of the abort below).
-                let kernel = self.one_kernel_failure();
+                let kernel = self.one_kernel_failure().or_else(|| self.guard_timeout());
                 if let Some(e) = &kernel {
                     self.abort.abort_with(e.clone());
                 }
@@ -1299,7 +1425,7 @@ impl AbortHandle {
                 .read_bytes(cell, 32, &mut b)
                 .map(|()| Descriptor::decode(&b))
             {
-                Ok(Ok(d)) if d.seq == *seq => d.to_string(),
+                Ok(Ok(d)) if d.seq == ours.seq => d.to_string(),
                 _ => format!(
                     "collective #{seq} with descriptor tag {:#06x}",
                     got & 0x7fff

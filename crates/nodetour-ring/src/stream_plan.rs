@@ -20,6 +20,14 @@
 //! Sequence numbers run on across collectives ([`LinkCounters`]), so slots are reused without a
 //! handshake between collectives; flag values are those numbers mod 2^32 and the transports
 //! compare them cyclically.
+//!
+//! **Replayable links** ([`Replayable`]; on the GPU ring, every link but a network link):
+//! each collective starts at the link's next multiple of `slots` (slot 0), and waits for the
+//! slot's credit even for a slot never used. Then a program's flag values, taken relative to
+//! [`StreamProgram::start`], and its slot indices are the same whatever collectives ran
+//! before: the GPU resolves the values against counters it keeps itself, so a program captured
+//! into a CUDA graph is the right program at every replay (no slot is written before the
+//! receiver released it, whatever the counters are by then).
 
 use std::ops::Range;
 
@@ -82,6 +90,49 @@ pub struct StreamProgram {
     pub sends: Vec<SendOp>,
     /// In receive-stream order.
     pub recvs: Vec<RecvOp>,
+    /// The counters the collective started from (on a replayable link, rounded up to a
+    /// multiple of `slots`): flag values minus these are the same at every replay.
+    pub start: LinkCounters,
+}
+
+/// Which of a rank's two links are replayable (see the module's doc): the link to the next
+/// rank (`send`) and the link from the previous rank (`recv`). Both ends of a link must agree
+/// (the link's kind decides).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Replayable {
+    /// The link this rank sends on.
+    pub send: bool,
+    /// The link this rank receives on.
+    pub recv: bool,
+}
+
+impl Replayable {
+    /// Neither link.
+    pub const NONE: Replayable = Replayable {
+        send: false,
+        recv: false,
+    };
+    /// Both links.
+    pub const BOTH: Replayable = Replayable {
+        send: true,
+        recv: true,
+    };
+}
+
+/// `counters` rounded up to multiples of `slots` on the replayable links.
+fn align(counters: &mut LinkCounters, slots: u64, replayable: Replayable) {
+    if replayable.send {
+        counters.sent = counters.sent.next_multiple_of(slots);
+    }
+    if replayable.recv {
+        counters.received = counters.received.next_multiple_of(slots);
+    }
+}
+
+/// The credit a send of chunk `seq` waits for (`None`: the slot was never used; only on a
+/// link that is not replayable, where the counters are the whole history).
+fn credit(seq: u64, slots: u64, replayable: bool) -> Option<u32> {
+    (replayable || seq >= slots).then(|| seq.wrapping_add(1).wrapping_sub(slots) as u32)
 }
 
 /// Chunks moved so far on this rank's two links, carried from one collective to the next.
@@ -99,7 +150,7 @@ fn chunks(plan: &Plan, segment: u32) -> impl Iterator<Item = Range<u64>> + '_ {
 }
 
 /// Plans one collective of `plan` (any [`crate::plan::Shape`]) for ring position `rank` and
-/// advances `counters` past it.
+/// advances `counters` past it (no link replayable).
 ///
 /// Every rank of the ring must plan the same collectives in the same order with the same plan
 /// (then the sequence numbers of both ends of each link agree without messages).
@@ -109,12 +160,26 @@ pub fn program(
     average: bool,
     counters: &mut LinkCounters,
 ) -> StreamProgram {
+    program_on(plan, rank, average, counters, Replayable::NONE)
+}
+
+/// [`program`] on links of which `replayable` are replayable (see the module's doc).
+pub fn program_on(
+    plan: &Plan,
+    rank: u32,
+    average: bool,
+    counters: &mut LinkCounters,
+    replayable: Replayable,
+) -> StreamProgram {
     let n = plan.world;
     let mut p = StreamProgram::default();
     if n < 2 {
+        p.start = *counters;
         return p;
     }
     let slots = u64::from(plan.slots);
+    align(counters, slots, replayable);
+    p.start = *counters;
     let reduce_steps = (0..plan.steps()).filter(|&s| plan.reduces_at(s)).count() as u32;
     // First receive / send index of each step, for the cross-stream dependencies.
     let mut recv_start = Vec::with_capacity(plan.steps() as usize);
@@ -132,7 +197,7 @@ pub fn program(
                     step,
                     elements,
                     slot: (seq % slots) as u32,
-                    wait_released: (seq >= slots).then(|| (seq + 1 - slots) as u32),
+                    wait_released: credit(seq, slots, replayable.send),
                     ready: (seq + 1) as u32,
                     after_recv: carried.then(|| recv_start[step as usize - 1] + c),
                 });
@@ -174,9 +239,21 @@ pub fn program(
 /// the copy engines stream without a phase change. The receive of a chunk waits for the send
 /// that reads the same range (write after read). `plan.world` must be 2.
 pub fn program_exchange(plan: &Plan, average: bool, counters: &mut LinkCounters) -> StreamProgram {
+    program_exchange_on(plan, average, counters, Replayable::NONE)
+}
+
+/// [`program_exchange`] on links of which `replayable` are replayable (see the module's doc).
+pub fn program_exchange_on(
+    plan: &Plan,
+    average: bool,
+    counters: &mut LinkCounters,
+    replayable: Replayable,
+) -> StreamProgram {
     debug_assert_eq!(plan.world, 2);
     let slots = u64::from(plan.slots);
     let mut p = StreamProgram::default();
+    align(counters, slots, replayable);
+    p.start = *counters;
     let mut start = 0;
     while start < plan.count {
         let elements = start..(start + plan.chunk_elems).min(plan.count);
@@ -187,7 +264,7 @@ pub fn program_exchange(plan: &Plan, average: bool, counters: &mut LinkCounters)
             step: 0,
             elements: elements.clone(),
             slot: (seq % slots) as u32,
-            wait_released: (seq >= slots).then(|| (seq + 1 - slots) as u32),
+            wait_released: credit(seq, slots, replayable.send),
             ready: (seq + 1) as u32,
             after_recv: None,
         });
@@ -262,6 +339,52 @@ mod tests {
                     && r.kind == RecvKind::Reduce { average: true })
         );
         assert_eq!(p.sends[2].wait_released, Some(1));
+    }
+
+    #[test]
+    fn replayable_links_start_every_collective_at_slot_zero_and_always_wait_for_credit() {
+        let plan = Plan::new(3, 10, 4, 8, 4).unwrap();
+        let mut c = LinkCounters {
+            sent: 5,
+            received: 6,
+        };
+        let p = program_on(&plan, 1, false, &mut c, Replayable::BOTH);
+        assert_eq!(
+            p.start,
+            LinkCounters {
+                sent: 8,
+                received: 8
+            }
+        );
+        assert_eq!(p.sends[0].slot, 0);
+        assert_eq!(p.recvs[0].slot, 0);
+        assert_eq!(p.sends[0].wait_released, Some(5)); // 8 + 1 - 4
+        assert_eq!(p.sends[0].ready, 9);
+        // The same collective from other counters: the same slots, the same relative values.
+        let mut d = LinkCounters {
+            sent: 1 << 40,
+            received: (1 << 40) - 3,
+        };
+        let q = program_on(&plan, 1, false, &mut d, Replayable::BOTH);
+        let rel = |p: &StreamProgram| {
+            let (s0, r0) = (p.start.sent as u32, p.start.received as u32);
+            (
+                p.sends
+                    .iter()
+                    .map(|s| (s.slot, s.ready.wrapping_sub(s0), s.wait_released.map(|v| v.wrapping_sub(s0))))
+                    .collect::<Vec<_>>(),
+                p.recvs
+                    .iter()
+                    .map(|r| (r.slot, r.wait_ready.wrapping_sub(r0), r.released.wrapping_sub(r0)))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(rel(&p), rel(&q));
+        // From the very start, the first slot's credit is a value the zeroed word has reached.
+        let mut z = LinkCounters::default();
+        let f = program_on(&plan, 0, false, &mut z, Replayable::BOTH);
+        let v = f.sends[0].wait_released.unwrap();
+        assert!((0u32.wrapping_sub(v) as i32) >= 0);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use nodetour_core::Deadline;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::transport::TransportKind;
-use nodetour_core::transport::gpu::{Flags, StopWord, StreamGuard, enqueue_wait};
+use nodetour_core::transport::gpu::{FlagValue, Flags, StopWord, StreamGuard, enqueue_wait};
 use nodetour_net::bootstrap::UniqueId;
 use nodetour_ring::comm::{Communicator, DevicePath, Options};
 use nodetour_ring::{Error, ReduceOp};
@@ -289,7 +289,7 @@ impl Spinner {
             &stream,
             &kernels,
             &guard,
-            Some((&*flags, 0, 1)),
+            Some(FlagValue::fixed(&*flags, 0, 1)),
             false,
             None,
         )

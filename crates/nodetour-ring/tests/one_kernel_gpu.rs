@@ -8,7 +8,7 @@
 //!   holds the same bytes;
 //! - collectives captured into a CUDA graph, replayed several times with new inputs each time,
 //!   interleaved with eager collectives on the same communicator; a collective too large for
-//!   the path refused under capture, typed, with nothing queued;
+//!   the path (the stream-ordered ring) captured into the same graph;
 //! - drills: an abort while a replayed kernel waits for a rank that never replays (ends by the
 //!   stop word, long before the deadline), then the peer's next collective fails too.
 //!
@@ -165,19 +165,11 @@ fn one_kernel_rank() {
         comm.all_reduce_device_buffer(b, *n, *t, *op, &stream)
             .unwrap();
     }
-    // Too large for the path: refused under capture, typed, nothing queued.
+    // Too large for the path: the stream-ordered ring, captured into the same graph.
     let big = DeviceBuffer::new(&ctx, 2 * max + 64).unwrap();
-    let refused = comm.all_reduce_device_buffer(
-        &big,
-        (2 * max + 64) / 4,
-        DataType::F32,
-        ReduceOp::Sum,
-        &stream,
-    );
-    assert!(
-        matches!(&refused, Err(nodetour_ring::Error::Unsupported { reason }) if reason.contains("one-kernel")),
-        "rank {r}: {refused:?}"
-    );
+    let big_n = (2 * max + 64) / 4;
+    comm.all_reduce_device_buffer(&big, big_n, DataType::I32, ReduceOp::Max, &stream)
+        .unwrap();
     let graph = cu_stream
         .end_capture(sys::CUgraphInstantiate_flags(0))
         .unwrap()
@@ -187,8 +179,14 @@ fn one_kernel_rank() {
             b.copy_from_host(0, &input(*t, r, *n, 1000 + replay))
                 .unwrap();
         }
+        big.copy_from_host(0, &input(DataType::I32, r, big_n, 3000 + replay))
+            .unwrap();
         graph.launch().unwrap();
         cu_stream.synchronize().unwrap();
+        let mut got = vec![0u8; big_n * 4];
+        big.copy_to_host(0, &mut got).unwrap();
+        let want = expected(DataType::I32, ReduceOp::Max, world, big_n, 3000 + replay);
+        check(&format!("replay {replay}: the ring's I32 Max x {big_n}"), r, &got, &want);
         for ((t, op, n), b) in shapes.iter().zip(&bufs) {
             let mut got = vec![0u8; n * t.size()];
             b.copy_to_host(0, &mut got).unwrap();

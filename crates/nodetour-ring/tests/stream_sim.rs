@@ -1,15 +1,18 @@
 //! The stream-ordered ring program, executed by a simulator: every rank has a send and a receive
 //! queue that run in order, queues of all ranks interleave at random, counters and slots behave
-//! like the shared host words and slot memory of cuda-ipc / shm. Several collectives run back to
-//! back on the same counters (slots reused across collectives), starting near 2^32 so that the
-//! flag values wrap. Every run must end with the exact result on every rank and never deadlock;
+//! like the shared host words and slot memory of cuda-ipc / shm. Several collectives are queued
+//! back to back on the same counters and overlap (each rank's streams run on into the next
+//! collective; slots reused across collectives), starting near 2^32 so that the flag values
+//! wrap; with replays, a captured program runs again between eager ones on counters only the
+//! GPU knows. Every run must end with the exact result on every rank and never deadlock;
 //! and removing the slot-reuse or the data dependency must be caught (some interleaving corrupts
 //! the result), which shows the simulator sees the hazards the dependencies prevent.
 
 use nodetour_ring::Plan;
 use nodetour_ring::plan::Shape;
 use nodetour_ring::stream_plan::{
-    LinkCounters, RecvKind, RecvOp, SendOp, program, program_exchange,
+    LinkCounters, RecvKind, RecvOp, Replayable, SendOp, StreamProgram, program_exchange_on,
+    program_on,
 };
 use proptest::prelude::*;
 
@@ -30,20 +33,63 @@ struct Drop_ {
     exchange: bool,
     /// The collective (`None`: allreduce).
     shape: Option<Shape>,
+    /// Replays: the first collective is captured (planned once on replayable links) and run
+    /// again at every odd collective, the others planned eagerly; the GPU's counters resolve
+    /// every value (the host's counters do not see the replays).
+    replay: bool,
+    /// With `replay`: plan on links that are not replayable (must be caught).
+    unaligned: bool,
+}
+
+/// The GPU's view of a program planned from counters `start`: its values moved to the
+/// device's counters `dev` (rounded up to `slots` on replayable links), as the guarded kernels
+/// resolve them; slots unchanged.
+fn resolve(
+    p: &StreamProgram,
+    dev: LinkCounters,
+    slots: u64,
+    aligned: bool,
+) -> (Vec<SendOp>, Vec<RecvOp>) {
+    let up = |c: u64| if aligned { c.next_multiple_of(slots) } else { c };
+    let (s0, r0) = (up(dev.sent) as u32, up(dev.received) as u32);
+    let (ps, pr) = (p.start.sent as u32, p.start.received as u32);
+    let sends = p
+        .sends
+        .iter()
+        .map(|s| SendOp {
+            ready: s0.wrapping_add(s.ready.wrapping_sub(ps)),
+            wait_released: s.wait_released.map(|v| s0.wrapping_add(v.wrapping_sub(ps))),
+            ..s.clone()
+        })
+        .collect();
+    let recvs = p
+        .recvs
+        .iter()
+        .map(|r| RecvOp {
+            wait_ready: r0.wrapping_add(r.wait_ready.wrapping_sub(pr)),
+            released: r0.wrapping_add(r.released.wrapping_sub(pr)),
+            ..r.clone()
+        })
+        .collect();
+    (sends, recvs)
 }
 
 struct Rank {
-    data: Vec<i64>,
+    /// Each collective's buffer.
+    data: Vec<Vec<i64>>,
     slots: Vec<Vec<i64>>,
     ready: u32,
     released: u32,
-    sends: Vec<SendOp>,
-    recvs: Vec<RecvOp>,
+    /// Every collective's sends and receives, in stream order (a stream runs on into the
+    /// next collective as soon as its own order allows), each with its collective.
+    sends: Vec<(usize, SendOp)>,
+    recvs: Vec<(usize, RecvOp)>,
     next_send: usize,
     next_recv: usize,
 }
 
-/// Runs `collectives` allreduces (sum, or average when `avg`) over `world` ranks; returns
+/// Runs `collectives` allreduces (sum, or average when `avg`) over `world` ranks, queued back
+/// to back (each rank's streams run on into the next collective, as on the GPU); returns
 /// whether every rank got the right answer. Panics on a deadlock or an out-of-slot write.
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 fn run(
@@ -72,18 +118,6 @@ fn run(
         };
         n
     ];
-    let mut ranks: Vec<Rank> = (0..n)
-        .map(|_| Rank {
-            data: Vec::new(),
-            slots: vec![vec![0; slot_elems as usize]; slots as usize],
-            ready: start,
-            released: start,
-            sends: Vec::new(),
-            recvs: Vec::new(),
-            next_send: 0,
-            next_recv: 0,
-        })
-        .collect();
     let mut inputs: Vec<Vec<Vec<i64>>> = vec![Vec::new(); collectives];
     for (k, input) in inputs.iter_mut().enumerate() {
         for r in 0..n {
@@ -96,89 +130,141 @@ fn run(
             );
         }
     }
-    let mut all_ok = true;
-    for input in &inputs {
+    let mut ranks: Vec<Rank> = (0..n)
+        .map(|r| Rank {
+            data: inputs.iter().map(|input| input[r].clone()).collect(),
+            slots: vec![vec![0; slot_elems as usize]; slots as usize],
+            ready: start,
+            released: start,
+            sends: Vec::new(),
+            recvs: Vec::new(),
+            next_send: 0,
+            next_recv: 0,
+        })
+        .collect();
+    let replayable = if drop.replay && !drop.unaligned {
+        Replayable::BOTH
+    } else {
+        Replayable::NONE
+    };
+    // The counters the GPU keeps (advanced by every collective run, replays too).
+    let mut dev = counters.clone();
+    let mut captured: Vec<Option<StreamProgram>> = vec![None; n];
+    for k in 0..collectives {
         for r in 0..n {
-            ranks[r].data = input[r].clone();
-            let mut p = if drop.exchange {
-                program_exchange(&plan, avg, &mut counters[r])
+            let replayed = drop.replay && k % 2 == 1;
+            let p = if replayed {
+                captured[r].clone().expect("captured at the first collective")
+            } else if drop.exchange {
+                program_exchange_on(&plan, avg, &mut counters[r], replayable)
             } else {
-                program(&plan, r as u32, avg, &mut counters[r])
+                program_on(&plan, r as u32, avg, &mut counters[r], replayable)
             };
+            if drop.replay && k == 0 {
+                captured[r] = Some(p.clone());
+            }
+            let (mut sends, mut recvs) = if drop.replay {
+                resolve(&p, dev[r], u64::from(slots), replayable.send)
+            } else {
+                (p.sends.clone(), p.recvs.clone())
+            };
+            if drop.replay {
+                let up = |c: u64| {
+                    if replayable.send {
+                        c.next_multiple_of(u64::from(slots))
+                    } else {
+                        c
+                    }
+                };
+                dev[r].sent = up(dev[r].sent) + p.sends.len() as u64;
+                dev[r].received = up(dev[r].received) + p.recvs.len() as u64;
+            }
             if drop.released {
-                p.sends.iter_mut().for_each(|s| s.wait_released = None);
+                sends.iter_mut().for_each(|s| s.wait_released = None);
             }
             if drop.after_send {
-                p.recvs.iter_mut().for_each(|s| s.after_send = None);
+                recvs.iter_mut().for_each(|s| s.after_send = None);
             }
             if drop.after_recv {
-                p.sends.iter_mut().for_each(|s| s.after_recv = None);
+                sends.iter_mut().for_each(|s| s.after_recv = None);
             }
-            ranks[r].sends = p.sends;
-            ranks[r].recvs = p.recvs;
-            ranks[r].next_send = 0;
-            ranks[r].next_recv = 0;
+            // Indices into this rank's whole queues.
+            let (s_base, r_base) = (ranks[r].sends.len(), ranks[r].recvs.len());
+            for mut o in sends {
+                o.after_recv = o.after_recv.map(|i| i + r_base);
+                ranks[r].sends.push((k, o));
+            }
+            for mut o in recvs {
+                o.after_send = o.after_send.map(|i| i + s_base);
+                ranks[r].recvs.push((k, o));
+            }
         }
-        loop {
-            // Runnable queue heads: (rank, is_send).
-            let mut runnable = Vec::new();
-            let mut remaining = false;
-            for r in 0..n {
-                let me = &ranks[r];
-                if let Some(s) = me.sends.get(me.next_send) {
-                    remaining = true;
-                    let data_ready = s.after_recv.is_none_or(|i| i < me.next_recv);
-                    // `released` of the link to `next` lives at this rank (written by `next`).
-                    let slot_free = s.wait_released.is_none_or(|v| reached(me.released, v));
-                    if data_ready && slot_free {
-                        runnable.push((r, true));
-                    }
-                }
-                if let Some(o) = me.recvs.get(me.next_recv) {
-                    remaining = true;
-                    let landed = reached(me.ready, o.wait_ready);
-                    let war = o.after_send.is_none_or(|i| i < me.next_send);
-                    if landed && war {
-                        runnable.push((r, false));
-                    }
+    }
+    loop {
+        // Runnable queue heads: (rank, is_send).
+        let mut runnable = Vec::new();
+        let mut remaining = false;
+        for r in 0..n {
+            let me = &ranks[r];
+            if let Some((_, s)) = me.sends.get(me.next_send) {
+                remaining = true;
+                let data_ready = s.after_recv.is_none_or(|i| i < me.next_recv);
+                // `released` of the link to `next` lives at this rank (written by `next`).
+                let slot_free = s.wait_released.is_none_or(|v| reached(me.released, v));
+                if data_ready && slot_free {
+                    runnable.push((r, true));
                 }
             }
-            if !remaining {
-                break;
+            if let Some((_, o)) = me.recvs.get(me.next_recv) {
+                remaining = true;
+                let landed = reached(me.ready, o.wait_ready);
+                let war = o.after_send.is_none_or(|i| i < me.next_send);
+                if landed && war {
+                    runnable.push((r, false));
+                }
             }
-            assert!(!runnable.is_empty(), "deadlock");
-            let (r, is_send) = runnable[rng.below(runnable.len())];
-            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-            if is_send {
-                let s = ranks[r].sends[ranks[r].next_send].clone();
-                let (a, b) = (s.elements.start as usize, s.elements.end as usize);
-                assert!(b - a <= slot_elems as usize, "a chunk larger than a slot");
-                let chunk = ranks[r].data[a..b].to_vec();
-                let slot = &mut ranks[next].slots[s.slot as usize];
-                slot[..chunk.len()].copy_from_slice(&chunk);
-                assert!(reached(s.ready, ranks[next].ready), "ready went backwards");
-                ranks[next].ready = s.ready;
-                ranks[r].next_send += 1;
-            } else {
-                let o = ranks[r].recvs[ranks[r].next_recv].clone();
-                let (a, b) = (o.elements.start as usize, o.elements.end as usize);
-                let slot = ranks[r].slots[o.slot as usize][..b - a].to_vec();
-                match o.kind {
-                    RecvKind::Reduce { average } => {
-                        for (x, y) in ranks[r].data[a..b].iter_mut().zip(&slot) {
-                            *x += y;
-                            if average {
-                                *x /= world as i64;
-                            }
+        }
+        if !remaining {
+            break;
+        }
+        if runnable.is_empty() && drop.unaligned {
+            return false; // caught: a replay waits for a value that never comes
+        }
+        assert!(!runnable.is_empty(), "deadlock");
+        let (r, is_send) = runnable[rng.below(runnable.len())];
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        if is_send {
+            let (k, s) = ranks[r].sends[ranks[r].next_send].clone();
+            let (a, b) = (s.elements.start as usize, s.elements.end as usize);
+            assert!(b - a <= slot_elems as usize, "a chunk larger than a slot");
+            let chunk = ranks[r].data[k][a..b].to_vec();
+            let slot = &mut ranks[next].slots[s.slot as usize];
+            slot[..chunk.len()].copy_from_slice(&chunk);
+            assert!(reached(s.ready, ranks[next].ready), "ready went backwards");
+            ranks[next].ready = s.ready;
+            ranks[r].next_send += 1;
+        } else {
+            let (k, o) = ranks[r].recvs[ranks[r].next_recv].clone();
+            let (a, b) = (o.elements.start as usize, o.elements.end as usize);
+            let slot = ranks[r].slots[o.slot as usize][..b - a].to_vec();
+            match o.kind {
+                RecvKind::Reduce { average } => {
+                    for (x, y) in ranks[r].data[k][a..b].iter_mut().zip(&slot) {
+                        *x += y;
+                        if average {
+                            *x /= world as i64;
                         }
                     }
-                    RecvKind::Copy => ranks[r].data[a..b].copy_from_slice(&slot),
                 }
-                // Released goes to the previous rank: it is the word the sender waits on.
-                ranks[prev].released = o.released;
-                ranks[r].next_recv += 1;
+                RecvKind::Copy => ranks[r].data[k][a..b].copy_from_slice(&slot),
             }
+            // Released goes to the previous rank: it is the word the sender waits on.
+            ranks[prev].released = o.released;
+            ranks[r].next_recv += 1;
         }
+    }
+    let mut all_ok = true;
+    for (k, input) in inputs.iter().enumerate() {
         let reduced: Vec<i64> = (0..count as usize)
             .map(|i| {
                 let s: i64 = input.iter().map(|v| v[i]).sum();
@@ -190,13 +276,14 @@ fn run(
                 let x = plan.segment(s as u32);
                 x.start as usize..x.end as usize
             };
+            let data = &ranks[r].data[k];
             let ok = match plan.shape {
-                Shape::AllReduce => ranks[r].data == reduced,
+                Shape::AllReduce => *data == reduced,
                 // Rank r's own block is reduced (the others hold partial sums).
-                Shape::ReduceScatter => ranks[r].data[seg(r)] == reduced[seg(r)],
+                Shape::ReduceScatter => data[seg(r)] == reduced[seg(r)],
                 // Block s comes from rank s.
-                Shape::AllGather => (0..n).all(|s| ranks[r].data[seg(s)] == input[s][seg(s)]),
-                Shape::Broadcast { root } => ranks[r].data == input[root as usize],
+                Shape::AllGather => (0..n).all(|s| data[seg(s)] == input[s][seg(s)]),
+                Shape::Broadcast { root } => *data == input[root as usize],
             };
             if !ok {
                 all_ok = false;
@@ -258,6 +345,48 @@ proptest! {
         let exchange = Drop_ { exchange: true, ..Drop_::default() };
         prop_assert!(run(2, count, slot_elems, slots, 3, avg, seed, exchange));
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// A collective captured into a CUDA graph and replayed between eager ones: on replayable
+    /// links every replay gives the exact result (the GPU resolves the values against its own
+    /// counters, which the host does not know after a replay).
+    #[test]
+    fn replays_between_eager_collectives_give_the_exact_result(
+        world in 1u32..7,
+        count in prop::sample::select(vec![0u64, 1, 2, 7, 13, 31, 64, 97]),
+        slot_elems in 1u64..7,
+        slots in 1u32..5,
+        avg in any::<bool>(),
+        pick in 0u32..5,
+        seed in any::<u64>(),
+    ) {
+        let shape = match pick {
+            0 => None,
+            1 => Some(Shape::ReduceScatter),
+            2 => Some(Shape::AllGather),
+            3 => Some(Shape::Broadcast { root: seed as u32 % world }),
+            _ => None,
+        };
+        let count = if shape.is_some() { count * u64::from(world) } else { count };
+        let exchange = world == 2 && pick == 4;
+        let v = Drop_ { shape, replay: true, exchange, ..Drop_::default() };
+        prop_assert!(run(world, count, slot_elems, slots, 6, avg, seed, v), "{shape:?}");
+    }
+}
+
+/// Replays need replayable links: planned on plain links (slots from the host's counters,
+/// no credit wait for a slot the host thinks unused), some interleaving goes wrong.
+#[test]
+fn replays_need_replayable_links() {
+    let drop = Drop_ {
+        replay: true,
+        unaligned: true,
+        ..Drop_::default()
+    };
+    let caught = (0..400u64).any(|seed| !run(3, 31, 2, 5, 6, false, seed * 7919 + 1, drop));
+    assert!(caught, "replays on plain links were never caught");
 }
 
 /// In the exchange, the write-after-read wait is what keeps a rank from combining into a range

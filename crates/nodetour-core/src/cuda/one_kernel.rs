@@ -98,7 +98,6 @@ struct OneShot {
     u64 input, output, count, half, counters, stop, status, timeout_ns;
     unsigned world, rank, digest, average;
 };
-__device__ __forceinline__ u64 nt_now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 // 16 bytes from memory another GPU writes: from L2 (or the peer), never a stale L1 line.
 __device__ __forceinline__ v16 nt_ld_cg(const v16* p) {
     v16 r; asm volatile("ld.global.cg.v2.u64 {%0, %1}, [%2];" : "=l"(r.a), "=l"(r.b) : "l"(p)); return r;

@@ -123,64 +123,106 @@ extern "C" __global__ void nt_copy(unsigned char* d, const unsigned char* s, u64
     for (u64 i = done + i0; i < n; i += stride) d[i] = s[i];
 }
 // Guarded hand-offs (the GPU ring). `stop` is a word of this rank's host flag page that its host
-// sets once, when it aborts, and that nothing ever clears. Each stream runs a one-thread nt_wait
-// before the work of a hand-off: it waits for its flags or for the stop, and writes the stream's
+// sets to 1, once, when it aborts, and that nothing ever clears (a guarded wait that gives up at
+// its deadline sets it to 2: the host reads why). Each stream runs a one-thread nt_wait before
+// the work of a hand-off: it waits for its flags or for the stop, and writes the stream's
 // `latch` (a word of this GPU's memory): 1 if the flags were reached (the peer's credit, the
 // peer's data: genuine), 0 if the stop ended the wait. The kernels after it on the stream write
 // a peer's memory and store a peer's flags only if the latch is 1. So once the stop is set every
 // wait ends, whatever a peer stores later, and nothing is written into a peer's memory without
 // that peer's credit. Only one-thread kernels wait: a kernel of many blocks that spun could hold
 // every SM while the kernel that it waits for (another rank's, on a shared GPU) needs one.
+//
+// Flag operands (NtFlag) are fixed (a word and a value), or relative to the stream's counters
+// (`base`: two 64-bit words of this GPU's memory that only this stream's kernels use, advanced
+// by nt_advance at the stream's end of each collective): so work captured into a CUDA graph is
+// the next collective at every replay, like work queued again.
+//  - counted (cells == 0): value + the chunk counter rounded up to `align` (every collective
+//    starts at slot 0 of an aligned link, so fixed slot addresses stay right);
+//  - a descriptor cell (cells > 0): word `addr + stride * (collectives mod cells)`, value with
+//    the collective counter's low 16 bits in its high half.
 __device__ __forceinline__ void nt_pause() {
 #if __CUDA_ARCH__ >= 700
     __nanosleep(200);
 #endif
 }
-// One thread: until `*w1` reaches `v1` (cyclically: (int)(w - v) >= 0, or == when `eq1`) and
-// then `*w2` reaches `v2` (either may be null), or `*stop` is set; `*latch` := whether the
-// words were reached (with neither, whether the stop is clear).
-extern "C" __global__ void nt_wait(const volatile unsigned* w1, unsigned v1, unsigned eq1,
-                                   const volatile unsigned* w2, unsigned v2,
-                                   const volatile unsigned* stop, volatile unsigned* latch) {
-    unsigned ok = 1;
-    if (!w1 && !w2) ok = *stop == 0;
-    for (unsigned i = 0; w1; i++) {
-        unsigned w = *w1;
-        if (eq1 ? w == v1 : (int)(w - v1) >= 0) break;
-        if ((i & 63) == 0 && *stop) { ok = 0; break; }
+__device__ __forceinline__ u64 nt_now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+struct NtFlag { u64 addr, base; unsigned value, align, cells, stride; };
+__device__ __forceinline__ volatile unsigned* nt_flag(const NtFlag& f, unsigned* v) {
+    u64 a = f.addr;
+    unsigned x = f.value;
+    if (a && f.base) {
+        const volatile u64* c = (const volatile u64*)f.base;
+        if (f.cells) {
+            const u64 n = c[1];
+            a += (u64)f.stride * (n % f.cells);
+            x |= ((unsigned)n & 0xffffu) << 16;
+        } else {
+            const u64 al = f.align ? f.align : 1;
+            x += (unsigned)((c[0] + al - 1) / al * al);
+        }
+    }
+    *v = x;
+    return (volatile unsigned*)a;
+}
+// One thread: until word 1 reaches its value (cyclically: (int)(w - v) >= 0, or == when `eq1`)
+// and then word 2 reaches its (either may be absent), or `*stop` is set, or `timeout_ns` passed
+// (then it sets `*stop` to 2 itself: every later wait of this rank ends at once, and the host
+// reports the timeout); `*latch` := whether the words were reached (with neither, whether the
+// stop is clear). The stop is read before the words: no wait succeeds once it is set, so an
+// aborted rank never passes on data it did not finish.
+__device__ bool nt_wait_word(volatile unsigned* w, unsigned v, bool eq, volatile unsigned* stop, u64 t0, u64 timeout_ns) {
+    for (unsigned i = 0;; i++) {
+        if ((i & 63) == 0) {
+            if (*stop) return false;
+            if (i && nt_now() - t0 > timeout_ns) { *stop = 2; __threadfence_system(); return false; }
+        }
+        const unsigned x = *w;
+        if (eq ? x == v : (int)(x - v) >= 0) return true;
         if (i > 256) nt_pause();
     }
-    for (unsigned i = 0; ok && w2; i++) {
-        if ((int)(*w2 - v2) >= 0) break;
-        if ((i & 63) == 0 && *stop) { ok = 0; break; }
-        if (i > 256) nt_pause();
-    }
+}
+extern "C" __global__ void nt_wait(NtFlag f1, unsigned eq1, NtFlag f2, volatile unsigned* stop,
+                                   volatile unsigned* latch, u64 timeout_ns) {
+    unsigned v1, v2;
+    volatile unsigned* w1 = nt_flag(f1, &v1);
+    volatile unsigned* w2 = nt_flag(f2, &v2);
+    const u64 t0 = nt_now();
+    unsigned ok = *stop == 0;
+    if (ok && w1) ok = nt_wait_word(w1, v1, eq1 != 0, stop, t0, timeout_ns);
+    if (ok && w2) ok = nt_wait_word(w2, v2, false, stop, t0, timeout_ns);
     __threadfence_system();
     *latch = ok;
     __threadfence();
 }
-// The end of a guarded kernel: once every block has finished, the last one stores `va` at `a`
-// and then `vb` at `b` (if given) if the latch is 1, after system-wide fences (whoever sees a
-// value sees every byte written before). `done` is a zeroed word of this GPU's memory that only
-// this stream's kernels use (the last block puts it back to 0).
-__device__ void nt_finish(const volatile unsigned* latch, volatile unsigned* a, unsigned va,
-                          volatile unsigned* b, unsigned vb, unsigned* done) {
+// `*a = va` (resolved), then `*b = vb` (if given), after system-wide fences.
+__device__ __forceinline__ void nt_store_flags(const NtFlag& fa, const NtFlag& fb) {
+    unsigned va, vb;
+    volatile unsigned* a = nt_flag(fa, &va);
+    volatile unsigned* b = nt_flag(fb, &vb);
+    if (a) {
+        *a = va;
+        if (b) { __threadfence_system(); *b = vb; }
+    }
+}
+// The end of a guarded kernel: once every block has finished, the last one stores flag `a` and
+// then `b` (if given) if the latch is 1, after system-wide fences (whoever sees a value sees
+// every byte written before). `done` is a zeroed word of this GPU's memory that only this
+// stream's kernels use (the last block puts it back to 0).
+__device__ void nt_finish(const volatile unsigned* latch, const NtFlag& a, const NtFlag& b, unsigned* done) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
         if (atomicAdd(done, 1u) == gridDim.x - 1) {
             __threadfence_system();
             *done = 0;
-            if (*latch && a) {
-                *a = va;
-                if (b) { __threadfence_system(); *b = vb; }
-            }
+            if (*latch) nt_store_flags(a, b);
         }
     }
 }
 // A chunk sent: copied into the peer's slot if the latch is 1, then nt_finish.
 extern "C" __global__ void nt_send(const volatile unsigned* latch, unsigned char* d, const unsigned char* s, u64 n,
-                                   volatile unsigned* a, unsigned va, volatile unsigned* b, unsigned vb, unsigned* done) {
+                                   NtFlag a, NtFlag b, unsigned* done) {
     if (*latch) {
         u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, k = 0;
         if ((((u64)d | (u64)s) & 15) == 0) {
@@ -189,19 +231,20 @@ extern "C" __global__ void nt_send(const volatile unsigned* latch, unsigned char
         }
         for (u64 i = k + i0; i < n; i += stride) d[i] = s[i];
     }
-    nt_finish(latch, a, va, b, vb, done);
+    nt_finish(latch, a, b, done);
 }
 // A chunk received: reduced into this rank's buffer if the latch is 1, then nt_finish (the
 // credit back to the sender).
-template<class T, class Op> __device__ void reduce_then(T* d, const T* s, u64 n, const volatile unsigned* latch, volatile unsigned* a, unsigned va, unsigned* done) {
+template<class T, class Op> __device__ void reduce_then(T* d, const T* s, u64 n, const volatile unsigned* latch, const NtFlag& a, unsigned* done) {
     if (*latch) reduce<T, Op>(d, s, n);
-    nt_finish(latch, a, va, 0, 0, done);
+    const NtFlag none = {0, 0, 0, 0, 0, 0};
+    nt_finish(latch, a, none, done);
 }
 #define THEN(T, N) \
-extern "C" __global__ void nt_reduce_then_##N##_sum(T* d, const T* s, u64 n, const unsigned* l, unsigned* a, unsigned va, unsigned* dn) { reduce_then<T, Sum>(d, s, n, l, a, va, dn); } \
-extern "C" __global__ void nt_reduce_then_##N##_prod(T* d, const T* s, u64 n, const unsigned* l, unsigned* a, unsigned va, unsigned* dn) { reduce_then<T, Prod>(d, s, n, l, a, va, dn); } \
-extern "C" __global__ void nt_reduce_then_##N##_min(T* d, const T* s, u64 n, const unsigned* l, unsigned* a, unsigned va, unsigned* dn) { reduce_then<T, Min>(d, s, n, l, a, va, dn); } \
-extern "C" __global__ void nt_reduce_then_##N##_max(T* d, const T* s, u64 n, const unsigned* l, unsigned* a, unsigned va, unsigned* dn) { reduce_then<T, Max>(d, s, n, l, a, va, dn); }
+extern "C" __global__ void nt_reduce_then_##N##_sum(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Sum>(d, s, n, l, a, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_prod(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Prod>(d, s, n, l, a, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_min(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Min>(d, s, n, l, a, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_max(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Max>(d, s, n, l, a, dn); }
 THEN(float, f32)
 THEN(double, f64)
 THEN(h16, f16)
@@ -209,24 +252,47 @@ THEN(b16, bf16)
 THEN(int, i32)
 THEN(long long, i64)
 THEN(unsigned char, u8)
-// One thread: `*a = va`, then `*b = vb` (if `b`), if the latch is 1, after system-wide fences.
-extern "C" __global__ void nt_signal(const volatile unsigned* latch, volatile unsigned* a, unsigned va, volatile unsigned* b, unsigned vb) {
+// One thread: flag `a`, then `b` (if given), if the latch is 1, after system-wide fences.
+extern "C" __global__ void nt_signal(const volatile unsigned* latch, NtFlag a, NtFlag b) {
     __threadfence_system();
     if (!*latch) return;
-    *a = va;
-    if (b) { __threadfence_system(); *b = vb; }
+    nt_store_flags(a, b);
+}
+// One thread, at a stream's end of a collective: the chunk counter rounded up to `align`, plus
+// the chunks the collective moved on this stream; the collective counter plus one.
+extern "C" __global__ void nt_advance(volatile u64* c, unsigned align, unsigned chunks) {
+    const u64 al = align ? align : 1;
+    c[0] = (c[0] + al - 1) / al * al + chunks;
+    c[1] = c[1] + 1;
+    __threadfence();
 }
 "#;
 
 /// The device addresses a guarded stream's kernels use (checked by whoever builds it): the
-/// rank's stop word (host memory), and the stream's latch and completion counter (two zeroed
-/// words of this GPU's memory that only this stream's kernels use). See the guarded kernels in
+/// rank's stop word (host memory), the stream's latch and completion counter, and its two
+/// counters (chunks, collectives: 64-bit words), all of this GPU's memory and used only by
+/// this stream's kernels; and how long a guarded wait waits. See the guarded kernels in
 /// [`SOURCE`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GuardWords {
     pub(crate) stop: u64,
     pub(crate) latch: u64,
     pub(crate) done: u64,
+    pub(crate) counters: u64,
+    pub(crate) timeout_ns: u64,
+}
+
+/// A flag operand of the guarded kernels, as the kernels' `NtFlag` (the same layout): a word and
+/// a value, fixed (`base` 0) or relative to a stream's counters (see [`SOURCE`]). `addr` 0: none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct NtFlag {
+    pub(crate) addr: u64,
+    pub(crate) base: u64,
+    pub(crate) value: u32,
+    pub(crate) align: u32,
+    pub(crate) cells: u32,
+    pub(crate) stride: u32,
 }
 
 /// The kernels of one GPU: a cheap handle (clones share them).
@@ -255,6 +321,7 @@ struct Loaded {
     wait: sys::CUfunction,
     signal: sys::CUfunction,
     send: sys::CUfunction,
+    advance: sys::CUfunction,
     reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     one_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     two_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
@@ -418,6 +485,7 @@ impl ReduceKernels {
             wait: get("nt_wait".to_owned())?,
             signal: get("nt_signal".to_owned())?,
             send: get("nt_send".to_owned())?,
+            advance: get("nt_advance".to_owned())?,
             reduce_then,
             one_shot,
             two_shot,
@@ -603,52 +671,67 @@ impl ReduceKernels {
         self.launch(stream, self.k.copy, &mut params, len.div_ceil(16))
     }
 
-    /// Queues on `stream` a one-thread kernel that waits until the word at `first` reaches its
-    /// value (cyclic ≥, or `==` when its flag says so), then the word at `second` reaches its
-    /// value (cyclic ≥), or until the stop word is set; it then sets the latch: 1 if the words
-    /// were reached (with neither word given: if the stop word is clear), else 0.
+    /// Queues on `stream` a one-thread kernel that waits until the word of `first` reaches its
+    /// value (cyclic ≥, or `==` with `first_equal`), then the word of `second` reaches its
+    /// value (cyclic ≥), or until the stop word is set or the guard's timeout passed (then it
+    /// sets the stop word to 2); it then sets the latch: 1 if the words were reached (with
+    /// neither word given: if the stop word is clear), else 0.
     pub(crate) fn wait_words(
         &self,
         stream: &GpuStream,
-        first: Option<(u64, u32, bool)>,
-        second: Option<(u64, u32)>,
+        first: NtFlag,
+        first_equal: bool,
+        second: NtFlag,
         g: GuardWords,
     ) -> Result<()> {
-        let (mut w1, mut v1, eq) = first.unwrap_or((0, 0, false));
-        let mut eq = u32::from(eq);
-        let (mut w2, mut v2) = second.unwrap_or((0, 0));
-        let (mut st, mut l) = (g.stop, g.latch);
+        let (mut f1, mut f2) = (first, second);
+        let mut eq = u32::from(first_equal);
+        let (mut st, mut l, mut t) = (g.stop, g.latch, g.timeout_ns);
         let mut params = [
-            (&mut w1 as *mut u64).cast::<c_void>(),
-            (&mut v1 as *mut u32).cast::<c_void>(),
+            (&mut f1 as *mut NtFlag).cast::<c_void>(),
             (&mut eq as *mut u32).cast::<c_void>(),
-            (&mut w2 as *mut u64).cast::<c_void>(),
-            (&mut v2 as *mut u32).cast::<c_void>(),
+            (&mut f2 as *mut NtFlag).cast::<c_void>(),
             (&mut st as *mut u64).cast::<c_void>(),
             (&mut l as *mut u64).cast::<c_void>(),
+            (&mut t as *mut u64).cast::<c_void>(),
         ];
         self.launch_grid(stream, self.k.wait, &mut params, 1, 1)
     }
 
-    /// Queues on `stream` a one-thread kernel that, if the latch is 1, stores `first.1` at
-    /// `first.0` and then `second.1` at `second.0`, each after a system-wide fence.
+    /// Queues on `stream` a one-thread kernel that, if the latch is 1, stores flag `first` and
+    /// then `second`, each after a system-wide fence.
     pub(crate) fn signal(
         &self,
         stream: &GpuStream,
         g: GuardWords,
-        first: (u64, u32),
-        second: Option<(u64, u32)>,
+        first: NtFlag,
+        second: NtFlag,
     ) -> Result<()> {
-        let (mut l, mut a, mut va) = (g.latch, first.0, first.1);
-        let (mut b, mut vb) = second.unwrap_or((0, 0));
+        let (mut l, mut a, mut b) = (g.latch, first, second);
         let mut params = [
             (&mut l as *mut u64).cast::<c_void>(),
-            (&mut a as *mut u64).cast::<c_void>(),
-            (&mut va as *mut u32).cast::<c_void>(),
-            (&mut b as *mut u64).cast::<c_void>(),
-            (&mut vb as *mut u32).cast::<c_void>(),
+            (&mut a as *mut NtFlag).cast::<c_void>(),
+            (&mut b as *mut NtFlag).cast::<c_void>(),
         ];
         self.launch_grid(stream, self.k.signal, &mut params, 1, 1)
+    }
+
+    /// Queues on `stream` a one-thread kernel that ends a collective on the stream: its chunk
+    /// counter rounded up to `align`, plus `chunks`; its collective counter plus one.
+    pub(crate) fn advance(
+        &self,
+        stream: &GpuStream,
+        g: GuardWords,
+        align: u32,
+        chunks: u32,
+    ) -> Result<()> {
+        let (mut c, mut a, mut n) = (g.counters, align.max(1), chunks);
+        let mut params = [
+            (&mut c as *mut u64).cast::<c_void>(),
+            (&mut a as *mut u32).cast::<c_void>(),
+            (&mut n as *mut u32).cast::<c_void>(),
+        ];
+        self.launch_grid(stream, self.k.advance, &mut params, 1, 1)
     }
 
     /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes of `src` at
@@ -663,24 +746,22 @@ impl ReduceKernels {
         src: &DeviceBuffer,
         src_offset: usize,
         len: usize,
-        first: (u64, u32),
-        second: Option<(u64, u32)>,
+        first: NtFlag,
+        second: NtFlag,
     ) -> Result<()> {
         check(src, src_offset, len, DataType::U8)?;
         src.note_use(stream);
         let mut l = g.latch;
         let (mut d, mut s, mut n) = (dst, src.device_ptr() + src_offset as u64, len as u64);
-        let ((mut a, mut va), (mut b, mut vb)) = (first, second.unwrap_or((0, 0)));
+        let (mut a, mut b) = (first, second);
         let mut dn = g.done;
         let mut params = [
             (&mut l as *mut u64).cast::<c_void>(),
             (&mut d as *mut u64).cast::<c_void>(),
             (&mut s as *mut u64).cast::<c_void>(),
             (&mut n as *mut u64).cast::<c_void>(),
-            (&mut a as *mut u64).cast::<c_void>(),
-            (&mut va as *mut u32).cast::<c_void>(),
-            (&mut b as *mut u64).cast::<c_void>(),
-            (&mut vb as *mut u32).cast::<c_void>(),
+            (&mut a as *mut NtFlag).cast::<c_void>(),
+            (&mut b as *mut NtFlag).cast::<c_void>(),
             (&mut dn as *mut u64).cast::<c_void>(),
         ];
         let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.k.blocks);
@@ -701,7 +782,7 @@ impl ReduceKernels {
         src: &DeviceBuffer,
         src_offset: usize,
         count: usize,
-        signal: (u64, u32),
+        signal: NtFlag,
     ) -> Result<()> {
         check(dst, dst_offset, count, dtype)?;
         check(src, src_offset, count, dtype)?;
@@ -713,14 +794,13 @@ impl ReduceKernels {
             src.device_ptr() + src_offset as u64,
             count as u64,
         );
-        let (mut l, (mut a, mut va), mut dn) = (g.latch, signal, g.done);
+        let (mut l, mut a, mut dn) = (g.latch, signal, g.done);
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),
             (&mut s as *mut u64).cast::<c_void>(),
             (&mut n as *mut u64).cast::<c_void>(),
             (&mut l as *mut u64).cast::<c_void>(),
-            (&mut a as *mut u64).cast::<c_void>(),
-            (&mut va as *mut u32).cast::<c_void>(),
+            (&mut a as *mut NtFlag).cast::<c_void>(),
             (&mut dn as *mut u64).cast::<c_void>(),
         ];
         // 16 bytes per thread (see SOURCE); at least one block, which stores the signal.

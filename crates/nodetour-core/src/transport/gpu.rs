@@ -20,11 +20,12 @@
 //! exported; every enqueued write is checked against the grant on the sending side.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::CudaContext;
 
 use crate::cuda::GpuStream;
-use crate::cuda::reduce::{GuardWords, ReduceKernels};
+use crate::cuda::reduce::{GuardWords, NtFlag, ReduceKernels};
 use crate::cuda::result::cuda_error;
 use crate::cuda::stream::Uses;
 use crate::error::{Error, Result};
@@ -180,31 +181,68 @@ impl StopWord {
         self.page.read(self.index).is_ok_and(|v| v != 0)
     }
 
+    /// Whether a guarded wait set the word itself, having waited its whole timeout (it stores
+    /// [`STOP_TIMED_OUT`]; the host's abort stores 1).
+    pub fn timed_out(&self) -> bool {
+        self.page
+            .read(self.index)
+            .is_ok_and(|v| v == STOP_TIMED_OUT)
+    }
+
     /// The word's address in the GPU (host memory mapped into it), for kernels that poll it.
     pub(crate) fn device_address(&self) -> Result<u64> {
         FlagPage::address(&*self.page, self.index)
     }
 }
 
+/// What a guarded wait stores into the stop word when it gives up at its timeout.
+pub const STOP_TIMED_OUT: u32 = 2;
+
 /// One stream's guard: the rank's [`StopWord`], and the stream's latch (what its last guarded
-/// wait found) and completion counter, in this GPU's memory. One per stream: the stream's
-/// kernels run one at a time, so they share these words without a race.
+/// wait found), completion counter and counters (chunks and collectives moved on the stream,
+/// which [`FlagValue`]s may be relative to), in this GPU's memory; and how long its guarded
+/// waits wait. One per stream: the stream's kernels run one at a time, so they share these
+/// words without a race.
 pub struct StreamGuard {
     stop: StopWord,
     words: DeviceBuffer,
+    timeout: Option<Duration>,
 }
 
-/// Offsets in a [`StreamGuard`]'s words (a cache line apart).
+/// Offsets in a [`StreamGuard`]'s words (a cache line apart; the counters are two u64).
 const LATCH: usize = 0;
 const DONE: usize = 64;
+const COUNTERS: usize = 128;
 
 impl StreamGuard {
-    /// A guard on `context`'s GPU for one stream of the rank whose stop word is `stop`.
+    /// A guard on `context`'s GPU for one stream of the rank whose stop word is `stop`; its
+    /// waits wait for their words or the stop, however long.
     pub fn new(context: &Arc<CudaContext>, stop: StopWord) -> Result<StreamGuard> {
         Ok(StreamGuard {
             stop,
-            words: DeviceBuffer::new(context, DONE + 4)?, // zeroed
+            words: DeviceBuffer::new(context, COUNTERS + 16)?, // zeroed
+            timeout: None,
         })
+    }
+
+    /// Waits queued from now on give up after `timeout` (each then sets the stop word to
+    /// [`STOP_TIMED_OUT`]; `None`: they wait until stopped): deadlines that hold inside CUDA
+    /// graphs, where no host waits.
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
+    }
+
+    /// Queues on `stream` (this guard's stream) the end of a collective: the chunk counter
+    /// rounded up to `align`, plus `chunks`; the collective counter plus one. Not guarded:
+    /// the counters of both ends of a link move together even through an abort.
+    pub fn enqueue_advance(
+        &self,
+        stream: &GpuStream,
+        kernels: &ReduceKernels,
+        align: u32,
+        chunks: u32,
+    ) -> Result<()> {
+        kernels.advance(stream, self.words(stream)?, align, chunks)
     }
 
     /// The rank's stop word.
@@ -215,23 +253,138 @@ impl StreamGuard {
     /// The words, for a kernel queued on `stream` (noted: the words outlive its work).
     fn words(&self, stream: &GpuStream) -> Result<GuardWords> {
         self.words.note_use(stream);
+        let timeout_ns = self
+            .timeout
+            .map_or(u64::MAX, |t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
         Ok(GuardWords {
             stop: FlagPage::address(&*self.stop.page, self.stop.index)?,
             latch: self.words.device_ptr() + LATCH as u64,
             done: self.words.device_ptr() + DONE as u64,
+            counters: self.words.device_ptr() + COUNTERS as u64,
+            timeout_ns,
         })
     }
 }
 
-/// A word of a flag page and a value: what a guarded kernel waits for or stores.
-pub type FlagValue<'a> = (&'a dyn FlagPage, u32, u32);
-
-fn at((page, index, value): FlagValue<'_>) -> Result<(u64, u32)> {
-    Ok((page.address(index)?, value))
+/// What a [`FlagValue`]'s word and value are relative to: nothing, or the counters of the
+/// stream that the guarded kernel runs on (read by the kernel, so that work captured into a
+/// CUDA graph finds the values of the collective each replay is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counted {
+    /// The word and the value as given.
+    Fixed,
+    /// The value plus the stream's chunk counter rounded up to `align` (a link's slots: every
+    /// collective starts at slot 0).
+    Chunks {
+        /// The rounding (1: none).
+        align: u32,
+    },
+    /// Word `index + (collectives mod cells)` of the page, the value with the stream's
+    /// collective counter's low 16 bits in its high half (a descriptor cell).
+    Cell {
+        /// The cells, from `index` on.
+        cells: u32,
+    },
 }
 
-fn at_opt(f: Option<FlagValue<'_>>) -> Result<Option<(u64, u32)>> {
-    f.map(at).transpose()
+/// A word of a flag page and a value: what a guarded kernel waits for or stores.
+#[derive(Clone, Copy)]
+pub struct FlagValue<'a> {
+    /// The page.
+    pub page: &'a dyn FlagPage,
+    /// The word (the first cell for [`Counted::Cell`]).
+    pub index: u32,
+    /// The value (relative, unless [`Counted::Fixed`]).
+    pub value: u32,
+    /// What word and value are relative to.
+    pub counted: Counted,
+}
+
+impl<'a> FlagValue<'a> {
+    /// Word `index` of `page`, value `value`, both fixed.
+    pub fn fixed(page: &'a dyn FlagPage, index: u32, value: u32) -> Self {
+        FlagValue {
+            page,
+            index,
+            value,
+            counted: Counted::Fixed,
+        }
+    }
+
+    /// Word `index` of `page`, value `value` plus the stream's chunk counter rounded up to
+    /// `align`.
+    pub fn chunks(page: &'a dyn FlagPage, index: u32, value: u32, align: u32) -> Self {
+        FlagValue {
+            page,
+            index,
+            value,
+            counted: Counted::Chunks { align },
+        }
+    }
+
+    /// The descriptor cell of the stream's current collective among `cells` cells of `page`
+    /// from `first`, value `value` (at most 16 bits) under the collective counter's low 16.
+    pub fn cell(page: &'a dyn FlagPage, first: u32, cells: u32, value: u32) -> Self {
+        FlagValue {
+            page,
+            index: first,
+            value,
+            counted: Counted::Cell { cells },
+        }
+    }
+}
+
+/// The kernels' operand for `f`, relative to the counters in `g`; every word it can name is
+/// checked against its page.
+fn at(f: FlagValue<'_>, g: &GuardWords) -> Result<NtFlag> {
+    let addr = f.page.address(f.index)?;
+    let fixed = NtFlag {
+        addr,
+        value: f.value,
+        ..NtFlag::default()
+    };
+    Ok(match f.counted {
+        Counted::Fixed => fixed,
+        Counted::Chunks { align } => NtFlag {
+            base: g.counters,
+            align: align.max(1),
+            ..fixed
+        },
+        Counted::Cell { cells } => {
+            if cells == 0 || f.value > 0xffff {
+                return Err(Error::InvalidArgument {
+                    reason: format!("descriptor cells: {cells} cells, value {:#x}", f.value),
+                });
+            }
+            let last = f.index.checked_add(cells - 1).ok_or_else(|| Error::InvalidArgument {
+                reason: format!("{cells} cells from word {}", f.index),
+            })?;
+            // The cells are evenly spaced (the page's stride), the last inside the page.
+            let end = f.page.address(last)?;
+            let stride = if cells > 1 {
+                (end - addr) / u64::from(cells - 1)
+            } else {
+                0
+            };
+            if cells > 1 && f.page.address(f.index + 1)? - addr != stride {
+                return Err(Error::InvalidArgument {
+                    reason: "descriptor cells that are not evenly spaced".into(),
+                });
+            }
+            NtFlag {
+                base: g.counters,
+                cells,
+                stride: u32::try_from(stride).map_err(|_| Error::InvalidArgument {
+                    reason: format!("a flag stride of {stride} bytes"),
+                })?,
+                ..fixed
+            }
+        }
+    })
+}
+
+fn at_opt(f: Option<FlagValue<'_>>, g: &GuardWords) -> Result<NtFlag> {
+    f.map_or(Ok(NtFlag::default()), |f| at(f, g))
 }
 
 /// The guarded send into `dst`, a device address of `len` bytes the caller checked.
@@ -247,10 +400,11 @@ fn send_to(
     first: FlagValue<'_>,
     second: Option<FlagValue<'_>>,
 ) -> Result<()> {
-    let (first, second) = (at(first)?, at_opt(second)?);
+    let g = guard.words(stream)?;
+    let (first, second) = (at(first, &g)?, at_opt(second, &g)?);
     kernels.send_guarded(
         stream,
-        guard.words(stream)?,
+        g,
         dst,
         src,
         src_offset,
@@ -273,8 +427,9 @@ pub fn enqueue_wait(
     first_equal: bool,
     second: Option<FlagValue<'_>>,
 ) -> Result<()> {
-    let first = at_opt(first)?.map(|(a, v)| (a, v, first_equal));
-    kernels.wait_words(stream, first, at_opt(second)?, guard.words(stream)?)
+    let g = guard.words(stream)?;
+    let (first, second) = (at_opt(first, &g)?, at_opt(second, &g)?);
+    kernels.wait_words(stream, first, first_equal, second, g)
 }
 
 /// Queues on `stream` (a one-thread kernel of `kernels`): if the stream's last guarded wait
@@ -287,7 +442,8 @@ pub fn enqueue_signal(
     first: FlagValue<'_>,
     second: Option<FlagValue<'_>>,
 ) -> Result<()> {
-    kernels.signal(stream, guard.words(stream)?, at(first)?, at_opt(second)?)
+    let g = guard.words(stream)?;
+    kernels.signal(stream, g, at(first, &g)?, at_opt(second, &g)?)
 }
 
 /// Queues on `stream` one kernel of `kernels`: if the stream's last guarded wait found its
@@ -307,9 +463,10 @@ pub fn enqueue_reduce_then_signal(
     count: usize,
     signal: FlagValue<'_>,
 ) -> Result<()> {
+    let g = guard.words(stream)?;
     kernels.reduce_then_signal(
         stream,
-        guard.words(stream)?,
+        g,
         dtype,
         op,
         dst,
@@ -317,7 +474,7 @@ pub fn enqueue_reduce_then_signal(
         src,
         src_offset,
         count,
-        at(signal)?,
+        at(signal, &g)?,
     )
 }
 

@@ -431,6 +431,8 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
         reason: "no GPU path was built".into(),
     })?;
     let mut ring = GpuRing::new(context, position, world, Some(links))?;
+    // Each guarded wait gives up at the job's timeout, inside CUDA graphs too.
+    ring.set_wait_timeout(timeout);
     // Small allreduces as one kernel, where every rank can map every rank's memory.
     let stop = ring.stop_word().ok_or_else(|| Error::InvalidArgument {
         reason: "a GPU ring with links has a stop word".into(),

@@ -895,6 +895,7 @@ impl Communicator {
         self.blocks(send.len(), recv.len(), "send", "recv")?;
         if self.has_gpu_ring() {
             let s = GpuStream::of_cudarc(stream);
+            refuse_capture(&s, "reduce_scatter_device")?;
             let (block, n) = (recv.num_bytes(), self.world as usize);
             let mut scratch = self.scratch.lock().map_err(|_| poisoned())?;
             return with_cudarc_slice_mut(recv, stream, |out| {
@@ -946,6 +947,7 @@ impl Communicator {
         self.blocks(recv.len(), send.len(), "recv", "send")?;
         if self.has_gpu_ring() {
             let s = GpuStream::of_cudarc(stream);
+            refuse_capture(&s, "all_gather_device")?;
             let (block, n, count) = (send.num_bytes(), self.world as usize, recv.len());
             let mut scratch = self.scratch.lock().map_err(|_| poisoned())?;
             return with_cudarc_slice_mut(recv, stream, |out| {
@@ -1284,4 +1286,20 @@ impl Communicator {
         }
         result
     }
+}
+
+/// `Unsupported` when `stream` is being captured into a CUDA graph: `what` goes through the
+/// communicator's scratch buffer, which later calls reuse, grow or free while a graph would
+/// still write it at every replay.
+fn refuse_capture(stream: &GpuStream, what: &str) -> Result<()> {
+    if stream.is_capturing().map_err(gpu_error)? {
+        return Err(Error::Unsupported {
+            reason: format!(
+                "{what} under CUDA graph capture: it goes through the communicator's scratch \
+                 buffer, which later calls reuse while the graph would still use it; allreduces \
+                 and broadcasts on your own buffers can be captured"
+            ),
+        });
+    }
+    Ok(())
 }
