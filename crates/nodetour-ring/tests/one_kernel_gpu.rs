@@ -127,7 +127,9 @@ fn one_kernel_rank() {
     let mut cases = 0;
     for dtype in DataType::ALL {
         for op in ReduceOp::ALL {
-            let counts = [1usize, 9, 4099, max / dtype.size()];
+            // The largest, and one element less: with more than two ranks a two-shot segment
+            // that ends off a 16-byte lane (blocks past its end must do nothing).
+            let counts = [1usize, 9, 4099, max / dtype.size(), max / dtype.size() - 1];
             for (k, &count) in counts.iter().enumerate() {
                 let seed = (cases * 8 + k) as u64;
                 let buf = DeviceBuffer::new(&ctx, count * dtype.size()).unwrap();

@@ -162,6 +162,9 @@ __device__ bool nt_sync_peers(const OneShot& a, unsigned tick) {
 // d[lo..hi) = s[lo..hi) (lo a multiple of the 16-byte lanes; `vec`: both 16-byte aligned).
 template<class T> __device__ void nt_copy_range(T* d, const T* s, u64 lo, u64 hi, bool vec) {
     const unsigned lanes = 16 / sizeof(T);
+    // An empty range (a block past the end of its segment can have hi < lo): nothing, not the
+    // tail below hi, which another block owns.
+    if (hi <= lo) return;
     u64 i0 = lo;
     if (vec) {
         for (u64 v = lo / lanes + threadIdx.x; v < hi / lanes; v += blockDim.x) ((v16*)d)[v] = nt_ld_cg((const v16*)s + v);
@@ -174,6 +177,9 @@ template<class T> __device__ void nt_copy_range(T* d, const T* s, u64 lo, u64 hi
 template<class T, class Op> __device__ void nt_reduce_range(T* d, const OneShot& a, u64 half, u64 lo, u64 hi, bool vec) {
     const unsigned lanes = 16 / sizeof(T), W = a.world;
     union Lanes { v16 v; T t[16 / sizeof(T)]; };
+    // An empty range: nothing (the two-shot kernel reduces in place, so a tail reduced by two
+    // blocks would count the peers twice).
+    if (hi <= lo) return;
     u64 i0 = lo;
     if (vec) {
         for (u64 v = lo / lanes + threadIdx.x; v < hi / lanes; v += blockDim.x) {
