@@ -44,6 +44,8 @@ pub enum Algorithm {
     OneShot,
     /// The one-kernel path's two-shot kernel (reduce-scatter and all-gather in one kernel).
     TwoShot,
+    /// The two-shot kernel in place on a symmetric buffer (every rank's part read directly).
+    TwoShotSymmetric,
 }
 
 /// One collective as one rank sees it.
@@ -78,7 +80,7 @@ const COLLECTIVES: [Collective; 4] = [
     Collective::AllGather,
     Collective::Broadcast,
 ];
-const ALGORITHMS: [Algorithm; 7] = [
+const ALGORITHMS: [Algorithm; 8] = [
     Algorithm::HostRing,
     Algorithm::HostRingGpuStaged,
     Algorithm::StreamRing,
@@ -86,6 +88,7 @@ const ALGORITHMS: [Algorithm; 7] = [
     Algorithm::HostGather,
     Algorithm::OneShot,
     Algorithm::TwoShot,
+    Algorithm::TwoShotSymmetric,
 ];
 
 impl Descriptor {

@@ -667,25 +667,7 @@ impl GpuRing {
         op: ReduceOp,
         stream: &GpuStream,
     ) -> Result<()> {
-        if let Some(e) = self.abort.error() {
-            return Err(e);
-        }
-        if self.held.is_none() {
-            return Err(Error::Aborted {
-                reason: "the ring was closed".into(),
-            });
-        }
-        // A neighbour that ended the ring since the last call: this collective cannot finish.
-        if let Some((e, _)) = self.abort.read_notice(self.queued) {
-            self.abort.abort_with(e.clone());
-            return Err(e);
-        }
-        // A one-kernel collective that failed since the last call (a graph replay's, which no
-        // wait saw): this one cannot run.
-        if let Some(e) = self.one_kernel_failure().or_else(|| self.guard_timeout()) {
-            self.abort.abort_with(e.clone());
-            return Err(e);
-        }
+        self.ready_to_queue()?;
         let capturing = self.check(buffer, count, dtype, stream)?;
         let Some(links) = &self.h().links else {
             return Ok(()); // one rank: the sum, min, max, product and average of one value
@@ -784,6 +766,80 @@ impl GpuRing {
         queued
     }
 
+    /// Whether a collective may be queued: the ring is open, not aborted, no neighbour ended it
+    /// since the last call, and no one-kernel collective (a graph replay's, which no wait saw)
+    /// failed.
+    fn ready_to_queue(&mut self) -> Result<()> {
+        if let Some(e) = self.abort.error() {
+            return Err(e);
+        }
+        if self.held.is_none() {
+            return Err(Error::Aborted {
+                reason: "the ring was closed".into(),
+            });
+        }
+        if let Some((e, _)) = self.abort.read_notice(self.queued) {
+            self.abort.abort_with(e.clone());
+            return Err(e);
+        }
+        if let Some(e) = self.one_kernel_failure().or_else(|| self.guard_timeout()) {
+            self.abort.abort_with(e.clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// The one-kernel path, where formation turned it on (to allocate symmetric buffers).
+    pub(crate) fn one_kernel_mut(&mut self) -> Option<&mut OneKernel> {
+        self.held.as_mut()?.one_kernel.as_mut()
+    }
+
+    /// This rank's part of symmetric buffer `id`, for `f` (under the caller's lock).
+    pub(crate) fn symmetric_buffer(&self, id: usize) -> Option<&DeviceBuffer> {
+        self.held
+            .as_ref()?
+            .one_kernel
+            .as_ref()?
+            .symmetric_buffer(id)
+    }
+
+    /// Queues the allreduce in place of the first `count` elements of symmetric buffer `id`
+    /// on `stream`: one two-shot kernel reading every rank's part directly. Captured like the
+    /// other one-kernel collectives.
+    pub(crate) fn symmetric_all_reduce(
+        &mut self,
+        id: usize,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
+        self.ready_to_queue()?;
+        let buffer = self
+            .symmetric_buffer(id)
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!("no symmetric buffer {id} on this communicator"),
+            })?;
+        let capturing = self.check(buffer, count, dtype, stream)?;
+        if count == 0 {
+            return Ok(());
+        }
+        // The buffer is part of what the ranks agree on.
+        let salt = (id as u32 + 1).wrapping_mul(0x9e37_79b9);
+        self.queue_one_kernel(
+            count,
+            dtype,
+            op,
+            Algorithm::TwoShotSymmetric,
+            salt,
+            stream,
+            capturing,
+            &|kernel, kernels, digest| {
+                kernel.enqueue_all_reduce_symmetric(kernels, stream, dtype, op, id, count, digest)
+            },
+        )
+    }
+
     /// Queues an allreduce as one kernel on `stream` (the caller's): see
     /// `nodetour_core::cuda::one_kernel`. The kernel checks that every rank's descriptor
     /// digest (the algorithm in it) is the same.
@@ -802,28 +858,53 @@ impl GpuRing {
         stream: &GpuStream,
         capturing: bool,
     ) -> Result<()> {
-        let seq = self.queued;
-        let held = self.held.as_ref().expect("checked by the caller");
-        let kernel = held.one_kernel.as_ref().expect("checked by the caller");
-        let algorithm = if kernel.two_shot(count * dtype.size()) {
+        let kernel = self.held.as_ref().and_then(|h| h.one_kernel.as_ref());
+        let two_shot = kernel
+            .expect("checked by the caller")
+            .two_shot(count * dtype.size());
+        let algorithm = if two_shot {
             Algorithm::TwoShot
         } else {
             Algorithm::OneShot
         };
+        self.queue_one_kernel(
+            count,
+            dtype,
+            op,
+            algorithm,
+            0,
+            stream,
+            capturing,
+            &|kernel, kernels, digest| {
+                kernel.enqueue_all_reduce(kernels, stream, dtype, op, buffer, buffer, count, digest)
+            },
+        )
+    }
+
+    /// Queues one one-kernel collective through `enqueue` (given the path, the kernels and the
+    /// descriptor's digest, `salt` folded in), then, unless `capturing`, the end markers that
+    /// `wait` polls.
+    #[allow(clippy::too_many_arguments)]
+    fn queue_one_kernel(
+        &mut self,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        algorithm: Algorithm,
+        salt: u32,
+        stream: &GpuStream,
+        capturing: bool,
+        enqueue: &dyn Fn(&OneKernel, &ReduceKernels, u32) -> nodetour_core::Result<()>,
+    ) -> Result<()> {
+        let seq = self.queued;
         let what = Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq);
         let g = |e| gpu_error("queueing the collective", e);
+        let held = self.held.as_ref().expect("checked by the caller");
+        let kernel = held.one_kernel.as_ref().ok_or_else(|| Error::Unsupported {
+            reason: "the one-kernel path is off on this communicator".into(),
+        })?;
         // From here the peers count this collective: a failure to queue breaks the ring.
-        let queued = kernel
-            .enqueue_all_reduce(
-                &held.kernels,
-                stream,
-                dtype,
-                op,
-                buffer,
-                buffer,
-                count,
-                what.digest(),
-            )
+        let queued = enqueue(kernel, &held.kernels, what.digest() ^ salt)
             .map_err(g)
             .and_then(|()| {
                 if capturing {

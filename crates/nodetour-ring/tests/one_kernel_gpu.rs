@@ -9,6 +9,8 @@
 //! - collectives captured into a CUDA graph, replayed several times with new inputs each time,
 //!   interleaved with eager collectives on the same communicator; a collective too large for
 //!   the path (the stream-ordered ring) captured into the same graph;
+//! - symmetric buffers (`Communicator::symmetric_buffer`): every type × operation in place,
+//!   eager and replayed;
 //! - drills: an abort while a replayed kernel waits for a rank that never replays (ends by the
 //!   stop word, long before the deadline), then the peer's next collective fails too.
 //!
@@ -221,6 +223,60 @@ fn one_kernel_rank() {
     println!(
         "ONE_KERNEL_GRAPH OK rank={r} world={world} replays=6 (3 collectives each, eager ones between)"
     );
+
+    // Symmetric buffers: every type × operation in place on every rank's part, read directly
+    // by the peers (two-shot with a closing barrier), then captured and replayed.
+    let sym = comm.symmetric_buffer(max + 123).unwrap();
+    let mut cases = 0;
+    for dtype in DataType::ALL {
+        for op in ReduceOp::ALL {
+            for (k, count) in [3usize, (max + 123) / dtype.size()].into_iter().enumerate() {
+                let seed = 5000 + (cases * 8 + k) as u64;
+                let inp = input(dtype, r, count, seed);
+                sym.with_device_buffer(|d| d.copy_from_host(0, &inp))
+                    .unwrap()
+                    .unwrap();
+                comm.all_reduce_symmetric(&sym, count, dtype, op, &stream)
+                    .unwrap();
+                wait().unwrap();
+                stream.synchronize().unwrap();
+                let mut got = vec![0u8; count * dtype.size()];
+                sym.with_device_buffer(|d| d.copy_to_host(0, &mut got))
+                    .unwrap()
+                    .unwrap();
+                let what = format!("symmetric {dtype:?} {op:?} x {count}");
+                check(&what, r, &got, &expected(dtype, op, world, count, seed));
+            }
+            cases += 1;
+        }
+    }
+    let n = 100_003usize;
+    cu_stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    comm.all_reduce_symmetric(&sym, n, DataType::Bf16, ReduceOp::Sum, &stream)
+        .unwrap();
+    let sym_graph = cu_stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph with the captured kernel");
+    for replay in 0..3u64 {
+        let inp = input(DataType::Bf16, r, n, 7000 + replay);
+        sym.with_device_buffer(|d| d.copy_from_host(0, &inp))
+            .unwrap()
+            .unwrap();
+        sym_graph.launch().unwrap();
+        cu_stream.synchronize().unwrap();
+        let mut got = vec![0u8; n * 2];
+        sym.with_device_buffer(|d| d.copy_to_host(0, &mut got))
+            .unwrap()
+            .unwrap();
+        let want = expected(DataType::Bf16, ReduceOp::Sum, world, n, 7000 + replay);
+        check(&format!("symmetric replay {replay}"), r, &got, &want);
+    }
+    drop(sym_graph);
+    wait().unwrap();
+    println!("ONE_KERNEL_SYMMETRIC OK rank={r} world={world} cases={cases} replays=3");
 
     // Drill: rank 0 replays once more alone and aborts while its kernel waits for ranks that
     // never replay; the kernel ends by the stop word, long before the deadline.

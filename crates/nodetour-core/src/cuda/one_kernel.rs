@@ -24,6 +24,11 @@
 //!   segment is reduced once, so again every rank holds the same bytes; each rank reads
 //!   `2 (world − 1) / world` of the buffer from its peers instead of `world − 1`.
 //!
+//! - **Symmetric buffers** (`transport::one_kernel::OneKernel::symmetric_create`): the
+//!   two-shot kernel in place on buffers every rank mapped, read directly (no copy in, one
+//!   half), with a third barrier at its end: the caller may write its buffer as soon as the
+//!   kernel ended, so every peer must have finished reading it.
+//!
 //! Each block's **sequence words** (this GPU's memory: the last barrier tick, and the
 //! collectives it has run) are read at the start of a launch and advanced at its end by the
 //! kernel itself, so a CUDA graph replay is the next collective like an eager launch.
@@ -77,6 +82,10 @@ pub(crate) struct OneShotArgs {
     pub digest: u32,
     /// Divide the sum by `world` (`Avg`).
     pub average: u32,
+    /// In place on a symmetric buffer (`scratch` are the ranks' buffers, one half, no copy in;
+    /// two-shot only, with a barrier at the end).
+    pub symmetric: u32,
+    pub reserved: u32,
 }
 
 /// Status codes a block latches (low byte of its status word; the peer in bits 8..16).
@@ -96,7 +105,7 @@ struct OneShot {
     u64 scratch[NT_ONE_MAX_RANKS];
     u64 signals[NT_ONE_MAX_RANKS];
     u64 input, output, count, half, counters, stop, status, timeout_ns;
-    unsigned world, rank, digest, average;
+    unsigned world, rank, digest, average, symmetric, reserved;
 };
 // 16 bytes from memory another GPU writes: from L2 (or the peer), never a stale L1 line.
 __device__ __forceinline__ v16 nt_ld_cg(const v16* p) {
@@ -250,9 +259,10 @@ template<class T, class Op> __device__ void two_shot(const OneShot& a) {
     const u64 sub = nt_round_up((seg + G - 1) / G, lanes);
     const bool vec = ((a.input | a.output) & 15) == 0;
     NtSeq s = nt_seq_begin(a);
-    const u64 half = (u64)(s.calls & 1) * a.half;
+    // Symmetric buffers: the ranks' own buffers are the scratch (one half, in place).
+    const u64 half = a.symmetric ? 0 : (u64)(s.calls & 1) * a.half;
     T* mine = (T*)(a.scratch[a.rank] + half);
-    for (unsigned q = 0; q < W; q++) {
+    for (unsigned q = 0; q < W && !a.symmetric; q++) {
         const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
         nt_copy_range(mine, (const T*)a.input, lo, hi, vec);
     }
@@ -263,9 +273,13 @@ template<class T, class Op> __device__ void two_shot(const OneShot& a) {
     }
     if (!nt_sync_peers(a, ++s.tick)) return;
     for (unsigned q = 0; q < W; q++) {
+        if (a.symmetric && q == a.rank) continue; // reduced in place already
         const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
         nt_copy_range((T*)a.output, (const T*)(a.scratch[q] + half), lo, hi, vec);
     }
+    // Symmetric buffers have no second half: the caller may write its buffer as soon as this
+    // kernel ends, so every peer must have finished reading this rank's segment first.
+    if (a.symmetric && !nt_sync_peers(a, ++s.tick)) return;
     nt_seq_end(a, s);
 }
 #define ONE_SHOT(T, N) \
@@ -292,12 +306,12 @@ mod tests {
 
     #[test]
     fn the_argument_block_matches_the_kernels_struct() {
-        // 16 addresses, 8 words of 8 bytes, 4 of 4: no padding on either side.
-        assert_eq!(std::mem::size_of::<OneShotArgs>(), 16 * 8 + 8 * 8 + 4 * 4);
+        // 16 addresses, 8 words of 8 bytes, 6 of 4: no padding on either side.
+        assert_eq!(std::mem::size_of::<OneShotArgs>(), 16 * 8 + 8 * 8 + 6 * 4);
         assert!(
             SOURCE.contains("u64 input, output, count, half, counters, stop, status, timeout_ns;")
         );
-        assert!(SOURCE.contains("unsigned world, rank, digest, average;"));
+        assert!(SOURCE.contains("unsigned world, rank, digest, average, symmetric, reserved;"));
         assert_eq!(ONE_SHOT_MAX_RANKS, 8);
         assert!(SOURCE.contains("#define NT_ONE_MAX_RANKS 8"));
     }

@@ -164,11 +164,19 @@ impl OneKernelArena {
     pub fn into_kernel(self, stop: StopWord, timeout: Duration) -> OneKernel {
         OneKernel {
             peers: Vec::new(),
+            symmetric: Vec::new(),
             own: self,
             stop,
             timeout,
         }
     }
+}
+
+/// One symmetric buffer: this rank's part (exported to every peer) and the peers' parts,
+/// mapped here once every rank has allocated its own.
+struct Symmetric {
+    peers: Vec<Option<IpcMapping>>,
+    own: GpuSlot,
 }
 
 /// A peer's scratch and signal page, mapped here.
@@ -182,6 +190,8 @@ pub struct OneKernel {
     // Drop order: the mappings of the peers' memory first (each waits for its work), then this
     // rank's own memory (see the module's doc for when its owner may drop it).
     peers: Vec<Option<PeerMemory>>,
+    // Symmetric buffers, by id (their mappings of the peers' parts first, then this rank's).
+    symmetric: Vec<Symmetric>,
     own: OneKernelArena,
     stop: StopWord,
     timeout: Duration,
@@ -308,43 +318,18 @@ impl OneKernel {
                 });
             }
         }
-        let mut args = OneShotArgs {
-            input: input.device_ptr(),
-            output: output.device_ptr(),
-            count: count as u64,
-            half: self.own.half as u64,
-            counters: self.own.counters.device_ptr(),
-            stop: self.stop.device_address()?,
-            status: crate::transport::gpu::FlagPage::address(&self.own.status, 0)?,
-            timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
-            world: self.own.world,
-            rank: self.own.rank,
-            digest,
-            average: u32::from(op == ReduceOp::Avg),
-            ..OneShotArgs::default()
-        };
+        let mut args = self.args(input, output, count, digest, op)?;
         for (r, p) in self.peers.iter().enumerate() {
-            let (scratch, signals) = match p {
+            args.scratch[r] = match p {
                 Some(p) => {
                     p.scratch.uses.note(stream);
-                    p.signals.uses.note(stream);
-                    (p.scratch.dst, p.signals.dst)
+                    p.scratch.dst
                 }
-                None => (
-                    self.own.scratch.buffer().device_ptr(),
-                    self.own.signals.buffer().device_ptr(),
-                ),
+                None => self.own.scratch.buffer().device_ptr(),
             };
-            args.scratch[r] = scratch;
-            args.signals[r] = signals;
         }
-        for b in [
-            input,
-            output,
-            self.own.scratch.buffer(),
-            self.own.signals.buffer(),
-            &self.own.counters,
-        ] {
+        self.note_signals(stream, &mut args);
+        for b in [input, output, self.own.scratch.buffer()] {
             b.note_use(stream);
         }
         kernels.one_kernel(stream, dtype, op, self.two_shot(bytes), &mut args)
@@ -367,9 +352,167 @@ impl OneKernel {
     }
 
     /// Closes this rank's mappings of its peers' memory (each once the work queued on it has
-    /// run, at most [`crate::transport::gpu::IPC_CLOSE_DEADLINE`]; leaked past it).
+    /// run, at most [`crate::transport::gpu::IPC_CLOSE_DEADLINE`]; leaked past it), the
+    /// symmetric buffers' too.
     pub fn close_imports(&mut self) {
         self.peers.clear();
+        for s in &mut self.symmetric {
+            s.peers.clear();
+        }
+    }
+
+    /// Allocates this rank's part of a new symmetric buffer of `bytes` (every rank of the host
+    /// calls it in the same order, so the ids agree) and what every peer needs to map it. The
+    /// buffer takes collectives once [`Self::symmetric_map`] mapped every peer's part; its
+    /// memory is freed with this object (after the teardown's handshake), never before.
+    pub fn symmetric_create(&mut self, bytes: usize) -> Result<(usize, IpcGrant)> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument {
+                reason: "a symmetric buffer of 0 bytes".into(),
+            });
+        }
+        let context = self.own.scratch.buffer().context().clone();
+        let own = GpuSlot::new(&context, bytes.next_multiple_of(256))?;
+        let grant = own.ipc_grant()?;
+        self.symmetric.push(Symmetric {
+            peers: Vec::new(),
+            own,
+        });
+        Ok((self.symmetric.len() - 1, grant))
+    }
+
+    /// Maps every peer's part of symmetric buffer `id` (`grants[r]` for every rank `r` but this
+    /// one), each at least as large as this rank's.
+    pub fn symmetric_map(&mut self, id: usize, grants: &[Option<IpcGrant>]) -> Result<()> {
+        let (rank, world) = (self.own.rank as usize, self.own.world as usize);
+        let s = self
+            .symmetric
+            .get_mut(id)
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!("no symmetric buffer {id}"),
+            })?;
+        if grants.len() != world {
+            return Err(Error::InvalidArgument {
+                reason: format!("{} grants for {world} ranks", grants.len()),
+            });
+        }
+        let context = s.own.buffer().context().clone();
+        let need = s.own.buffer().len() as u64;
+        s.peers.clear();
+        for (r, g) in grants.iter().enumerate() {
+            if r == rank {
+                s.peers.push(None);
+                continue;
+            }
+            let g = g.as_ref().ok_or_else(|| Error::InvalidArgument {
+                reason: format!("no grant from rank {r} for symmetric buffer {id}"),
+            })?;
+            if g.len < need {
+                return Err(Error::Decode {
+                    what: "symmetric buffer grant",
+                    reason: format!("rank {r}'s part has {} bytes, this rank's {need}", g.len),
+                });
+            }
+            s.peers.push(Some(IpcMapping::open(&context, g)?));
+        }
+        Ok(())
+    }
+
+    /// This rank's part of symmetric buffer `id` (write its inputs here, read its results).
+    pub fn symmetric_buffer(&self, id: usize) -> Option<&DeviceBuffer> {
+        self.symmetric.get(id).map(|s| s.own.buffer())
+    }
+
+    /// Queues on `stream` the allreduce in place of the first `count` elements of symmetric
+    /// buffer `id`, as one two-shot kernel that reads the peers' parts directly (no copy into
+    /// scratch) and meets them once more at its end (the caller may write the buffer as soon
+    /// as the stream passed it). Same rules as [`Self::enqueue_all_reduce`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue_all_reduce_symmetric(
+        &self,
+        kernels: &ReduceKernels,
+        stream: &GpuStream,
+        dtype: DataType,
+        op: ReduceOp,
+        id: usize,
+        count: usize,
+        digest: u32,
+    ) -> Result<()> {
+        let s = self
+            .symmetric
+            .get(id)
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!("no symmetric buffer {id}"),
+            })?;
+        if s.peers.len() != self.own.world as usize || self.peers.len() != s.peers.len() {
+            return Err(Error::InvalidArgument {
+                reason: format!("symmetric buffer {id} is not mapped by every peer"),
+            });
+        }
+        let own = s.own.buffer();
+        let bytes = count
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!("{count} elements of {dtype:?} overflow the address space"),
+            })?;
+        own.check("symmetric buffer", 0, bytes)?;
+        let mut args = self.args(own, own, count, digest, op)?;
+        args.symmetric = 1;
+        args.half = 0;
+        for (r, p) in s.peers.iter().enumerate() {
+            args.scratch[r] = match p {
+                Some(m) => {
+                    m.uses.note(stream);
+                    m.dst
+                }
+                None => own.device_ptr(),
+            };
+        }
+        self.note_signals(stream, &mut args);
+        own.note_use(stream);
+        kernels.one_kernel(stream, dtype, op, true, &mut args)
+    }
+
+    /// The launch's arguments but the scratch table.
+    fn args(
+        &self,
+        input: &DeviceBuffer,
+        output: &DeviceBuffer,
+        count: usize,
+        digest: u32,
+        op: ReduceOp,
+    ) -> Result<OneShotArgs> {
+        Ok(OneShotArgs {
+            input: input.device_ptr(),
+            output: output.device_ptr(),
+            count: count as u64,
+            half: self.own.half as u64,
+            counters: self.own.counters.device_ptr(),
+            stop: self.stop.device_address()?,
+            status: crate::transport::gpu::FlagPage::address(&self.own.status, 0)?,
+            timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
+            world: self.own.world,
+            rank: self.own.rank,
+            digest,
+            average: u32::from(op == ReduceOp::Avg),
+            ..OneShotArgs::default()
+        })
+    }
+
+    /// Fills the signal pages into `args` (noting `stream` on the peers' mappings) and notes
+    /// this rank's own words.
+    fn note_signals(&self, stream: &GpuStream, args: &mut OneShotArgs) {
+        for (r, p) in self.peers.iter().enumerate() {
+            args.signals[r] = match p {
+                Some(p) => {
+                    p.signals.uses.note(stream);
+                    p.signals.dst
+                }
+                None => self.own.signals.buffer().device_ptr(),
+            };
+        }
+        self.own.signals.buffer().note_use(stream);
+        self.own.counters.note_use(stream);
     }
 }
 

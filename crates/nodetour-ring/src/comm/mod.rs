@@ -69,6 +69,7 @@ pub(crate) mod one_kernel_links;
 mod options;
 mod paths;
 mod scratch;
+mod symmetric;
 pub(crate) mod table;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
@@ -80,6 +81,7 @@ pub use options::{
     DEFAULT_HOST_GATHER_MAX, DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options,
 };
 pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
+pub use symmetric::SymmetricBuffer;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -1,0 +1,187 @@
+//! Symmetric buffers: device memory every rank of the host allocates together and every rank
+//! maps, so that an allreduce on it reads the peers' parts directly (one two-shot kernel, no
+//! copy into the communicator's scratch). The one-kernel path must be on
+//! (`Paths` says `one kernel per allreduce`).
+//!
+//! The memory belongs to the communicator: a peer may have it mapped, so it is freed only by
+//! the communicator's teardown, after every rank closed its mappings (the handshake). A
+//! [`SymmetricBuffer`] borrows the communicator, so the communicator cannot be closed while
+//! one is held; dropping one frees nothing.
+
+use nodetour_core::memory::DeviceBuffer;
+use nodetour_core::transport::gpu::IpcGrant;
+
+use super::Communicator;
+use crate::error::{Error, Result};
+use crate::reduce::{DataType, ReduceOp};
+use nodetour_core::cuda::GpuStream;
+
+/// This rank's part of a symmetric buffer ([`Communicator::symmetric_buffer`]).
+pub struct SymmetricBuffer<'c> {
+    comm: &'c Communicator,
+    id: usize,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for SymmetricBuffer<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SymmetricBuffer #{} of {} bytes", self.id, self.bytes)
+    }
+}
+
+impl SymmetricBuffer<'_> {
+    /// Bytes of this rank's part (as asked for).
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether it has no bytes (never: empty buffers are refused).
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Runs `f` on this rank's part (queue your kernels or copies that fill it, or read the
+    /// result, on your stream). Peers read it while an allreduce on it runs: write it only in
+    /// stream order before or after the collectives that use it.
+    pub fn with_device_buffer<R>(&self, f: impl FnOnce(&DeviceBuffer) -> R) -> Result<R> {
+        let state = self.comm.usable()?;
+        let ring = state
+            .job
+            .as_ref()
+            .and_then(|j| j.gpu_ring.as_ref())
+            .ok_or_else(|| Error::Unsupported {
+                reason: "this communicator has no GPU ring".into(),
+            })?;
+        let buffer = ring
+            .symmetric_buffer(self.id)
+            .ok_or_else(|| Error::InvalidArgument {
+                reason: format!("no symmetric buffer {} here", self.id),
+            })?;
+        Ok(f(buffer))
+    }
+}
+
+impl Communicator {
+    /// Allocates a symmetric buffer of `bytes` on every rank of the host (collective: every
+    /// rank calls it in the same order with the same size), each rank's part mapped by every
+    /// rank. Needs the one-kernel path (ranks of one host, a GPU each); otherwise
+    /// `Unsupported`, saying why. A rank that cannot allocate or map fails every rank's call.
+    pub fn symmetric_buffer(&self, bytes: usize) -> Result<SymmetricBuffer<'_>> {
+        // 1. This rank's part (or why not), then every rank's grant.
+        let created = {
+            let mut state = self.usable()?;
+            let ring = state.job.as_mut().and_then(|j| j.gpu_ring.as_mut());
+            match ring.and_then(|r| r.one_kernel_mut()) {
+                Some(k) => k.symmetric_create(bytes).map_err(Error::from),
+                None => Err(Error::Unsupported {
+                    reason: format!(
+                        "symmetric buffers need the one-kernel path, which is off here ({})",
+                        self.paths
+                    ),
+                }),
+            }
+        };
+        let mut mine = vec![0u8; 1 + IpcGrant::ENCODED_LEN + 8];
+        if let Ok((_, g)) = &created {
+            mine[0] = 1;
+            mine[1..1 + IpcGrant::ENCODED_LEN].copy_from_slice(&g.encode());
+        }
+        let at = 1 + IpcGrant::ENCODED_LEN;
+        mine[at..].copy_from_slice(&(bytes as u64).to_be_bytes());
+        let per = mine.len();
+        let mut all = vec![0u8; per * self.world as usize];
+        self.all_gather(&mine, &mut all)?;
+        let mut grants = Vec::with_capacity(self.world as usize);
+        let mut refused = None;
+        for (r, m) in all.chunks(per).enumerate() {
+            let their_bytes = u64::from_be_bytes(m[at..].try_into().expect("8 bytes"));
+            if their_bytes != bytes as u64 {
+                return Err(Error::InvalidArgument {
+                    reason: format!(
+                        "symmetric buffer of {bytes} bytes here, {their_bytes} on rank {r}: \
+                         every rank must ask for the same size"
+                    ),
+                });
+            }
+            if m[0] != 1 {
+                refused.get_or_insert(r);
+                grants.push(None);
+                continue;
+            }
+            grants.push(Some(IpcGrant::decode(&m[1..at]).map_err(|e| {
+                Error::Protocol {
+                    rank: r as u32,
+                    reason: format!("its symmetric buffer grant: {e}"),
+                }
+            })?));
+        }
+        let (id, _) = created?;
+        if let Some(r) = refused {
+            return Err(Error::Unsupported {
+                reason: format!("rank {r} could not allocate its part of the symmetric buffer"),
+            });
+        }
+        // 2. Every peer's part mapped here, then whether every rank mapped all.
+        let me = self.rank as usize;
+        grants[me] = None;
+        let mapped = {
+            let mut state = self.usable()?;
+            let ring = state.job.as_mut().and_then(|j| j.gpu_ring.as_mut());
+            match ring.and_then(|r| r.one_kernel_mut()) {
+                Some(k) => k.symmetric_map(id, &grants).map_err(Error::from),
+                None => Err(Error::Unsupported {
+                    reason: "the one-kernel path went away".into(),
+                }),
+            }
+        };
+        let mut verdicts = vec![0u8; self.world as usize];
+        self.all_gather(&[u8::from(mapped.is_ok())], &mut verdicts)?;
+        mapped?;
+        if let Some(r) = verdicts.iter().position(|v| *v != 1) {
+            return Err(Error::Unsupported {
+                reason: format!("rank {r} could not map every part of the symmetric buffer"),
+            });
+        }
+        Ok(SymmetricBuffer {
+            comm: self,
+            id,
+            bytes,
+        })
+    }
+
+    /// Allreduces the first `count` elements of `buffer` in place, on every rank, queued on
+    /// `stream` (this rank's GPU): one kernel that reads every rank's part directly and meets
+    /// the peers again before it ends (so the buffer may be written again in stream order).
+    /// Like the other device collectives it returns once queued (failures: [`Self::wait`]),
+    /// and it can be captured into a CUDA graph.
+    pub fn all_reduce_symmetric(
+        &self,
+        buffer: &SymmetricBuffer<'_>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
+        if !std::ptr::eq(buffer.comm, self) {
+            return Err(Error::InvalidArgument {
+                reason: "a symmetric buffer of another communicator".into(),
+            });
+        }
+        let mut state = self.usable()?;
+        let ring = state
+            .job
+            .as_mut()
+            .and_then(|j| j.gpu_ring.as_mut())
+            .ok_or_else(|| Error::Unsupported {
+                reason: "this communicator has no GPU ring".into(),
+            })?;
+        let result = match ring.symmetric_all_reduce(buffer.id, count, dtype, op, stream) {
+            Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => return Err(e),
+            other => other,
+        };
+        if let Err(e) = &result {
+            state.failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+}
