@@ -237,7 +237,15 @@ fn teardown_waits_for_no_work_but_its_own() {
     let c = DeviceBuffer::new(&ctx, big).unwrap();
     let d = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
     let with_c = free_memory(&ctx);
-    enqueue_wait(&s2, &kernels, &guard2, Some(FlagValue::fixed(&*page, 1, 1)), false, None).unwrap();
+    enqueue_wait(
+        &s2,
+        &kernels,
+        &guard2,
+        Some(FlagValue::fixed(&*page, 1, 1)),
+        false,
+        None,
+    )
+    .unwrap();
     s2.copy(&c, big - (1 << 20), &d, 0, 1 << 20).unwrap();
     drop(c);
     drop(d);

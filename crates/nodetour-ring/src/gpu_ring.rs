@@ -471,7 +471,8 @@ impl GpuRing {
     }
 
     fn drained(&self) -> bool {
-        self.marks.end[0].is_complete().unwrap_or(false) && self.marks.end[1].is_complete().unwrap_or(false)
+        self.marks.end[0].is_complete().unwrap_or(false)
+            && self.marks.end[1].is_complete().unwrap_or(false)
     }
 
     /// The first half of the teardown handshake: drains the streams (aborting collectives in
@@ -752,7 +753,9 @@ impl GpuRing {
         }
         self.ring_captured |= capturing;
         // From here the peers count these chunks: a failure to queue breaks the ring.
-        let queued = self.queue(buffer, dtype, op, stream, steps, &prog, desc, capturing, replayable);
+        let queued = self.queue(
+            buffer, dtype, op, stream, steps, &prog, desc, capturing, replayable,
+        );
         // A captured collective is counted by its replays, on the GPU (as on the one-kernel
         // path, the host's count names eager collectives only).
         if !capturing {

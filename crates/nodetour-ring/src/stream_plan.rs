@@ -371,11 +371,23 @@ mod tests {
             (
                 p.sends
                     .iter()
-                    .map(|s| (s.slot, s.ready.wrapping_sub(s0), s.wait_released.map(|v| v.wrapping_sub(s0))))
+                    .map(|s| {
+                        (
+                            s.slot,
+                            s.ready.wrapping_sub(s0),
+                            s.wait_released.map(|v| v.wrapping_sub(s0)),
+                        )
+                    })
                     .collect::<Vec<_>>(),
                 p.recvs
                     .iter()
-                    .map(|r| (r.slot, r.wait_ready.wrapping_sub(r0), r.released.wrapping_sub(r0)))
+                    .map(|r| {
+                        (
+                            r.slot,
+                            r.wait_ready.wrapping_sub(r0),
+                            r.released.wrapping_sub(r0),
+                        )
+                    })
                     .collect::<Vec<_>>(),
             )
         };

@@ -192,7 +192,12 @@ fn one_kernel_rank() {
         let mut got = vec![0u8; big_n * 4];
         big.copy_to_host(0, &mut got).unwrap();
         let want = expected(DataType::I32, ReduceOp::Max, world, big_n, 3000 + replay);
-        check(&format!("replay {replay}: the ring's I32 Max x {big_n}"), r, &got, &want);
+        check(
+            &format!("replay {replay}: the ring's I32 Max x {big_n}"),
+            r,
+            &got,
+            &want,
+        );
         for ((t, op, n), b) in shapes.iter().zip(&bufs) {
             let mut got = vec![0u8; n * t.size()];
             b.copy_to_host(0, &mut got).unwrap();
@@ -255,7 +260,10 @@ fn one_kernel_rank() {
                     eprintln!("SYMMETRIC_MISMATCH rank={r} {what}: want {}", head(&want));
                     for q in 0..world {
                         let i = input(dtype, q, count, seed);
-                        eprintln!("SYMMETRIC_MISMATCH rank={r} {what}: input of {q} {}", head(&i));
+                        eprintln!(
+                            "SYMMETRIC_MISMATCH rank={r} {what}: input of {q} {}",
+                            head(&i)
+                        );
                     }
                 }
                 check(&what, r, &got, &want);

@@ -91,7 +91,9 @@ fn check(what: &str, rank: u32, got: &[u8], want: &[u8]) {
 #[ignore = "a rank of ring_collectives_captured_and_replayed_across_processes"]
 fn ring_capture_rank() {
     if std::env::var_os(CHILD).is_none() {
-        println!("SKIP runs only as a rank of ring_collectives_captured_and_replayed_across_processes");
+        println!(
+            "SKIP runs only as a rank of ring_collectives_captured_and_replayed_across_processes"
+        );
         return;
     }
     let mut o = Options::from_env().unwrap();
@@ -113,7 +115,12 @@ fn ring_capture_rank() {
     for dtype in DataType::ALL {
         for op in ReduceOp::ALL {
             let n = count(dtype);
-            cases.push((dtype, op, n, DeviceBuffer::new(&ctx, n * dtype.size()).unwrap()));
+            cases.push((
+                dtype,
+                op,
+                n,
+                DeviceBuffer::new(&ctx, n * dtype.size()).unwrap(),
+            ));
         }
     }
     // One eager collective first: the graph starts from counters that are not zero.

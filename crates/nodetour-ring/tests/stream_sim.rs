@@ -50,7 +50,13 @@ fn resolve(
     slots: u64,
     aligned: bool,
 ) -> (Vec<SendOp>, Vec<RecvOp>) {
-    let up = |c: u64| if aligned { c.next_multiple_of(slots) } else { c };
+    let up = |c: u64| {
+        if aligned {
+            c.next_multiple_of(slots)
+        } else {
+            c
+        }
+    };
     let (s0, r0) = (up(dev.sent) as u32, up(dev.received) as u32);
     let (ps, pr) = (p.start.sent as u32, p.start.received as u32);
     let sends = p
@@ -154,7 +160,9 @@ fn run(
         for r in 0..n {
             let replayed = drop.replay && k % 2 == 1;
             let p = if replayed {
-                captured[r].clone().expect("captured at the first collective")
+                captured[r]
+                    .clone()
+                    .expect("captured at the first collective")
             } else if drop.exchange {
                 program_exchange_on(&plan, avg, &mut counters[r], replayable)
             } else {

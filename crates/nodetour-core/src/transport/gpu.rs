@@ -253,9 +253,9 @@ impl StreamGuard {
     /// The words, for a kernel queued on `stream` (noted: the words outlive its work).
     fn words(&self, stream: &GpuStream) -> Result<GuardWords> {
         self.words.note_use(stream);
-        let timeout_ns = self
-            .timeout
-            .map_or(u64::MAX, |t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
+        let timeout_ns = self.timeout.map_or(u64::MAX, |t| {
+            u64::try_from(t.as_nanos()).unwrap_or(u64::MAX)
+        });
         Ok(GuardWords {
             stop: FlagPage::address(&*self.stop.page, self.stop.index)?,
             latch: self.words.device_ptr() + LATCH as u64,
@@ -356,9 +356,12 @@ fn at(f: FlagValue<'_>, g: &GuardWords) -> Result<NtFlag> {
                     reason: format!("descriptor cells: {cells} cells, value {:#x}", f.value),
                 });
             }
-            let last = f.index.checked_add(cells - 1).ok_or_else(|| Error::InvalidArgument {
-                reason: format!("{cells} cells from word {}", f.index),
-            })?;
+            let last = f
+                .index
+                .checked_add(cells - 1)
+                .ok_or_else(|| Error::InvalidArgument {
+                    reason: format!("{cells} cells from word {}", f.index),
+                })?;
             // The cells are evenly spaced (the page's stride), the last inside the page.
             let end = f.page.address(last)?;
             let stride = if cells > 1 {
@@ -402,16 +405,7 @@ fn send_to(
 ) -> Result<()> {
     let g = guard.words(stream)?;
     let (first, second) = (at(first, &g)?, at_opt(second, &g)?);
-    kernels.send_guarded(
-        stream,
-        g,
-        dst,
-        src,
-        src_offset,
-        len,
-        first,
-        second,
-    )
+    kernels.send_guarded(stream, g, dst, src, src_offset, len, first, second)
 }
 
 /// Queues on `stream` a guarded wait (a one-thread kernel of `kernels`): until word `first`
