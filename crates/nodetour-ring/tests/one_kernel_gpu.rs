@@ -24,7 +24,6 @@ use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_ring::comm::{Communicator, OneKernelMode, Options};
-use nodetour_ring::reduce::{finish_avg, reduce_into};
 use nodetour_ring::{DataType, ReduceOp};
 
 const CHILD: &str = "NODETOUR_ONE_KERNEL_TEST_CHILD";
@@ -57,43 +56,18 @@ fn run_ranks(world: u32) {
 /// element (small integers and halves, signed, so that sums, products, minima and maxima all
 /// depend on the order only through rounding, which must then be the same on every rank).
 fn input(dtype: DataType, rank: u32, count: usize, seed: u64) -> Vec<u8> {
-    let mut rng =
-        common::Rng((seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ((u64::from(rank) + 1) << 32)) | 1);
-    let mut out = Vec::with_capacity(count * dtype.size());
-    for _ in 0..count {
-        let v = (rng.below(41) as f64 - 20.0) / 2.0 + rng.below(1000) as f64 / 1024.0;
-        match dtype {
-            DataType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
-            DataType::F64 => out.extend_from_slice(&v.to_le_bytes()),
-            DataType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
-            DataType::Bf16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
-            DataType::I32 => out.extend_from_slice(&(v.round() as i32).to_le_bytes()),
-            DataType::I64 => out.extend_from_slice(&(v.round() as i64).to_le_bytes()),
-            DataType::U8 => out.push(rng.below(256) as u8),
-        }
-    }
-    out
+    common::typed_input(dtype, rank, count, seed, |rng| {
+        (rng.below(41) as f64 - 20.0) / 2.0 + rng.below(1000) as f64 / 1024.0
+    })
 }
 
 /// What every rank must hold: the fold of every rank's input in rank order.
 fn expected(dtype: DataType, op: ReduceOp, world: u32, count: usize, seed: u64) -> Vec<u8> {
-    let mut acc = input(dtype, 0, count, seed);
-    for r in 1..world {
-        reduce_into(dtype, op, &mut acc, &input(dtype, r, count, seed)).unwrap();
-    }
-    if op == ReduceOp::Avg {
-        finish_avg(dtype, &mut acc, world);
-    }
-    acc
+    common::fold_inputs(dtype, op, world, |r| input(dtype, r, count, seed))
 }
 
 fn check(what: &str, rank: u32, got: &[u8], want: &[u8]) {
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        panic!(
-            "rank {rank}: {what}: byte {i} is {:#04x}, want {:#04x}",
-            got[i], want[i]
-        );
-    }
+    common::check_bytes(what, rank, got, want);
 }
 
 /// One rank (only as a child of the test above).

@@ -93,3 +93,60 @@ pub fn run_rank_processes(
         assert!(status.success(), "{world} ranks: rank {r} failed: {status}");
     }
 }
+
+/// What every rank must hold after an allreduce of `op` over `world` ranks whose inputs are
+/// `input(rank)`: the fold in rank order by the host reducer (then divided for `Avg`).
+pub fn fold_inputs(
+    dtype: nodetour_ring::DataType,
+    op: nodetour_ring::ReduceOp,
+    world: u32,
+    input: impl Fn(u32) -> Vec<u8>,
+) -> Vec<u8> {
+    let mut acc = input(0);
+    for r in 1..world {
+        nodetour_ring::reduce::reduce_into(dtype, op, &mut acc, &input(r)).unwrap();
+    }
+    if op == nodetour_ring::ReduceOp::Avg {
+        nodetour_ring::reduce::finish_avg(dtype, &mut acc, world);
+    }
+    acc
+}
+
+/// Panics naming rank `rank`, `what` and the first byte where `got` differs from `want`.
+pub fn check_bytes(what: &str, rank: u32, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "rank {rank}: {what}: lengths");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "rank {rank}: {what}: byte {i} is {:#04x}, want {:#04x}",
+            got[i], want[i]
+        );
+    }
+}
+
+/// Rank `rank`'s input for case `seed`: `count` values of `dtype`, each `value(rng)` (rounded
+/// for the integer types; u8 takes any byte), from a generator seeded by case and rank.
+pub fn typed_input(
+    dtype: nodetour_ring::DataType,
+    rank: u32,
+    count: usize,
+    seed: u64,
+    value: impl Fn(&mut Rng) -> f64,
+) -> Vec<u8> {
+    use nodetour_ring::DataType;
+    let mut rng =
+        Rng((seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ((u64::from(rank) + 1) << 32)) | 1);
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        let v = value(&mut rng);
+        match dtype {
+            DataType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DataType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+            DataType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+            DataType::Bf16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+            DataType::I32 => out.extend_from_slice(&(v.round() as i32).to_le_bytes()),
+            DataType::I64 => out.extend_from_slice(&(v.round() as i64).to_le_bytes()),
+            DataType::U8 => out.push(rng.below(256) as u8),
+        }
+    }
+    out
+}
