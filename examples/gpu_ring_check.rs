@@ -205,6 +205,7 @@ fn run() -> anyhow::Result<()> {
             compare_nccl: args.compare_nccl,
             ceiling: args.ceiling,
             beside_compute: false,
+            graph: false,
         };
         let rows = ring_sweep(&g, &spec, TIMEOUT)?;
         let what = format!("{} processes, one GPU each", g.world);

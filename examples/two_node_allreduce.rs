@@ -108,6 +108,7 @@ fn run() -> anyhow::Result<()> {
         compare_nccl: args.compare_nccl,
         ceiling: false,
         beside_compute: false,
+        graph: false,
     };
     let rows = ring_sweep(&g, &spec, config.timeout)?;
     if g.rank == 0 {

@@ -8,12 +8,15 @@
 # torchrun), then nodetour's per-process GPU ring (direct and staged, with NCCL called from our
 # binary on the same buffers; up to 1 MiB the direct column is the one-kernel path where the GPUs
 # are the ranks' own, and the small part runs the ring beside it with that path off:
-# nodetour-ring-direct), then nodetour's one-process ring over the GPUs (`--gpus`).
+# nodetour-ring-direct; each path also captured into a CUDA graph and replayed:
+# nodetour-direct-graph, nodetour-staged-graph), then nodetour's one-process ring over the GPUs
+# (`--gpus`).
 # Per implementation and size: the median over rounds (5 by default with two GPUs) and its spread, as
 # ONEHOST lines, and per size the fastest of ours against the fastest reference (ONEHOST_BEST).
 #   small: 16 KiB to 64 MiB by 4, 50 iterations;  large: 256 MiB to 4 GiB by 4, 10 iterations;
 #   cost: the honest cost, 64 KiB to 256 MiB by 4, 20 iterations: nodetour's per-process direct
-#   path and NCCL from our binary, each beside a compute load on another stream of every GPU
+#   path (as shipped, and with the ring's kernels capped at 32 blocks: NODETOUR_RING_BLOCKS)
+#   and NCCL from our binary, each beside a compute load on another stream of every GPU
 #   (`nodetour perf --beside-compute`): busbw beside compute, and the share of the compute's
 #   throughput each leaves (ONEHOST_COST lines); PyTorch's references are not run in this part.
 # Each part is one command of well under 10 minutes on two H200s.
@@ -63,14 +66,20 @@ failed=0
 if [[ $part == cost ]]; then
     compare=()
     [[ $gpus -ge 2 ]] && compare=(--compare nccl)
+    # Ours as shipped (blocks=0: up to 4 x SMs per kernel), then with the ring's kernels capped
+    # at 32 blocks (NODETOUR_RING_BLOCKS; about NCCL's channel count), NCCL beside the first.
     for r in $(seq 1 "$rounds"); do
-        if timeout 500 ./launch-local.sh -n "$ranks" --timeout 480 -- ./nodetour perf --gpu --path direct "${compare[@]}" \
-            --beside-compute --dtype bf16 --sizes "$sizes" --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
-            grep -h 'compute load' "$out/nt.tmp" | head -n 2 >>"$log"
-            sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_COST round=$r /" >>"$log"
-        else
-            echo "onehost-reference: the cost run failed (round $r)"; tail -5 "$out/nt.tmp"; failed=1
-        fi
+        for blocks in 0 32; do
+            cmp=("${compare[@]}")
+            [[ $blocks == 0 ]] || cmp=()
+            if NODETOUR_RING_BLOCKS=$blocks timeout 500 ./launch-local.sh -n "$ranks" --timeout 480 -- ./nodetour perf --gpu --path direct "${cmp[@]}" \
+                --beside-compute --dtype bf16 --sizes "$sizes" --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
+                grep -h 'compute load' "$out/nt.tmp" | head -n 2 >>"$log"
+                sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_COST round=$r blocks=$blocks /" >>"$log"
+            else
+                echo "onehost-reference: the cost run failed (round $r, NODETOUR_RING_BLOCKS=$blocks)"; tail -5 "$out/nt.tmp"; failed=1
+            fi
+        done
     done
     rm -f "$out/nt.tmp"
     # bytes,count,path,time_us,busbw,correct,ceiling,vs_ceiling,nccl_us,nccl_busbw,nccl_correct,ratio,compute_share,nccl_compute_share
@@ -78,18 +87,18 @@ if [[ $part == cost ]]; then
 import re, statistics, sys
 rows = {}
 for line in open(sys.argv[1], errors="replace"):
-    m = re.match(r"NT_COST round=\d+ (.*)", line)
+    m = re.match(r"NT_COST round=\d+ blocks=(\d+) (.*)", line)
     if m:
-        f = m[1].split(",")
-        rows.setdefault(int(f[0]), []).append(f)
+        f = m[2].split(",")
+        rows.setdefault((int(m[1]), int(f[0])), []).append(f)
 def med(v):
     v = [float(x) for x in v if x]
     return f"{statistics.median(v):.3f}" if v else "-"
 bad = False
-for b, fs in sorted(rows.items()):
+for (blocks, b), fs in sorted(rows.items()):
     ok = all(f[5] == "true" and f[10] in ("", "true") for f in fs)
     bad |= not ok
-    print(f"ONEHOST_COST bytes={b} busbw={med(f[4] for f in fs)} nccl_busbw={med(f[9] for f in fs)} "
+    print(f"ONEHOST_COST blocks={blocks or 'default'} bytes={b} busbw={med(f[4] for f in fs)} nccl_busbw={med(f[9] for f in fs)} "
           f"compute_share={med(f[12] for f in fs)} nccl_compute_share={med(f[13] for f in fs)} "
           f"rounds={len(fs)} check={'ok' if ok else 'wrong'}")
 sys.exit(1 if bad or not rows else 0)
@@ -106,7 +115,7 @@ for r in $(seq 1 "$rounds"); do
     compare=() nt_path=both
     [[ $gpus -ge 2 ]] && compare=(--compare nccl)
     if timeout 300 ./launch-local.sh -n "$ranks" --timeout 280 -- ./nodetour perf --gpu --path "$nt_path" "${compare[@]}" \
-        --dtype bf16 --sizes "$sizes" --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
+        --graph --dtype bf16 --sizes "$sizes" --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
         sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_PROCESS round=$r /" >>"$log"
     else
         echo "onehost-reference: nodetour's per-process ring failed (round $r)"; tail -5 "$out/nt.tmp"; failed=1

@@ -598,6 +598,14 @@ impl GpuRing {
         }
     }
 
+    /// Caps the blocks of the stream-ordered ring's reduce, copy and send kernels (0: none;
+    /// see `ReduceKernels::with_max_blocks`). For collectives queued from now on.
+    pub fn set_max_blocks(&mut self, blocks: u32) {
+        if let Some(h) = self.held.as_mut() {
+            h.kernels = h.kernels.clone().with_max_blocks(blocks);
+        }
+    }
+
     /// Two ranks run the allreduce as one exchange step ([`program_exchange_on`], the default)
     /// or, with `false`, as the two-step ring. Every rank must choose the same.
     pub fn set_two_rank_exchange(&mut self, on: bool) {

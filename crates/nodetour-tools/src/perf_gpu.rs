@@ -130,6 +130,9 @@ pub struct SweepSpec {
     /// Run every collective beside a compute load on another stream of the same GPU
     /// ([`crate::compute_load`]); per-process sweeps only.
     pub beside_compute: bool,
+    /// Also time each path's collectives captured into a CUDA graph and replayed (rows
+    /// `direct-graph`, `staged-graph`); per-process sweeps only.
+    pub graph: bool,
 }
 
 /// Runs the sweep on the GPUs `ordinals` (one rank each, in that order).
@@ -148,10 +151,11 @@ pub fn sweep(
         compare_nccl,
         ceiling,
         beside_compute,
+        graph,
     } = *spec;
     anyhow::ensure!(
-        !beside_compute,
-        "--beside-compute measures one GPU per process (--gpu under a launcher)"
+        !beside_compute && !graph,
+        "--beside-compute and --graph measure one GPU per process (--gpu under a launcher)"
     );
     let contexts = ordinals
         .iter()
@@ -484,7 +488,9 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
     let es = dtype.size();
     let largest = sizes.iter().max().copied().unwrap_or(0).max(es);
     let buf = DeviceBuffer::new(&g.context, largest)?;
-    let stream = GpuStream::new(&g.context)?;
+    // A cudarc stream (its graphs capture and launch there), seen as nodetour's.
+    let cu_stream = g.context.new_stream()?;
+    let stream = GpuStream::of_cudarc(&cu_stream);
     let n = f64::from(g.world);
     // Every rank's load runs before any rank measures it alone (the GPUs may be shared).
     let load = if spec.beside_compute {
@@ -528,6 +534,7 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
         }
         let mut theirs = Vec::new();
         let mut per_ring = Vec::new();
+        let mut graph_rows = Vec::new();
         let mut shares = Vec::new();
         for v in &g.variants {
             let comm = &v.comm;
@@ -577,6 +584,33 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 }
             }
             per_ring.push((is_direct(comm), median(ours), ok));
+            if spec.graph {
+                // The same collectives captured into a graph and replayed: its result checked
+                // once (one collective), its time per collective over `iters` captured ones.
+                let reps = iters.max(1);
+                let check_graph = capture(&cu_stream, 1, || {
+                    comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)
+                })?;
+                let timed = capture(&cu_stream, reps, || {
+                    comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)
+                })?;
+                buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+                check_graph.launch()?;
+                comm.wait(deadline())?;
+                let mut graph_ok = false;
+                check(&mut graph_ok)?;
+                timed.launch()?; // warm-up
+                let mut replayed = Vec::new();
+                for _ in 0..BATCHES {
+                    let start = stream.record()?;
+                    timed.launch()?;
+                    let end = stream.record()?;
+                    stream.synchronize()?;
+                    comm.wait(deadline())?;
+                    replayed.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / reps as f64);
+                }
+                graph_rows.push((is_direct(comm), median(replayed), graph_ok));
+            }
             let rate = |(k, t): (u64, f64)| k as f64 / t.max(1e-9);
             shares.push(load.as_ref().map(|l| ComputeShare {
                 alone_per_s: l.alone_per_s,
@@ -600,12 +634,42 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 compute,
             });
         }
+        for (direct, t, ok) in graph_rows {
+            rows.push(GpuRow {
+                bytes,
+                count,
+                path: if direct {
+                    "direct-graph"
+                } else {
+                    "staged-graph"
+                },
+                ceiling: ceilings.and_then(|c| if direct { c.peer } else { Some(c.staged()) }),
+                nodetour: (t, busbw(t), ok),
+                nccl: nccl_row,
+                compute: None,
+            });
+        }
     }
     if let Some(l) = load {
         l.stop()?;
     }
     progress(sizes.len(), sizes.len(), "done");
     Ok(rows)
+}
+
+/// `reps` calls of `queue` (each queueing one collective on `stream`) captured into a CUDA graph.
+fn capture(
+    stream: &Arc<cudarc::driver::CudaStream>,
+    reps: usize,
+    queue: impl Fn() -> nodetour_ring::Result<()>,
+) -> anyhow::Result<cudarc::driver::CudaGraph> {
+    use cudarc::driver::sys;
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let queued = (0..reps).try_for_each(|_| queue());
+    // End the capture whatever happened (a stream left capturing breaks everything after).
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    queued.context("queueing a collective under capture")?;
+    graph?.context("the capture made no graph")
 }
 
 /// One allreduce over every GPU of the set, queued from this thread as a group.

@@ -303,6 +303,9 @@ pub(crate) struct NtFlag {
 #[derive(Clone)]
 pub struct ReduceKernels {
     k: Arc<Loaded>,
+    // The most blocks one grid-stride kernel of this handle launches (at most the GPU's
+    // `4 × SMs`): a cap leaves SMs to the caller's compute at large sizes.
+    max_blocks: u32,
     /// Whether the kernels came from a cache (already loaded in this process, or a CUBIN on
     /// disk) rather than a compile.
     pub from_cache: bool,
@@ -352,6 +355,7 @@ impl ReduceKernels {
                 .is_some_and(|c| crate::cuda::same_context(&c, context))
         }) {
             return Ok(ReduceKernels {
+                max_blocks: k.blocks,
                 k: k.clone(),
                 from_cache: true,
                 cache_path: path.clone(),
@@ -361,6 +365,7 @@ impl ReduceKernels {
         let k = Arc::new(k);
         table.push((Arc::downgrade(context), k.clone(), cache_path.clone()));
         Ok(ReduceKernels {
+            max_blocks: k.blocks,
             k,
             from_cache,
             cache_path,
@@ -764,7 +769,7 @@ impl ReduceKernels {
             (&mut b as *mut NtFlag).cast::<c_void>(),
             (&mut dn as *mut u64).cast::<c_void>(),
         ];
-        let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.k.blocks);
+        let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.max_blocks);
         self.launch_grid(stream, self.k.send, &mut params, blocks, 512)
     }
 
@@ -805,7 +810,7 @@ impl ReduceKernels {
         ];
         // 16 bytes per thread (see SOURCE); at least one block, which stores the signal.
         let per = 16 / dtype.size();
-        let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.k.blocks);
+        let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.max_blocks);
         self.launch_grid(stream, f, &mut params, blocks, 512)
     }
 
@@ -836,10 +841,24 @@ impl ReduceKernels {
         self.k.sms
     }
 
-    /// The most blocks (of 512 threads) one reduce, copy or guarded kernel launches: a large
-    /// chunk's kernel fills every SM of the GPU while it runs.
+    /// The most blocks (of 512 threads) one reduce, copy or guarded kernel launches: by
+    /// default `4 × SMs` (a large chunk's kernel fills every SM of the GPU while it runs), or
+    /// the cap of [`Self::with_max_blocks`].
     pub fn max_blocks(&self) -> u32 {
-        self.k.blocks
+        self.max_blocks
+    }
+
+    /// This handle with its grid-stride kernels capped at `blocks` blocks (1 to `4 × SMs`;
+    /// 0: no cap): the same results (every kernel strides over its range), fewer SMs taken
+    /// from the caller's compute while a large chunk moves, at some bandwidth. The one-kernel
+    /// path's fixed grid is not affected.
+    pub fn with_max_blocks(mut self, blocks: u32) -> ReduceKernels {
+        self.max_blocks = if blocks == 0 {
+            self.k.blocks
+        } else {
+            blocks.min(self.k.blocks)
+        };
+        self
     }
 
     /// Queues on `stream` the compute-bound kernel of [`super::busy`]: `blocks` blocks of
@@ -903,7 +922,7 @@ impl ReduceKernels {
             });
         }
         let s = stream.bind()?;
-        let blocks = (count.div_ceil(512) as u32).clamp(1, self.k.blocks);
+        let blocks = (count.div_ceil(512) as u32).clamp(1, self.max_blocks);
         // SAFETY: f takes exactly the parameters given (checked by the callers above: device
         // pointers to in-bounds ranges of live buffers, a count, and a rank count); the buffers
         // noted this stream and are freed only after its queued work; the module is never

@@ -128,6 +128,11 @@ pub struct GpuRingOptions {
     /// also the size of each of the two halves of every rank's scratch). Every rank must use
     /// the same value (checked at formation).
     pub one_kernel_max: usize,
+    /// The most blocks one reduce, copy or send kernel of the stream-ordered ring launches
+    /// (`NODETOUR_RING_BLOCKS`; 0: `4 × SMs`, the default): a cap leaves SMs to compute that
+    /// runs beside large collectives (measure with `nodetour perf --gpu --beside-compute`).
+    /// A rank's own choice: ranks need not agree.
+    pub max_blocks: u32,
 }
 
 impl Default for GpuRingOptions {
@@ -142,6 +147,7 @@ impl Default for GpuRingOptions {
             net_landing: NetLanding::Auto,
             one_kernel: OneKernelMode::Auto,
             one_kernel_max: ONE_KERNEL_MAX,
+            max_blocks: 0,
         }
     }
 }
@@ -433,6 +439,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
     let mut ring = GpuRing::new(context, position, world, Some(links))?;
     // Each guarded wait gives up at the job's timeout, inside CUDA graphs too.
     ring.set_wait_timeout(timeout);
+    ring.set_max_blocks(options.max_blocks);
     // Small allreduces as one kernel, where every rank can map every rank's memory.
     let stop = ring.stop_word().ok_or_else(|| Error::InvalidArgument {
         reason: "a GPU ring with links has a stop word".into(),

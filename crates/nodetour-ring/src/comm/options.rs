@@ -171,6 +171,7 @@ impl Options {
                     1,
                     crate::gpu_ring::SLOT_MEMORY_MAX / 2,
                 )?,
+                max_blocks: number("NODETOUR_RING_BLOCKS", 0, 0, 1 << 16)? as u32,
                 ..super::gpu_links::GpuRingOptions::default()
             },
             two_rank_exchange: true,
@@ -221,8 +222,10 @@ mod tests {
             ("NODETOUR_IB_DEVICES", "mlx5_0, mlx5_1"),
             ("NODETOUR_SLOTS", "8"),
             ("NODETOUR_PIECE_BYTES", "65536"),
+            ("NODETOUR_RING_BLOCKS", "32"),
         ]))
         .unwrap();
+        assert_eq!(o.gpu_ring.max_blocks, 32);
         assert_eq!(o.timeout(), Duration::from_millis(2500));
         assert_eq!(o.transport, Some(TransportKind::Tcp));
         assert_eq!(o.devices, ["mlx5_0", "mlx5_1"]);
@@ -236,6 +239,7 @@ mod tests {
             ("NODETOUR_NET_LANDING", "nic"),
             ("NODETOUR_ONE_KERNEL", "sometimes"),
             ("NODETOUR_ONE_KERNEL_MAX", "0"),
+            ("NODETOUR_RING_BLOCKS", "lots"),
         ] {
             let e = Options::from_lookup(lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");

@@ -154,6 +154,10 @@ struct GpuArgs {
     /// and how much of the compute it leaves (the `cmp` columns).
     #[arg(long)]
     beside_compute: bool,
+    /// With --gpu: also each path's collectives captured into a CUDA graph and replayed (rows
+    /// direct-graph, staged-graph; rings with a network link cannot be captured).
+    #[arg(long)]
+    graph: bool,
     /// With --gpus: the largest all-gather segment copied by a kernel instead of the copy
     /// engine (tuning; 0 = always the copy engine).
     #[arg(long)]
@@ -178,6 +182,7 @@ impl GpuArgs {
             compare_nccl,
             ceiling,
             beside_compute: self.beside_compute,
+            graph: self.graph,
         })
     }
 
