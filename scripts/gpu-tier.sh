@@ -76,7 +76,9 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all || failed=1
     NODETOUR_TRANSPORT=shm ./launch-local.sh -n 4 --timeout 300 -- ./gpu_ring_check || failed=1
     echo "== gpu_ring_check with the ring's kernels capped at 3 blocks (NODETOUR_RING_BLOCKS: same results)"
-    NODETOUR_RING_BLOCKS=3 ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all || failed=1
+    NODETOUR_RING_BLOCKS=3 NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >"$out/ring-blocks.log" 2>&1 || failed=1
+    grep -E 'GPU_RING OK|rror' "$out/ring-blocks.log" | sort | uniq -c
+    grep -q 'kernels of up to 3 blocks' "$out/ring-blocks.log" || { echo "the cap was not applied"; failed=1; }
     echo "== failure drills: a rank SIGKILLed, or aborted from a watchdog thread, mid-stream (NODETOUR_TIMEOUT_MS=5000)"
     for spec in "2|--kill-rank 1|auto" "2|--kill-rank 1|shm" "3|--abort-rank 2|shm"; do
         IFS='|' read -r n a t <<<"$spec"

@@ -70,7 +70,8 @@ pub fn variants_of(path: &str) -> Result<Vec<VariantSpec>> {
 
 impl GpuJob {
     /// Forms every variant: rank `r` uses GPU `local_rank mod GPUs`; `gpu_ring` shapes the
-    /// slots of every variant.
+    /// slots of every variant (the environment's one-kernel, landing and block-cap settings
+    /// are kept).
     pub fn form(
         specs: &[VariantSpec],
         gpu_ring: GpuRingOptions,
@@ -95,6 +96,7 @@ impl GpuJob {
                 net_landing: o.gpu_ring.net_landing,
                 one_kernel: o.gpu_ring.one_kernel,
                 one_kernel_max: o.gpu_ring.one_kernel_max,
+                max_blocks: o.gpu_ring.max_blocks,
                 ..gpu_ring
             };
             o.two_rank_exchange = s.two_rank_exchange;
