@@ -5,7 +5,8 @@
 //! into one graph, replays it with new inputs each time, runs eager collectives of other sizes
 //! between the replays, and checks every result bit for bit on every rank (inputs are small
 //! integers, so every order of reduction gives the same bytes). The graph's flag values and
-//! slots come from counters on the GPU, so each replay is the next collective.
+//! slots come from counters on the GPU, so each replay is the next collective. A drill: a
+//! replay that waits for a rank that never replays ends by its deadline on the GPU.
 //!
 //! SKIP without a GPU.
 
@@ -40,6 +41,101 @@ fn ring_collectives_captured_and_replayed_across_processes() {
             Duration::from_secs(300),
         );
     }
+}
+
+/// A replay that waits for a rank that never replays ends by its own deadline, on the GPU (no
+/// host waits inside a graph): two ranks with a 5 s timeout; rank 0 replays alone, its stream
+/// must pass the graph within seconds and its `wait` must say `Timeout`; rank 1's next
+/// collective (after rank 0 told it) must fail, never return `Ok`.
+#[test]
+fn ring_replay_alone_ends_by_its_deadline() {
+    if common::gpus().is_none() {
+        return;
+    }
+    common::run_rank_processes(
+        "ring_replay_drill_rank",
+        CHILD,
+        2,
+        5_000,
+        |_, c| {
+            c.env_remove("NODETOUR_HOST_ID")
+                .env("NODETOUR_TRANSPORT", "cuda-ipc")
+                .env("NODETOUR_ONE_KERNEL", "off");
+        },
+        Duration::from_secs(120),
+    );
+}
+
+/// One rank of the drill (only as a child of the test above).
+#[test]
+#[ignore = "a rank of ring_replay_alone_ends_by_its_deadline"]
+fn ring_replay_drill_rank() {
+    if std::env::var_os(CHILD).is_none() {
+        println!("SKIP runs only as a rank of ring_replay_alone_ends_by_its_deadline");
+        return;
+    }
+    let mut o = Options::from_env().unwrap();
+    o.gpu = Some(0);
+    let comm = Communicator::from_env(o).unwrap();
+    let (r, world) = (comm.rank(), comm.world());
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let cu_stream = ctx.new_stream().unwrap();
+    let stream = GpuStream::of_cudarc(&cu_stream);
+    let wait = || comm.wait(Deadline::after(Duration::from_secs(20)));
+    let (t, n) = (DataType::F32, 1_000_003usize);
+    let buf = DeviceBuffer::new(&ctx, n * 4).unwrap();
+    use cudarc::driver::sys;
+    cu_stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    comm.all_reduce_device_buffer(&buf, n, t, ReduceOp::Sum, &stream)
+        .unwrap();
+    let graph = cu_stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    // Both replay once: right.
+    buf.copy_from_host(0, &input(t, r, n, 1)).unwrap();
+    graph.launch().unwrap();
+    cu_stream.synchronize().unwrap();
+    wait().unwrap();
+    let mut got = vec![0u8; n * 4];
+    buf.copy_to_host(0, &mut got).unwrap();
+    check(
+        "replay together",
+        r,
+        &got,
+        &expected(t, ReduceOp::Sum, world, n, 1),
+    );
+    let mut x = [1i32];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    if r == 0 {
+        let started = std::time::Instant::now();
+        graph.launch().unwrap();
+        cu_stream.synchronize().unwrap();
+        let ms = started.elapsed().as_millis();
+        let e = wait().unwrap_err();
+        println!("RING_DRILL rank=0 lone_replay_ended_after_ms={ms} error=\"{e}\"");
+        assert!(ms < 15_000, "the lone replay ended only after {ms} ms");
+        assert!(
+            matches!(e, nodetour_ring::Error::Timeout { .. }),
+            "rank 0: {e:?}"
+        );
+    } else {
+        // Past rank 0's deadline (5 s), and its report to this rank.
+        std::thread::sleep(Duration::from_secs(9));
+        let started = std::time::Instant::now();
+        let e = comm
+            .all_reduce_device_buffer(&buf, n, t, ReduceOp::Sum, &stream)
+            .and_then(|()| wait())
+            .expect_err("a collective returned Ok although rank 0's replay had failed");
+        println!(
+            "RING_DRILL rank=1 failed_after_ms={} error=\"{e}\"",
+            started.elapsed().as_millis()
+        );
+    }
+    drop(graph);
+    let _ = comm.close(Deadline::after(Duration::from_secs(10)));
 }
 
 /// Rank `rank`'s input for case `seed`: integers in -3..=3 (u8: any byte), exact in every type,
