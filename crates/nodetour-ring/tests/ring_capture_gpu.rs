@@ -43,35 +43,39 @@ fn ring_collectives_captured_and_replayed_across_processes() {
     }
 }
 
-/// A replay that waits for a rank that never replays ends by its own deadline, on the GPU (no
-/// host waits inside a graph): two ranks with a 5 s timeout; rank 0 replays alone, its stream
-/// must pass the graph within seconds and its `wait` must say `Timeout`; rank 1's next
-/// collective (after rank 0 told it) must fail, never return `Ok`.
+/// A replay that waits for a rank that never replays ends inside the graph (no host waits
+/// there), two ranks with a 5 s timeout, rank 0 replaying alone: by the GPU's own deadline (its
+/// stream passes the graph within seconds, its `wait` says `Timeout`), and, in a second job, by
+/// an abort from another thread 300 ms in (the stop word ends the waits at once, `wait` says
+/// `Aborted`). Either way rank 1's next collective (after rank 0 told it) fails, never `Ok`.
 #[test]
-fn ring_replay_alone_ends_by_its_deadline() {
+fn ring_replay_alone_ends_by_its_deadline_or_an_abort() {
     if common::gpus().is_none() {
         return;
     }
-    common::run_rank_processes(
-        "ring_replay_drill_rank",
-        CHILD,
-        2,
-        5_000,
-        |_, c| {
-            c.env_remove("NODETOUR_HOST_ID")
-                .env("NODETOUR_TRANSPORT", "cuda-ipc")
-                .env("NODETOUR_ONE_KERNEL", "off");
-        },
-        Duration::from_secs(120),
-    );
+    for drill in ["deadline", "abort"] {
+        common::run_rank_processes(
+            "ring_replay_drill_rank",
+            CHILD,
+            2,
+            5_000,
+            |_, c| {
+                c.env_remove("NODETOUR_HOST_ID")
+                    .env("NODETOUR_TRANSPORT", "cuda-ipc")
+                    .env("NODETOUR_ONE_KERNEL", "off")
+                    .env("RING_REPLAY_DRILL", drill);
+            },
+            Duration::from_secs(120),
+        );
+    }
 }
 
-/// One rank of the drill (only as a child of the test above).
+/// One rank of the drills (only as a child of the test above).
 #[test]
-#[ignore = "a rank of ring_replay_alone_ends_by_its_deadline"]
+#[ignore = "a rank of ring_replay_alone_ends_by_its_deadline_or_an_abort"]
 fn ring_replay_drill_rank() {
     if std::env::var_os(CHILD).is_none() {
-        println!("SKIP runs only as a rank of ring_replay_alone_ends_by_its_deadline");
+        println!("SKIP runs only as a rank of ring_replay_alone_ends_by_its_deadline_or_an_abort");
         return;
     }
     let mut o = Options::from_env().unwrap();
@@ -109,18 +113,35 @@ fn ring_replay_drill_rank() {
     );
     let mut x = [1i32];
     comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    let abort = std::env::var("RING_REPLAY_DRILL").as_deref() == Ok("abort");
     if r == 0 {
+        if abort {
+            let handle = comm.abort_handle();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                handle.abort("the ring replay drill");
+            });
+        }
         let started = std::time::Instant::now();
         graph.launch().unwrap();
         cu_stream.synchronize().unwrap();
         let ms = started.elapsed().as_millis();
         let e = wait().unwrap_err();
-        println!("RING_DRILL rank=0 lone_replay_ended_after_ms={ms} error=\"{e}\"");
-        assert!(ms < 15_000, "the lone replay ended only after {ms} ms");
-        assert!(
-            matches!(e, nodetour_ring::Error::Timeout { .. }),
-            "rank 0: {e:?}"
-        );
+        let drill = if abort { "abort" } else { "deadline" };
+        println!("RING_DRILL drill={drill} rank=0 lone_replay_ended_after_ms={ms} error=\"{e}\"");
+        if abort {
+            assert!(ms < 3_000, "the aborted replay ended only after {ms} ms");
+            assert!(
+                matches!(e, nodetour_ring::Error::Aborted { .. }),
+                "rank 0: {e:?}"
+            );
+        } else {
+            assert!(ms < 15_000, "the lone replay ended only after {ms} ms");
+            assert!(
+                matches!(e, nodetour_ring::Error::Timeout { .. }),
+                "rank 0: {e:?}"
+            );
+        }
     } else {
         // Past rank 0's deadline (5 s), and its report to this rank.
         std::thread::sleep(Duration::from_secs(9));
