@@ -44,7 +44,7 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_devices_tests || failed=1
     echo "== the communicator on device memory (cudarc slices, the caller's streams; ranks as threads)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_gpu_tests || failed=1
-    echo "== the stream-ordered ring captured into CUDA graphs and replayed (2 and 3 processes on GPU 0: cuda-ipc, shm)"
+    echo "== the stream-ordered ring captured into CUDA graphs and replayed (every collective; 2, 3 and 4 processes on GPU 0: cuda-ipc, shm)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./ring_capture_tests || failed=1
     echo "gpu tests: $tests_passed passed, $tests_failed failed, $tests_skipped skipped"
     echo "== teardown_probe: which driver calls that free or close wait for unrelated work (informative)"

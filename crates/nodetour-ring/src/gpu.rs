@@ -49,6 +49,11 @@ struct Member {
     kernels: Arc<ReduceKernels>,
     /// `markers[0]`: the start; `markers[k + 1]`: the end of step `k`.
     markers: Vec<GpuEvent>,
+    /// The same for collectives captured into a CUDA graph: recorded only under capture (where
+    /// a record makes a graph edge, not a point to wait for), so the eager markers keep the
+    /// state eager collectives wait on (an event last recorded under capture cannot be waited
+    /// for or queried outside it).
+    captured: Vec<GpuEvent>,
     /// Recorded on this rank's stream after each collective: what `wait` and `Drop` poll.
     end: GpuEvent,
 }
@@ -62,6 +67,8 @@ pub struct GpuGroup {
     kernel_copy_max: usize,
     one_step_max: usize,
     abort: GroupAbort,
+    /// Whether the collective being queued is captured into a CUDA graph (set by `queue`).
+    capturing: bool,
 }
 
 /// Ends a [`GpuGroup`] from any thread. Cheap to clone.
@@ -165,14 +172,17 @@ impl GpuGroup {
                 .find(|(c, _)| Arc::ptr_eq(c, ctx))
                 .map(|(_, k)| k.clone())
                 .expect("loaded above");
-            let markers = (0..=steps)
-                .map(|_| GpuEvent::marker(ctx))
-                .collect::<nodetour_core::Result<Vec<_>>>()
-                .map_err(|e| gpu_error("creating markers", e))?;
+            let markers = || {
+                (0..=steps)
+                    .map(|_| GpuEvent::marker(ctx))
+                    .collect::<nodetour_core::Result<Vec<_>>>()
+                    .map_err(|e| gpu_error("creating markers", e))
+            };
             members.push(Member {
                 context: ctx.clone(),
                 kernels: k,
-                markers,
+                markers: markers()?,
+                captured: markers()?,
                 end: GpuEvent::marker(ctx).map_err(|e| gpu_error("creating markers", e))?,
             });
         }
@@ -198,6 +208,7 @@ impl GpuGroup {
             kernel_copy_max: KERNEL_COPY_MAX,
             one_step_max: ONE_STEP_MAX,
             abort: GroupAbort::default(),
+            capturing: false,
         })
     }
 
@@ -298,12 +309,19 @@ impl GpuGroup {
 
     /// Runs `f` (which queues one collective on `streams`) unless the group has ended, then
     /// records each rank's end marker. A failure while queueing (the streams may hold part of
-    /// the collective) ends the group with that error.
+    /// the collective) ends the group with that error. Under graph capture (every stream in one
+    /// capture, see [`capture_of`]) `f` orders the ranks with the capture's own markers and no
+    /// end marker is recorded: the graph's work runs when the caller launches it, and the
+    /// caller's stream says when it is done.
     fn queue(&mut self, streams: &[&GpuStream], f: impl FnOnce(&Self) -> Result<()>) -> Result<()> {
         if let Some(e) = self.abort.error() {
             return Err(e);
         }
+        self.capturing = capture_of(streams)?;
         let queued = f(self).and_then(|()| {
+            if self.capturing {
+                return Ok(());
+            }
             for (m, s) in self.members.iter().zip(streams) {
                 s.record_marker(&m.end)
                     .map_err(|e| gpu_error("queueing the end of the collective", e))?;
@@ -314,6 +332,16 @@ impl GpuGroup {
             self.abort.fail(e.clone());
         }
         queued
+    }
+
+    /// Rank `r`'s step markers for the collective being queued: eager or captured.
+    fn marks(&self, r: usize) -> &[GpuEvent] {
+        let m = &self.members[r];
+        if self.capturing {
+            &m.captured
+        } else {
+            &m.markers
+        }
     }
 
     /// Queues an in-place reduce-scatter in NCCL's in-place layout: each buffer holds
@@ -416,22 +444,21 @@ impl GpuGroup {
                 let prev = (r + n - 1) % n;
                 let d = (r + n - root) % n;
                 if d != 0 {
-                    s.wait_marker(&self.members[prev].markers[k]).map_err(g)?;
+                    s.wait_marker(&self.marks(prev)[k]).map_err(g)?;
                     if let Some(c) = (k + 1).checked_sub(d).filter(|&c| c < chunks) {
                         let (off, len) = chunk(c);
                         self.pull(r, s, buffers, off, len)?;
                     }
                 }
-                s.record_marker(&self.members[r].markers[k + 1])
-                    .map_err(g)?;
+                s.record_marker(&self.marks(r)[k + 1]).map_err(g)?;
             }
         }
         self.finish(streams, steps)
     }
 
     fn record_start(&self, streams: &[&GpuStream]) -> Result<()> {
-        for (m, s) in self.members.iter().zip(streams) {
-            s.record_marker(&m.markers[0])
+        for (r, s) in streams.iter().enumerate() {
+            s.record_marker(&self.marks(r)[0])
                 .map_err(|e| gpu_error("queueing the collective", e))?;
         }
         Ok(())
@@ -467,9 +494,9 @@ impl GpuGroup {
             for r in 0..n {
                 let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
                 let s = streams[r];
-                s.wait_marker(&self.members[prev].markers[k]).map_err(g)?;
+                s.wait_marker(&self.marks(prev)[k]).map_err(g)?;
                 if next != prev {
-                    s.wait_marker(&self.members[next].markers[k]).map_err(g)?;
+                    s.wait_marker(&self.marks(next)[k]).map_err(g)?;
                 }
                 let kernels = &self.members[r].kernels;
                 match reduce {
@@ -491,8 +518,7 @@ impl GpuGroup {
                         self.pull(r, s, buffers, off, len * size)?;
                     }
                 }
-                s.record_marker(&self.members[r].markers[k + 1])
-                    .map_err(g)?;
+                s.record_marker(&self.marks(r)[k + 1]).map_err(g)?;
             }
         }
         self.finish(streams, steps)
@@ -524,9 +550,8 @@ impl GpuGroup {
     fn finish(&self, streams: &[&GpuStream], steps: usize) -> Result<()> {
         let n = self.members.len();
         for (r, stream) in streams.iter().enumerate() {
-            let next = &self.members[(r + 1) % n];
             stream
-                .wait_marker(&next.markers[steps])
+                .wait_marker(&self.marks((r + 1) % n)[steps])
                 .map_err(|e| gpu_error("queueing the end of the collective", e))?;
         }
         Ok(())
@@ -547,18 +572,16 @@ impl GpuGroup {
         for (r, &(start, len)) in halves.iter().enumerate() {
             let peer = 1 - r;
             let s = streams[r];
-            s.wait_marker(&self.members[peer].markers[0]).map_err(g)?;
+            s.wait_marker(&self.marks(peer)[0]).map_err(g)?;
             let off = start * dtype.size();
             self.members[r]
                 .kernels
                 .reduce_both(s, dtype, op, buffers[r], off, buffers[peer], off, len, 2)
                 .map_err(g)?;
-            s.record_marker(&self.members[r].markers[1]).map_err(g)?;
+            s.record_marker(&self.marks(r)[1]).map_err(g)?;
         }
         for (r, stream) in streams.iter().enumerate() {
-            stream
-                .wait_marker(&self.members[1 - r].markers[1])
-                .map_err(g)?;
+            stream.wait_marker(&self.marks(1 - r)[1]).map_err(g)?;
         }
         Ok(())
     }
@@ -604,17 +627,6 @@ impl GpuGroup {
                     reason: format!("rank {r}'s stream is not on rank {r}'s GPU"),
                 });
             }
-            if streams[r]
-                .is_capturing()
-                .map_err(|e| gpu_error("asking about stream capture", e))?
-            {
-                return Err(Error::Unsupported {
-                    reason: format!(
-                        "rank {r}'s stream is being captured into a CUDA graph; nodetour's \
-                         collectives do not support graph capture yet"
-                    ),
-                });
-            }
         }
         for (i, a) in buffers.iter().enumerate() {
             if buffers[..i]
@@ -627,5 +639,33 @@ impl GpuGroup {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether the collective on `streams` is being captured into a CUDA graph: every stream in
+/// one capture (the caller forked them from one capturing stream, so the ranks' markers become
+/// the graph's edges), or none. Some streams capturing and others not, or streams in separate
+/// captures (one thread per GPU, each capturing its own stream), is `Unsupported`: a rank
+/// cannot wait for a marker recorded in another graph.
+fn capture_of(streams: &[&GpuStream]) -> Result<bool> {
+    let mut ids = Vec::with_capacity(streams.len());
+    for s in streams {
+        ids.push(
+            s.capture_id()
+                .map_err(|e| gpu_error("asking about stream capture", e))?,
+        );
+    }
+    match ids.first().copied().flatten() {
+        None if ids.iter().all(Option::is_none) => Ok(false),
+        Some(id) if ids.iter().all(|i| *i == Some(id)) => Ok(true),
+        _ => Err(Error::Unsupported {
+            reason: format!(
+                "the GPUs' streams are not all in one CUDA graph capture (capture ids by rank: \
+                 {ids:?}): capture the one-process path from one thread, starting the capture \
+                 on one stream and forking every GPU's stream from it (cuEventRecord on the \
+                 capturing stream, cuStreamWaitEvent on the others) before the collectives, \
+                 inside a nodetour Group"
+            ),
+        }),
     }
 }

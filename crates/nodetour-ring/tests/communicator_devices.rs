@@ -565,3 +565,212 @@ fn an_abort_ends_every_member_and_refused_calls_write_nothing() {
         );
     }
 }
+
+/// One collective of [`captured_in_one_graph_from_one_thread_and_replayed`], on every rank's
+/// nodetour buffers: `send` (in) and `recv` (out; `send` itself for allreduces and broadcasts).
+struct Captured {
+    what: &'static str,
+    dtype: DataType,
+    op: ReduceOp,
+    /// Elements per block (reduce-scatter, all-gather) or of the buffer.
+    count: usize,
+    root: usize,
+    send: Vec<DeviceBuffer>,
+    recv: Vec<Option<DeviceBuffer>>,
+}
+
+impl Captured {
+    fn new(
+        contexts: &[Arc<CudaContext>],
+        what: &'static str,
+        dtype: DataType,
+        op: ReduceOp,
+        count: usize,
+        root: usize,
+    ) -> Captured {
+        let n = contexts.len();
+        let block = count * dtype.size();
+        let (send, recv) = match what {
+            "reduce-scatter" => (block * n, Some(block)),
+            "all-gather" => (block, Some(block * n)),
+            _ => (block, None),
+        };
+        Captured {
+            what,
+            dtype,
+            op,
+            count,
+            root,
+            send: contexts
+                .iter()
+                .map(|c| DeviceBuffer::new(c, send).unwrap())
+                .collect(),
+            recv: contexts
+                .iter()
+                .map(|c| recv.map(|b| DeviceBuffer::new(c, b).unwrap()))
+                .collect(),
+        }
+    }
+
+    fn inputs(&self, seed: u64) -> Vec<Vec<u8>> {
+        let n = self.send.len();
+        let len = if self.what == "reduce-scatter" {
+            self.count * n
+        } else {
+            self.count
+        };
+        (0..n)
+            .map(|r| values(self.dtype, seed * 16 + r as u64, len))
+            .collect()
+    }
+
+    fn fill(&self, seed: u64) {
+        for (b, input) in self.send.iter().zip(self.inputs(seed)) {
+            b.copy_from_host(0, &input).unwrap();
+        }
+    }
+
+    /// Queues the collective for every rank, in one group.
+    fn queue(&self, comms: &[Communicator], streams: &[GpuStream]) -> Result<(), Error> {
+        let (t, n, op) = (self.dtype, self.count, self.op);
+        let mut g = Group::new();
+        for (r, c) in comms.iter().enumerate() {
+            let (send, recv, s) = (&self.send[r], self.recv[r].as_ref(), &streams[r]);
+            match self.what {
+                "allreduce" => g.all_reduce_device_buffer(c, send, n, t, op, s),
+                "reduce-scatter" => {
+                    g.reduce_scatter_device_buffer(c, send, recv.unwrap(), n, t, op, s)
+                }
+                "all-gather" => g.all_gather_device_buffer(c, send, recv.unwrap(), n, t, s),
+                _ => g.broadcast_device_buffer(c, send, n, t, self.root as u32, s),
+            }?;
+        }
+        g.end()
+    }
+
+    /// Every rank's output against the inputs of `seed`.
+    fn check(&self, when: &str, seed: u64, failures: &mut Vec<String>) {
+        let inputs = self.inputs(seed);
+        let ranks = inputs.len();
+        let size = self.dtype.size();
+        for r in 0..ranks {
+            let want = match self.what {
+                "allreduce" => reduced(self.dtype, self.op, &inputs),
+                "reduce-scatter" => reduced(self.dtype, self.op, &inputs)[r * self.count * size..]
+                    [..self.count * size]
+                    .to_vec(),
+                "all-gather" => inputs.concat(),
+                _ => inputs[self.root].clone(),
+            };
+            let out = self.recv[r].as_ref().unwrap_or(&self.send[r]);
+            let mut got = vec![0u8; want.len()];
+            out.copy_to_host(0, &mut got).unwrap();
+            if let Some(i) = first_difference(self.dtype, self.op, ranks, &got, &want) {
+                failures.push(format!(
+                    "{when}: {ranks} ranks, {} {:?} {:?} x {}: rank {r} element {i}",
+                    self.what, self.dtype, self.op, self.count
+                ));
+            }
+        }
+    }
+}
+
+/// The one-process path captured into one CUDA graph from one thread: the capture starts on
+/// rank 0's stream and every other rank's stream is forked from it (so the ranks' markers
+/// become the graph's edges, across GPUs); every collective of every type (and operation) is
+/// queued in groups, the graph replayed with new inputs each time and every rank's answer
+/// checked, with eager collectives between the replays. Ranks 2-4 (two of them once in one
+/// step and once through the ring). A capture that holds only some of the streams is refused,
+/// typed, and the set goes on.
+#[test]
+#[ignore = "needs a GPU"]
+fn captured_in_one_graph_from_one_thread_and_replayed() {
+    let Some(gpus) = gpus() else { return };
+    use cudarc::driver::sys;
+    let relaxed = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    let mut failures = Vec::new();
+    for (ranks, one_step) in [(2, true), (2, false), (3, true), (4, true)] {
+        let contexts = contexts(&gpus, ranks);
+        let mut o = options();
+        if !one_step {
+            o.one_step_max = 0;
+        }
+        let comms = Communicator::from_devices(&contexts, o).unwrap();
+        let cu: Vec<Arc<CudaStream>> = contexts.iter().map(|c| c.new_stream().unwrap()).collect();
+        let streams: Vec<GpuStream> = cu.iter().map(GpuStream::of_cudarc).collect();
+        let mut cases = Vec::new();
+        for dtype in DataType::ALL {
+            let (n, block) = (100_003usize, 4099usize);
+            for op in ReduceOp::ALL {
+                cases.push(Captured::new(&contexts, "allreduce", dtype, op, n, 0));
+                cases.push(Captured::new(
+                    &contexts,
+                    "reduce-scatter",
+                    dtype,
+                    op,
+                    block,
+                    0,
+                ));
+            }
+            let (sum, root) = (ReduceOp::Sum, cases.len() % ranks);
+            cases.push(Captured::new(&contexts, "all-gather", dtype, sum, block, 0));
+            cases.push(Captured::new(&contexts, "broadcast", dtype, sum, n, root));
+        }
+
+        // Only rank 0's stream capturing: refused before anything is queued; the set goes on.
+        let probe = Captured::new(&contexts, "allreduce", DataType::F32, ReduceOp::Sum, 7, 0);
+        cu[0].begin_capture(relaxed).unwrap();
+        let refused = probe.queue(&comms, &streams);
+        drop(cu[0].end_capture(sys::CUgraphInstantiate_flags(0)).unwrap());
+        assert!(
+            matches!(&refused, Err(Error::Unsupported { reason }) if reason.contains("capture")),
+            "{refused:?}"
+        );
+
+        cu[0].begin_capture(relaxed).unwrap();
+        let fork = cu[0].record_event(None).unwrap();
+        for s in &cu[1..] {
+            s.wait(&fork).unwrap();
+        }
+        for c in &cases {
+            c.queue(&comms, &streams).unwrap();
+        }
+        for s in &cu[1..] {
+            cu[0].wait(&s.record_event(None).unwrap()).unwrap();
+        }
+        let graph = cu[0]
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("a graph with the captured collectives");
+        for replay in 0..3u64 {
+            for (k, c) in cases.iter().enumerate() {
+                c.fill(1000 * replay + k as u64);
+            }
+            graph.launch().unwrap();
+            cu[0].synchronize().unwrap();
+            for (k, c) in cases.iter().enumerate() {
+                let when = format!("replay {replay} (one step: {one_step})");
+                c.check(&when, 1000 * replay + k as u64, &mut failures);
+            }
+            // Eager collectives between the replays, checked.
+            for (k, c) in [&probe, &cases[1]].into_iter().enumerate() {
+                let seed = 50_000 + 10 * replay + k as u64;
+                c.fill(seed);
+                c.queue(&comms, &streams).unwrap();
+                for s in &cu {
+                    s.synchronize().unwrap();
+                }
+                c.check(&format!("eager after replay {replay}"), seed, &mut failures);
+            }
+        }
+        println!(
+            "CAPTURED_SET ranks={ranks} one_step={one_step} cases={} replays=3",
+            cases.len()
+        );
+        drop(graph);
+        for c in comms {
+            c.close(Deadline::after(Duration::from_secs(30))).unwrap();
+        }
+    }
+    no_mismatches(&failures);
+}

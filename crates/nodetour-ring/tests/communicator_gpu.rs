@@ -429,3 +429,49 @@ fn device_arguments_that_cannot_make_a_collective_fail_before_anything_is_queued
             .unwrap();
     });
 }
+
+/// The staged path (ranks as threads of one process) runs its host ring when called: under
+/// CUDA graph capture every device collective is refused, typed, before anything is queued or
+/// waited for (a wait would end the caller's capture with an error), and the communicator
+/// goes on eagerly.
+#[test]
+fn staged_device_collectives_refuse_graph_capture() {
+    if common::gpus().is_none() {
+        return;
+    }
+    ranks(2, options(None), |comm| {
+        use cudarc::driver::sys;
+        use nodetour_ring::DataType;
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        let cu = ctx.new_stream().unwrap();
+        let stream = GpuStream::of_cudarc(&cu);
+        let world = comm.world() as usize;
+        let (t, n) = (DataType::F32, 1000usize);
+        let buf = nodetour_core::memory::DeviceBuffer::new(&ctx, n * 4 * world).unwrap();
+        let out = nodetour_core::memory::DeviceBuffer::new(&ctx, n * 4 * world).unwrap();
+        cu.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        let refused = [
+            comm.all_reduce_device_buffer(&buf, n, t, ReduceOp::Sum, &stream),
+            comm.reduce_scatter_device_buffer(&buf, &out, n, t, ReduceOp::Max, &stream),
+            comm.all_gather_device_buffer(&buf, &out, n, t, &stream),
+            comm.broadcast_device_buffer(&buf, n, t, 0, &stream),
+        ];
+        drop(cu.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap());
+        for r in &refused {
+            assert!(
+                matches!(r, Err(Error::Unsupported { reason }) if reason.contains("captured")),
+                "{r:?}"
+            );
+        }
+        // Eagerly, the same calls work.
+        buf.copy_from_host(0, &vec![1u8; n * 4 * world]).unwrap();
+        comm.all_gather_device_buffer(&buf, &out, n, t, &stream)
+            .unwrap();
+        let mut got = vec![0u8; n * 4 * world];
+        out.copy_to_host(0, &mut got).unwrap();
+        assert!(got.iter().all(|b| *b == 1));
+        comm.close(Deadline::after(Duration::from_secs(20)))
+            .unwrap();
+    });
+}

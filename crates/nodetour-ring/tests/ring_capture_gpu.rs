@@ -1,10 +1,12 @@
 //! The stream-ordered GPU ring captured into CUDA graphs, between processes of one host: this
-//! binary starts itself again as 2 and 3 ranks on GPU 0 (ranks that share a GPU take the ring,
-//! not the one-kernel path), over cuda-ipc (direct) and over shared host memory (staged). Each
-//! rank captures an allreduce of every type × operation (ring-sized: several chunks per link)
-//! into one graph, replays it with new inputs each time, runs eager collectives of other sizes
-//! between the replays, and checks every result bit for bit on every rank (inputs are small
-//! integers, so every order of reduction gives the same bytes). The graph's flag values and
+//! binary starts itself again as 2, 3 and 4 ranks on GPU 0 (ranks that share a GPU take the
+//! ring, not the one-kernel path), over cuda-ipc (direct) and over shared host memory (staged).
+//! Each rank captures an allreduce and a reduce-scatter of every type × operation, an
+//! all-gather and a broadcast of every type (ring-sized: several chunks per link; the
+//! reduce-scatters and all-gathers through scratch of the graph's own) into one graph, replays
+//! it with new inputs each time, runs eager collectives of other sizes between the replays, and
+//! checks every result bit for bit on every rank (inputs are small integers, so every order of
+//! reduction gives the same bytes). The graph's flag values and
 //! slots come from counters on the GPU, so each replay is the next collective. A drill: a
 //! replay that waits for a rank that never replays ends by its deadline on the GPU.
 //!
@@ -27,7 +29,12 @@ fn ring_collectives_captured_and_replayed_across_processes() {
     if common::gpus().is_none() {
         return;
     }
-    for (world, transport) in [(2u32, "cuda-ipc"), (3, "cuda-ipc"), (2, "shm")] {
+    for (world, transport) in [
+        (2u32, "cuda-ipc"),
+        (3, "cuda-ipc"),
+        (4, "cuda-ipc"),
+        (2, "shm"),
+    ] {
         common::run_rank_processes(
             "ring_capture_rank",
             CHILD,
@@ -160,7 +167,7 @@ fn ring_replay_drill_rank() {
 }
 
 /// Rank `rank`'s input for case `seed`: integers in -3..=3 (u8: any byte), exact in every type,
-/// so that sums, products (of at most 3 ranks: at most 27), minima and maxima are the same in
+/// so that sums, products (of at most 4 ranks: at most 81), minima and maxima are the same in
 /// every order of reduction.
 fn input(dtype: DataType, rank: u32, count: usize, seed: u64) -> Vec<u8> {
     common::typed_input(dtype, rank, count, seed, |rng| rng.below(7) as f64 - 3.0)
@@ -198,19 +205,48 @@ fn ring_capture_rank() {
     let stream = GpuStream::of_cudarc(&cu_stream);
     let wait = || comm.wait(Deadline::after(Duration::from_secs(20)));
 
-    // Every type × operation, one allreduce each, of several chunks per link.
+    // Every type × operation, one allreduce and one reduce-scatter each; every type, one
+    // all-gather and one broadcast each; all of several chunks per link.
     let count = |dtype: DataType| (1 << 20) / dtype.size() + 37;
+    let block = |dtype: DataType| (1 << 18) / dtype.size() + 5;
     let mut cases = Vec::new();
     for dtype in DataType::ALL {
         for op in ReduceOp::ALL {
-            let n = count(dtype);
-            cases.push((
+            cases.push(Case::new(
+                &ctx,
+                Shape::AllReduce,
                 dtype,
                 op,
-                n,
-                DeviceBuffer::new(&ctx, n * dtype.size()).unwrap(),
+                count(dtype),
+                world,
+            ));
+            cases.push(Case::new(
+                &ctx,
+                Shape::ReduceScatter,
+                dtype,
+                op,
+                block(dtype),
+                world,
             ));
         }
+        let root = cases.len() as u32 % world;
+        let sum = ReduceOp::Sum;
+        cases.push(Case::new(
+            &ctx,
+            Shape::AllGather,
+            dtype,
+            sum,
+            block(dtype),
+            world,
+        ));
+        cases.push(Case::new(
+            &ctx,
+            Shape::Broadcast(root),
+            dtype,
+            sum,
+            count(dtype),
+            world,
+        ));
     }
     // One eager collective first: the graph starts from counters that are not zero.
     let warm = DeviceBuffer::new(&ctx, 4 << 20).unwrap();
@@ -224,9 +260,8 @@ fn ring_capture_rank() {
     cu_stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
-    for (dtype, op, n, b) in &cases {
-        comm.all_reduce_device_buffer(b, *n, *dtype, *op, &stream)
-            .unwrap();
+    for c in &cases {
+        c.queue(&comm, &stream).unwrap();
     }
     let graph = cu_stream
         .end_capture(sys::CUgraphInstantiate_flags(0))
@@ -234,20 +269,15 @@ fn ring_capture_rank() {
         .expect("a graph with the captured collectives");
     let replays = 4u64;
     for replay in 0..replays {
-        for (k, (dtype, _, n, b)) in cases.iter().enumerate() {
-            b.copy_from_host(0, &input(*dtype, r, *n, 100 * replay + k as u64))
-                .unwrap();
+        for (k, c) in cases.iter().enumerate() {
+            c.fill(r, 100 * replay + k as u64);
         }
         graph.launch().unwrap();
         cu_stream.synchronize().unwrap();
         // A replay that failed says so at the next wait (no host waited for it).
         wait().unwrap();
-        for (k, (dtype, op, n, b)) in cases.iter().enumerate() {
-            let mut got = vec![0u8; n * dtype.size()];
-            b.copy_to_host(0, &mut got).unwrap();
-            let what = format!("replay {replay}: {dtype:?} {op:?} x {n}");
-            let want = expected(*dtype, *op, world, *n, 100 * replay + k as u64);
-            check(&what, r, &got, &want);
+        for (k, c) in cases.iter().enumerate() {
+            c.check(&format!("replay {replay}"), r, 100 * replay + k as u64);
         }
         // Eager collectives between replays, of other sizes (other chunk counts), checked.
         for (e, (t, op, n)) in [
@@ -271,6 +301,20 @@ fn ring_capture_rank() {
                 &expected(t, op, world, n, seed),
             );
         }
+        // And an eager reduce-scatter (through the communicator's own scratch).
+        let eager = Case::new(
+            &ctx,
+            Shape::ReduceScatter,
+            DataType::F32,
+            ReduceOp::Sum,
+            4099,
+            world,
+        );
+        let seed = 20_000 + replay;
+        eager.fill(r, seed);
+        eager.queue(&comm, &stream).unwrap();
+        wait().unwrap();
+        eager.check(&format!("eager after replay {replay}"), r, seed);
     }
     println!(
         "RING_CAPTURE OK rank={r} world={world} cases={} replays={replays} (eager ones between)",
@@ -278,4 +322,103 @@ fn ring_capture_rank() {
     );
     drop(graph);
     let _ = comm.close(Deadline::after(Duration::from_secs(20)));
+}
+
+/// What a case runs.
+#[derive(Clone, Copy, Debug)]
+enum Shape {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast(u32),
+}
+
+/// One collective of the graph, on nodetour's device buffers: `send` (in) and `recv` (out;
+/// the same buffer for allreduces and broadcasts, in place).
+struct Case {
+    shape: Shape,
+    dtype: DataType,
+    op: ReduceOp,
+    /// Elements per rank's block (reduce-scatter, all-gather) or of the buffer.
+    count: usize,
+    world: u32,
+    send: DeviceBuffer,
+    recv: Option<DeviceBuffer>,
+}
+
+impl Case {
+    fn new(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        shape: Shape,
+        dtype: DataType,
+        op: ReduceOp,
+        count: usize,
+        world: u32,
+    ) -> Case {
+        let (block, whole) = (count * dtype.size(), count * dtype.size() * world as usize);
+        let (send, recv) = match shape {
+            Shape::AllReduce | Shape::Broadcast(_) => (block, None),
+            Shape::ReduceScatter => (whole, Some(block)),
+            Shape::AllGather => (block, Some(whole)),
+        };
+        Case {
+            shape,
+            dtype,
+            op,
+            count,
+            world,
+            send: DeviceBuffer::new(ctx, send).unwrap(),
+            recv: recv.map(|b| DeviceBuffer::new(ctx, b).unwrap()),
+        }
+    }
+
+    /// Rank `r`'s input of this case's `seed`.
+    fn input(&self, r: u32, seed: u64) -> Vec<u8> {
+        let n = match self.shape {
+            Shape::ReduceScatter => self.count * self.world as usize,
+            _ => self.count,
+        };
+        input(self.dtype, r, n, seed)
+    }
+
+    fn fill(&self, r: u32, seed: u64) {
+        self.send.copy_from_host(0, &self.input(r, seed)).unwrap();
+    }
+
+    fn queue(&self, comm: &Communicator, stream: &GpuStream) -> nodetour_ring::Result<()> {
+        let (t, n, out) = (self.dtype, self.count, self.recv.as_ref());
+        match self.shape {
+            Shape::AllReduce => comm.all_reduce_device_buffer(&self.send, n, t, self.op, stream),
+            Shape::ReduceScatter => {
+                comm.reduce_scatter_device_buffer(&self.send, out.unwrap(), n, t, self.op, stream)
+            }
+            Shape::AllGather => {
+                comm.all_gather_device_buffer(&self.send, out.unwrap(), n, t, stream)
+            }
+            Shape::Broadcast(root) => comm.broadcast_device_buffer(&self.send, n, t, root, stream),
+        }
+    }
+
+    /// Checks rank `r`'s output against the inputs of `seed`, bit for bit.
+    fn check(&self, when: &str, r: u32, seed: u64) {
+        let size = self.dtype.size();
+        let all = |r| self.input(r, seed);
+        let want = match self.shape {
+            Shape::AllReduce => common::fold_inputs(self.dtype, self.op, self.world, all),
+            Shape::ReduceScatter => {
+                let whole = common::fold_inputs(self.dtype, self.op, self.world, all);
+                whole[r as usize * self.count * size..][..self.count * size].to_vec()
+            }
+            Shape::AllGather => (0..self.world).flat_map(all).collect(),
+            Shape::Broadcast(root) => all(root),
+        };
+        let out = self.recv.as_ref().unwrap_or(&self.send);
+        let mut got = vec![0u8; want.len()];
+        out.copy_to_host(0, &mut got).unwrap();
+        let what = format!(
+            "{when}: {:?} {:?} {:?} x {}",
+            self.shape, self.dtype, self.op, self.count
+        );
+        check(&what, r, &got, &want);
+    }
 }

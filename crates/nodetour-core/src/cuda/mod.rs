@@ -17,9 +17,11 @@ pub mod one_kernel;
 pub mod reduce;
 pub(crate) mod result;
 pub mod stream;
+pub mod stream_buffer;
 
 pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus};
 pub use stream::{GpuEvent, GpuStream, can_access_peer, enable_peer_access, reap_releases};
+pub use stream_buffer::StreamOrderedBuffer;
 
 /// Whether two handles name the same CUDA context: the same `Arc`, or two `Arc`s of one
 /// context (`CudaContext::new(ordinal)` wraps the GPU's primary context anew on every call, so

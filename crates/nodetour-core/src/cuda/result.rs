@@ -206,6 +206,19 @@ pub(crate) unsafe fn memset_d8_async(
         .map_err(|e| cuda_error("cuMemsetD8Async", e))
 }
 
+/// `cuMemAllocAsync`: `len` bytes from the device's default memory pool, usable by the work
+/// queued on `stream` from here on; under capture, an allocation node of the graph.
+pub(crate) unsafe fn mem_alloc_async(
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<sys::CUdeviceptr, DriverError> {
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: forwarded contract (the stream's context is current); `ptr` is a valid out
+    // pointer.
+    unsafe { sys::cuMemAllocAsync(&mut ptr, len, stream) }.result()?;
+    Ok(ptr)
+}
+
 /// `cuMemFreeAsync`: frees `ptr` after the work queued on `stream`.
 pub(crate) unsafe fn mem_free_async(
     ptr: sys::CUdeviceptr,
@@ -217,6 +230,48 @@ pub(crate) unsafe fn mem_free_async(
 }
 
 // --- streams, events, peers ---
+
+type GetCaptureInfo = unsafe extern "C" fn(
+    sys::CUstream,
+    *mut sys::CUstreamCaptureStatus,
+    *mut u64,
+    *mut sys::CUgraph,
+    *mut *const sys::CUgraphNode,
+    *mut usize,
+) -> sys::CUresult;
+
+/// `cuStreamGetCaptureInfo` (the CUDA 11.3 ABI, `_v2`): the id of the capture sequence
+/// `stream` takes part in, `None` when it is not being captured. Two streams in one capture
+/// (one forked from the other by an event) have the same id.
+pub(crate) unsafe fn stream_capture_id(stream: sys::CUstream) -> Result<Option<u64>, Error> {
+    // SAFETY: forwarded contract.
+    let f = unsafe { proc_address("cuStreamGetCaptureInfo", 11030) }.ok_or_else(|| {
+        Error::Unsupported {
+            what: "CUDA graph capture",
+            reason: "the NVIDIA driver has no cuStreamGetCaptureInfo (needs CUDA 11.3 or newer)"
+                .into(),
+        }
+    })?;
+    // SAFETY: f is cuStreamGetCaptureInfo as of CUDA 11.3, of this signature.
+    let f: GetCaptureInfo = unsafe { std::mem::transmute::<*mut c_void, GetCaptureInfo>(f) };
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id = 0u64;
+    // SAFETY: valid out-pointers for the status and the id; the optional outputs are null
+    // (allowed); `stream` is a live stream of the current context (the caller's contract).
+    let rc = unsafe {
+        f(
+            stream,
+            &mut status,
+            &mut id,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
+    rc.result()
+        .map_err(|e| cuda_error("cuStreamGetCaptureInfo", e))?;
+    Ok((status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id))
+}
 
 /// `cuStreamQuery`: whether everything queued on `stream` has run.
 pub(crate) unsafe fn stream_idle(stream: sys::CUstream) -> Result<bool, DriverError> {

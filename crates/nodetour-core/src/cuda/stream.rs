@@ -15,7 +15,9 @@ use crate::error::{Error, Result};
 /// Dropping it never waits: the driver destroys a stream once its queued work has run
 /// (`cuStreamDestroy` returns at once). GPU memory that its work used stays allocated until
 /// then: every [`DeviceBuffer`] notes the streams that queue work on it and frees itself in
-/// stream order after them (see [`DeviceBuffer`]'s `Drop`).
+/// stream order after them (see [`DeviceBuffer`]'s `Drop`). Clones share the one stream, which
+/// goes with the last of them.
+#[derive(Clone)]
 pub struct GpuStream {
     inner: Arc<RawStream>,
 }
@@ -340,6 +342,14 @@ impl GpuStream {
         let s = self.bind()?;
         // SAFETY: a live stream.
         unsafe { result::stream::synchronize(s) }.map_err(|e| cuda_error("cuStreamSynchronize", e))
+    }
+
+    /// The id of the CUDA graph capture this stream takes part in (`None`: not capturing).
+    /// Streams joined into one capture (forked from its origin stream by an event) share it.
+    pub fn capture_id(&self) -> Result<Option<u64>> {
+        let s = self.bind()?;
+        // SAFETY: a live stream of the context just bound.
+        unsafe { super::result::stream_capture_id(s) }
     }
 
     /// Records a timing event at this point of the stream.

@@ -27,7 +27,7 @@ use nodetour_core::meeting::{MeetError, Meeting};
 use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
 
 use super::Communicator;
-use super::scratch::Scratch;
+use super::scratch::{Scratch, with_scratch};
 use crate::descriptor::Collective;
 use crate::element::Element;
 use crate::error::{Error, Result};
@@ -277,23 +277,51 @@ impl SetMember {
         blocks(send.len(), recv.len(), n)?;
         let key = key::<T>(Collective::ReduceScatter, recv.len(), op, 0);
         let s = GpuStream::of_cudarc(stream);
-        let (whole, block) = (send.num_bytes(), recv.num_bytes());
-        let (scratch, context, seat) = (self.scratch.clone(), self.context().clone(), self.seat);
+        let through = self.scatter_through(send.num_bytes(), recv.num_bytes());
         self.call(
             key,
             Box::new(move |k| {
-                let mut sc = scratch.lock().map_err(|_| poisoned())?;
-                let buf = sc.take(&context, whole, &s)?;
-                let result = with_cudarc_slice_mut(&mut *recv, stream, |out| {
-                    with_cudarc_slice(send, stream, |inp| s.copy(&buf, 0, inp, 0, whole))??;
-                    k(&buf, &s)?;
-                    s.copy(out, 0, &buf, seat * block, block)
-                        .map_err(|e| gpu("copying the block out", e))
-                });
-                sc.put_back(buf, &s)?;
-                result?
+                with_cudarc_slice_mut(&mut *recv, stream, |out| {
+                    with_cudarc_slice(send, stream, |inp| through.run(inp, out, &s, k))?
+                })?
             }),
         )
+    }
+
+    /// [`Self::reduce_scatter`] on device buffers: `send` holds `n` blocks of `count` elements
+    /// of `dtype`, `recv` gets block `seat`'s reduction.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn reduce_scatter_buffer<'a>(
+        &self,
+        send: &'a DeviceBuffer,
+        recv: &'a DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &'a GpuStream,
+    ) -> Result<Call<'a>> {
+        let n = self.set.contexts.len();
+        let block = element_bytes(count, 1, dtype)?;
+        let whole = element_bytes(count, n, dtype)?;
+        let key = Key {
+            collective: Collective::ReduceScatter,
+            count,
+            dtype,
+            op,
+            root: 0,
+        };
+        let through = self.scatter_through(whole, block);
+        self.call(key, Box::new(move |k| through.run(send, recv, stream, k)))
+    }
+
+    fn scatter_through(&self, whole: usize, block: usize) -> ScatterThrough {
+        ScatterThrough {
+            scratch: self.scratch.clone(),
+            context: self.context().clone(),
+            seat: self.seat,
+            whole,
+            block,
+        }
     }
 
     /// The all-gather of `send` into `recv` (`world` blocks of `send.len()`): `send` is copied
@@ -350,6 +378,96 @@ impl SetMember {
             key,
             Box::new(move |k| with_cudarc_slice_mut(&mut *data, stream, |v| k(v, &s))?),
         )
+    }
+}
+
+impl SetMember {
+    /// [`Self::all_gather`] on device buffers: `send`'s first `count` elements of `dtype` go
+    /// to block `seat` of `recv` (`n` blocks), then gathered there in place.
+    pub(crate) fn all_gather_buffer<'a>(
+        &self,
+        send: &'a DeviceBuffer,
+        recv: &'a DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        stream: &'a GpuStream,
+    ) -> Result<Call<'a>> {
+        let block = element_bytes(count, 1, dtype)?;
+        element_bytes(count, self.set.contexts.len(), dtype)?;
+        let key = Key {
+            collective: Collective::AllGather,
+            count,
+            dtype,
+            op: ReduceOp::Sum,
+            root: 0,
+        };
+        let seat = self.seat;
+        self.call(
+            key,
+            Box::new(move |k| {
+                stream
+                    .copy(recv, seat * block, send, 0, block)
+                    .map_err(|e| gpu("copying the block in", e))?;
+                k(recv, stream)
+            }),
+        )
+    }
+
+    /// [`Self::broadcast`] on a device buffer: the first `count` elements of `dtype`.
+    pub(crate) fn broadcast_buffer<'a>(
+        &self,
+        data: &'a DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &'a GpuStream,
+    ) -> Result<Call<'a>> {
+        let n = self.set.contexts.len();
+        if root >= n {
+            return Err(Error::InvalidArgument {
+                reason: format!("root {root} of a set of {n} GPUs"),
+            });
+        }
+        element_bytes(count, 1, dtype)?;
+        let key = Key {
+            collective: Collective::Broadcast,
+            count,
+            dtype,
+            op: ReduceOp::Sum,
+            root,
+        };
+        self.call(key, Box::new(move |k| k(data, stream)))
+    }
+}
+
+/// A member's reduce-scatter out of place: the whole input copied into scratch (the pool's,
+/// or under capture the graph's own), reduced there in place, block `seat` copied out, so the
+/// input is never written.
+struct ScatterThrough {
+    scratch: Arc<Mutex<Scratch>>,
+    context: Arc<CudaContext>,
+    seat: usize,
+    /// Bytes of the whole input, and of one block.
+    whole: usize,
+    block: usize,
+}
+
+impl ScatterThrough {
+    fn run(
+        &self,
+        inp: &DeviceBuffer,
+        out: &DeviceBuffer,
+        s: &GpuStream,
+        k: &mut dyn FnMut(&DeviceBuffer, &GpuStream) -> Result<()>,
+    ) -> Result<()> {
+        let (whole, block, seat) = (self.whole, self.block, self.seat);
+        with_scratch(&self.scratch, &self.context, whole, s, |buf| {
+            s.copy(buf, 0, inp, 0, whole)
+                .map_err(|e| gpu("copying the input in", e))?;
+            k(buf, s)?;
+            s.copy(out, 0, buf, seat * block, block)
+                .map_err(|e| gpu("copying the block out", e))
+        })
     }
 }
 
@@ -513,6 +631,50 @@ impl<'a> Group<'a> {
         self.push(call)
     }
 
+    /// Adds `comm`'s [`Communicator::reduce_scatter_device_buffer`] to the group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter_device_buffer(
+        &mut self,
+        comm: &Communicator,
+        send: &'a DeviceBuffer,
+        recv: &'a DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &'a GpuStream,
+    ) -> Result<()> {
+        let call = member(comm)?.reduce_scatter_buffer(send, recv, count, dtype, op, stream)?;
+        self.push(call)
+    }
+
+    /// Adds `comm`'s [`Communicator::all_gather_device_buffer`] to the group.
+    pub fn all_gather_device_buffer(
+        &mut self,
+        comm: &Communicator,
+        send: &'a DeviceBuffer,
+        recv: &'a DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        stream: &'a GpuStream,
+    ) -> Result<()> {
+        let call = member(comm)?.all_gather_buffer(send, recv, count, dtype, stream)?;
+        self.push(call)
+    }
+
+    /// Adds `comm`'s [`Communicator::broadcast_device_buffer`] to the group.
+    pub fn broadcast_device_buffer(
+        &mut self,
+        comm: &Communicator,
+        data: &'a DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        root: u32,
+        stream: &'a GpuStream,
+    ) -> Result<()> {
+        let call = member(comm)?.broadcast_buffer(data, count, dtype, root as usize, stream)?;
+        self.push(call)
+    }
+
     fn push(&mut self, call: Call<'a>) -> Result<()> {
         if let Some(first) = self.calls.first()
             && !Arc::ptr_eq(&first.set, &call.set)
@@ -635,4 +797,14 @@ fn blocks(whole: usize, block: usize, n: usize) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Bytes of `blocks` blocks of `count` elements of `dtype`, overflow-checked.
+pub(crate) fn element_bytes(count: usize, blocks: usize, dtype: DataType) -> Result<usize> {
+    count
+        .checked_mul(blocks)
+        .and_then(|c| c.checked_mul(dtype.size()))
+        .ok_or_else(|| Error::InvalidArgument {
+            reason: format!("{blocks} blocks of {count} elements of {dtype:?} overflow"),
+        })
 }

@@ -58,6 +58,7 @@
 //! communicator run on separate rings, so every rank must interleave them the same way (a rank
 //! that does not times out rather than disagreeing).
 
+mod device_buffers;
 mod device_set;
 mod gpu_links;
 mod host_job;
@@ -178,32 +179,6 @@ impl Layout {
     fn at(&self, position: u32) -> usize {
         position as usize * self.len * self.es
     }
-}
-
-/// Copies `src` out of device memory after the work queued on `stream` (and waits for it).
-fn to_host<T, S>(src: &S, stream: &Arc<CudaStream>) -> Result<Vec<T>>
-where
-    T: Element + DeviceRepr,
-    S: DevicePtr<T>,
-{
-    let mut host = vec![T::zeroed(); src.len()];
-    stream
-        .memcpy_dtoh(src, &mut host[..])
-        .map_err(|e| Error::Gpu {
-            reason: format!("copying to the host: {e:?}"),
-        })?;
-    Ok(host)
-}
-
-/// Copies `src` into device memory `dst` on `stream` (returns once it is there).
-fn from_host<T, D>(src: &[T], dst: &mut D, stream: &Arc<CudaStream>) -> Result<()>
-where
-    T: Element + DeviceRepr,
-    D: DevicePtrMut<T>,
-{
-    stream.memcpy_htod(src, dst).map_err(|e| Error::Gpu {
-        reason: format!("copying to the GPU: {e:?}"),
-    })
 }
 
 fn gpu_error(e: nodetour_core::Error) -> Error {
@@ -875,8 +850,11 @@ impl Communicator {
     /// `send` holds `world` blocks of `recv.len()` elements; `recv` gets block `rank` of the
     /// reduction; `send` is never written. On a GPU ring it is queued on `stream` like
     /// [`Self::all_reduce_device`] (`send` is copied into the communicator's scratch buffer,
-    /// reduced there, and this rank's block copied out); staged, it is copied out on `stream`,
-    /// reduced by the host ring and copied back: synchronous, waiting for `stream` only.
+    /// reduced there, and this rank's block copied out; under CUDA graph capture the scratch
+    /// is the graph's own); staged, it is copied out on `stream`, reduced by the host ring and
+    /// copied back: synchronous, waiting for `stream` only. On nodetour's buffers or a
+    /// runtime's own memory with the type at run time:
+    /// [`Self::reduce_scatter_device_buffer`].
     pub fn reduce_scatter_device<T, S, R>(
         &self,
         send: &S,
@@ -895,39 +873,13 @@ impl Communicator {
                 .run_alone(m.timeout());
         }
         self.blocks(send.len(), recv.len(), "send", "recv")?;
-        if self.has_gpu_ring() {
-            let s = GpuStream::of_cudarc(stream);
-            refuse_capture(&s, "reduce_scatter_device")?;
-            let (block, n) = (recv.num_bytes(), self.world as usize);
-            let mut scratch = self.scratch.lock().map_err(|_| poisoned())?;
-            return with_cudarc_slice_mut(recv, stream, |out| {
-                let whole = scratch.take(out.context(), block * n, &s)?;
-                // Rank r's block goes to its ring position's segment.
-                let queued = with_cudarc_slice(send, stream, |inp| {
-                    self.copy_blocks(&s, &whole, inp, block, |r| (self.position_of(r), r))
-                })?
-                .and_then(|()| {
-                    self.gpu_ring_collective(
-                        &whole,
-                        Shape::ReduceScatter,
-                        send.len(),
-                        T::DATA_TYPE,
-                        op,
-                        &s,
-                    )
-                })
-                .and_then(|()| {
-                    let at = self.position() as usize * block;
-                    s.copy(out, 0, &whole, at, block).map_err(gpu_error)
-                });
-                scratch.put_back(whole, &s)?;
-                queued
-            })?;
-        }
-        let input = to_host(send, stream)?;
-        let mut out = vec![T::zeroed(); recv.len()];
-        self.reduce_scatter(&input, &mut out, op)?;
-        from_host(&out, recv, stream)
+        let s = GpuStream::of_cudarc(stream);
+        let count = recv.len();
+        with_cudarc_slice_mut(recv, stream, |out| {
+            with_cudarc_slice(send, stream, |inp| {
+                self.reduce_scatter_device_buffer(inp, out, count, T::DATA_TYPE, op, &s)
+            })?
+        })?
     }
 
     /// [`Self::all_gather`] on device memory: `recv` holds `world` blocks of `send.len()`
@@ -947,39 +899,13 @@ impl Communicator {
             return m.all_gather(send, recv, stream)?.run_alone(m.timeout());
         }
         self.blocks(recv.len(), send.len(), "recv", "send")?;
-        if self.has_gpu_ring() {
-            let s = GpuStream::of_cudarc(stream);
-            refuse_capture(&s, "all_gather_device")?;
-            let (block, n, count) = (send.num_bytes(), self.world as usize, recv.len());
-            let mut scratch = self.scratch.lock().map_err(|_| poisoned())?;
-            return with_cudarc_slice_mut(recv, stream, |out| {
-                let whole = scratch.take(out.context(), block * n, &s)?;
-                let at = self.position() as usize * block;
-                let queued = with_cudarc_slice(send, stream, |inp| {
-                    s.copy(&whole, at, inp, 0, block).map_err(gpu_error)
-                })?
-                .and_then(|()| {
-                    self.gpu_ring_collective(
-                        &whole,
-                        Shape::AllGather,
-                        count,
-                        T::DATA_TYPE,
-                        ReduceOp::Sum,
-                        &s,
-                    )
-                })
-                // Ring position p's segment is rank order[p]'s block.
-                .and_then(|()| {
-                    self.copy_blocks(&s, out, &whole, block, |r| (r, self.position_of(r)))
-                });
-                scratch.put_back(whole, &s)?;
-                queued
-            })?;
-        }
-        let input = to_host(send, stream)?;
-        let mut out = vec![T::zeroed(); recv.len()];
-        self.all_gather(&input, &mut out)?;
-        from_host(&out, recv, stream)
+        let s = GpuStream::of_cudarc(stream);
+        let count = send.len();
+        with_cudarc_slice_mut(recv, stream, |out| {
+            with_cudarc_slice(send, stream, |inp| {
+                self.all_gather_device_buffer(inp, out, count, T::DATA_TYPE, &s)
+            })?
+        })?
     }
 
     /// [`Self::broadcast`] on device memory: rank `root`'s `data` into `data` everywhere.
@@ -1000,27 +926,11 @@ impl Communicator {
                 .broadcast(data, root as usize, stream)?
                 .run_alone(m.timeout());
         }
-        if self.has_gpu_ring() {
-            let s = GpuStream::of_cudarc(stream);
-            let (n, root) = (data.len(), self.position_of(root));
-            return with_cudarc_slice_mut(data, stream, |buf| {
-                self.gpu_ring_collective(
-                    buf,
-                    Shape::Broadcast { root },
-                    n,
-                    T::DATA_TYPE,
-                    ReduceOp::Sum,
-                    &s,
-                )
-            })?;
-        }
-        let mut host = if self.rank == root {
-            to_host(&*data, stream)?
-        } else {
-            vec![T::zeroed(); data.len()]
-        };
-        self.broadcast_in_place(&mut host, root)?;
-        from_host(&host, data, stream)
+        let s = GpuStream::of_cudarc(stream);
+        let count = data.len();
+        with_cudarc_slice_mut(data, stream, |buf| {
+            self.broadcast_device_buffer(buf, count, T::DATA_TYPE, root, &s)
+        })?
     }
 
     /// The device allreduce of the first `count` elements of `buffer`, on `stream`: through the
@@ -1052,6 +962,7 @@ impl Communicator {
         if self.has_gpu_ring() {
             return self.gpu_ring_collective(buffer, Shape::AllReduce, count, dtype, op, stream);
         }
+        device_buffers::refuse_capture(stream)?;
         let mut state = self.usable()?;
         let job = state.job.as_mut().expect("usable");
         let result = self.staged_all_reduce(job, buffer, count, dtype, op, stream);
@@ -1288,20 +1199,4 @@ impl Communicator {
         }
         result
     }
-}
-
-/// `Unsupported` when `stream` is being captured into a CUDA graph: `what` goes through the
-/// communicator's scratch buffer, which later calls reuse, grow or free while a graph would
-/// still write it at every replay.
-fn refuse_capture(stream: &GpuStream, what: &str) -> Result<()> {
-    if stream.is_capturing().map_err(gpu_error)? {
-        return Err(Error::Unsupported {
-            reason: format!(
-                "{what} under CUDA graph capture: it goes through the communicator's scratch \
-                 buffer, which later calls reuse while the graph would still use it; allreduces \
-                 and broadcasts on your own buffers can be captured"
-            ),
-        });
-    }
-    Ok(())
 }

@@ -4,11 +4,16 @@
 //! whichever stream that ran). A buffer it outgrew is kept until the communicator goes, never
 //! freed during a collective: `cuMemFree` waits for every stream of the context (measured by
 //! `teardown_probe`), the caller's unrelated kernels included.
+//!
+//! Under CUDA graph capture the pool is not used: a graph would keep writing the buffer at
+//! every replay while later calls reuse, grow or free it. A captured call gets memory of the
+//! graph's own instead ([`StreamOrderedBuffer`]: an allocation node and a free node around the
+//! call's work), so every replay has its own scratch for the span of that call.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaContext;
-use nodetour_core::cuda::{GpuEvent, GpuStream};
+use nodetour_core::cuda::{GpuEvent, GpuStream, StreamOrderedBuffer};
 use nodetour_core::memory::DeviceBuffer;
 
 use crate::error::{Error, Result};
@@ -56,6 +61,35 @@ impl Scratch {
         self.buffer = Some(buffer);
         Ok(())
     }
+}
+
+/// Runs `f` with scratch of at least `len` bytes for work that `f` queues on `stream` (and joins
+/// back into it): the pool's buffer, or under capture memory of the graph's own (see the
+/// module). `context` is the buffer's GPU, `stream`'s.
+pub(crate) fn with_scratch<R>(
+    pool: &Mutex<Scratch>,
+    context: &Arc<CudaContext>,
+    len: usize,
+    stream: &GpuStream,
+    f: impl FnOnce(&DeviceBuffer) -> Result<R>,
+) -> Result<R> {
+    if stream
+        .is_capturing()
+        .map_err(|e| gpu("asking about stream capture", e))?
+    {
+        let scratch = StreamOrderedBuffer::new(stream, len.max(1))
+            .map_err(|e| gpu("allocating scratch in the graph", e))?;
+        let result = f(scratch.buffer());
+        let freed = scratch
+            .free()
+            .map_err(|e| gpu("freeing scratch in the graph", e));
+        return result.and_then(|r| freed.map(|()| r));
+    }
+    let mut pool = pool.lock().map_err(|_| super::poisoned())?;
+    let buffer = pool.take(context, len, stream)?;
+    let result = f(&buffer);
+    pool.put_back(buffer, stream)?;
+    result
 }
 
 fn gpu(what: &str, e: nodetour_core::Error) -> Error {
