@@ -376,8 +376,9 @@ fn gpu_ring_rank() {
     }
     comm.wait(Deadline::after(Duration::from_secs(20))).unwrap();
     spinner.release();
-    // Capturing a collective into a CUDA graph is refused, typed, before anything is queued
-    // (the values its streams wait for are not yet replay-safe); the communicator goes on.
+    // This ring has network links (the ranks are split into hosts over tcp): capturing a
+    // collective into a CUDA graph is refused, typed, before anything is queued (the network
+    // hand-offs are not replay-safe); the communicator goes on.
     use cudarc::driver::sys;
     let mut x = stream.clone_htod(&vec![1.0f32; 1024]).unwrap();
     stream
