@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # onehost-reference.sh: issue 17's reference run, on the GPU machine, from the packed directory
 # (scripts/gpu-pack.sh copies it there with onehost_reference.py):
-#   ./onehost-reference.sh OUTDIR [small|large|cost] [--rounds N] [--gpus N]
+#   ./onehost-reference.sh OUTDIR [small|large|cost|pipeline] [--rounds N] [--gpus N] [--mps]
 # One allreduce (bf16 sum), the same sizes for every implementation, rounds interleaved: per
 # round PyTorch's implementations (dist.all_reduce over NCCL and symmetric memory's one-shot and
 # two-shot, eager and in a CUDA graph, interleaved within each size: onehost_reference.py under
@@ -19,6 +19,15 @@
 #   and NCCL from our binary, each beside a compute load on another stream of every GPU
 #   (`nodetour perf --beside-compute`): busbw beside compute, and the share of the compute's
 #   throughput each leaves (ONEHOST_COST lines); PyTorch's references are not run in this part.
+#   pipeline: the per-process ring's pipelines, 64 KiB to 256 MiB by 4, 20 iterations:
+#   NODETOUR_SHM_PIPELINE and NODETOUR_IPC_PIPELINE at 1 (whole slots), 2, 4 and 8, interleaved
+#   within each round, direct and staged, beside the copy ceilings and, with two GPUs, NCCL
+#   (NCCL_P2P_DISABLE=1 beside the staged path: NCCL's own staging through host memory);
+#   ONEHOST_PIPE lines give each depth's busbw against depth 1 in the same round.
+#   --mps: run nodetour's processes under an MPS daemon of this script's own (a private pipe
+#   directory, stopped at the end): on one GPU the two ranks then run at once instead of taking
+#   turns, so the staged path's copies and the hand-offs are timed for real (one GPU's PCIe link
+#   and copy engines shared by both ranks, HBM in place of NVLink: a substitute, not the figures).
 # Each part is one command of well under 10 minutes on two H200s.
 # With one GPU, nothing here is a measurement: PyTorch runs as a world of one (the script's own
 # check), nodetour's ring runs two processes on the shared GPU (correctness only), and NCCL and
@@ -28,24 +37,25 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 out=${1:?usage: ./onehost-reference.sh OUTDIR [small|large|cost] [--rounds N] [--gpus N]}
 part=${2:-small}
 shift $(($# >= 2 ? 2 : 1))
-rounds= gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+rounds= gpus=$(nvidia-smi -L 2>/dev/null | wc -l) mps=0
 while (($#)); do
     case $1 in
         --rounds) rounds=$2; shift 2 ;;
         --gpus) gpus=$2; shift 2 ;;
-        *) echo "usage: ./onehost-reference.sh OUTDIR [small|large|cost] [--rounds N] [--gpus N]" >&2; exit 2 ;;
+        --mps) mps=1; shift ;;
+        *) echo "usage: ./onehost-reference.sh OUTDIR [small|large|cost|pipeline] [--rounds N] [--gpus N] [--mps]" >&2; exit 2 ;;
     esac
 done
 case $part in
     small) sizes=16K:64M iters=50 ;;
     large) sizes=256M:4G iters=10 ;;
-    cost) sizes=64K:256M iters=20 ;;
-    *) echo "part: small, large or cost" >&2; exit 2 ;;
+    cost|pipeline) sizes=64K:256M iters=20 ;;
+    *) echo "part: small, large, cost or pipeline" >&2; exit 2 ;;
 esac
 # Five rounds where they measure something; on one GPU (a check of the script: two processes
 # share the GPU, the large part alone takes ~3 minutes a round) two and one.
 if [[ -z $rounds ]]; then
-    if [[ $part == cost ]]; then rounds=$((gpus >= 2 ? 3 : 1))
+    if [[ $part == cost || $part == pipeline ]]; then rounds=$((gpus >= 2 ? 3 : 2))
     elif [[ $gpus -ge 2 ]]; then rounds=5; elif [[ $part == small ]]; then rounds=2; else rounds=1; fi
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -63,6 +73,71 @@ if [[ $gpus -lt 2 ]]; then
     echo "SKIP references on one GPU: PyTorch runs as a world of one (a check of this script, not a reference), nodetour's ring as two processes sharing the GPU (correctness only); NCCL and the one-process ring need two GPUs" | tee -a "$log"
 fi
 failed=0
+if ((mps)); then
+    # A daemon of our own: only processes given this pipe directory become its clients.
+    export CUDA_MPS_PIPE_DIRECTORY=$PWD/mps-pipe CUDA_MPS_LOG_DIRECTORY=$PWD/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+        trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+        echo "onehost-reference: under MPS (pipe $CUDA_MPS_PIPE_DIRECTORY): the ranks run at once" | tee -a "$log"
+    else
+        echo "SKIP MPS: nvidia-cuda-mps-control -d failed (the ranks take turns on a shared GPU)" | tee -a "$log"
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
+fi
+if [[ $part == pipeline ]]; then
+    for r in $(seq 1 "$rounds"); do
+        for depth in 1 2 4 8; do
+            for path in direct staged; do
+                cmp=(--compare ceiling) p2p=()
+                # NCCL beside depth 1 only (its own staging for the staged path).
+                if [[ $gpus -ge 2 && $depth == 1 ]]; then
+                    cmp=(--compare nccl,ceiling)
+                    [[ $path == staged ]] && p2p=(NCCL_P2P_DISABLE=1)
+                fi
+                if env "${p2p[@]}" NODETOUR_SHM_PIPELINE=$depth NODETOUR_IPC_PIPELINE=$depth timeout 300 \
+                    ./launch-local.sh -n "$ranks" --timeout 280 -- ./nodetour perf --gpu --path "$path" "${cmp[@]}" \
+                    --dtype bf16 --sizes "$sizes" --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
+                    grep -h 'ceilings:' "$out/nt.tmp" | head -n 1 | sed "s/^/round=$r depth=$depth $path /" >>"$log"
+                    sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_PIPE round=$r depth=$depth /" >>"$log"
+                else
+                    echo "onehost-reference: the pipeline run failed (round $r, $path, depth $depth)"; tail -5 "$out/nt.tmp"; failed=1
+                fi
+            done
+        done
+    done
+    rm -f "$out/nt.tmp"
+    # bytes,count,path,time_us,busbw,correct,ceiling,vs_ceiling,nccl_us,nccl_busbw,nccl_correct,ratio
+    python3 - "$log" "$gpus" "$mps" <<'PY' | tee "$out/onehost-pipeline-summary.txt"
+import re, statistics, sys
+log, gpus, mps = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+rows = {}  # (path, depth, bytes) -> {round: fields}
+for line in open(log, errors="replace"):
+    m = re.match(r"NT_PIPE round=(\d+) depth=(\d+) (.*)", line)
+    if m:
+        f = m[3].split(",")
+        rows.setdefault((f[2], int(m[2]), int(f[0])), {})[int(m[1])] = f
+med = lambda v: statistics.median(v) if v else float("nan")
+bad = False
+note = "" if gpus >= 2 else (" (one GPU under MPS: a substitute)" if mps else " (one GPU, ranks taking turns: not a measurement)")
+for (path, depth, b), by_round in sorted(rows.items()):
+    ok = all(f[5] == "true" and f[10] in ("", "true") for f in by_round.values())
+    bad |= not ok
+    one = rows.get((path, 1, b), {})
+    # Against depth 1 of the same round, then the median of those ratios.
+    ratios = [float(f[4]) / float(one[r][4]) for r, f in by_round.items() if r in one and float(one[r][4]) > 0]
+    bw = med([float(f[4]) for f in by_round.values()])
+    ceil = med([float(f[6]) for f in by_round.values() if f[6]])
+    nccl = med([float(f[9]) for f in by_round.values() if len(f) > 9 and f[9]])
+    print(f"ONEHOST_PIPE path={path} depth={depth} bytes={b} busbw={bw:.2f} vs_depth1={med(ratios):.3f} "
+          f"spread_vs_depth1={(max(ratios) - min(ratios)) if ratios else float('nan'):.3f} ceiling={ceil:.1f} "
+          f"nccl_busbw={nccl:.2f} rounds={len(by_round)} check={'ok' if ok else 'wrong'}{note}")
+sys.exit(1 if bad or not rows else 0)
+PY
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
+    echo "onehost-reference: failed=$failed"
+    exit "$failed"
+fi
 if [[ $part == cost ]]; then
     compare=()
     [[ $gpus -ge 2 ]] && compare=(--compare nccl)

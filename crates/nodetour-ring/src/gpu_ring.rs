@@ -47,7 +47,7 @@ use nodetour_core::transport::one_kernel::{OneKernel, OneKernelFailure};
 use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
 use crate::net_link::NetLink;
-use crate::plan::{Plan, Shape};
+use crate::plan::{Plan, Shape, pipelined_chunk_bytes};
 use crate::reduce::{DataType, ReduceOp};
 use crate::stream_plan::{
     LinkCounters, RecvKind, RecvOp, Replayable, StreamProgram, program_exchange_on, program_on,
@@ -170,6 +170,9 @@ pub struct StreamLinks {
     pub slots: u32,
     /// Bytes per slot (the same on every rank).
     pub slot_bytes: usize,
+    /// Chunks each segment is cut into at least, slots allowing
+    /// ([`crate::plan::pipelined_chunk_bytes`]; the same on every rank; 1: whole slots).
+    pub pipeline: u32,
     /// Where end notices go and come from.
     pub ends: EndPages,
     /// Which half of the descriptor cells this ring uses (0 or 1): two rings over the same
@@ -210,8 +213,13 @@ impl StreamLinks {
             TransportKind::Shm => "staged",
             _ => landing,
         };
+        let pipeline = if self.pipeline > 1 {
+            format!(", segments cut into {} chunks or more", self.pipeline)
+        } else {
+            String::new()
+        };
         format!(
-            "to next: {} ({out}), from previous: {} ({inc}); {} slots of {} MiB",
+            "to next: {} ({out}), from previous: {} ({inc}); {} slots of {} MiB{pipeline}",
             path(out),
             path(inc),
             self.slots,
@@ -697,17 +705,26 @@ impl GpuRing {
                 ),
             });
         }
+        let exchange = self.world == 2 && self.exchange && shape == Shape::AllReduce;
+        // The largest piece one chunk sequence covers: the whole buffer for an exchange or a
+        // broadcast, else a segment (the ring's blocks).
+        let segment_bytes = match shape {
+            _ if exchange => bytes as u64,
+            Shape::Broadcast { .. } => bytes as u64,
+            _ => (count as u64).div_ceil(u64::from(self.world)) * dtype.size() as u64,
+        };
+        let chunk_bytes =
+            pipelined_chunk_bytes(links.slot_bytes as u64, links.pipeline, segment_bytes);
         let plan = Plan::new(
             self.world,
             count as u64,
             dtype.size() as u32,
-            links.slot_bytes as u64,
+            chunk_bytes,
             links.slots,
         )?
         .with_shape(shape)?;
         let average = op == ReduceOp::Avg;
         let seq = self.queued;
-        let exchange = self.world == 2 && self.exchange && shape == Shape::AllReduce;
         let algorithm = if exchange {
             Algorithm::StreamExchange
         } else {

@@ -30,6 +30,27 @@ pub enum Shape {
     },
 }
 
+/// The smallest chunk a pipeline cuts a segment into: each chunk pays a hand-off of a few
+/// microseconds whatever its size.
+pub const PIPELINE_MIN_CHUNK: u64 = 256 << 10;
+
+/// The chunk size, in bytes, for a segment of `segment_bytes` moved through slots of
+/// `slot_bytes`, cut into at least `depth` chunks (a pipeline: one chunk's transfer overlaps
+/// the previous one's reduce or second copy): the segment's `1 / depth`, but never below
+/// [`PIPELINE_MIN_CHUNK`] (nor above a slot), rounded up to 4 KiB so that chunks stay aligned
+/// for wide loads. `depth` 1 (or 0): a whole slot. Pure: every rank computes the same value
+/// from what it agreed (the count, the type, the ring's shape).
+pub fn pipelined_chunk_bytes(slot_bytes: u64, depth: u32, segment_bytes: u64) -> u64 {
+    if depth <= 1 {
+        return slot_bytes;
+    }
+    segment_bytes
+        .div_ceil(u64::from(depth))
+        .max(PIPELINE_MIN_CHUNK)
+        .next_multiple_of(4096)
+        .min(slot_bytes)
+}
+
 /// The layout of one collective.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -191,6 +212,26 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pipeline_cuts_segments_into_aligned_chunks_of_at_least_the_floor() {
+        let mib = 1u64 << 20;
+        // Depth 1: whole slots, whatever the segment.
+        assert_eq!(pipelined_chunk_bytes(8 * mib, 1, mib), 8 * mib);
+        assert_eq!(pipelined_chunk_bytes(8 * mib, 0, 64 * mib), 8 * mib);
+        // A quarter of the segment, within the floor and a slot.
+        assert_eq!(pipelined_chunk_bytes(8 * mib, 4, 16 * mib), 4 * mib);
+        assert_eq!(pipelined_chunk_bytes(8 * mib, 4, 64 * mib), 8 * mib);
+        assert_eq!(
+            pipelined_chunk_bytes(8 * mib, 4, 512 << 10),
+            PIPELINE_MIN_CHUNK
+        );
+        // Rounded up to 4 KiB.
+        assert_eq!(pipelined_chunk_bytes(8 * mib, 3, 4 * mib + 1), 1_400_832);
+        assert_eq!(1_400_832 % 4096, 0);
+        // A slot smaller than the floor caps it.
+        assert_eq!(pipelined_chunk_bytes(64 << 10, 8, 64 * mib), 64 << 10);
+    }
     use proptest::prelude::*;
 
     #[test]

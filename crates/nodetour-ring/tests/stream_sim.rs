@@ -39,6 +39,10 @@ struct Drop_ {
     replay: bool,
     /// With `replay`: plan on links that are not replayable (must be caught).
     unaligned: bool,
+    /// Each eager collective cut into chunks of its own size, at most a slot (a pipeline
+    /// sized by the collective, as the GPU ring cuts them): the slots are reused by chunks of
+    /// other sizes.
+    pipelined: bool,
 }
 
 /// The GPU's view of a program planned from counters `start`: its values moved to the
@@ -163,10 +167,22 @@ fn run(
                 captured[r]
                     .clone()
                     .expect("captured at the first collective")
-            } else if drop.exchange {
-                program_exchange_on(&plan, avg, &mut counters[r], replayable)
             } else {
-                program_on(&plan, r as u32, avg, &mut counters[r], replayable)
+                // Every rank cuts collective k the same way.
+                let chunk = if drop.pipelined {
+                    1 + (k as u64 * 5 + (seed >> 8)) % slot_elems
+                } else {
+                    slot_elems
+                };
+                let plan = Plan::new(world, count, 8, chunk * 8, slots)
+                    .unwrap()
+                    .with_shape(plan.shape)
+                    .unwrap();
+                if drop.exchange {
+                    program_exchange_on(&plan, avg, &mut counters[r], replayable)
+                } else {
+                    program_on(&plan, r as u32, avg, &mut counters[r], replayable)
+                }
             };
             if drop.replay && k == 0 {
                 captured[r] = Some(p.clone());
@@ -380,6 +396,34 @@ proptest! {
         let count = if shape.is_some() { count * u64::from(world) } else { count };
         let exchange = world == 2 && pick == 4;
         let v = Drop_ { shape, replay: true, exchange, ..Drop_::default() };
+        prop_assert!(run(world, count, slot_elems, slots, 6, avg, seed, v), "{shape:?}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// Collectives cut into chunks of their own sizes (pipelines sized by the collective),
+    /// eager and replayed, ring and exchange, every shape: the exact result.
+    #[test]
+    fn pipelines_of_any_chunk_size_give_the_exact_result(
+        world in 1u32..7,
+        count in prop::sample::select(vec![0u64, 1, 2, 7, 13, 31, 64, 97]),
+        slot_elems in 1u64..9,
+        slots in 1u32..5,
+        avg in any::<bool>(),
+        pick in 0u32..5,
+        replay in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let shape = match pick {
+            1 => Some(Shape::ReduceScatter),
+            2 => Some(Shape::AllGather),
+            3 => Some(Shape::Broadcast { root: seed as u32 % world }),
+            _ => None,
+        };
+        let count = if shape.is_some() { count * u64::from(world) } else { count };
+        let exchange = world == 2 && pick == 4;
+        let v = Drop_ { shape, replay, exchange, pipelined: true, ..Drop_::default() };
         prop_assert!(run(world, count, slot_elems, slots, 6, avg, seed, v), "{shape:?}");
     }
 }

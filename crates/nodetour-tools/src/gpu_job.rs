@@ -97,6 +97,8 @@ impl GpuJob {
                 one_kernel: o.gpu_ring.one_kernel,
                 one_kernel_max: o.gpu_ring.one_kernel_max,
                 max_blocks: o.gpu_ring.max_blocks,
+                ipc_pipeline: o.gpu_ring.ipc_pipeline,
+                shm_pipeline: o.gpu_ring.shm_pipeline,
                 ..gpu_ring
             };
             o.two_rank_exchange = s.two_rank_exchange;

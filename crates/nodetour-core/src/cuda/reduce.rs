@@ -75,15 +75,48 @@ __device__ b16 divide(b16 x, unsigned n) { return narrow_b(wide(x) / (float)n); 
 __device__ int divide(int x, unsigned n) { return x / (int)n; }
 __device__ long long divide(long long x, unsigned n) { return x / (long long)n; }
 __device__ unsigned char divide(unsigned char x, unsigned n) { return (unsigned char)((unsigned)x / n); }
+// 16 bytes per thread where the pointer allows it, then the tail one element at a time.
 template<class T> __device__ void average(T* d, u64 n, unsigned ranks) {
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        d[i] = divide(d[i], ranks);
+    const unsigned per = 16 / sizeof(T);
+    union Lanes { v16 v; T t[16 / sizeof(T)]; };
+    u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
+    if (((u64)d & 15) == 0) {
+        for (u64 v = i0; v < n / per; v += stride) {
+            Lanes x;
+            x.v = ((const v16*)d)[v];
+#pragma unroll
+            for (unsigned k = 0; k < per; k++) x.t[k] = divide(x.t[k], ranks);
+            ((v16*)d)[v] = x.v;
+        }
+        done = n / per * per;
+    }
+    for (u64 i = done + i0; i < n; i += stride) d[i] = divide(d[i], ranks);
 }
 // Two ranks in one step: combine both, write the result to both (each rank does one half).
+// 16 bytes per thread where both pointers allow it (`b` is often on the peer GPU: wide loads
+// keep more bytes in flight over the link), then the tail one element at a time.
+template<class T, class Op> __device__ T both_one(T x, T y, unsigned avg) {
+    T r = combine<Op>(x, y);
+    return avg ? divide(r, avg) : r;
+}
 template<class T, class Op> __device__ void both(T* __restrict__ a, T* __restrict__ b, u64 n, unsigned avg) {
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        T r = combine<Op>(a[i], b[i]);
-        if (avg) r = divide(r, avg);
+    const unsigned per = 16 / sizeof(T);
+    union Lanes { v16 v; T t[16 / sizeof(T)]; };
+    u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
+    if ((((u64)a | (u64)b) & 15) == 0) {
+        for (u64 v = i0; v < n / per; v += stride) {
+            Lanes x, y;
+            x.v = ((const v16*)a)[v];
+            y.v = ((const v16*)b)[v];
+#pragma unroll
+            for (unsigned k = 0; k < per; k++) x.t[k] = both_one<T, Op>(x.t[k], y.t[k], avg);
+            ((v16*)a)[v] = x.v;
+            ((v16*)b)[v] = x.v;
+        }
+        done = n / per * per;
+    }
+    for (u64 i = done + i0; i < n; i += stride) {
+        const T r = both_one<T, Op>(a[i], b[i], avg);
         a[i] = r; b[i] = r;
     }
 }
@@ -580,7 +613,8 @@ impl ReduceKernels {
             (&mut n as *mut u64).cast::<c_void>(),
             (&mut avg as *mut u32).cast::<c_void>(),
         ];
-        self.launch(stream, f, &mut params, count)
+        // 16 bytes per thread (see SOURCE).
+        self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
     }
 
     /// Queues on `stream`: fill `count` elements at `offset` of `dst` with a test pattern (what a
@@ -642,7 +676,8 @@ impl ReduceKernels {
             (&mut n as *mut u64).cast::<c_void>(),
             (&mut r as *mut u32).cast::<c_void>(),
         ];
-        self.launch(stream, f, &mut params, count)
+        // 16 bytes per thread (see SOURCE).
+        self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
     }
 
     /// Queues on `stream`: copy `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`

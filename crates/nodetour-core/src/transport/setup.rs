@@ -69,11 +69,65 @@ impl NeighbourSetup {
     }
 }
 
-/// What a GPU-ring rank sends a neighbour at formation (validated when decoded): its flag pages,
-/// which both neighbours write (credits, notices), and, to the previous rank only (which writes
-/// them), its slots. No other rank learns these handles and names.
+/// How a GPU-ring rank cuts its links: slots, their sizes, and how many chunks a collective's
+/// segment is cut into at least (its pipeline). Both ends of a link must have the same shape
+/// (each rank compares its neighbours' with its own at formation), else sender and receiver
+/// would plan different chunks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingShape {
+    /// Slots per direct (cuda-ipc) link.
+    pub ipc_slots: u32,
+    /// Bytes per direct slot.
+    pub ipc_slot_bytes: u64,
+    /// Chunks per segment at least, on the direct path (1: one chunk per slot).
+    pub ipc_pipeline: u32,
+    /// Slots per staged (shm) link.
+    pub shm_slots: u32,
+    /// Bytes per staged slot.
+    pub shm_slot_bytes: u64,
+    /// Chunks per segment at least, on the staged path.
+    pub shm_pipeline: u32,
+}
+
+impl RingShape {
+    /// Bytes of [`RingShape::encode`].
+    pub const ENCODED_LEN: usize = 32;
+
+    /// Big-endian fields in declaration order.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut b = [0u8; Self::ENCODED_LEN];
+        b[0..4].copy_from_slice(&self.ipc_slots.to_be_bytes());
+        b[4..12].copy_from_slice(&self.ipc_slot_bytes.to_be_bytes());
+        b[12..16].copy_from_slice(&self.ipc_pipeline.to_be_bytes());
+        b[16..20].copy_from_slice(&self.shm_slots.to_be_bytes());
+        b[20..28].copy_from_slice(&self.shm_slot_bytes.to_be_bytes());
+        b[28..32].copy_from_slice(&self.shm_pipeline.to_be_bytes());
+        b
+    }
+
+    /// The fields back (any values: the receiver compares them with its own).
+    pub fn decode(b: &[u8; Self::ENCODED_LEN]) -> RingShape {
+        let u32_at = |i: usize| u32::from_be_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_be_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        RingShape {
+            ipc_slots: u32_at(0),
+            ipc_slot_bytes: u64_at(4),
+            ipc_pipeline: u32_at(12),
+            shm_slots: u32_at(16),
+            shm_slot_bytes: u64_at(20),
+            shm_pipeline: u32_at(28),
+        }
+    }
+}
+
+/// What a GPU-ring rank sends a neighbour at formation (validated when decoded): how it cuts
+/// its links, its flag pages, which both neighbours write (credits, notices), and, to the
+/// previous rank only (which writes them), its slots. No other rank learns these handles and
+/// names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuNeighbourSetup {
+    /// The sender's slot shapes and pipelines (the receiver checks they are its own).
+    pub shape: RingShape,
     /// The sender's host flag page (shared memory).
     pub flags: ShmName,
     /// The sender's flag page in GPU memory (cuda-ipc).
@@ -86,9 +140,10 @@ pub struct GpuNeighbourSetup {
 const HAS_SLOTS: u8 = 1;
 
 impl GpuNeighbourSetup {
-    /// A flag, the device-flag grant, the flag page's name, then the slots if held.
+    /// A flag, the shape, the device-flag grant, the flag page's name, then the slots if held.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![u8::from(self.slots.is_some()) * HAS_SLOTS];
+        b.extend_from_slice(&self.shape.encode());
         b.extend_from_slice(&self.device_flags.encode());
         b.extend_from_slice(&self.flags.encode());
         if let Some((grant, shm, len)) = &self.slots {
@@ -107,6 +162,11 @@ impl GpuNeighbourSetup {
         if flags & !HAS_SLOTS != 0 {
             return Err(r.bad(format!("unknown flags {flags:#x}")));
         }
+        let shape = RingShape::decode(
+            r.take(RingShape::ENCODED_LEN, "the ring's shape")?
+                .try_into()
+                .expect("ENCODED_LEN bytes"),
+        );
         let device_flags = IpcGrant::decode(r.take(IpcGrant::ENCODED_LEN, "a grant")?)?;
         let flags_name = r.name()?;
         let slots = if flags & HAS_SLOTS != 0 {
@@ -120,6 +180,7 @@ impl GpuNeighbourSetup {
             return Err(r.bad(format!("{} bytes left over", b.len() - r.at)));
         }
         Ok(GpuNeighbourSetup {
+            shape,
             flags: flags_name,
             device_flags,
             slots,
@@ -211,6 +272,14 @@ mod tests {
             len: 4096,
         };
         let to_next = GpuNeighbourSetup {
+            shape: RingShape {
+                ipc_slots: 2,
+                ipc_slot_bytes: 32 << 20,
+                ipc_pipeline: 1,
+                shm_slots: 4,
+                shm_slot_bytes: 8 << 20,
+                shm_pipeline: u32::MAX,
+            },
             flags: name("nodetour-12-0123456789abcdef"),
             device_flags: grant,
             slots: None,
@@ -234,6 +303,7 @@ mod tests {
             &[][..],
             &full[..full.len() - 1],
             &full[..100],
+            &full[..20],
             &extra[..],
             &flags[..],
             &traversal[..],

@@ -15,7 +15,7 @@ use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
     CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, PeerDeviceFlags, ShmSender, ShmSlot,
 };
-use nodetour_core::transport::setup::GpuNeighbourSetup;
+use nodetour_core::transport::setup::{GpuNeighbourSetup, RingShape};
 use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_net::bootstrap::Bootstrap;
 
@@ -133,7 +133,22 @@ pub struct GpuRingOptions {
     /// runs beside large collectives (measure with `nodetour perf --gpu --beside-compute`).
     /// A rank's own choice: ranks need not agree.
     pub max_blocks: u32,
+    /// Direct path: cut each collective's segment into at least this many chunks where the
+    /// slots allow (none smaller than [`crate::plan::PIPELINE_MIN_CHUNK`]), so that a chunk's
+    /// transfer overlaps the previous chunk's reduce (`NODETOUR_IPC_PIPELINE`, 1 to 64;
+    /// 1: chunks of a whole slot). Every rank must use the same value (checked at formation).
+    pub ipc_pipeline: u32,
+    /// Staged path: the same (`NODETOUR_SHM_PIPELINE`): a chunk's copy out of one GPU then
+    /// overlaps the previous chunk's copy into the next.
+    pub shm_pipeline: u32,
 }
+
+/// Default for [`GpuRingOptions::ipc_pipeline`]: whole slots. Measured on two H200s (host
+/// flags), each chunk of the direct path paid a hand-off of several µs that more, smaller
+/// chunks did not hide; pipelining it waits for a measurement on two GPUs.
+pub const IPC_PIPELINE: u32 = 1;
+/// Default for [`GpuRingOptions::shm_pipeline`].
+pub const SHM_PIPELINE: u32 = 4;
 
 impl Default for GpuRingOptions {
     fn default() -> Self {
@@ -148,11 +163,28 @@ impl Default for GpuRingOptions {
             one_kernel: OneKernelMode::Auto,
             one_kernel_max: ONE_KERNEL_MAX,
             max_blocks: 0,
+            ipc_pipeline: IPC_PIPELINE,
+            shm_pipeline: SHM_PIPELINE,
         }
     }
 }
 
+/// The most chunks a pipeline cuts a segment into.
+pub const PIPELINE_MAX: u32 = 64;
+
 impl GpuRingOptions {
+    /// How this rank cuts its links: what its neighbours must match.
+    pub(crate) fn shape(&self) -> RingShape {
+        RingShape {
+            ipc_slots: self.ipc_slots,
+            ipc_slot_bytes: self.ipc_slot_bytes as u64,
+            ipc_pipeline: self.ipc_pipeline,
+            shm_slots: self.slots,
+            shm_slot_bytes: self.shm_slot_bytes as u64,
+            shm_pipeline: self.shm_pipeline,
+        }
+    }
+
     /// The in-host paths to build: `NODETOUR_TRANSPORT=shm|cuda-ipc` (`forced`) overrides
     /// [`Self::paths`].
     pub(crate) fn paths_under(&self, forced: Option<TransportKind>) -> GpuPaths {
@@ -174,6 +206,15 @@ impl GpuRingOptions {
                 ),
             });
         }
+        for (what, depth) in [("ipc", self.ipc_pipeline), ("shm", self.shm_pipeline)] {
+            if !(1..=PIPELINE_MAX).contains(&depth) {
+                return Err(Error::InvalidArgument {
+                    reason: format!(
+                        "a {what} pipeline of {depth} chunks: between 1 and {PIPELINE_MAX}"
+                    ),
+                });
+            }
+        }
         for (what, slots, bytes) in [
             ("cuda-ipc", self.ipc_slots, self.ipc_slot_bytes),
             ("shm", self.slots, self.shm_slot_bytes),
@@ -189,6 +230,27 @@ impl GpuRingOptions {
             }
         }
         Ok(())
+    }
+}
+
+/// Refuses neighbours whose links are cut differently from this rank's (`mine`): they would
+/// plan other chunks for the same collective. Both ends of a link check it, so a ring forms
+/// only where every rank has the same shape.
+pub(crate) fn check_shape(
+    mine: &RingShape,
+    me: u32,
+    neighbours: &[(u32, &GpuNeighbourSetup)],
+) -> Result<()> {
+    match neighbours.iter().find(|(_, s)| s.shape != *mine) {
+        None => Ok(()),
+        Some((r, s)) => Err(Error::InvalidArgument {
+            reason: format!(
+                "rank {r} cuts its GPU links differently from rank {me} ({:?} against {mine:?}): \
+                 the slot shapes, NODETOUR_IPC_PIPELINE and NODETOUR_SHM_PIPELINE must be the \
+                 same on every rank",
+                s.shape
+            ),
+        }),
     }
 }
 
@@ -267,6 +329,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
     let my_slots = gpu_slots.ipc_grant()?;
     let setup_for = |p: u32| {
         GpuNeighbourSetup {
+            shape: options.shape(),
             flags: flags.name().clone(),
             device_flags: my_device_flags,
             slots: (p == prev).then(|| (my_slots, shm_path.clone(), shm_len as u64)),
@@ -292,6 +355,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
         })
     };
     let (theirs, from_prev) = (setup_of(next)?, setup_of(prev)?);
+    check_shape(&options.shape(), me, &[(next, &theirs), (prev, &from_prev)])?;
     let (grant, next_shm, next_shm_len) = theirs.slots.clone().ok_or_else(|| Error::Protocol {
         rank: next,
         reason: "sent no slots".into(),
@@ -398,6 +462,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             incoming: Incoming::CudaIpc(gpu_slots),
             slots: ipc_slots,
             slot_bytes: ipc_slot_bytes,
+            pipeline: options.ipc_pipeline,
             ends: ends.clone(),
             desc_half: 0,
             net: None,
@@ -421,6 +486,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             },
             slots: shm_slots_n,
             slot_bytes: shm_slot_bytes,
+            pipeline: options.shm_pipeline,
             ends: ends.clone(),
             desc_half: u32::from(!rings.is_empty()),
             net: None,
@@ -505,6 +571,42 @@ pub(crate) fn teardown(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn neighbours_must_cut_their_links_the_same_way() {
+        use nodetour_core::memory::{ShmDir, ShmName};
+        use nodetour_core::transport::gpu::IpcGrant;
+        let mine = GpuRingOptions::default();
+        let setup = |o: &GpuRingOptions| GpuNeighbourSetup {
+            shape: o.shape(),
+            flags: ShmName::new(ShmDir::Tmpfs, "nodetour-1-0123456789abcdef").unwrap(),
+            device_flags: IpcGrant {
+                handle: [0; 64],
+                offset: 0,
+                len: 4096,
+            },
+            slots: None,
+        };
+        let same = setup(&mine);
+        assert!(check_shape(&mine.shape(), 0, &[(1, &same), (2, &same)]).is_ok());
+        let deeper = setup(&GpuRingOptions {
+            shm_pipeline: mine.shm_pipeline + 1,
+            ..mine
+        });
+        let e = check_shape(&mine.shape(), 0, &[(1, &same), (2, &deeper)]).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { reason } if reason.contains("rank 2")
+                && reason.contains("NODETOUR_SHM_PIPELINE")),
+            "{e}"
+        );
+        for bad in [0, PIPELINE_MAX + 1] {
+            let o = GpuRingOptions {
+                ipc_pipeline: bad,
+                ..mine
+            };
+            assert!(matches!(o.validate(), Err(Error::InvalidArgument { .. })));
+        }
+    }
 
     #[test]
     fn one_kernel_modes_parse_and_thresholds_are_bounded() {

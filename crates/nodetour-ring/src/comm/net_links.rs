@@ -253,6 +253,7 @@ pub(crate) fn form(
             };
             let (shm, len) = s.grant();
             GpuNeighbourSetup {
+                shape: options.shape(),
                 flags: mine.name().clone(),
                 device_flags: dg,
                 slots: (p == prev).then_some((sg, shm, len as u64)),
@@ -280,10 +281,12 @@ pub(crate) fn form(
         })
     };
     let in_host = |p: u32| -> Result<GpuNeighbourSetup> {
-        GpuNeighbourSetup::decode(bytes_of(p)?).map_err(|e| Error::Protocol {
+        let s = GpuNeighbourSetup::decode(bytes_of(p)?).map_err(|e| Error::Protocol {
             rank: p,
             reason: format!("its GPU setup: {e}"),
-        })
+        })?;
+        super::gpu_links::check_shape(&options.shape(), me, &[(p, &s)])?;
+        Ok(s)
     };
     let network = |p: u32| -> Result<NeighbourSetup> {
         NeighbourSetup::decode(bytes_of(p)?).map_err(|e| Error::Protocol {
@@ -540,6 +543,8 @@ pub(crate) fn form(
         incoming,
         slots,
         slot_bytes,
+        // Whole slots: the progress thread's chunks, measured over tcp and verbs as they are.
+        pipeline: 1,
         ends: EndPages {
             mine: mine.clone(),
             next: next_page,

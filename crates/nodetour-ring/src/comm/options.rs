@@ -172,6 +172,18 @@ impl Options {
                     crate::gpu_ring::SLOT_MEMORY_MAX / 2,
                 )?,
                 max_blocks: number("NODETOUR_RING_BLOCKS", 0, 0, 1 << 16)? as u32,
+                ipc_pipeline: number(
+                    "NODETOUR_IPC_PIPELINE",
+                    super::gpu_links::IPC_PIPELINE as usize,
+                    1,
+                    super::gpu_links::PIPELINE_MAX as usize,
+                )? as u32,
+                shm_pipeline: number(
+                    "NODETOUR_SHM_PIPELINE",
+                    super::gpu_links::SHM_PIPELINE as usize,
+                    1,
+                    super::gpu_links::PIPELINE_MAX as usize,
+                )? as u32,
                 ..super::gpu_links::GpuRingOptions::default()
             },
             two_rank_exchange: true,
@@ -223,9 +235,11 @@ mod tests {
             ("NODETOUR_SLOTS", "8"),
             ("NODETOUR_PIECE_BYTES", "65536"),
             ("NODETOUR_RING_BLOCKS", "32"),
+            ("NODETOUR_SHM_PIPELINE", "8"),
         ]))
         .unwrap();
         assert_eq!(o.gpu_ring.max_blocks, 32);
+        assert_eq!((o.gpu_ring.shm_pipeline, o.gpu_ring.ipc_pipeline), (8, 1));
         assert_eq!(o.timeout(), Duration::from_millis(2500));
         assert_eq!(o.transport, Some(TransportKind::Tcp));
         assert_eq!(o.devices, ["mlx5_0", "mlx5_1"]);
@@ -240,6 +254,7 @@ mod tests {
             ("NODETOUR_ONE_KERNEL", "sometimes"),
             ("NODETOUR_ONE_KERNEL_MAX", "0"),
             ("NODETOUR_RING_BLOCKS", "lots"),
+            ("NODETOUR_IPC_PIPELINE", "0"),
         ] {
             let e = Options::from_lookup(lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");
