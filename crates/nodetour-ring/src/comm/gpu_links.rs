@@ -143,12 +143,17 @@ pub struct GpuRingOptions {
     pub shm_pipeline: u32,
 }
 
-/// Default for [`GpuRingOptions::ipc_pipeline`]: whole slots. Measured on two H200s (host
-/// flags), each chunk of the direct path paid a hand-off of several µs that more, smaller
-/// chunks did not hide; pipelining it waits for a measurement on two GPUs.
+/// Default for [`GpuRingOptions::ipc_pipeline`]: whole slots. Each chunk pays a hand-off of
+/// several µs that more, smaller chunks do not hide: on two H200s (host flags) 16 × 4 MiB
+/// slots ran 0.64× and 2 × 32 MiB 1.05× of NCCL at 1 GiB; on one H200 with two processes
+/// under MPS (a substitute: HBM for NVLink), depth 2 ran 0.79-0.83× of whole slots at 1-16 MiB
+/// and depth 4 0.48-0.54× (`docs/measurements/2026-12-03-pipelines-wide-loads/`).
 pub const IPC_PIPELINE: u32 = 1;
-/// Default for [`GpuRingOptions::shm_pipeline`].
-pub const SHM_PIPELINE: u32 = 4;
+/// Default for [`GpuRingOptions::shm_pipeline`]: whole slots. On one H200 under MPS (both
+/// ranks share one PCIe link, so a chunk's copy out cannot overlap the peer's copy in as it
+/// would on two GPUs) depth 4 ran 0.59× of whole slots at 1 MiB and 0.90× at 4 MiB, and no
+/// depth won at any size; the run on two GPUs decides (`onehost-reference.sh OUT pipeline`).
+pub const SHM_PIPELINE: u32 = 1;
 
 impl Default for GpuRingOptions {
     fn default() -> Self {
