@@ -69,7 +69,9 @@ if [[ $gpus -lt 1 ]]; then
 fi
 world=$((gpus >= 2 ? 2 : 1)) ranks=2
 echo "onehost-reference: $part, sizes $sizes, $rounds rounds, $gpus GPU(s): $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); nodetour $(cat VERSION 2>/dev/null || ./nodetour --version)" | tee -a "$log"
-if [[ $gpus -lt 2 ]]; then
+if [[ $gpus -lt 2 && $part == pipeline ]]; then
+    echo "SKIP NCCL on one GPU: it refuses two ranks on one GPU; nodetour's ring runs as two processes sharing the GPU (with --mps at once: a substitute, else taking turns: correctness only)" | tee -a "$log"
+elif [[ $gpus -lt 2 ]]; then
     echo "SKIP references on one GPU: PyTorch runs as a world of one (a check of this script, not a reference), nodetour's ring as two processes sharing the GPU (correctness only); NCCL and the one-process ring need two GPUs" | tee -a "$log"
 fi
 failed=0
