@@ -19,11 +19,13 @@
 #   and NCCL from our binary, each beside a compute load on another stream of every GPU
 #   (`nodetour perf --beside-compute`): busbw beside compute, and the share of the compute's
 #   throughput each leaves (ONEHOST_COST lines); PyTorch's references are not run in this part.
-#   pipeline: the per-process ring's pipelines, 64 KiB to 256 MiB by 4, 20 iterations:
-#   NODETOUR_SHM_PIPELINE and NODETOUR_IPC_PIPELINE at 1 (whole slots), 2, 4 and 8, interleaved
-#   within each round, direct and staged, beside the copy ceilings and, with two GPUs, NCCL
-#   (NCCL_P2P_DISABLE=1 beside the staged path: NCCL's own staging through host memory);
-#   ONEHOST_PIPE lines give each depth's busbw against depth 1 in the same round.
+#   pipeline: the per-process ring's chunking, 64 KiB to 256 MiB by 4, 20 iterations:
+#   NODETOUR_SHM_PIPELINE and NODETOUR_IPC_PIPELINE at 1 (whole slots), 2, 4 and 8, and the
+#   staged path with every chunk copied in before its reduce (NODETOUR_SHM_READ_MAX=0),
+#   interleaved within each round, direct and staged, beside the copy ceilings and, with two
+#   GPUs, NCCL (NCCL_P2P_DISABLE=1 beside the staged path: NCCL's own staging through host
+#   memory); ONEHOST_PIPE lines give each variant's busbw against d1 in the same round
+#   (PIPELINE_VARIANTS="d1 copyin" runs only those; d1 is the reference, keep it).
 #   --mps: run nodetour's processes under an MPS daemon of this script's own (a private pipe
 #   directory, stopped at the end): on one GPU the two ranks then run at once instead of taking
 #   turns, so the staged path's copies and the hand-offs are timed for real (one GPU's PCIe link
@@ -88,22 +90,30 @@ if ((mps)); then
     fi
 fi
 if [[ $part == pipeline ]]; then
+    # Variants: d1 (whole slots, the default), d2, d4, d8 (both paths' pipelines), and, staged
+    # only, copyin (every chunk copied into GPU scratch by the copy engine before its reduce,
+    # NODETOUR_SHM_READ_MAX=0, where the default reduces chunks straight out of the host slot).
     for r in $(seq 1 "$rounds"); do
-        for depth in 1 2 4 8; do
+        for variant in ${PIPELINE_VARIANTS:-d1 d2 d4 d8 copyin}; do
             for path in direct staged; do
+                [[ $variant == copyin && $path == direct ]] && continue
+                case $variant in
+                    d*) knobs=(NODETOUR_SHM_PIPELINE=${variant#d} NODETOUR_IPC_PIPELINE=${variant#d}) ;;
+                    copyin) knobs=(NODETOUR_SHM_READ_MAX=0) ;;
+                esac
                 cmp=(--compare ceiling) p2p=()
-                # NCCL beside depth 1 only (its own staging for the staged path).
-                if [[ $gpus -ge 2 && $depth == 1 ]]; then
+                # NCCL beside d1 only (its own staging for the staged path).
+                if [[ $gpus -ge 2 && $variant == d1 ]]; then
                     cmp=(--compare nccl,ceiling)
                     [[ $path == staged ]] && p2p=(NCCL_P2P_DISABLE=1)
                 fi
-                if env "${p2p[@]}" NODETOUR_SHM_PIPELINE=$depth NODETOUR_IPC_PIPELINE=$depth timeout 300 \
+                if env "${p2p[@]}" "${knobs[@]}" timeout 300 \
                     ./launch-local.sh -n "$ranks" --timeout 280 -- ./nodetour perf --gpu --path "$path" "${cmp[@]}" \
                     --dtype bf16 --sizes "$sizes" --factor 4 --iters "$iters" --warmup 3 --format csv >"$out/nt.tmp" 2>&1; then
-                    grep -h 'ceilings:' "$out/nt.tmp" | head -n 1 | sed "s/^/round=$r depth=$depth $path /" >>"$log"
-                    sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_PIPE round=$r depth=$depth /" >>"$log"
+                    grep -h 'ceilings:' "$out/nt.tmp" | head -n 1 | sed "s/^/round=$r variant=$variant $path /" >>"$log"
+                    sed -n 's/^\[rank 0\] //p' "$out/nt.tmp" | grep -E '^[0-9]+,' | sed "s/^/NT_PIPE round=$r variant=$variant /" >>"$log"
                 else
-                    echo "onehost-reference: the pipeline run failed (round $r, $path, depth $depth)"; tail -5 "$out/nt.tmp"; failed=1
+                    echo "onehost-reference: the pipeline run failed (round $r, $path, $variant)"; tail -5 "$out/nt.tmp"; failed=1
                 fi
             done
         done
@@ -113,26 +123,26 @@ if [[ $part == pipeline ]]; then
     python3 - "$log" "$gpus" "$mps" <<'PY' | tee "$out/onehost-pipeline-summary.txt"
 import re, statistics, sys
 log, gpus, mps = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-rows = {}  # (path, depth, bytes) -> {round: fields}
+rows = {}  # (path, variant, bytes) -> {round: fields}
 for line in open(log, errors="replace"):
-    m = re.match(r"NT_PIPE round=(\d+) depth=(\d+) (.*)", line)
+    m = re.match(r"NT_PIPE round=(\d+) variant=(\S+) (.*)", line)
     if m:
         f = m[3].split(",")
-        rows.setdefault((f[2], int(m[2]), int(f[0])), {})[int(m[1])] = f
+        rows.setdefault((f[2], m[2], int(f[0])), {})[int(m[1])] = f
 med = lambda v: statistics.median(v) if v else float("nan")
 bad = False
 note = "" if gpus >= 2 else (" (one GPU under MPS: a substitute)" if mps else " (one GPU, ranks taking turns: not a measurement)")
-for (path, depth, b), by_round in sorted(rows.items()):
+for (path, variant, b), by_round in sorted(rows.items()):
     ok = all(f[5] == "true" and f[10] in ("", "true") for f in by_round.values())
     bad |= not ok
-    one = rows.get((path, 1, b), {})
-    # Against depth 1 of the same round, then the median of those ratios.
+    one = rows.get((path, "d1", b), {})
+    # Against d1 of the same round, then the median of those ratios.
     ratios = [float(f[4]) / float(one[r][4]) for r, f in by_round.items() if r in one and float(one[r][4]) > 0]
     bw = med([float(f[4]) for f in by_round.values()])
     ceil = med([float(f[6]) for f in by_round.values() if f[6]])
     nccl = med([float(f[9]) for f in by_round.values() if len(f) > 9 and f[9]])
-    print(f"ONEHOST_PIPE path={path} depth={depth} bytes={b} busbw={bw:.2f} vs_depth1={med(ratios):.3f} "
-          f"spread_vs_depth1={(max(ratios) - min(ratios)) if ratios else float('nan'):.3f} ceiling={ceil:.1f} "
+    print(f"ONEHOST_PIPE path={path} variant={variant} bytes={b} busbw={bw:.2f} vs_d1={med(ratios):.3f} "
+          f"spread_vs_d1={(max(ratios) - min(ratios)) if ratios else float('nan'):.3f} ceiling={ceil:.1f} "
           f"nccl_busbw={nccl:.2f} rounds={len(by_round)} check={'ok' if ok else 'wrong'}{note}")
 sys.exit(1 if bad or not rows else 0)
 PY

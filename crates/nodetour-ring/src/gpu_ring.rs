@@ -39,8 +39,8 @@ use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
     CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, LinkSlots, ShmSender, ShmSlot,
-    StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_reduce_then_signal, enqueue_signal,
-    enqueue_wait,
+    StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_reduce_from_slots_then_signal,
+    enqueue_reduce_then_signal, enqueue_signal, enqueue_wait,
 };
 use nodetour_core::transport::one_kernel::{OneKernel, OneKernelFailure};
 
@@ -173,6 +173,9 @@ pub struct StreamLinks {
     /// Chunks each segment is cut into at least, slots allowing
     /// ([`crate::plan::pipelined_chunk_bytes`]; the same on every rank; 1: whole slots).
     pub pipeline: u32,
+    /// Host slots (the staged path): chunks of at most this many bytes are reduced straight
+    /// out of the slot, larger ones copied into GPU scratch first (0: always copied).
+    pub host_read_max: usize,
     /// Where end notices go and come from.
     pub ends: EndPages,
     /// Which half of the descriptor cells this ring uses (0 or 1): two rings over the same
@@ -213,11 +216,17 @@ impl StreamLinks {
             TransportKind::Shm => "staged",
             _ => landing,
         };
-        let pipeline = if self.pipeline > 1 {
+        let mut pipeline = if self.pipeline > 1 {
             format!(", segments cut into {} chunks or more", self.pipeline)
         } else {
             String::new()
         };
+        if self.host_read_max > 0 && matches!(self.incoming, Incoming::Shm { .. }) {
+            pipeline += &format!(
+                ", chunks of up to {} KiB reduced straight out of the host slots",
+                self.host_read_max >> 10
+            );
+        }
         format!(
             "to next: {} ({out}), from previous: {} ({inc}); {} slots of {} MiB{pipeline}",
             path(out),
@@ -1215,6 +1224,19 @@ impl GpuRing {
                     }
                 };
                 match kind {
+                    RecvKind::Reduce { average } if n * size <= links.host_read_max => {
+                        // One kernel reads the slot over PCIe, reduces, and credits the slot.
+                        enqueue_reduce_from_slots_then_signal(
+                            s, kernels, guard, dtype, op, buffer, off, slots, at, n, credit,
+                        )
+                        .map_err(g)?;
+                        if average {
+                            self.h()
+                                .kernels
+                                .average(s, dtype, buffer, off, n, self.world)
+                                .map_err(g)?;
+                        }
+                    }
                     RecvKind::Reduce { average } => {
                         slots
                             .enqueue_copy_out(s, scratch, 0, at, n * size)

@@ -99,6 +99,7 @@ impl GpuJob {
                 max_blocks: o.gpu_ring.max_blocks,
                 ipc_pipeline: o.gpu_ring.ipc_pipeline,
                 shm_pipeline: o.gpu_ring.shm_pipeline,
+                shm_read_max: o.gpu_ring.shm_read_max,
                 ..gpu_ring
             };
             o.two_rank_exchange = s.two_rank_exchange;

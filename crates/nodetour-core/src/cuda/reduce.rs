@@ -824,16 +824,32 @@ impl ReduceKernels {
         count: usize,
         signal: NtFlag,
     ) -> Result<()> {
-        check(dst, dst_offset, count, dtype)?;
         check(src, src_offset, count, dtype)?;
-        dst.note_use(stream);
         src.note_use(stream);
+        let from = src.device_ptr() + src_offset as u64;
+        self.reduce_then_signal_at(stream, g, dtype, op, dst, dst_offset, from, count, signal)
+    }
+
+    /// [`Self::reduce_then_signal`] from `count` elements at `src`: an address this GPU reads
+    /// (GPU memory, or registered host memory mapped into it) that the caller checked and keeps
+    /// alive until the stream has passed the kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn reduce_then_signal_at(
+        &self,
+        stream: &GpuStream,
+        g: GuardWords,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        src: u64,
+        count: usize,
+        signal: NtFlag,
+    ) -> Result<()> {
+        check(dst, dst_offset, count, dtype)?;
+        dst.note_use(stream);
         let f = pick(&self.k.reduce_then, dtype, op);
-        let (mut d, mut s, mut n) = (
-            dst.device_ptr() + dst_offset as u64,
-            src.device_ptr() + src_offset as u64,
-            count as u64,
-        );
+        let (mut d, mut s, mut n) = (dst.device_ptr() + dst_offset as u64, src, count as u64);
         let (mut l, mut a, mut dn) = (g.latch, signal, g.done);
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),

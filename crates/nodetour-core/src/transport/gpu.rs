@@ -472,6 +472,45 @@ pub fn enqueue_reduce_then_signal(
     )
 }
 
+/// Like [`enqueue_reduce_then_signal`], reading the chunk straight out of `slots` at
+/// `slot_offset` (host memory mapped into this GPU: the reduce kernel's loads cross PCIe), with
+/// no copy into GPU memory first: one operation per chunk instead of three (copy, credit,
+/// reduce). The slots' owner keeps them registered until the stream has passed (it drains
+/// its streams before it unregisters).
+#[allow(clippy::too_many_arguments)]
+pub fn enqueue_reduce_from_slots_then_signal(
+    stream: &GpuStream,
+    kernels: &ReduceKernels,
+    guard: &StreamGuard,
+    dtype: crate::dtype::DataType,
+    op: crate::dtype::ReduceOp,
+    dst: &DeviceBuffer,
+    dst_offset: usize,
+    slots: &dyn StagedReceive,
+    slot_offset: usize,
+    count: usize,
+    signal: FlagValue<'_>,
+) -> Result<()> {
+    let len = count
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::InvalidArgument {
+            reason: format!("{count} elements of {dtype:?} overflow"),
+        })?;
+    let src = slots.mapped_address(slot_offset, len)?;
+    let g = guard.words(stream)?;
+    kernels.reduce_then_signal_at(
+        stream,
+        g,
+        dtype,
+        op,
+        dst,
+        dst_offset,
+        src,
+        count,
+        at(signal, &g)?,
+    )
+}
+
 impl FlagPage for Flags {
     fn enqueue_wait(&self, stream: &GpuStream, index: u32, value: u32) -> Result<()> {
         Flags::enqueue_wait(self, stream, index, value)
@@ -897,6 +936,10 @@ impl ShmSlot {
 }
 
 impl StagedReceive for ShmSlot {
+    fn mapped_address(&self, slot_offset: usize, len: usize) -> Result<u64> {
+        self.mem.device_address(slot_offset, len)
+    }
+
     fn enqueue_copy_out(
         &self,
         stream: &GpuStream,
@@ -1031,6 +1074,10 @@ impl StagedSend for LinkSlots {
 }
 
 impl StagedReceive for LinkSlots {
+    fn mapped_address(&self, slot_offset: usize, len: usize) -> Result<u64> {
+        self.region.device_address(slot_offset, len)
+    }
+
     fn enqueue_copy_out(
         &self,
         stream: &GpuStream,
@@ -1079,6 +1126,10 @@ pub trait StagedSend {
 /// Host slots a receive stream copies chunks out of (slots shared with the previous rank, or
 /// this rank's own slots of a network link).
 pub trait StagedReceive {
+    /// The address through which this GPU reads `len` bytes of the slots at `slot_offset`
+    /// (checked against the slots).
+    fn mapped_address(&self, slot_offset: usize, len: usize) -> Result<u64>;
+
     /// Queues on `stream`: copy `len` bytes of the slots at `slot_offset` into `dst` at
     /// `dst_offset` (after the wait for the flag that says they landed).
     fn enqueue_copy_out(

@@ -141,7 +141,19 @@ pub struct GpuRingOptions {
     /// Staged path: the same (`NODETOUR_SHM_PIPELINE`): a chunk's copy out of one GPU then
     /// overlaps the previous chunk's copy into the next.
     pub shm_pipeline: u32,
+    /// Staged path: chunks of at most this many bytes are reduced straight out of the host
+    /// slot by the reduce kernel (its loads cross PCIe), larger ones copied into GPU scratch
+    /// by the copy engine first (`NODETOUR_SHM_READ_MAX`; 0: always the copy engine). A rank's
+    /// own choice: ranks need not agree.
+    pub shm_read_max: usize,
 }
+
+/// Default for [`GpuRingOptions::shm_read_max`]. On one H200 with two processes under MPS
+/// (bf16 sum, the exchange of two ranks: one chunk per collective up to a slot), reading the
+/// host slot in the reduce kernel ran 1.19× faster than copying it in first at 64 KiB, 1.10× at
+/// 256 KiB, the same at 1-4 MiB, and 0.88-0.94× at 16-256 MiB (chunks of 8 MiB: the copy
+/// engine reads PCIe faster than the SMs) (`docs/measurements/2026-12-03-pipelines-wide-loads/`).
+pub const SHM_READ_MAX: usize = 1 << 20;
 
 /// Default for [`GpuRingOptions::ipc_pipeline`]: whole slots. Each chunk pays a hand-off of
 /// several µs that more, smaller chunks do not hide: on two H200s (host flags) 16 × 4 MiB
@@ -170,6 +182,7 @@ impl Default for GpuRingOptions {
             max_blocks: 0,
             ipc_pipeline: IPC_PIPELINE,
             shm_pipeline: SHM_PIPELINE,
+            shm_read_max: SHM_READ_MAX,
         }
     }
 }
@@ -468,6 +481,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             slots: ipc_slots,
             slot_bytes: ipc_slot_bytes,
             pipeline: options.ipc_pipeline,
+            host_read_max: 0,
             ends: ends.clone(),
             desc_half: 0,
             net: None,
@@ -492,6 +506,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             slots: shm_slots_n,
             slot_bytes: shm_slot_bytes,
             pipeline: options.shm_pipeline,
+            host_read_max: options.shm_read_max,
             ends: ends.clone(),
             desc_half: u32::from(!rings.is_empty()),
             net: None,

@@ -545,6 +545,8 @@ pub(crate) fn form(
         slot_bytes,
         // Whole slots: the progress thread's chunks, measured over tcp and verbs as they are.
         pipeline: 1,
+        // Host slots of a network link are copied in (as measured over tcp and verbs).
+        host_read_max: 0,
         ends: EndPages {
             mine: mine.clone(),
             next: next_page,

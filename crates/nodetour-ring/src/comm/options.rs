@@ -178,6 +178,12 @@ impl Options {
                     1,
                     super::gpu_links::PIPELINE_MAX as usize,
                 )? as u32,
+                shm_read_max: number(
+                    "NODETOUR_SHM_READ_MAX",
+                    super::gpu_links::SHM_READ_MAX,
+                    0,
+                    1 << 30,
+                )?,
                 shm_pipeline: number(
                     "NODETOUR_SHM_PIPELINE",
                     super::gpu_links::SHM_PIPELINE as usize,
