@@ -38,9 +38,9 @@ use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
-    CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, LinkSlots, ShmSender, ShmSlot,
-    StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_reduce_from_slots_then_signal,
-    enqueue_reduce_then_signal, enqueue_signal, enqueue_wait,
+    CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, LinkSlots, ReduceSource, ShmSender,
+    ShmSlot, StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_reduce_then_signal,
+    enqueue_signal, enqueue_wait,
 };
 use nodetour_core::transport::one_kernel::{OneKernel, OneKernelFailure};
 
@@ -1192,6 +1192,13 @@ impl GpuRing {
             align,
         );
         let release = |s: &GpuStream| enqueue_signal(s, kernels, guard, credit, None).map_err(g);
+        // The last reduce-scatter step of an average divides what it reduced.
+        let divide = |average: bool| match average {
+            true => kernels
+                .average(s, dtype, buffer, off, n, self.world)
+                .map_err(g),
+            false => Ok(()),
+        };
         let gpu_slots: Option<&DeviceBuffer> = match &links.incoming {
             Incoming::CudaIpc(slot) => Some(slot.buffer()),
             Incoming::NetGpu(slot) => Some(slot.buffer()),
@@ -1200,16 +1207,12 @@ impl GpuRing {
         };
         match (gpu_slots, &links.incoming, r.kind) {
             (Some(src), _, RecvKind::Reduce { average }) => {
+                let src = ReduceSource::Gpu(src, at);
                 enqueue_reduce_then_signal(
-                    s, kernels, guard, dtype, op, buffer, off, src, at, n, credit,
+                    s, kernels, guard, dtype, op, buffer, off, src, n, credit,
                 )
                 .map_err(g)?;
-                if average {
-                    self.h()
-                        .kernels
-                        .average(s, dtype, buffer, off, n, self.world)
-                        .map_err(g)?;
-                }
+                divide(average)?;
             }
             (Some(src), _, RecvKind::Copy) => {
                 s.copy(buffer, off, src, at, n * size).map_err(g)?;
@@ -1226,32 +1229,22 @@ impl GpuRing {
                 match kind {
                     RecvKind::Reduce { average } if n * size <= links.host_read_max => {
                         // One kernel reads the slot over PCIe, reduces, and credits the slot.
-                        enqueue_reduce_from_slots_then_signal(
-                            s, kernels, guard, dtype, op, buffer, off, slots, at, n, credit,
+                        let src = ReduceSource::Slots(slots, at);
+                        enqueue_reduce_then_signal(
+                            s, kernels, guard, dtype, op, buffer, off, src, n, credit,
                         )
                         .map_err(g)?;
-                        if average {
-                            self.h()
-                                .kernels
-                                .average(s, dtype, buffer, off, n, self.world)
-                                .map_err(g)?;
-                        }
+                        divide(average)?;
                     }
                     RecvKind::Reduce { average } => {
                         slots
                             .enqueue_copy_out(s, scratch, 0, at, n * size)
                             .map_err(g)?;
                         release(s)?;
-                        self.h()
-                            .kernels
+                        kernels
                             .reduce(s, dtype, op, buffer, off, scratch, 0, n)
                             .map_err(g)?;
-                        if average {
-                            self.h()
-                                .kernels
-                                .average(s, dtype, buffer, off, n, self.world)
-                                .map_err(g)?;
-                        }
+                        divide(average)?;
                     }
                     RecvKind::Copy => {
                         slots

@@ -440,9 +440,20 @@ pub fn enqueue_signal(
     kernels.signal(stream, g, at(first, &g)?, at_opt(second, &g)?)
 }
 
+/// Where a guarded reduce reads its chunk.
+pub enum ReduceSource<'a> {
+    /// GPU memory (this GPU's, or a peer's mapped into it): a buffer and a byte offset in it.
+    Gpu(&'a DeviceBuffer, usize),
+    /// Host slots mapped into this GPU, at a byte offset: the reduce kernel's loads cross PCIe,
+    /// with no copy into GPU memory first (one operation per chunk instead of three: copy,
+    /// credit, reduce). The slots' owner keeps them registered until the stream has passed (it
+    /// drains its streams before it unregisters).
+    Slots(&'a dyn StagedReceive, usize),
+}
+
 /// Queues on `stream` one kernel of `kernels`: if the stream's last guarded wait found its
-/// words, `dst[dst_offset..] = op(dst, src[src_offset..])` over `count` elements of `dtype`
-/// (see [`ReduceKernels::reduce`]), then, once every element is done, `signal` := its value.
+/// words, `dst[dst_offset..] = op(dst, src)` over `count` elements of `dtype` (see
+/// [`ReduceKernels::reduce`]), then, once every element is done, `signal` := its value.
 #[allow(clippy::too_many_arguments)]
 pub fn enqueue_reduce_then_signal(
     stream: &GpuStream,
@@ -452,63 +463,27 @@ pub fn enqueue_reduce_then_signal(
     op: crate::dtype::ReduceOp,
     dst: &DeviceBuffer,
     dst_offset: usize,
-    src: &DeviceBuffer,
-    src_offset: usize,
+    src: ReduceSource<'_>,
     count: usize,
     signal: FlagValue<'_>,
 ) -> Result<()> {
     let g = guard.words(stream)?;
-    kernels.reduce_then_signal(
-        stream,
-        g,
-        dtype,
-        op,
-        dst,
-        dst_offset,
-        src,
-        src_offset,
-        count,
-        at(signal, &g)?,
-    )
-}
-
-/// Like [`enqueue_reduce_then_signal`], reading the chunk straight out of `slots` at
-/// `slot_offset` (host memory mapped into this GPU: the reduce kernel's loads cross PCIe), with
-/// no copy into GPU memory first: one operation per chunk instead of three (copy, credit,
-/// reduce). The slots' owner keeps them registered until the stream has passed (it drains
-/// its streams before it unregisters).
-#[allow(clippy::too_many_arguments)]
-pub fn enqueue_reduce_from_slots_then_signal(
-    stream: &GpuStream,
-    kernels: &ReduceKernels,
-    guard: &StreamGuard,
-    dtype: crate::dtype::DataType,
-    op: crate::dtype::ReduceOp,
-    dst: &DeviceBuffer,
-    dst_offset: usize,
-    slots: &dyn StagedReceive,
-    slot_offset: usize,
-    count: usize,
-    signal: FlagValue<'_>,
-) -> Result<()> {
-    let len = count
-        .checked_mul(dtype.size())
-        .ok_or_else(|| Error::InvalidArgument {
-            reason: format!("{count} elements of {dtype:?} overflow"),
-        })?;
-    let src = slots.mapped_address(slot_offset, len)?;
-    let g = guard.words(stream)?;
-    kernels.reduce_then_signal_at(
-        stream,
-        g,
-        dtype,
-        op,
-        dst,
-        dst_offset,
-        src,
-        count,
-        at(signal, &g)?,
-    )
+    let signal = at(signal, &g)?;
+    match src {
+        ReduceSource::Gpu(b, offset) => kernels.reduce_then_signal(
+            stream, g, dtype, op, dst, dst_offset, b, offset, count, signal,
+        ),
+        ReduceSource::Slots(slots, offset) => {
+            let len = count
+                .checked_mul(dtype.size())
+                .ok_or_else(|| Error::InvalidArgument {
+                    reason: format!("{count} elements of {dtype:?} overflow"),
+                })?;
+            let from = slots.mapped_address(offset, len)?;
+            kernels
+                .reduce_then_signal_at(stream, g, dtype, op, dst, dst_offset, from, count, signal)
+        }
+    }
 }
 
 impl FlagPage for Flags {
