@@ -1193,11 +1193,13 @@ impl GpuRing {
         );
         let release = |s: &GpuStream| enqueue_signal(s, kernels, guard, credit, None).map_err(g);
         // The last reduce-scatter step of an average divides what it reduced.
-        let divide = |average: bool| match average {
-            true => kernels
+        let divide = |average: bool| {
+            if !average {
+                return Ok(());
+            }
+            kernels
                 .average(s, dtype, buffer, off, n, self.world)
-                .map_err(g),
-            false => Ok(()),
+                .map_err(g)
         };
         let gpu_slots: Option<&DeviceBuffer> = match &links.incoming {
             Incoming::CudaIpc(slot) => Some(slot.buffer()),
