@@ -371,6 +371,34 @@ proptest! {
     }
 }
 
+/// What `pick` (0 to 4) runs: an allreduce (0, and 4 where the exchange does not apply), a
+/// reduce-scatter, an all-gather, a broadcast from a root taken from `seed`, or (4, two ranks)
+/// the exchange; and the count, a multiple of `world` for the shapes that need one.
+fn variant(pick: u32, world: u32, count: u64, seed: u64) -> (Drop_, u64) {
+    let shape = match pick {
+        1 => Some(Shape::ReduceScatter),
+        2 => Some(Shape::AllGather),
+        3 => Some(Shape::Broadcast {
+            root: seed as u32 % world,
+        }),
+        _ => None,
+    };
+    let count = if shape.is_some() {
+        count * u64::from(world)
+    } else {
+        count
+    };
+    let exchange = world == 2 && pick == 4;
+    (
+        Drop_ {
+            shape,
+            exchange,
+            ..Drop_::default()
+        },
+        count,
+    )
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
     /// A collective captured into a CUDA graph and replayed between eager ones: on replayable
@@ -386,16 +414,8 @@ proptest! {
         pick in 0u32..5,
         seed in any::<u64>(),
     ) {
-        let shape = match pick {
-            0 => None,
-            1 => Some(Shape::ReduceScatter),
-            2 => Some(Shape::AllGather),
-            3 => Some(Shape::Broadcast { root: seed as u32 % world }),
-            _ => None,
-        };
-        let count = if shape.is_some() { count * u64::from(world) } else { count };
-        let exchange = world == 2 && pick == 4;
-        let v = Drop_ { shape, replay: true, exchange, ..Drop_::default() };
+        let (v, count) = variant(pick, world, count, seed);
+        let (shape, v) = (v.shape, Drop_ { replay: true, ..v });
         prop_assert!(run(world, count, slot_elems, slots, 6, avg, seed, v), "{shape:?}");
     }
 }
@@ -415,15 +435,8 @@ proptest! {
         replay in any::<bool>(),
         seed in any::<u64>(),
     ) {
-        let shape = match pick {
-            1 => Some(Shape::ReduceScatter),
-            2 => Some(Shape::AllGather),
-            3 => Some(Shape::Broadcast { root: seed as u32 % world }),
-            _ => None,
-        };
-        let count = if shape.is_some() { count * u64::from(world) } else { count };
-        let exchange = world == 2 && pick == 4;
-        let v = Drop_ { shape, replay, exchange, pipelined: true, ..Drop_::default() };
+        let (v, count) = variant(pick, world, count, seed);
+        let (shape, v) = (v.shape, Drop_ { replay, pipelined: true, ..v });
         prop_assert!(run(world, count, slot_elems, slots, 6, avg, seed, v), "{shape:?}");
     }
 }
