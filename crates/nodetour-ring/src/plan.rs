@@ -212,6 +212,7 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn a_pipeline_cuts_segments_into_aligned_chunks_of_at_least_the_floor() {
@@ -232,7 +233,6 @@ mod tests {
         // A slot smaller than the floor caps it.
         assert_eq!(pipelined_chunk_bytes(64 << 10, 8, 64 * mib), 64 << 10);
     }
-    use proptest::prelude::*;
 
     #[test]
     fn bad_plans_are_typed_errors() {
