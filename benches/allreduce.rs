@@ -12,7 +12,7 @@
 //! needs one process per GPU for the per-process paths; see docs/PERFORMANCE.md.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -28,22 +28,29 @@ const HOST_SIZES: [usize; 2] = [256 << 10, 4 << 20];
 const GPU_SIZES: [usize; 3] = [1 << 20, 16 << 20, 256 << 20];
 
 /// Ranks as threads, each with its own communicator (formed over tcp loopback): rank 0 runs on
-/// the caller's thread, the others wait at a barrier for each collective.
+/// the caller's thread, the others wait at a barrier for each collective. A rank whose
+/// collective fails still meets the others at the barriers and leaves its error for rank 0 to
+/// report, so a failure ends the bench with every rank's error instead of leaving the barriers
+/// (and the teardown) waiting for a thread that is gone.
 struct Ranks {
     rank0: Communicator,
     start: Arc<Barrier>,
     done: Arc<Barrier>,
     bytes: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
+    errors: Arc<Mutex<Vec<String>>>,
     workers: Vec<std::thread::JoinHandle<()>>,
 }
+
+/// One collective of `bytes` on one rank.
+type Each = dyn Fn(&Communicator, usize) -> nodetour::Result<()>;
 
 impl Ranks {
     /// `world` ranks; `each(comm, bytes)` is one collective of `bytes` on a rank.
     fn new(
         world: u32,
         options: Options,
-        each: impl Fn(&Communicator, usize) + Send + Sync + Clone + 'static,
+        each: impl Fn(&Communicator, usize) -> nodetour::Result<()> + Send + Sync + Clone + 'static,
     ) -> Ranks {
         let id = Arc::new(UniqueId::create().expect("unique id"));
         let (start, done) = (
@@ -52,11 +59,17 @@ impl Ranks {
         );
         let bytes = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(AtomicBool::new(false));
+        let errors = Arc::new(Mutex::new(Vec::new()));
         let workers = (1..world)
             .map(|r| {
                 let (id, options, each) = (id.clone(), options.clone(), each.clone());
-                let (start, done, bytes, stop) =
-                    (start.clone(), done.clone(), bytes.clone(), stop.clone());
+                let (start, done, bytes, stop, errors) = (
+                    start.clone(),
+                    done.clone(),
+                    bytes.clone(),
+                    stop.clone(),
+                    errors.clone(),
+                );
                 std::thread::spawn(move || {
                     let comm = Communicator::from_unique_id(&id, r, world, options).expect("rank");
                     loop {
@@ -64,7 +77,12 @@ impl Ranks {
                         if stop.load(Ordering::Acquire) {
                             break;
                         }
-                        each(&comm, bytes.load(Ordering::Acquire));
+                        if let Err(e) = each(&comm, bytes.load(Ordering::Acquire)) {
+                            errors
+                                .lock()
+                                .expect("errors")
+                                .push(format!("rank {r}: {e}"));
+                        }
                         done.wait();
                     }
                 })
@@ -77,16 +95,28 @@ impl Ranks {
             done,
             bytes,
             stop,
+            errors,
             workers,
         }
     }
 
-    /// One collective of `bytes` on every rank.
-    fn run(&self, bytes: usize, each: &impl Fn(&Communicator, usize)) {
+    /// One collective of `bytes` on every rank; panics with every rank's error if any failed
+    /// (after the barrier: the other ranks are then waiting for the next collective, which
+    /// the teardown releases).
+    fn run(&self, bytes: usize, each: &Each) {
         self.bytes.store(bytes, Ordering::Release);
         self.start.wait();
-        each(&self.rank0, bytes);
+        let mine = each(&self.rank0, bytes);
         self.done.wait();
+        let mut errors = std::mem::take(&mut *self.errors.lock().expect("errors"));
+        if let Err(e) = mine {
+            errors.insert(0, format!("rank 0: {e}"));
+        }
+        assert!(
+            errors.is_empty(),
+            "the collective failed: {}",
+            errors.join("; ")
+        );
     }
 }
 
@@ -117,10 +147,7 @@ fn host(c: &mut Criterion) {
             static DATA: std::cell::RefCell<Vec<f32>> =
                 std::cell::RefCell::new(vec![1.0; HOST_SIZES[1] / 4]);
         }
-        DATA.with_borrow_mut(|d| {
-            comm.all_reduce_in_place(&mut d[..bytes / 4], ReduceOp::Sum)
-                .expect("allreduce")
-        });
+        DATA.with_borrow_mut(|d| comm.all_reduce_in_place(&mut d[..bytes / 4], ReduceOp::Sum))
     };
     let ranks = Ranks::new(4, tcp(None), each);
     for bytes in HOST_SIZES {
@@ -176,8 +203,7 @@ fn gpu(c: &mut Criterion) {
                 )
             });
             comm.all_reduce_device_buffer(buf, bytes / 4, DataType::F32, ReduceOp::Sum, stream)
-                .expect("staged");
-        });
+        })
     };
     let mut o = tcp(Some(0));
     o.piece_bytes = largest;

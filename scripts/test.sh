@@ -154,7 +154,12 @@ check "drills over tcp: a rank SIGKILLed or aborted mid-allreduce, the others fa
 check "soak: 10000 allreduces across 4 processes over tcp, exact, memory and descriptors flat" soak_tcp
 benches_run() { # each criterion bench once (criterion's --test mode); SKIP lines where hardware lacks
     local out
-    out=$(cargo bench --color never -- --test 2>&1) || { echo "$out" | tail -n 20; return 1; }
+    # Bounded (building the benches included): a bench that hangs fails the check instead of CI.
+    out=$(timeout 1500 cargo bench --color never -- --test 2>&1) || {
+        echo "$out" | grep -E -A2 'panicked|collective failed' | head -n 20
+        echo "$out" | tail -n 20
+        return 1
+    }
     echo "$out" | grep -E '^(SKIP|Testing|Success)' | sed 's/^/  /' | head -n 40
 }
 check "cargo bench: every bench runs (once each, criterion --test); SKIP where hardware lacks" benches_run
