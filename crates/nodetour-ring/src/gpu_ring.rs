@@ -38,9 +38,9 @@ use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
-    CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, LinkSlots, ReduceSource, ShmSender,
-    ShmSlot, StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_reduce_then_signal,
-    enqueue_signal, enqueue_wait,
+    ChunkSource, CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, LinkSlots, ShmSender, ShmSlot,
+    StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_copy_then_signal,
+    enqueue_reduce_then_signal, enqueue_signal, enqueue_wait,
 };
 use nodetour_core::transport::one_kernel::{OneKernel, OneKernelFailure};
 
@@ -176,6 +176,10 @@ pub struct StreamLinks {
     /// Host slots (the staged path): chunks of at most this many bytes are reduced straight
     /// out of the slot, larger ones copied into GPU scratch first (0: always copied).
     pub host_read_max: usize,
+    /// Received chunks that are only copied, of at most this many bytes (and, from host
+    /// slots, at most `host_read_max`), are copied out of the slot by one kernel that then
+    /// credits the slot; larger ones by the copy engine and a credit kernel (0: always that).
+    pub copy_kernel_max: usize,
     /// Where end notices go and come from.
     pub ends: EndPages,
     /// Which half of the descriptor cells this ring uses (0 or 1): two rings over the same
@@ -225,6 +229,18 @@ impl StreamLinks {
             pipeline += &format!(
                 ", chunks of up to {} KiB reduced straight out of the host slots",
                 self.host_read_max >> 10
+            );
+        }
+        let copy_max = match self.incoming {
+            Incoming::Shm { .. } | Incoming::Net { .. } => {
+                self.copy_kernel_max.min(self.host_read_max)
+            }
+            _ => self.copy_kernel_max,
+        };
+        if copy_max > 0 {
+            pipeline += &format!(
+                ", copies of up to {} KiB out of the slots by one kernel that credits them",
+                copy_max >> 10
             );
         }
         format!(
@@ -1209,12 +1225,17 @@ impl GpuRing {
         };
         match (gpu_slots, &links.incoming, r.kind) {
             (Some(src), _, RecvKind::Reduce { average }) => {
-                let src = ReduceSource::Gpu(src, at);
+                let src = ChunkSource::Gpu(src, at);
                 enqueue_reduce_then_signal(
                     s, kernels, guard, dtype, op, buffer, off, src, n, credit,
                 )
                 .map_err(g)?;
                 divide(average)?;
+            }
+            (Some(src), _, RecvKind::Copy) if n * size <= links.copy_kernel_max => {
+                let src = ChunkSource::Gpu(src, at);
+                enqueue_copy_then_signal(s, kernels, guard, buffer, off, src, n * size, credit)
+                    .map_err(g)?;
             }
             (Some(src), _, RecvKind::Copy) => {
                 s.copy(buffer, off, src, at, n * size).map_err(g)?;
@@ -1231,7 +1252,7 @@ impl GpuRing {
                 match kind {
                     RecvKind::Reduce { average } if n * size <= links.host_read_max => {
                         // One kernel reads the slot over PCIe, reduces, and credits the slot.
-                        let src = ReduceSource::Slots(slots, at);
+                        let src = ChunkSource::Slots(slots, at);
                         enqueue_reduce_then_signal(
                             s, kernels, guard, dtype, op, buffer, off, src, n, credit,
                         )
@@ -1247,6 +1268,23 @@ impl GpuRing {
                             .reduce(s, dtype, op, buffer, off, scratch, 0, n)
                             .map_err(g)?;
                         divide(average)?;
+                    }
+                    RecvKind::Copy
+                        if n * size <= links.host_read_max.min(links.copy_kernel_max) =>
+                    {
+                        // One kernel reads the slot over PCIe and credits it.
+                        let src = ChunkSource::Slots(slots, at);
+                        enqueue_copy_then_signal(
+                            s,
+                            kernels,
+                            guard,
+                            buffer,
+                            off,
+                            src,
+                            n * size,
+                            credit,
+                        )
+                        .map_err(g)?;
                     }
                     RecvKind::Copy => {
                         slots

@@ -100,6 +100,7 @@ impl GpuJob {
                 ipc_pipeline: o.gpu_ring.ipc_pipeline,
                 shm_pipeline: o.gpu_ring.shm_pipeline,
                 shm_read_max: o.gpu_ring.shm_read_max,
+                copy_kernel_max: o.gpu_ring.copy_kernel_max,
                 ..gpu_ring
             };
             o.two_rank_exchange = s.two_rank_exchange;

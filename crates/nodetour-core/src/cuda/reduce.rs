@@ -50,23 +50,29 @@ template<class Op> __device__ double combine(double a, double b) { return Op::f(
 template<class Op> __device__ h16 combine(h16 a, h16 b) { return narrow_h(Op::f(wide(a), wide(b))); }
 template<class Op> __device__ b16 combine(b16 a, b16 b) { return narrow_b(Op::f(wide(a), wide(b))); }
 struct alignas(16) v16 { u64 a, b; };
-// 16 bytes per thread where both pointers allow it, then the tail one element at a time.
-template<class T, class Op> __device__ void reduce(T* __restrict__ d, const T* __restrict__ s, u64 n) {
+template<class T> union Lanes { v16 v; T t[16 / sizeof(T)]; };
+// The grid's threads over `n` elements: 16 bytes per thread and step (`lanes(v)`: the v-th
+// 16 bytes, `16 / sizeof(T)` elements) where `wide` (every pointer 16-byte aligned), then the
+// tail one element at a time (`one(i)`).
+template<class T, class W, class O> __device__ __forceinline__ void over_lanes(u64 n, bool wide, W lanes, O one) {
     const unsigned per = 16 / sizeof(T);
-    union Lanes { v16 v; T t[16 / sizeof(T)]; };
     u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
-    if ((((u64)d | (u64)s) & 15) == 0) {
-        for (u64 v = i0; v < n / per; v += stride) {
-            Lanes a, b;
-            a.v = ((const v16*)d)[v];
-            b.v = ((const v16*)s)[v];
-#pragma unroll
-            for (unsigned k = 0; k < per; k++) a.t[k] = combine<Op>(a.t[k], b.t[k]);
-            ((v16*)d)[v] = a.v;
-        }
+    if (wide) {
+        for (u64 v = i0; v < n / per; v += stride) lanes(v);
         done = n / per * per;
     }
-    for (u64 i = done + i0; i < n; i += stride) d[i] = combine<Op>(d[i], s[i]);
+    for (u64 i = done + i0; i < n; i += stride) one(i);
+}
+__device__ __forceinline__ bool aligned16(const void* a, const void* b) { return (((u64)a | (u64)b) & 15) == 0; }
+template<class T, class Op> __device__ void reduce(T* __restrict__ d, const T* __restrict__ s, u64 n) {
+    over_lanes<T>(n, aligned16(d, s), [=](u64 v) {
+        Lanes<T> a, b;
+        a.v = ((const v16*)d)[v];
+        b.v = ((const v16*)s)[v];
+#pragma unroll
+        for (unsigned k = 0; k < 16 / sizeof(T); k++) a.t[k] = combine<Op>(a.t[k], b.t[k]);
+        ((v16*)d)[v] = a.v;
+    }, [=](u64 i) { d[i] = combine<Op>(d[i], s[i]); });
 }
 __device__ float divide(float x, unsigned n) { return x / (float)n; }
 __device__ double divide(double x, unsigned n) { return x / (double)n; }
@@ -75,50 +81,34 @@ __device__ b16 divide(b16 x, unsigned n) { return narrow_b(wide(x) / (float)n); 
 __device__ int divide(int x, unsigned n) { return x / (int)n; }
 __device__ long long divide(long long x, unsigned n) { return x / (long long)n; }
 __device__ unsigned char divide(unsigned char x, unsigned n) { return (unsigned char)((unsigned)x / n); }
-// 16 bytes per thread where the pointer allows it, then the tail one element at a time.
 template<class T> __device__ void average(T* d, u64 n, unsigned ranks) {
-    const unsigned per = 16 / sizeof(T);
-    union Lanes { v16 v; T t[16 / sizeof(T)]; };
-    u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
-    if (((u64)d & 15) == 0) {
-        for (u64 v = i0; v < n / per; v += stride) {
-            Lanes x;
-            x.v = ((const v16*)d)[v];
+    over_lanes<T>(n, aligned16(d, d), [=](u64 v) {
+        Lanes<T> x;
+        x.v = ((const v16*)d)[v];
 #pragma unroll
-            for (unsigned k = 0; k < per; k++) x.t[k] = divide(x.t[k], ranks);
-            ((v16*)d)[v] = x.v;
-        }
-        done = n / per * per;
-    }
-    for (u64 i = done + i0; i < n; i += stride) d[i] = divide(d[i], ranks);
+        for (unsigned k = 0; k < 16 / sizeof(T); k++) x.t[k] = divide(x.t[k], ranks);
+        ((v16*)d)[v] = x.v;
+    }, [=](u64 i) { d[i] = divide(d[i], ranks); });
 }
 // Two ranks in one step: combine both, write the result to both (each rank does one half).
-// 16 bytes per thread where both pointers allow it (`b` is often on the peer GPU: wide loads
-// keep more bytes in flight over the link), then the tail one element at a time.
+// `b` is often on the peer GPU: wide loads keep more bytes in flight over the link.
 template<class T, class Op> __device__ T both_one(T x, T y, unsigned avg) {
     T r = combine<Op>(x, y);
     return avg ? divide(r, avg) : r;
 }
 template<class T, class Op> __device__ void both(T* __restrict__ a, T* __restrict__ b, u64 n, unsigned avg) {
-    const unsigned per = 16 / sizeof(T);
-    union Lanes { v16 v; T t[16 / sizeof(T)]; };
-    u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
-    if ((((u64)a | (u64)b) & 15) == 0) {
-        for (u64 v = i0; v < n / per; v += stride) {
-            Lanes x, y;
-            x.v = ((const v16*)a)[v];
-            y.v = ((const v16*)b)[v];
+    over_lanes<T>(n, aligned16(a, b), [=](u64 v) {
+        Lanes<T> x, y;
+        x.v = ((const v16*)a)[v];
+        y.v = ((const v16*)b)[v];
 #pragma unroll
-            for (unsigned k = 0; k < per; k++) x.t[k] = both_one<T, Op>(x.t[k], y.t[k], avg);
-            ((v16*)a)[v] = x.v;
-            ((v16*)b)[v] = x.v;
-        }
-        done = n / per * per;
-    }
-    for (u64 i = done + i0; i < n; i += stride) {
+        for (unsigned k = 0; k < 16 / sizeof(T); k++) x.t[k] = both_one<T, Op>(x.t[k], y.t[k], avg);
+        ((v16*)a)[v] = x.v;
+        ((v16*)b)[v] = x.v;
+    }, [=](u64 i) {
         const T r = both_one<T, Op>(a[i], b[i], avg);
         a[i] = r; b[i] = r;
-    }
+    });
 }
 // A test pattern: element i of a buffer whose first element is element `first` of the pattern
 // holds ((first + i) * 7 + seed) mod 13, exact in every type.
@@ -253,7 +243,8 @@ __device__ void nt_finish(const volatile unsigned* latch, const NtFlag& a, const
         }
     }
 }
-// A chunk sent: copied into the peer's slot if the latch is 1, then nt_finish.
+// A chunk sent (copied into the peer's slot) or received (copied out of this rank's slot, the
+// credit back to the sender being `a`), if the latch is 1, then nt_finish.
 extern "C" __global__ void nt_send(const volatile unsigned* latch, unsigned char* d, const unsigned char* s, u64 n,
                                    NtFlag a, NtFlag b, unsigned* done) {
     if (*latch) {
@@ -791,8 +782,46 @@ impl ReduceKernels {
     ) -> Result<()> {
         check(src, src_offset, len, DataType::U8)?;
         src.note_use(stream);
+        let from = src.device_ptr() + src_offset as u64;
+        self.send_at(stream, g, dst, from, len, first, second)
+    }
+
+    /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes from `src`
+    /// (an address this GPU reads: GPU memory, or registered host memory mapped into it, that
+    /// the caller checked and keeps alive until the stream has passed the kernel) into `dst`
+    /// at `dst_offset` and, once every byte has landed, stores `signal` if the latch is 1: a
+    /// received chunk copied out of its slot and the slot credited, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_then_signal_at(
+        &self,
+        stream: &GpuStream,
+        g: GuardWords,
+        dst: &DeviceBuffer,
+        dst_offset: usize,
+        src: u64,
+        len: usize,
+        signal: NtFlag,
+    ) -> Result<()> {
+        check(dst, dst_offset, len, DataType::U8)?;
+        dst.note_use(stream);
+        let to = dst.device_ptr() + dst_offset as u64;
+        self.send_at(stream, g, to, src, len, signal, NtFlag::default())
+    }
+
+    /// The guarded copy kernel (`nt_send`) between two addresses the caller checked.
+    #[allow(clippy::too_many_arguments)]
+    fn send_at(
+        &self,
+        stream: &GpuStream,
+        g: GuardWords,
+        dst: u64,
+        src: u64,
+        len: usize,
+        first: NtFlag,
+        second: NtFlag,
+    ) -> Result<()> {
         let mut l = g.latch;
-        let (mut d, mut s, mut n) = (dst, src.device_ptr() + src_offset as u64, len as u64);
+        let (mut d, mut s, mut n) = (dst, src, len as u64);
         let (mut a, mut b) = (first, second);
         let mut dn = g.done;
         let mut params = [

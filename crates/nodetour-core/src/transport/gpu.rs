@@ -440,15 +440,28 @@ pub fn enqueue_signal(
     kernels.signal(stream, g, at(first, &g)?, at_opt(second, &g)?)
 }
 
-/// Where a guarded reduce reads its chunk.
-pub enum ReduceSource<'a> {
+/// Where a guarded kernel reads a received chunk.
+pub enum ChunkSource<'a> {
     /// GPU memory (this GPU's, or a peer's mapped into it): a buffer and a byte offset in it.
     Gpu(&'a DeviceBuffer, usize),
-    /// Host slots mapped into this GPU, at a byte offset: the reduce kernel's loads cross PCIe,
-    /// with no copy into GPU memory first (one operation per chunk instead of three: copy,
-    /// credit, reduce). The slots' owner keeps them registered until the stream has passed (it
-    /// drains its streams before it unregisters).
+    /// Host slots mapped into this GPU, at a byte offset: the kernel's loads cross PCIe, with
+    /// no copy into GPU memory first (one operation per chunk instead of three for a reduce:
+    /// copy, credit, reduce; one instead of two for a copy). The slots' owner keeps them
+    /// registered until the stream has passed (it drains its streams before it unregisters).
     Slots(&'a dyn StagedReceive, usize),
+}
+
+impl ChunkSource<'_> {
+    /// The address `len` bytes of the chunk start at, checked against the source's bounds.
+    fn address(&self, len: usize) -> Result<u64> {
+        match *self {
+            ChunkSource::Gpu(b, offset) => {
+                b.check("a received chunk", offset, len)?;
+                Ok(b.device_ptr() + offset as u64)
+            }
+            ChunkSource::Slots(slots, offset) => slots.mapped_address(offset, len),
+        }
+    }
 }
 
 /// Queues on `stream` one kernel of `kernels`: if the stream's last guarded wait found its
@@ -463,27 +476,51 @@ pub fn enqueue_reduce_then_signal(
     op: crate::dtype::ReduceOp,
     dst: &DeviceBuffer,
     dst_offset: usize,
-    src: ReduceSource<'_>,
+    src: ChunkSource<'_>,
     count: usize,
     signal: FlagValue<'_>,
 ) -> Result<()> {
     let g = guard.words(stream)?;
     let signal = at(signal, &g)?;
     match src {
-        ReduceSource::Gpu(b, offset) => kernels.reduce_then_signal(
+        ChunkSource::Gpu(b, offset) => kernels.reduce_then_signal(
             stream, g, dtype, op, dst, dst_offset, b, offset, count, signal,
         ),
-        ReduceSource::Slots(slots, offset) => {
+        ChunkSource::Slots(..) => {
             let len = count
                 .checked_mul(dtype.size())
                 .ok_or_else(|| Error::InvalidArgument {
                     reason: format!("{count} elements of {dtype:?} overflow"),
                 })?;
-            let from = slots.mapped_address(offset, len)?;
+            let from = src.address(len)?;
             kernels
                 .reduce_then_signal_at(stream, g, dtype, op, dst, dst_offset, from, count, signal)
         }
     }
+}
+
+/// Queues on `stream` one kernel of `kernels`: if the stream's last guarded wait found its
+/// words, `len` bytes of `src` are copied to `dst` at `dst_offset`, then, once every byte has
+/// landed, `signal` := its value (a received chunk copied out of its slot and the slot
+/// credited in one launch, where the copy engine takes a copy and a credit kernel).
+#[allow(clippy::too_many_arguments)]
+pub fn enqueue_copy_then_signal(
+    stream: &GpuStream,
+    kernels: &ReduceKernels,
+    guard: &StreamGuard,
+    dst: &DeviceBuffer,
+    dst_offset: usize,
+    src: ChunkSource<'_>,
+    len: usize,
+    signal: FlagValue<'_>,
+) -> Result<()> {
+    let g = guard.words(stream)?;
+    let signal = at(signal, &g)?;
+    let from = src.address(len)?;
+    if let ChunkSource::Gpu(b, _) = src {
+        b.note_use(stream);
+    }
+    kernels.copy_then_signal_at(stream, g, dst, dst_offset, from, len, signal)
 }
 
 impl FlagPage for Flags {

@@ -146,6 +146,12 @@ pub struct GpuRingOptions {
     /// by the copy engine first (`NODETOUR_SHM_READ_MAX`; 0: always the copy engine). A rank's
     /// own choice: ranks need not agree.
     pub shm_read_max: usize,
+    /// Received chunks that are only copied (the all-gather's steps) of at most this many
+    /// bytes are copied out of the slot by one kernel that then credits the slot, larger ones
+    /// by the copy engine and a credit kernel (`NODETOUR_COPY_KERNEL_MAX`; 0: always the copy
+    /// engine). On the staged path only up to `shm_read_max` (the kernel's loads cross PCIe).
+    /// A rank's own choice: ranks need not agree.
+    pub copy_kernel_max: usize,
 }
 
 /// Default for [`GpuRingOptions::shm_read_max`]. On one H200 with two processes under MPS
@@ -154,6 +160,9 @@ pub struct GpuRingOptions {
 /// 256 KiB, the same at 1-4 MiB, and 0.88-0.94× at 16-256 MiB (chunks of 8 MiB: the copy
 /// engine reads PCIe faster than the SMs) (`docs/measurements/2026-12-03-pipelines-wide-loads/`).
 pub const SHM_READ_MAX: usize = 1 << 20;
+
+/// Default for [`GpuRingOptions::copy_kernel_max`].
+pub const COPY_KERNEL_MAX: usize = 1 << 20;
 
 /// Default for [`GpuRingOptions::ipc_pipeline`]: whole slots. Each chunk pays a hand-off of
 /// several µs that more, smaller chunks do not hide: on two H200s (host flags) 16 × 4 MiB
@@ -183,6 +192,7 @@ impl Default for GpuRingOptions {
             ipc_pipeline: IPC_PIPELINE,
             shm_pipeline: SHM_PIPELINE,
             shm_read_max: SHM_READ_MAX,
+            copy_kernel_max: COPY_KERNEL_MAX,
         }
     }
 }
@@ -482,6 +492,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             slot_bytes: ipc_slot_bytes,
             pipeline: options.ipc_pipeline,
             host_read_max: 0,
+            copy_kernel_max: options.copy_kernel_max,
             ends: ends.clone(),
             desc_half: 0,
             net: None,
@@ -507,6 +518,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             slot_bytes: shm_slot_bytes,
             pipeline: options.shm_pipeline,
             host_read_max: options.shm_read_max,
+            copy_kernel_max: options.copy_kernel_max,
             ends: ends.clone(),
             desc_half: u32::from(!rings.is_empty()),
             net: None,

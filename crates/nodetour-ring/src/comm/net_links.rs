@@ -547,6 +547,8 @@ pub(crate) fn form(
         pipeline: 1,
         // Host slots of a network link are copied in (as measured over tcp and verbs).
         host_read_max: 0,
+        // Copies out of the slots by the copy engine (as measured over tcp and verbs).
+        copy_kernel_max: 0,
         ends: EndPages {
             mine: mine.clone(),
             next: next_page,

@@ -184,6 +184,12 @@ impl Options {
                     0,
                     1 << 30,
                 )?,
+                copy_kernel_max: number(
+                    "NODETOUR_COPY_KERNEL_MAX",
+                    super::gpu_links::COPY_KERNEL_MAX,
+                    0,
+                    1 << 30,
+                )?,
                 shm_pipeline: number(
                     "NODETOUR_SHM_PIPELINE",
                     super::gpu_links::SHM_PIPELINE as usize,
