@@ -12,6 +12,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 out=${1:-.}
+mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NODETOUR_REQUIRE_GPU=1
 export NODETOUR_CACHE_DIR=$PWD/kernel-cache
 failed=0

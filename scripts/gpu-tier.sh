@@ -14,6 +14,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 out=${1:-.}
+mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 NODETOUR_REQUIRE_GPU=1
 failed=0
 tests_passed=0 tests_failed=0 tests_skipped=0
@@ -81,11 +82,11 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     NODETOUR_RING_BLOCKS=3 NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >"$out/ring-blocks.log" 2>&1 || failed=1
     grep -E 'GPU_RING OK|rror' "$out/ring-blocks.log" | sort | uniq -c
     grep -q 'kernels of up to 3 blocks' "$out/ring-blocks.log" || { echo "the cap was not applied"; failed=1; }
-    echo "== gpu_ring_check with pipelined chunks (NODETOUR_IPC_PIPELINE=4 direct at 2 and 3 ranks, NODETOUR_SHM_PIPELINE=8 staged), staged chunks copied in (NODETOUR_SHM_READ_MAX) and received copies by the copy engine (NODETOUR_COPY_KERNEL_MAX=0) or by kernels up to 256 KiB: same results"
+    echo "== gpu_ring_check with pipelined chunks (NODETOUR_IPC_PIPELINE=4 direct at 2 and 3 ranks, NODETOUR_SHM_PIPELINE=8 staged), staged chunks copied in (NODETOUR_SHM_READ_MAX) and direct received copies by the copy engine (NODETOUR_COPY_KERNEL_MAX=0) or by a kernel up to 128 KiB: same results"
     NODETOUR_IPC_PIPELINE=4 NODETOUR_COPY_KERNEL_MAX=0 NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >"$out/ring-pipeline.log" 2>&1 || failed=1
-    NODETOUR_IPC_PIPELINE=4 NODETOUR_LOG=info ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
+    NODETOUR_IPC_PIPELINE=4 NODETOUR_COPY_KERNEL_MAX=131072 NODETOUR_LOG=info ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
     # Staged chunks up to 256 KiB reduced out of the host slots, larger ones copied in first.
-    NODETOUR_SHM_PIPELINE=8 NODETOUR_SHM_READ_MAX=262144 NODETOUR_COPY_KERNEL_MAX=131072 NODETOUR_TRANSPORT=shm NODETOUR_LOG=info ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
+    NODETOUR_SHM_PIPELINE=8 NODETOUR_SHM_READ_MAX=262144 NODETOUR_TRANSPORT=shm NODETOUR_LOG=info ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
     NODETOUR_SHM_READ_MAX=0 NODETOUR_TRANSPORT=shm NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
     grep -E 'GPU_RING OK|rror' "$out/ring-pipeline.log" | sort | uniq -c
     for d in 4 8; do

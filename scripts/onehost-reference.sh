@@ -100,13 +100,14 @@ if [[ $part == pipeline ]]; then
     # of their own; ranks sharing a GPU never take that path, so there they repeat d1); ck0
     # (received copies by the copy engine and a credit kernel, NODETOUR_COPY_KERNEL_MAX=0,
     # where the default copies chunks up to 1 MiB out of the slot by one kernel that credits
-    # it) and, direct only, ck16m (that kernel up to 16 MiB).
+    # it; direct only: host slots always take the copy engine) and ck16m (that kernel up to
+    # 16 MiB).
     for r in $(seq 1 "$rounds"); do
         for variant in ${PIPELINE_VARIANTS:-d1 d2 d4 d8 copyin ck0 ck16m ok4m ok32m}; do
             for path in direct staged; do
                 [[ $variant == copyin && $path == direct ]] && continue
                 [[ $variant == ok* && $path == staged ]] && continue
-                [[ $variant == ck16m && $path == staged ]] && continue
+                [[ $variant == ck* && $path == staged ]] && continue
                 case $variant in
                     d*) knobs=(NODETOUR_SHM_PIPELINE=${variant#d} NODETOUR_IPC_PIPELINE=${variant#d}) ;;
                     copyin) knobs=(NODETOUR_SHM_READ_MAX=0) ;;

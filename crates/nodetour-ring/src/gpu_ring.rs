@@ -176,9 +176,10 @@ pub struct StreamLinks {
     /// Host slots (the staged path): chunks of at most this many bytes are reduced straight
     /// out of the slot, larger ones copied into GPU scratch first (0: always copied).
     pub host_read_max: usize,
-    /// Received chunks that are only copied, of at most this many bytes (and, from host
-    /// slots, at most `host_read_max`), are copied out of the slot by one kernel that then
-    /// credits the slot; larger ones by the copy engine and a credit kernel (0: always that).
+    /// GPU slots: received chunks that are only copied, of at most this many bytes, are
+    /// copied out of the slot by one kernel that then credits the slot; larger ones by the
+    /// copy engine and a credit kernel (0: always that). Host slots always take the copy
+    /// engine (see [`crate::comm::gpu_links::COPY_KERNEL_MAX`]).
     pub copy_kernel_max: usize,
     /// Where end notices go and come from.
     pub ends: EndPages,
@@ -231,16 +232,11 @@ impl StreamLinks {
                 self.host_read_max >> 10
             );
         }
-        let copy_max = match self.incoming {
-            Incoming::Shm { .. } | Incoming::Net { .. } => {
-                self.copy_kernel_max.min(self.host_read_max)
-            }
-            _ => self.copy_kernel_max,
-        };
-        if copy_max > 0 {
+        let gpu_slots = !matches!(self.incoming, Incoming::Shm { .. } | Incoming::Net { .. });
+        if self.copy_kernel_max > 0 && gpu_slots {
             pipeline += &format!(
                 ", copies of up to {} KiB out of the slots by one kernel that credits them",
-                copy_max >> 10
+                self.copy_kernel_max >> 10
             );
         }
         format!(
@@ -1268,23 +1264,6 @@ impl GpuRing {
                             .reduce(s, dtype, op, buffer, off, scratch, 0, n)
                             .map_err(g)?;
                         divide(average)?;
-                    }
-                    RecvKind::Copy
-                        if n * size <= links.host_read_max.min(links.copy_kernel_max) =>
-                    {
-                        // One kernel reads the slot over PCIe and credits it.
-                        let src = ChunkSource::Slots(slots, at);
-                        enqueue_copy_then_signal(
-                            s,
-                            kernels,
-                            guard,
-                            buffer,
-                            off,
-                            src,
-                            n * size,
-                            credit,
-                        )
-                        .map_err(g)?;
                     }
                     RecvKind::Copy => {
                         slots

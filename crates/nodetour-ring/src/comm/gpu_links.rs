@@ -146,11 +146,10 @@ pub struct GpuRingOptions {
     /// by the copy engine first (`NODETOUR_SHM_READ_MAX`; 0: always the copy engine). A rank's
     /// own choice: ranks need not agree.
     pub shm_read_max: usize,
-    /// Received chunks that are only copied (the all-gather's steps) of at most this many
-    /// bytes are copied out of the slot by one kernel that then credits the slot, larger ones
-    /// by the copy engine and a credit kernel (`NODETOUR_COPY_KERNEL_MAX`; 0: always the copy
-    /// engine). On the staged path only up to `shm_read_max` (the kernel's loads cross PCIe).
-    /// A rank's own choice: ranks need not agree.
+    /// Direct path: received chunks that are only copied (the all-gather's steps) of at most
+    /// this many bytes are copied out of the slot by one kernel that then credits the slot,
+    /// larger ones by the copy engine and a credit kernel (`NODETOUR_COPY_KERNEL_MAX`; 0:
+    /// always the copy engine). A rank's own choice: ranks need not agree.
     pub copy_kernel_max: usize,
 }
 
@@ -161,7 +160,14 @@ pub struct GpuRingOptions {
 /// engine reads PCIe faster than the SMs) (`docs/measurements/2026-12-03-pipelines-wide-loads/`).
 pub const SHM_READ_MAX: usize = 1 << 20;
 
-/// Default for [`GpuRingOptions::copy_kernel_max`].
+/// Default for [`GpuRingOptions::copy_kernel_max`]. On one H200 with two processes under MPS
+/// (bf16 sum, two ranks: the all-gather step copies half the buffer), copying out of the GPU
+/// slot by the copy engine and a credit kernel ran 0.88× of the one kernel at 64 KiB, 0.91× at
+/// 256 KiB, 0.87× at 1 MiB; the kernel up to 16 MiB ran 0.98-1.02× of this default from 1 to
+/// 256 MiB (3 rounds, interleaved). The staged path's host slots always take the copy engine:
+/// the same kernel reading a host slot over PCIe ran 0.89× of it at 64 KiB and 0.92× at 1 MiB
+/// (`docs/measurements/2026-12-03-copy-kernel/`). Reducing out of a host slot is another
+/// matter ([`SHM_READ_MAX`]): there one kernel replaces three operations.
 pub const COPY_KERNEL_MAX: usize = 1 << 20;
 
 /// Default for [`GpuRingOptions::ipc_pipeline`]: whole slots. Each chunk pays a hand-off of
@@ -518,7 +524,8 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
             slot_bytes: shm_slot_bytes,
             pipeline: options.shm_pipeline,
             host_read_max: options.shm_read_max,
-            copy_kernel_max: options.copy_kernel_max,
+            // Host slots: the copy engine (see COPY_KERNEL_MAX).
+            copy_kernel_max: 0,
             ends: ends.clone(),
             desc_half: u32::from(!rings.is_empty()),
             net: None,
