@@ -523,6 +523,20 @@ impl TcpEndpoint {
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
     ) -> Result<HashMap<u32, Vec<u8>>> {
+        // Every payload checked before anything is dialled or sent.
+        let checked = |p: u32| -> Result<Vec<u8>> {
+            let mine = payload(p);
+            if mine.len() > EXCHANGE_MAX {
+                return Err(Error::InvalidArgument {
+                    reason: format!("a setup payload of {} bytes", mine.len()),
+                });
+            }
+            Ok(mine)
+        };
+        let mut prepared = peers
+            .iter()
+            .map(|&p| Ok((p, checked(p)?)))
+            .collect::<Result<HashMap<u32, Vec<u8>>>>()?;
         let mut streams =
             self.mesh_streams(peers, my_rank, world_size, address, alive, deadline)?;
         let io = |who: &str| {
@@ -537,12 +551,10 @@ impl TcpEndpoint {
         // before writing to the next would wait in a cycle around the ring. (A payload fits
         // in the socket's buffer, so the writes do not block.)
         for (p, (s, who, keys)) in streams.iter_mut() {
-            let mine = payload(*p);
-            if mine.len() > EXCHANGE_MAX {
-                return Err(Error::InvalidArgument {
-                    reason: format!("a setup payload of {} bytes", mine.len()),
-                });
-            }
+            let mine = match prepared.remove(p) {
+                Some(mine) => mine,
+                None => checked(*p)?,
+            };
             let wait = Some(deadline.remaining().max(Duration::from_millis(1)));
             s.set_read_timeout(wait).map_err(io(who))?;
             s.set_write_timeout(wait).map_err(io(who))?;
@@ -985,7 +997,8 @@ mod tests {
         );
         assert!(matches!(r0, Err(Error::Timeout { .. })), "{r0:?}");
         assert!(r1.is_err());
-        // An oversized payload is refused before it is sent.
+        // An oversized payload is refused before anything is dialled or sent (so however slow
+        // the run, the handshake cannot fail first).
         let (_, r1) = exchange_pair(
             ("t", "t"),
             (vec![], vec![0; EXCHANGE_MAX + 1]),
