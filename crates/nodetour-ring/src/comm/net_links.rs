@@ -547,7 +547,8 @@ pub(crate) fn form(
         pipeline: 1,
         // Host slots of a network link are copied in (as measured over tcp and verbs).
         host_read_max: 0,
-        // Copies out of the slots by the copy engine (as measured over tcp and verbs).
+        // Received copies by the copy engine and a credit kernel (the one-kernel copy was
+        // measured on cuda-ipc slots only).
         copy_kernel_max: 0,
         ends: EndPages {
             mine: mine.clone(),
