@@ -21,8 +21,9 @@ use anyhow::bail;
 use clap::Parser;
 use nodetour::core::memory::DeviceBuffer;
 use nodetour::core::transport::TransportKind;
+use nodetour::ring::seeded::{input, verify};
 use nodetour::{Communicator, DataType, Deadline, Options, ReduceOp};
-use nodetour_tools::perf::{cases, pattern, verify};
+use nodetour_tools::perf::cases;
 
 #[derive(Parser)]
 #[command(about = "Ring allreduce of host buffers across processes, checked against float64")]
@@ -139,7 +140,9 @@ fn run() -> anyhow::Result<()> {
     let me = comm.rank();
     let run_case = |comm: &Communicator, k: usize| -> anyhow::Result<()> {
         let (dtype, op) = cases[k % cases.len()];
-        let mut data = pattern(dtype, comm.rank(), args.count);
+        // Collective k's own input (seeded by k and the rank): an Ok computed from another
+        // collective's data fails the check.
+        let mut data = input(dtype, op, comm.rank(), args.count, k as u64);
         match &gpu {
             None => comm.all_reduce_in_place_bytes(&mut data, dtype, op)?,
             Some((ctx, stream)) => {
@@ -152,7 +155,7 @@ fn run() -> anyhow::Result<()> {
                 buffer.copy_to_host(0, &mut data)?;
             }
         }
-        if let Err(mismatch) = verify(dtype, op, comm.world(), &data) {
+        if let Err(mismatch) = verify(dtype, op, comm.world(), &data, k as u64) {
             bail!("collective {k}: {mismatch}");
         }
         Ok(())
@@ -204,7 +207,8 @@ fn run() -> anyhow::Result<()> {
                 });
             }
             let c = Instant::now();
-            if let Err(e) = run_case(&comm, k as usize) {
+            // Numbered after the first round's collectives: every collective has its own seed.
+            if let Err(e) = run_case(&comm, cases.len() + k as usize) {
                 if let Some(a) = args.abort_rank {
                     let text = format!("{e:#}");
                     println!(

@@ -27,9 +27,10 @@ use nodetour::ring::comm::GpuRingOptions;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::{Config, Deadline};
+use nodetour_ring::seeded::{input, verify};
 use nodetour_ring::{DataType, ReduceOp};
 use nodetour_tools::gpu_job::{GpuJob, VariantSpec, ring_path, variants_of};
-use nodetour_tools::perf::{cases, pattern, verify};
+use nodetour_tools::perf::cases;
 use nodetour_tools::perf_gpu::{SweepSpec, render, ring_sweep};
 
 #[derive(Parser)]
@@ -158,22 +159,26 @@ fn run() -> anyhow::Result<()> {
     );
     let counts = [1usize, 7919, 5_000_011];
     let buf = DeviceBuffer::new(&g.context, 5_000_011 * 8)?;
+    // Every collective has its own input (seeded by its index and the rank), and every Ok is
+    // checked against that collective's answer.
+    let mut seed = 0u64;
     for &(dtype, op) in &cases {
         for &count in &counts {
-            buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+            buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed))?;
             comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
             comm.wait(Deadline::after(TIMEOUT))?;
             stream.synchronize()?;
             let mut got = vec![0u8; count * dtype.size()];
             buf.copy_to_host(0, &mut got)?;
-            if let Err(e) = verify(dtype, op, g.world, &got) {
+            if let Err(e) = verify(dtype, op, g.world, &got, seed) {
                 bail!("{dtype:?} {op:?} count {count}: {e}");
             }
+            seed += 1;
         }
     }
     // The non-blocking form: the handle owns the buffer until `wait` gives it back.
     let count = 5_000_011;
-    buf.copy_from_host(0, &pattern(DataType::F32, g.rank, count))?;
+    buf.copy_from_host(0, &input(DataType::F32, ReduceOp::Sum, g.rank, count, seed))?;
     let handle = comm
         .start_all_reduce_device_buffer(buf, count, DataType::F32, ReduceOp::Sum, &stream)
         .map_err(|f| f.error)?;
@@ -181,15 +186,16 @@ fn run() -> anyhow::Result<()> {
     stream.synchronize()?;
     let mut got = vec![0u8; count * 4];
     buf.copy_to_host(0, &mut got)?;
-    if let Err(e) = verify(DataType::F32, ReduceOp::Sum, g.world, &got) {
+    if let Err(e) = verify(DataType::F32, ReduceOp::Sum, g.world, &got, seed) {
         bail!("non-blocking f32 sum: {e}");
     }
     drop(buf);
     println!(
-        "GPU_RING OK rank={} world={} cases={} counts={counts:?} path=\"{}\"",
+        "GPU_RING OK rank={} world={} cases={} counts={counts:?} ok_verified={} path=\"{}\"",
         g.rank,
         g.world,
         cases.len(),
+        seed + 1,
         ring_path(comm)
     );
     g.barrier()?;
@@ -237,9 +243,17 @@ fn disagree_drill(g: &GpuJob, odd: u32, bytes: usize, config: &Config) -> anyhow
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     let stream = GpuStream::new(&g.context)?;
     let me = g.rank;
-    // One agreed collective first: the communicator works.
+    // One agreed collective first, checked: the communicator works.
+    buf.copy_from_host(0, &input(DataType::F32, ReduceOp::Sum, me, count, 0))?;
     comm.all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
     comm.wait(Deadline::after(config.timeout))?;
+    stream.synchronize()?;
+    let mut got = vec![0u8; count * 4];
+    buf.copy_to_host(0, &mut got)?;
+    if let Err(e) = verify(DataType::F32, ReduceOp::Sum, g.world, &got, 0) {
+        bail!("rank {me}: the agreed collective returned Ok with a wrong result: {e}");
+    }
+    buf.copy_from_host(0, &input(DataType::F32, ReduceOp::Sum, me, count, 1))?;
     g.barrier()?;
     let mine = if me == odd { count / 2 } else { count };
     let t = std::time::Instant::now();
@@ -303,16 +317,15 @@ fn close_drill(g: GpuJob, victim: u32, config: &Config) -> anyhow::Result<()> {
 
 /// The failure drills: every rank queues 64 MiB allreduces and waits for each (the
 /// communicator's wait checks the job's liveness); the victim dies (SIGKILL) or aborts from a
-/// watchdog thread after a few. Inputs are small integers (f32 sums are exact): every
-/// collective that returns `Ok` is compared bit for bit with the reference, before and after
-/// the failure.
+/// watchdog thread after a few. Collective k's input is seeded by k and the rank (small
+/// integers: f32 sums are exact): every collective that returns `Ok` is compared bit for bit
+/// with its own reference, before and after the failure.
 fn drill(g: &GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
     let comm = &g.variants[0].comm;
     let count = args.drill_bytes.unwrap_or(64 << 20) / 4;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     let stream = GpuStream::new(&g.context)?;
     let me = g.rank;
-    let input = pattern(DataType::F32, me, count);
     let mut got = vec![0u8; count * 4];
     let mut verified = 0u32;
     g.barrier()?;
@@ -346,7 +359,11 @@ fn drill(g: &GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
                 handle.abort("the abort drill's watchdog");
             });
         }
-        buf.copy_from_host(0, &input)?;
+        // Collective k's own input: an Ok computed from another collective's data fails.
+        buf.copy_from_host(
+            0,
+            &input(DataType::F32, ReduceOp::Sum, me, count, u64::from(k)),
+        )?;
         let t = std::time::Instant::now();
         let result = comm
             .all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)
@@ -357,7 +374,7 @@ fn drill(g: &GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
         }
         // Ok means the right answer, on every rank: check every byte.
         buf.copy_to_host(0, &mut got)?;
-        if let Err(e) = verify(DataType::F32, ReduceOp::Sum, g.world, &got) {
+        if let Err(e) = verify(DataType::F32, ReduceOp::Sum, g.world, &got, u64::from(k)) {
             println!("GPU_RING_DRILL rank={me} WRONG_OK collective={k}: {e}");
             bail!("rank {me}: collective {k} returned Ok with a wrong result: {e}");
         }

@@ -32,9 +32,10 @@ use nodetour::ring::comm::{Communicator, GpuRingOptions, Options};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::{Config, Deadline};
+use nodetour_ring::seeded::{input, verify};
 use nodetour_ring::{DataType, ReduceOp};
 use nodetour_tools::gpu_job::{GpuJob, ring_path, variants_of};
-use nodetour_tools::perf::{parse_sizes, pattern, verify};
+use nodetour_tools::perf::parse_sizes;
 use nodetour_tools::perf_gpu::{SweepSpec, render, ring_sweep};
 
 #[derive(Parser)]
@@ -83,13 +84,13 @@ fn run() -> anyhow::Result<()> {
     let count = 3_000_017;
     let stream = GpuStream::new(&g.context)?;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
-    buf.copy_from_host(0, &pattern(DataType::F32, g.rank, count))?;
+    buf.copy_from_host(0, &input(DataType::F32, ReduceOp::Sum, g.rank, count, 0))?;
     comm.all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
     comm.wait(Deadline::after(config.timeout))?;
     stream.synchronize()?;
     let mut got = vec![0u8; count * 4];
     buf.copy_to_host(0, &mut got)?;
-    if let Err(e) = verify(DataType::F32, ReduceOp::Sum, g.world, &got) {
+    if let Err(e) = verify(DataType::F32, ReduceOp::Sum, g.world, &got, 0) {
         bail!("rank {}: wrong allreduce result: {e}", g.rank);
     }
     println!(

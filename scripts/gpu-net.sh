@@ -22,6 +22,8 @@ out=${1:-.}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NODETOUR_CACHE_DIR=$PWD/kernel-cache NODETOUR_REQUIRE_GPU=1
+# shellcheck source=gpu-common.sh
+source ./gpu-common.sh
 failed=0
 {
     echo "== the communicator's device collectives across hosts (NODETOUR_HOST_ID split)"
@@ -29,9 +31,9 @@ failed=0
         grep -E 'GPU_RING|test result|panicked|FAILED|error' || failed=1
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
     echo "== gpu_ring_check across hosts: every type x op"
-    ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./gpu_ring_check --all || failed=1
-    ./launch-local.sh -n 3 --hosts 3 --timeout 120 -- ./gpu_ring_check --all || failed=1
-    ./launch-local.sh -n 4 --hosts 2 --timeout 120 -- ./gpu_ring_check || failed=1
+    ranks_report 2 'GPU_RING OK' ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./gpu_ring_check --all || failed=1
+    ranks_report 3 'GPU_RING OK' ./launch-local.sh -n 3 --hosts 3 --timeout 120 -- ./gpu_ring_check --all || failed=1
+    ranks_report 4 'GPU_RING OK' ./launch-local.sh -n 4 --hosts 2 --timeout 120 -- ./gpu_ring_check || failed=1
     echo "== drills across hosts (NODETOUR_TIMEOUT_MS=5000): killed, aborted"
     for spec in "2|--kill-rank 1" "3|--abort-rank 2" "3|--kill-rank 2"; do
         IFS='|' read -r n a <<<"$spec"
@@ -54,10 +56,10 @@ failed=0
         grep -E 'TWO_NODE|size|staged|direct|network' | grep -v INFO || failed=1
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=1
     echo "== data_parallel across hosts"
-    ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./data_parallel --steps 3 || failed=1
+    ranks_report 2 'DATA_PARALLEL OK' ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./data_parallel --steps 3 || failed=1
     echo "== GPU slots: the network link landing in GPU slots (NODETOUR_NET_LANDING=gpu)"
-    NODETOUR_NET_LANDING=gpu ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./gpu_ring_check --all || failed=1
-    NODETOUR_NET_LANDING=gpu ./launch-local.sh -n 3 --hosts 3 --timeout 120 -- ./gpu_ring_check || failed=1
+    NODETOUR_NET_LANDING=gpu ranks_report 2 'GPU_RING OK' ./launch-local.sh -n 2 --hosts 2 --timeout 120 -- ./gpu_ring_check --all || failed=1
+    NODETOUR_NET_LANDING=gpu ranks_report 3 'GPU_RING OK' ./launch-local.sh -n 3 --hosts 3 --timeout 120 -- ./gpu_ring_check || failed=1
     ok=$(NODETOUR_NET_LANDING=gpu NODETOUR_TIMEOUT_MS=5000 timeout 60 ./launch-local.sh -n 3 --hosts 3 --timeout 50 -- ./gpu_ring_check --kill-rank 2 2>&1 |
         tee /tmp/net-drill.log | grep -c 'GPU_RING_DRILL rank=[0-9]* failed_at')
     grep -E 'DRILL|rror' /tmp/net-drill.log | head -10

@@ -15,6 +15,8 @@ out=${1:-.}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NODETOUR_REQUIRE_GPU=1
 export NODETOUR_CACHE_DIR=$PWD/kernel-cache
+# shellcheck source=gpu-common.sh
+source ./gpu-common.sh
 failed=0
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 mode=auto
@@ -28,9 +30,10 @@ mode=auto
     ((rc == 0)) || { echo "one_kernel_tests failed (rc $rc)"; failed=1; }
     echo "== gpu_ring_check --all with NODETOUR_ONE_KERNEL=$mode (2 and 3 processes)"
     for n in 2 3; do
-        NODETOUR_ONE_KERNEL=$mode ./launch-local.sh -n $n --timeout 300 -- ./gpu_ring_check --all 2>&1 |
-            grep -E 'one kernel|GPU_RING OK|rror' | sort | uniq -c
-        [[ ${PIPESTATUS[0]} == 0 ]] || { echo "gpu_ring_check ($n ranks, one kernel) failed"; failed=1; }
+        NODETOUR_ONE_KERNEL=$mode ./launch-local.sh -n $n --timeout 300 -- ./gpu_ring_check --all >/tmp/ok-ring.log 2>&1
+        rc=$?
+        grep -E 'one kernel|GPU_RING OK|rror' /tmp/ok-ring.log | sort | uniq -c
+        [[ $rc == 0 ]] && log_reports $n 'GPU_RING OK' /tmp/ok-ring.log || { echo "gpu_ring_check ($n ranks, one kernel) failed"; failed=1; }
     done
     echo "== agreement drill on the path: one rank calls with half the count (64 KiB collectives)"
     for n in 2 3; do

@@ -16,6 +16,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 out=${1:-.}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 NODETOUR_REQUIRE_GPU=1
+# shellcheck source=gpu-common.sh
+source ./gpu-common.sh
 failed=0
 tests_passed=0 tests_failed=0 tests_skipped=0
 # A GPU test whose capability is missing prints "SKIP <reason>" and returns: libtest calls that
@@ -64,23 +66,24 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
     if [[ $gpus -ge 2 ]]; then
         echo "== gpu_transport_check: cuda-ipc and shm between two processes, one GPU each"
-        ./launch-local.sh -n 2 --timeout 300 -- ./gpu_transport_check || failed=1
+        ranks_report 2 'cuda-ipc .* verified' ./launch-local.sh -n 2 --timeout 300 -- ./gpu_transport_check || failed=1
     else
         echo "SKIP gpu_transport_check: needs 2 GPUs, this machine has $gpus"
     fi
     echo "== gpu_ring_check: the GPU ring across processes (one GPU each), direct then staged"
     export NODETOUR_CACHE_DIR=$PWD/kernel-cache
     if [[ $gpus -ge 2 ]]; then
-        ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all --perf --compare-nccl || failed=1
-        NODETOUR_TRANSPORT=shm ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all || failed=1
+        ranks_report 2 'GPU_RING OK' ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all --perf --compare-nccl || failed=1
+        NODETOUR_TRANSPORT=shm ranks_report 2 'GPU_RING OK' ./launch-local.sh -n 2 --timeout 400 -- ./gpu_ring_check --all || failed=1
         echo "== nodetour perf --gpu: both paths side by side, against NCCL and the copy ceilings"
         ./launch-local.sh -n 2 --timeout 400 -- ./nodetour perf --gpu --path both --compare nccl,ceiling --sizes 1M:1G --factor 4 --plot "$out/perf-ring.svg" || failed=1
     fi
-    ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all || failed=1
-    NODETOUR_TRANSPORT=shm ./launch-local.sh -n 4 --timeout 300 -- ./gpu_ring_check || failed=1
+    ranks_report 3 'GPU_RING OK' ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all || failed=1
+    NODETOUR_TRANSPORT=shm ranks_report 4 'GPU_RING OK' ./launch-local.sh -n 4 --timeout 300 -- ./gpu_ring_check || failed=1
     echo "== gpu_ring_check with the ring's kernels capped at 3 blocks (NODETOUR_RING_BLOCKS: same results)"
     NODETOUR_RING_BLOCKS=3 NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >"$out/ring-blocks.log" 2>&1 || failed=1
     grep -E 'GPU_RING OK|rror' "$out/ring-blocks.log" | sort | uniq -c
+    log_reports 2 'GPU_RING OK' "$out/ring-blocks.log" || failed=1
     grep -q 'kernels of up to 3 blocks' "$out/ring-blocks.log" || { echo "the cap was not applied"; failed=1; }
     echo "== gpu_ring_check with pipelined chunks (NODETOUR_IPC_PIPELINE=4 direct at 2 and 3 ranks, NODETOUR_SHM_PIPELINE=8 staged), staged chunks copied in (NODETOUR_SHM_READ_MAX) and direct received copies by the copy engine (NODETOUR_COPY_KERNEL_MAX=0) or by a kernel up to 128 KiB: same results"
     NODETOUR_IPC_PIPELINE=4 NODETOUR_COPY_KERNEL_MAX=0 NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >"$out/ring-pipeline.log" 2>&1 || failed=1
@@ -89,6 +92,7 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     NODETOUR_SHM_PIPELINE=8 NODETOUR_SHM_READ_MAX=262144 NODETOUR_TRANSPORT=shm NODETOUR_LOG=info ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
     NODETOUR_SHM_READ_MAX=0 NODETOUR_TRANSPORT=shm NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
     grep -E 'GPU_RING OK|rror' "$out/ring-pipeline.log" | sort | uniq -c
+    log_reports 10 'GPU_RING OK' "$out/ring-pipeline.log" || failed=1
     for d in 4 8; do
         grep -q "segments cut into $d chunks or more" "$out/ring-pipeline.log" || { echo "the pipeline of $d was not applied"; failed=1; }
     done
@@ -123,13 +127,13 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
         done
     done
     echo "== allreduce_check --gpu: GPU buffers on the GPU ring, every link a network link over tcp (forced)"
-    ./launch-local.sh -n 2 --timeout 300 -- ./allreduce_check --gpu --all --count 3000017 || failed=1
-    ./launch-local.sh -n 3 --timeout 300 -- ./allreduce_check --gpu --all || failed=1
+    ranks_report 2 'ALLREDUCE OK' ./launch-local.sh -n 2 --timeout 300 -- ./allreduce_check --gpu --all --count 3000017 || failed=1
+    ranks_report 3 'ALLREDUCE OK' ./launch-local.sh -n 3 --timeout 300 -- ./allreduce_check --gpu --all || failed=1
     echo "== examples/data_parallel: DDP-shaped buckets (4 x 25 MiB, f32 and bf16) through the communicator"
-    ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel || failed=1
-    ./launch-local.sh -n 3 --timeout 300 -- ./data_parallel --steps 3 || failed=1
-    NODETOUR_TRANSPORT=shm ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel --steps 3 || failed=1
-    NODETOUR_TRANSPORT=tcp ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel --steps 2 --buckets 2 || failed=1
+    ranks_report 2 'DATA_PARALLEL OK' ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel || failed=1
+    ranks_report 3 'DATA_PARALLEL OK' ./launch-local.sh -n 3 --timeout 300 -- ./data_parallel --steps 3 || failed=1
+    NODETOUR_TRANSPORT=shm ranks_report 2 'DATA_PARALLEL OK' ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel --steps 3 || failed=1
+    NODETOUR_TRANSPORT=tcp ranks_report 2 'DATA_PARALLEL OK' ./launch-local.sh -n 2 --timeout 300 -- ./data_parallel --steps 2 --buckets 2 || failed=1
     if [[ $gpus -ge 2 ]]; then
         echo "== nodetour perf: direct GPU ring on GPUs 0,1 against NCCL (same buffers, same run)"
         for dt in f32 bf16; do
@@ -143,7 +147,7 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     echo "== cargo bench's allreduce bench (direct and staged on the GPUs, host over tcp)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache ./bench_allreduce --bench 2>&1 | grep -E '^(allreduce|SKIP)|time:|thrpt:' || failed=1
     echo "== transport_check over tcp, 4 processes"
-    ./launch-local.sh -n 4 --timeout 120 -- ./transport_check || failed=1
+    ranks_report 4 'TRANSPORT OK' ./launch-local.sh -n 4 --timeout 120 -- ./transport_check || failed=1
     echo "== the one-kernel allreduce (gpu-one-kernel.sh)"
     ./gpu-one-kernel.sh "$out" || failed=1
     echo "== the network links across \"hosts\" (gpu-net.sh)"

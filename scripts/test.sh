@@ -8,13 +8,23 @@
 #   vm     real verbs in a soft-RoCE VM (scripts/rdma-vm.sh --nodes 2): the hardware tests, the
 #          two-node smoke example between two rxe devices, and our write loop vs ib_write_bw.
 #          Prints "SKIP <reason>" where the VM cannot run.
-# Env: NODETOUR_SKIP_INSTALL=1 (do not touch packages), NODETOUR_SKIP_VM=1.
+# Env: NODETOUR_SKIP_INSTALL=1 (do not touch packages), NODETOUR_SKIP_VM=1, NODETOUR_REQUIRE_VM=1
+# (a VM tier that cannot run is a failure naming why, not a skip: .ci/run sets it).
+# Every tier prints its seconds; the last line counts each test once, where it ran.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # The scripts name binaries under ./target: build there even where CARGO_TARGET_DIR points elsewhere.
 export CARGO_TARGET_DIR="$PWD/target"
 T0=$(date +%s)
-step() { echo "== test.sh [$(($(date +%s) - T0))s] $*"; }
+# step NAME: starts a tier; the tier before it ends here (its seconds are listed at the end).
+tiers=() tier_name="" tier_t0=$T0
+step() {
+    local now
+    now=$(date +%s)
+    [[ -n $tier_name ]] && tiers+=("$(printf '%5ss  %s' $((now - tier_t0)) "$tier_name")")
+    tier_name=$* tier_t0=$now
+    echo "== test.sh [$((now - T0))s] $*"
+}
 passed=0 failed=0 skipped=0
 tally() { # FILE: echoes cargo test output from stdin, appends "passed failed ignored" per run
     local line
@@ -164,10 +174,19 @@ benches_run() { # each criterion bench once (criterion's --test mode); SKIP line
 }
 check "cargo bench: every bench runs (once each, criterion --test); SKIP where hardware lacks" benches_run
 
+vm_cannot_run() { # REASON: a skip, or with NODETOUR_REQUIRE_VM=1 a failure naming why
+    if [[ ${NODETOUR_REQUIRE_VM:-0} == 1 ]]; then
+        echo "check vm tier ... FAILED: NODETOUR_REQUIRE_VM=1 but the VM tier cannot run: $1"
+        failed=$((failed + 1))
+    else
+        echo "SKIP vm tier: $1"
+        skipped=$((skipped + 1))
+    fi
+}
 if [[ ${NODETOUR_SKIP_VM:-0} == 1 ]]; then
-    echo "SKIP vm tier: NODETOUR_SKIP_VM=1"; skipped=$((skipped + 1))
+    vm_cannot_run "NODETOUR_SKIP_VM=1"
 elif ! reason=$(scripts/rdma-vm.sh --check 2>&1); then
-    echo "$reason"; skipped=$((skipped + 1))
+    vm_cannot_run "$reason"
 else
     step "vm tier: real verbs between rxe0 and rxe1 in a soft-RoCE VM"
     # The criterion transport bench, to run its verbs part where a device exists.
@@ -193,7 +212,10 @@ fi
 read -r hp hf hi < <(sum "$HOST")
 read -r vp vf _ < <(sum "$VM")
 step "done"
-# Hardware tests are ignored on the host and run in the VM: count each test once, where it ran.
+echo "seconds per tier:"
+printf '  %s\n' "${tiers[@]}"
+# Hardware tests are ignored on the host; the VM runs only ignored tests (--ignored), so its
+# counts are a part of the host's ignored ones: count each test once, where it ran.
 not_run=$(( hi > vp + vf ? hi - vp - vf : 0 ))
 echo "host cargo tests: $hp passed, $hf failed, $hi ignored; vm cargo tests: $vp passed, $vf failed; checks: $passed passed, $failed failed, $skipped skipped"
 echo "tests: $((hp + vp + passed)) passed, $((hf + vf + failed)) failed, $((not_run + skipped)) skipped"

@@ -7,65 +7,9 @@ use std::time::Duration;
 use crate::error::Error;
 use crate::host::{BELL_BYTES, HostRing, HostRingOptions, Links};
 use crate::reduce::{DataType, ReduceOp};
-use half::{bf16, f16};
+use crate::seeded;
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::{HostConnection, MemConnection, SlotGrant, SlotRegion};
-
-fn value(dtype: DataType, rank: u32, i: usize) -> f64 {
-    let v = ((i as u32 + rank * 7) % 3) as f64;
-    if dtype == DataType::U8 { v } else { v - 1.0 }
-}
-
-fn encode(dtype: DataType, v: f64) -> Vec<u8> {
-    match dtype {
-        DataType::F32 => (v as f32).to_ne_bytes().to_vec(),
-        DataType::F64 => v.to_ne_bytes().to_vec(),
-        DataType::F16 => f16::from_f64(v).to_ne_bytes().to_vec(),
-        DataType::Bf16 => bf16::from_f64(v).to_ne_bytes().to_vec(),
-        DataType::I32 => (v as i32).to_ne_bytes().to_vec(),
-        DataType::I64 => (v as i64).to_ne_bytes().to_vec(),
-        DataType::U8 => vec![v as u8],
-    }
-}
-
-fn decode(dtype: DataType, b: &[u8]) -> f64 {
-    match dtype {
-        DataType::F32 => f64::from(f32::from_ne_bytes(b.try_into().unwrap())),
-        DataType::F64 => f64::from_ne_bytes(b.try_into().unwrap()),
-        DataType::F16 => f16::from_ne_bytes(b.try_into().unwrap()).to_f64(),
-        DataType::Bf16 => bf16::from_ne_bytes(b.try_into().unwrap()).to_f64(),
-        DataType::I32 => f64::from(i32::from_ne_bytes(b.try_into().unwrap())),
-        DataType::I64 => i64::from_ne_bytes(b.try_into().unwrap()) as f64,
-        DataType::U8 => f64::from(b[0]),
-    }
-}
-
-fn reference(dtype: DataType, op: ReduceOp, world: u32, i: usize) -> f64 {
-    let vals: Vec<f64> = (0..world).map(|r| value(dtype, r, i)).collect();
-    let r = match op {
-        ReduceOp::Sum | ReduceOp::Avg => vals.iter().sum(),
-        ReduceOp::Prod => vals.iter().product(),
-        ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
-        ReduceOp::Max => vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
-    };
-    if op == ReduceOp::Avg {
-        match dtype {
-            DataType::I32 | DataType::I64 | DataType::U8 => (r / f64::from(world)).trunc(),
-            _ => r / f64::from(world),
-        }
-    } else {
-        r
-    }
-}
-
-fn tolerance(dtype: DataType) -> f64 {
-    match dtype {
-        DataType::F16 => 2e-3,
-        DataType::Bf16 => 1e-2,
-        DataType::F32 => 1e-6,
-        _ => 0.0,
-    }
-}
 
 /// Runs one allreduce over `world` ranks in threads; returns every rank's result.
 fn all_reduce(
@@ -79,7 +23,8 @@ fn all_reduce(
 }
 
 /// `repeats` collectives back to back on the same rings (seq 0, 1, ...), with ranks
-/// deliberately out of step; returns the last results.
+/// deliberately out of step, each on an input of its own (seeded by seq and rank) and each
+/// result checked; returns the last results.
 fn all_reduce_repeated(
     world: u32,
     count: usize,
@@ -89,11 +34,7 @@ fn all_reduce_repeated(
     repeats: u32,
 ) -> Vec<Vec<u8>> {
     let inputs: Vec<Vec<u8>> = (0..world)
-        .map(|r| {
-            (0..count)
-                .flat_map(|i| encode(dtype, value(dtype, r, i)))
-                .collect()
-        })
+        .map(|r| seeded::input(dtype, op, r, count, 0))
         .collect();
     run_ring(
         world,
@@ -101,13 +42,15 @@ fn all_reduce_repeated(
         options,
         inputs,
         &|r, ring, data| {
-            let input = data.clone();
-            for seq in 0..repeats {
+            for seq in 0..u64::from(repeats) {
                 if r % 2 == 1 {
-                    std::thread::sleep(Duration::from_micros(200 * u64::from(seq % 3)));
+                    std::thread::sleep(Duration::from_micros(200 * (seq % 3)));
                 }
-                data.copy_from_slice(&input);
-                ring.all_reduce(data, dtype, op, u64::from(seq), &|| Ok(()))?;
+                data.copy_from_slice(&seeded::input(dtype, op, r as u32, count, seq));
+                ring.all_reduce(data, dtype, op, seq, &|| Ok(()))?;
+                if let Err(e) = seeded::verify(dtype, op, world, data, seq) {
+                    panic!("world {world} rank {r}: {e}");
+                }
             }
             Ok(())
         },
@@ -186,17 +129,12 @@ fn run_ring(
 }
 
 fn check(world: u32, count: usize, dtype: DataType, op: ReduceOp, options: HostRingOptions) {
-    let results = all_reduce(world, count, dtype, op, options);
-    let es = dtype.size();
-    for (r, out) in results.iter().enumerate() {
-        for i in 0..count {
-            let got = decode(dtype, &out[i * es..(i + 1) * es]);
-            let want = reference(dtype, op, world, i);
-            let tol = tolerance(dtype) * want.abs().max(1.0);
-            assert!(
-                (got - want).abs() <= tol,
-                "world {world} {dtype:?} {op:?} rank {r} element {i}: got {got}, want {want}"
-            );
+    for (r, out) in all_reduce(world, count, dtype, op, options)
+        .iter()
+        .enumerate()
+    {
+        if let Err(e) = seeded::verify(dtype, op, world, out, 0) {
+            panic!("world {world} rank {r}: {e}");
         }
     }
 }
@@ -271,7 +209,8 @@ fn back_to_back_collectives_keep_the_next_epochs_early_notifications() {
     // runs), cheap enough to run under valgrind.
     const COUNT: usize = 800;
     for world in [2, 3, 5] {
-        let results = all_reduce_repeated(
+        // Every one of the 150 results is checked against its own input's answer.
+        all_reduce_repeated(
             world,
             COUNT,
             DataType::I64,
@@ -279,12 +218,6 @@ fn back_to_back_collectives_keep_the_next_epochs_early_notifications() {
             small_slots(),
             150,
         );
-        for out in &results {
-            for i in 0..COUNT {
-                let got = i64::from_ne_bytes(out[i * 8..i * 8 + 8].try_into().unwrap()) as f64;
-                assert_eq!(got, reference(DataType::I64, ReduceOp::Sum, world, i));
-            }
-        }
     }
 }
 
@@ -423,8 +356,9 @@ fn collectives_after_a_failed_one_run_and_are_right() {
             options,
             inputs.clone(),
             &|r, ring, data| {
-                let input = data.clone();
                 for seq in 0..8u64 {
+                    // Each collective's own input: an Ok on an earlier one's data fails.
+                    let input = seeded::input(DataType::I32, ReduceOp::Sum, r as u32, count, seq);
                     data.copy_from_slice(&input);
                     let result = match seq {
                         // Rank 1 calls another count (its first chunks may already be out).
@@ -457,14 +391,10 @@ fn collectives_after_a_failed_one_run_and_are_right() {
                         (2 | 5, Ok(())) => panic!("rank {r}: seq {seq} must fail"),
                         (_, Err(e)) => panic!("rank {r} seq {seq}: {e}"),
                         (_, Ok(())) => {
-                            for i in 0..count {
-                                let got =
-                                    i32::from_ne_bytes(data[i * 4..i * 4 + 4].try_into().unwrap());
-                                let want: i32 = (0..world as i32).map(|q| (i as i32 % 7) + q).sum();
-                                assert_eq!(
-                                    got, want,
-                                    "world {world} rank {r} seq {seq} element {i}"
-                                );
+                            if let Err(e) =
+                                seeded::verify(DataType::I32, ReduceOp::Sum, world, data, seq)
+                            {
+                                panic!("world {world} rank {r} seq {seq}: {e}");
                             }
                         }
                     }

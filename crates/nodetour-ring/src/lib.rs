@@ -40,6 +40,7 @@ pub mod plan;
 pub mod progress;
 pub mod reduce;
 pub mod schedule;
+pub mod seeded;
 pub mod stream_plan;
 
 pub use element::Element;

@@ -340,8 +340,16 @@ fn ring_landing(
         .collect()
 }
 
-fn value(rank: u32, i: usize) -> f32 {
-    (rank * 1000 + (i % 997) as u32) as f32
+/// Element `i` of `rank`'s input to the collective numbered `seed` (sums stay exact in f32).
+fn value(rank: u32, i: usize, seed: u64) -> f32 {
+    (rank * 1000 + ((i as u64 + seed * 389) % 997) as u32) as f32
+}
+
+/// A number of its own for every checked collective: an `Ok` computed from another
+/// collective's data (a stale slot) fails the check.
+fn next_seed() -> u64 {
+    static SEED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    SEED.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Runs `f` on every rank at once, each on its own thread; the results in rank order.
@@ -359,8 +367,9 @@ fn all_reduce_everywhere(
     count: usize,
     timeout: Duration,
 ) -> Vec<crate::Result<()>> {
+    let seed = next_seed();
     on_every_rank(ranks, |r| {
-        let mut data: Vec<f32> = (0..count).map(|i| value(r.position, i)).collect();
+        let mut data: Vec<f32> = (0..count).map(|i| value(r.position, i, seed)).collect();
         r.collective(&mut data, Shape::AllReduce, ReduceOp::Sum, timeout)
     })
 }
@@ -378,12 +387,14 @@ fn run_checked(ranks: &mut [CpuRank], count: usize, shape: Shape, op: ReduceOp) 
     .unwrap()
     .with_shape(shape)
     .unwrap();
+    let seed = next_seed();
     let results: Vec<(u32, Vec<f32>, crate::Result<()>)> = std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .iter_mut()
             .map(|r| {
                 s.spawn(move || {
-                    let mut data: Vec<f32> = (0..count).map(|i| value(r.position, i)).collect();
+                    let mut data: Vec<f32> =
+                        (0..count).map(|i| value(r.position, i, seed)).collect();
                     let res = r.collective(&mut data, shape, op, Duration::from_secs(20));
                     (r.position, data, res)
                 })
@@ -402,7 +413,7 @@ fn run_checked(ranks: &mut [CpuRank], count: usize, shape: Shape, op: ReduceOp) 
     );
     for (p, data, _) in results {
         for (i, got) in data.iter().enumerate() {
-            let sum: f32 = (0..n).map(|r| value(r, i)).sum();
+            let sum: f32 = (0..n).map(|r| value(r, i, seed)).sum();
             let owner = (0..n).find(|&s| plan.segment(s).contains(&(i as u64)));
             let want = match shape {
                 Shape::AllReduce => Some(match op {
@@ -410,8 +421,8 @@ fn run_checked(ranks: &mut [CpuRank], count: usize, shape: Shape, op: ReduceOp) 
                     _ => sum,
                 }),
                 Shape::ReduceScatter => (owner == Some(p)).then_some(sum),
-                Shape::AllGather => owner.map(|s| value(s, i)),
-                Shape::Broadcast { root } => Some(value(root, i)),
+                Shape::AllGather => owner.map(|s| value(s, i, seed)),
+                Shape::Broadcast { root } => Some(value(root, i, seed)),
             };
             if let Some(want) = want {
                 assert_eq!(

@@ -7,11 +7,11 @@
 use std::time::Instant;
 
 use anyhow::bail;
-use half::{bf16, f16};
 use nodetour_ring::{DataType, ReduceOp};
 use serde_json::json;
 
 use nodetour_ring::comm::Communicator;
+use nodetour_ring::seeded::{input, verify};
 
 /// One measured size.
 #[derive(Clone, Debug, PartialEq)]
@@ -87,71 +87,6 @@ pub fn parse_op(s: &str) -> anyhow::Result<ReduceOp> {
     })
 }
 
-fn value(dtype: DataType, rank: u32, i: usize) -> f64 {
-    let v = ((i as u32).wrapping_add(rank * 7) % 3) as f64;
-    if dtype == DataType::U8 { v } else { v - 1.0 }
-}
-
-fn encode(dtype: DataType, v: f64, out: &mut Vec<u8>) {
-    match dtype {
-        DataType::F32 => out.extend_from_slice(&(v as f32).to_ne_bytes()),
-        DataType::F64 => out.extend_from_slice(&v.to_ne_bytes()),
-        DataType::F16 => out.extend_from_slice(&f16::from_f64(v).to_ne_bytes()),
-        DataType::Bf16 => out.extend_from_slice(&bf16::from_f64(v).to_ne_bytes()),
-        DataType::I32 => out.extend_from_slice(&(v as i32).to_ne_bytes()),
-        DataType::I64 => out.extend_from_slice(&(v as i64).to_ne_bytes()),
-        DataType::U8 => out.push(v as u8),
-    }
-}
-
-fn decode(dtype: DataType, b: &[u8]) -> f64 {
-    match dtype {
-        DataType::F32 => f64::from(f32::from_ne_bytes(b.try_into().expect("4 bytes"))),
-        DataType::F64 => f64::from_ne_bytes(b.try_into().expect("8 bytes")),
-        DataType::F16 => f16::from_ne_bytes(b.try_into().expect("2 bytes")).to_f64(),
-        DataType::Bf16 => bf16::from_ne_bytes(b.try_into().expect("2 bytes")).to_f64(),
-        DataType::I32 => f64::from(i32::from_ne_bytes(b.try_into().expect("4 bytes"))),
-        DataType::I64 => i64::from_ne_bytes(b.try_into().expect("8 bytes")) as f64,
-        DataType::U8 => f64::from(b[0]),
-    }
-}
-
-/// The expected element `i` of an allreduce of the test pattern over `world` ranks.
-pub fn reference(dtype: DataType, op: ReduceOp, world: u32, i: usize) -> f64 {
-    let vals = (0..world).map(|r| value(dtype, r, i));
-    let r = match op {
-        ReduceOp::Sum | ReduceOp::Avg => vals.sum(),
-        ReduceOp::Prod => vals.product(),
-        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
-        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
-    };
-    match (op, dtype) {
-        (ReduceOp::Avg, DataType::I32 | DataType::I64 | DataType::U8) => {
-            (r / f64::from(world)).trunc()
-        }
-        (ReduceOp::Avg, _) => r / f64::from(world),
-        _ => r,
-    }
-}
-
-fn tolerance(dtype: DataType) -> f64 {
-    match dtype {
-        DataType::F16 => 2e-3,
-        DataType::Bf16 => 1e-2,
-        DataType::F32 => 1e-6,
-        _ => 0.0,
-    }
-}
-
-/// The test pattern of `rank`, `count` elements.
-pub fn pattern(dtype: DataType, rank: u32, count: usize) -> Vec<u8> {
-    let mut data = Vec::with_capacity(count * dtype.size());
-    for i in 0..count {
-        encode(dtype, value(dtype, rank, i), &mut data);
-    }
-    data
-}
-
 /// The median of `v` (the upper one of an even count); `v` must not be empty.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -180,23 +115,6 @@ pub fn cases(all: bool, few: &[(DataType, ReduceOp)]) -> Vec<(DataType, ReduceOp
     }
 }
 
-/// Whether `data` is the allreduce of the pattern; the first wrong element otherwise.
-pub fn verify(dtype: DataType, op: ReduceOp, world: u32, data: &[u8]) -> Result<(), String> {
-    let es = dtype.size();
-    for i in 0..data.len() / es {
-        let (got, want) = (
-            decode(dtype, &data[i * es..(i + 1) * es]),
-            reference(dtype, op, world, i),
-        );
-        if (got - want).abs() > tolerance(dtype) * want.abs().max(1.0) {
-            return Err(format!(
-                "{dtype:?} {op:?}: element {i} is {got}, want {want}"
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// Measures every size on `comm`.
 pub fn sweep(
     comm: &Communicator,
@@ -215,11 +133,15 @@ pub fn sweep(
         }
         let count = size / es;
         let bytes = count * es;
-        let input = pattern(dtype, comm.rank(), count);
-        let mut data = input.clone();
+        // The last iteration gets an input of its own: its check cannot pass on an earlier
+        // iteration's answer.
+        let seed = 2 * k as u64;
+        let inputs = [seed, seed + 1].map(|s| input(dtype, op, comm.rank(), count, s));
+        let last = warmup + iters.max(1) - 1;
+        let mut data = inputs[0].clone();
         let mut times = Vec::with_capacity(iters);
-        for i in 0..warmup + iters.max(1) {
-            data.copy_from_slice(&input);
+        for i in 0..=last {
+            data.copy_from_slice(&inputs[usize::from(i == last)]);
             let t = Instant::now();
             comm.all_reduce_in_place_bytes(&mut data, dtype, op)?;
             if i >= warmup {
@@ -228,7 +150,7 @@ pub fn sweep(
         }
         let seconds = median(times);
         let algbw = bytes as f64 / seconds / 1e9;
-        let correct = verify(dtype, op, comm.world(), &data).is_ok();
+        let correct = verify(dtype, op, comm.world(), &data, seed + 1).is_ok();
         rows.push(Row {
             bytes,
             count,
@@ -305,14 +227,5 @@ mod tests {
         assert_eq!(parse_dtype("bf16").unwrap(), DataType::Bf16);
         assert!(parse_dtype("f8").is_err());
         assert_eq!(parse_op("avg").unwrap(), ReduceOp::Avg);
-    }
-
-    #[test]
-    fn patterns_verify_for_one_rank() {
-        let d = pattern(DataType::F16, 0, 100);
-        assert!(verify(DataType::F16, ReduceOp::Sum, 1, &d).is_ok());
-        let mut bad = d.clone();
-        bad[10] ^= 0x40;
-        assert!(verify(DataType::F16, ReduceOp::Sum, 1, &bad).is_err());
     }
 }

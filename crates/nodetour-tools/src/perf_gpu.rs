@@ -24,8 +24,9 @@ use serde_json::json;
 use crate::ceiling::{CEILING_BYTES, Ceilings, measure};
 use crate::compute_load::ComputeLoad;
 use crate::gpu_job::{GpuJob, is_direct};
-use crate::perf::{median, pattern, verify};
+use crate::perf::median;
 use crate::plot::Series;
+use nodetour_ring::seeded::{input, verify};
 
 /// Batches per size and implementation (the median is reported).
 const BATCHES: usize = 5;
@@ -80,21 +81,27 @@ struct Ranks {
 }
 
 impl Ranks {
-    fn load(&self, dtype: DataType, count: usize) -> anyhow::Result<()> {
+    fn load(&self, dtype: DataType, op: ReduceOp, count: usize, seed: u64) -> anyhow::Result<()> {
         for (r, b) in self.buffers.iter().enumerate() {
-            b.copy_from_host(0, &pattern(dtype, r as u32, count))?;
+            b.copy_from_host(0, &input(dtype, op, r as u32, count, seed))?;
         }
         Ok(())
     }
 
-    fn check(&self, dtype: DataType, op: ReduceOp, count: usize) -> anyhow::Result<bool> {
+    fn check(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        count: usize,
+        seed: u64,
+    ) -> anyhow::Result<bool> {
         let world = self.buffers.len() as u32;
         let mut ok = true;
         for (b, s) in self.buffers.iter().zip(&self.streams) {
             s.synchronize()?;
             let mut got = vec![0u8; count * dtype.size()];
             b.copy_to_host(0, &mut got)?;
-            if let Err(e) = verify(dtype, op, world, &got) {
+            if let Err(e) = verify(dtype, op, world, &got, seed) {
                 tracing::error!(%e, "wrong allreduce result");
                 ok = false;
             }
@@ -217,19 +224,20 @@ pub fn sweep(
     let b: Vec<&DeviceBuffer> = ranks.buffers.iter().collect();
     let s: Vec<&GpuStream> = ranks.streams.iter().collect();
     let mut rows = Vec::new();
-    for &size in sizes {
+    for (k, &size) in sizes.iter().enumerate() {
         let count = size / es;
         let bytes = count * es;
         let busbw = |secs: f64| bytes as f64 / secs / 1e9 * 2.0 * (n - 1.0) / n;
-        // Correctness first, on fresh data, for each implementation.
-        ranks.load(dtype, count)?;
+        // Correctness first, on fresh data of its own, for each implementation.
+        let seed = 2 * k as u64;
+        ranks.load(dtype, op, count, seed)?;
         all_reduce(&comms, &b, &s, count, dtype, op)?;
-        let ours_ok = ranks.check(dtype, op, count)?;
+        let ours_ok = ranks.check(dtype, op, count, seed)?;
         let nccl_ok = match nccl.as_mut() {
             Some(nc) => {
-                ranks.load(dtype, count)?;
+                ranks.load(dtype, op, count, seed + 1)?;
                 nc.all_reduce(&b, &s, count, dtype, op)?;
-                Some(ranks.check(dtype, op, count)?)
+                Some(ranks.check(dtype, op, count, seed + 1)?)
             }
             None => None,
         };
@@ -517,32 +525,35 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
         let count = size / es;
         let bytes = count * es;
         let busbw = |secs: f64| bytes as f64 / secs / 1e9 * 2.0 * (n - 1.0) / n;
-        let check = |ok: &mut bool| -> anyhow::Result<()> {
+        // Each checked collective of this size has an input of its own (seeds from `seed0`).
+        let seed0 = 64 * k as u64;
+        let check = |ok: &mut bool, seed: u64| -> anyhow::Result<()> {
             stream.synchronize()?;
             let mut got = vec![0u8; bytes];
             buf.copy_to_host(0, &mut got)?;
-            *ok = verify(dtype, op, g.world, &got).is_ok();
+            *ok = verify(dtype, op, g.world, &got, seed).is_ok();
             Ok(())
         };
         let mut nccl_ok = None;
         if let Some(c) = nccl.as_mut() {
-            buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+            buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed0))?;
             c.all_reduce(&[&buf], &[&stream], count, dtype, op)?;
             let mut ok = false;
-            check(&mut ok)?;
+            check(&mut ok, seed0)?;
             nccl_ok = Some(ok);
         }
         let mut theirs = Vec::new();
         let mut per_ring = Vec::new();
         let mut graph_rows = Vec::new();
         let mut shares = Vec::new();
-        for v in &g.variants {
+        for (vi, v) in g.variants.iter().enumerate() {
             let comm = &v.comm;
-            buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+            let seed = seed0 + 1 + 2 * vi as u64;
+            buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed))?;
             comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
             comm.wait(deadline())?;
             let mut ok = false;
-            check(&mut ok)?;
+            check(&mut ok, seed)?;
             let mut ours = Vec::new();
             for round in 0..=BATCHES {
                 let reps = if round == 0 {
@@ -594,11 +605,12 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 let timed = capture(&cu_stream, reps, || {
                     comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)
                 })?;
-                buf.copy_from_host(0, &pattern(dtype, g.rank, count))?;
+                buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed + 1))?;
                 check_graph.launch()?;
+                stream.synchronize()?;
                 comm.wait(deadline())?;
                 let mut graph_ok = false;
-                check(&mut graph_ok)?;
+                check(&mut graph_ok, seed + 1)?;
                 timed.launch()?; // warm-up
                 let mut replayed = Vec::new();
                 for _ in 0..BATCHES {
