@@ -62,6 +62,11 @@ struct Args {
     /// collectives; its call must return `Aborted`, the others fail within 2x the timeout.
     #[arg(long)]
     abort_rank: Option<u32>,
+    /// Agreement drill: this rank uses twice the slot bytes of the others; formation must fail
+    /// on every rank, naming `NODETOUR_SLOT_BYTES` and both values (prints
+    /// `SETTINGS_DIFFER rank=..`).
+    #[arg(long)]
+    differ_rank: Option<u32>,
     /// Deterministic drills: every other rank holds this many milliseconds before collective
     /// 50, and the kill or abort rank fails 5 ms into collective 50, so the failure always
     /// lands while that rank waits on a held peer in the middle of the collective.
@@ -128,6 +133,20 @@ fn run() -> anyhow::Result<()> {
     } else {
         None
     };
+    if let Some(odd) = args.differ_rank {
+        let me = nodetour::net::bootstrap::LaunchInfo::from_env()?.rank;
+        if me == odd {
+            options.slot_bytes *= 2;
+        }
+        return match Communicator::from_env(options) {
+            Err(e @ nodetour::Error::SettingDiffers { .. }) => {
+                println!("SETTINGS_DIFFER rank={me} error=\"{e}\"");
+                Ok(())
+            }
+            Err(e) => bail!("rank {me}: formation failed, but not naming the setting: {e}"),
+            Ok(_) => bail!("rank {me}: formed with a rank whose slot bytes differ"),
+        };
+    }
     let comm = Communicator::from_env(options)?;
     let cases = cases(
         args.all,

@@ -77,6 +77,11 @@ struct Args {
     /// collectives, then leaves; it must see `Aborted`, the others the lost rank.
     #[arg(long)]
     abort_rank: Option<u32>,
+    /// Agreement drill: this rank's slots are twice the others' bytes (both paths, and the
+    /// network links'); formation must fail on every rank naming the setting and both values
+    /// (prints `SETTINGS_DIFFER rank=..`).
+    #[arg(long)]
+    differ_rank: Option<u32>,
     /// Deterministic drills: every other rank holds this many milliseconds before it queues
     /// collective 20, and the kill or abort rank fails 5 ms after it queued collective 20, so
     /// the failure always lands while that rank's streams wait on a held peer (credit for its
@@ -124,7 +129,23 @@ fn run() -> anyhow::Result<()> {
         options.ipc_slot_bytes = b;
         options.shm_slot_bytes = b;
     }
-    let world = nodetour_net::bootstrap::LaunchInfo::from_env()?.world_size;
+    let launch = nodetour_net::bootstrap::LaunchInfo::from_env()?;
+    let world = launch.world_size;
+    if let Some(odd) = args.differ_rank {
+        if launch.rank == odd {
+            options.ipc_slot_bytes *= 2;
+            options.shm_slot_bytes *= 2;
+        }
+        let me = launch.rank;
+        return match GpuJob::form(&variants_of("auto")?, options, false) {
+            Err(e @ nodetour_ring::Error::SettingDiffers { .. }) => {
+                println!("SETTINGS_DIFFER rank={me} error=\"{e}\"");
+                Ok(())
+            }
+            Err(e) => bail!("rank {me}: formation failed, but not naming the setting: {e}"),
+            Ok(_) => bail!("rank {me}: formed with a rank whose slot bytes differ"),
+        };
+    }
     let mut variants = variants_of("auto")?;
     if args.perf && args.also_ring && world == 2 {
         variants.push(VariantSpec {

@@ -42,6 +42,10 @@ failed=0
         grep -E 'DRILL|rror' /tmp/net-drill.log | head -20
         [[ $ok == "$n" || ( $a == --kill* && $ok == $((n - 1)) ) ]] || { echo "drill $spec: $ok ranks reported"; failed=1; }
     done
+    echo "== one rank with twice the slot bytes across hosts: formation fails on every rank, naming the setting"
+    for n in 2 3; do
+        ranks_report $n 'SETTINGS_DIFFER' timeout 60 ./launch-local.sh -n $n --hosts $n --timeout 50 -- ./gpu_ring_check --differ-rank 1 || failed=1
+    done
     echo "== teardown and agreement drills across hosts"
     NODETOUR_TIMEOUT_MS=5000 timeout 60 ./launch-local.sh -n 2 --hosts 2 --timeout 50 -- \
         ./gpu_ring_check --close-rank 1 2>&1 | grep -E 'GPU_RING_CLOSE|rror'

@@ -128,6 +128,15 @@ for n in 2 3 8; do
     }
     check "ring allreduce of host buffers, $n processes over tcp, 35 type x op cases against float64" allreduce_ok "$n"
 done
+settings_differ() { # N: one rank with twice the slot bytes: a formation error on every rank
+    local out
+    out=$(timeout 120 scripts/launch-local.sh -n "$1" --timeout 100 -- target/release/examples/allreduce_check --differ-rank 1 2>&1)
+    grep -E 'SETTINGS_DIFFER|error' <<<"$out"
+    [[ $(grep -c 'SETTINGS_DIFFER rank=[0-9]* error=.*NODETOUR_SLOT_BYTES' <<<"$out") == "$1" ]]
+}
+for n in 2 3; do
+    check "$n processes over tcp, one with other slot bytes: formation fails on every rank naming the setting" settings_differ "$n"
+done
 perf_runs() {
     local out
     out=$(NODETOUR_LOG=warn scripts/launch-local.sh -n 2 --timeout 120 -- target/release/nodetour perf --sizes 1K:1M --factor 8 --format json 2>/dev/null | grep '^\[rank 0\]' | sed 's/^\[rank 0\] //')

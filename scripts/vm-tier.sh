@@ -72,6 +72,19 @@ for n in 2 4 8; do
     fi
 done
 
+for n in 2 3; do
+    say "formation over verbs with one rank's slot bytes doubled: an error naming the setting on every rank ($n processes)"
+    ok=$(timeout 120 scripts/launch-local.sh -n "$n" --timeout 100 -- "$BIN_DIR/examples/allreduce_check" --transport verbs \
+        --devices "$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" --differ-rank 1 2>&1 | tee /tmp/differ.log | grep -c 'SETTINGS_DIFFER rank=[0-9]* error=.*NODETOUR_SLOT_BYTES')
+    if [[ $ok == "$n" ]]; then
+        say "settings differ over verbs n=$n ... ok"
+    else
+        say "settings differ over verbs n=$n ... FAILED"
+        cat /tmp/differ.log
+        failed=1
+    fi
+done
+
 say "examples/two_node_allreduce over verbs (no GPU here: host buffers), 2 processes on $NODETOUR_VM_DEV0 and $NODETOUR_VM_DEV1"
 ok=$(NODETOUR_IB_DEVICES="$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" scripts/launch-local.sh -n 2 --timeout 300 -- \
     "$BIN_DIR/examples/two_node_allreduce" --sizes 4K:1M 2>&1 | tee /tmp/tn.log | grep -c 'TWO_NODE OK')

@@ -85,6 +85,21 @@ pub enum Error {
         /// The collective as the peer called it.
         theirs: String,
     },
+    /// A setting that every rank must share ([`crate::comm::MUST_AGREE`]) differs
+    /// between this rank and another: found at formation, on every rank.
+    #[error(
+        "{setting} is {ours} here and {theirs} on rank {peer}: every rank must use the same value"
+    )]
+    SettingDiffers {
+        /// The setting (its environment variable, or the option's field).
+        setting: &'static str,
+        /// This rank's value (switches and modes as numbers).
+        ours: u64,
+        /// The rank that differs.
+        peer: u32,
+        /// Its value.
+        theirs: u64,
+    },
     /// A rank speaks another version of the ring protocol (built from another release).
     #[error(
         "rank {rank} speaks ring protocol version {theirs}, this build speaks {ours}: build every rank from the same release"

@@ -96,15 +96,15 @@ pub fn announcements(data: &[u8]) -> usize {
     use crate::comm::table::{Pair, device_ring, host_link};
     let mut accepted = 0;
     let whole = std::iter::once(data);
-    for w in whole.chain(data.windows(12).step_by(5)) {
+    for w in whole.chain(data.windows(crate::comm::links::ENCODED_LEN).step_by(5)) {
         let Ok(theirs) = Announcement::decode(1, w) else {
             continue;
         };
         assert_eq!(theirs.encode(), w, "announcements round trip");
         for ours in [
-            Announcement::ours(None, true, Some(0)),
-            Announcement::ours(theirs.forced, false, None),
-            Announcement::ours(theirs.forced, true, Some(3)),
+            Announcement::ours(None, true, Some(0), theirs.settings),
+            Announcement::ours(theirs.forced, false, None, theirs.settings),
+            Announcement::ours(theirs.forced, true, Some(3), theirs.settings),
         ] {
             for same_host in [true, false] {
                 let pair = |o, t, me, peer| Pair {

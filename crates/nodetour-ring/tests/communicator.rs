@@ -388,30 +388,71 @@ fn small_allreduces_gather_and_are_the_same_bits_on_every_rank() {
             }
         }
     }
-    // Rank 1 would run the ring where the others gather: a disagreement, nothing written.
-    let got = ranks_with(
-        3,
-        |r| Options {
-            host_gather_max: if r == 1 { 0 } else { 64 << 10 },
-            ..options()
-        },
-        |comm| {
-            let mut data = input(comm.rank(), 100);
-            let before = data.clone();
-            let e = comm.all_reduce_in_place(&mut data, ReduceOp::Sum).err();
-            (e, data == before)
-        },
-    );
-    for (r, (e, untouched)) in got.into_iter().enumerate() {
-        assert!(
-            matches!(
-                e,
-                Some(
-                    Error::Disagreement { .. } | Error::PeerFailed { .. } | Error::PeerLost { .. }
-                )
-            ),
-            "rank {r}: {e:?}"
-        );
-        assert!(untouched, "rank {r} wrote a result");
+    // A rank that would run the ring where the others gather is refused at formation, on
+    // every rank: a_rank_with_another_chunk_shape_fails_formation_on_every_rank.
+}
+
+/// Every setting that shapes a chunk or chooses an algorithm, set differently on one rank: a
+/// formation error on every rank, naming the setting and both values. Before the settings were
+/// agreed at formation, a sender wrote at its own slot size and a receiver read at its own, and
+/// the ring failed (or not) only after collectives had run, depending on which links happened
+/// to join a larger region to a smaller one.
+#[test]
+fn a_rank_with_another_chunk_shape_fails_formation_on_every_rank() {
+    type Change = fn(&mut Options);
+    let cases: [(&str, Change); 4] = [
+        ("NODETOUR_SLOT_BYTES", |o| o.slot_bytes = 512),
+        ("NODETOUR_SLOTS", |o| o.slots = 4),
+        ("NODETOUR_PIECE_BYTES", |o| o.piece_bytes = 8192),
+        ("NODETOUR_HOST_GATHER_MAX", |o| o.host_gather_max = 0),
+    ];
+    for world in [2u32, 3] {
+        for (setting, change) in cases {
+            for odd in [0, world - 1] {
+                let id = UniqueId::create().unwrap();
+                let results: Vec<nodetour_ring::Result<()>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..world)
+                        .map(|r| {
+                            let mut o = options();
+                            o.config.timeout = Duration::from_secs(10);
+                            if r == odd {
+                                change(&mut o);
+                            }
+                            let id = &id;
+                            s.spawn(move || {
+                                let comm = Communicator::from_unique_id(id, r, world, o)?;
+                                // Formed anyway: run collectives (each checked) until one fails.
+                                let n = 3000;
+                                for k in 0..4u64 {
+                                    let mut x: Vec<i64> =
+                                        input(r, n).into_iter().map(|v| v + k as i64).collect();
+                                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+                                    for (i, got) in x.iter().enumerate() {
+                                        let want: i64 =
+                                            (0..world).map(|q| input(q, n)[i] + k as i64).sum();
+                                        assert_eq!(*got, want, "rank {r} collective {k}");
+                                    }
+                                }
+                                Ok(())
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                for (r, result) in results.iter().enumerate() {
+                    match result {
+                        Err(Error::SettingDiffers {
+                            setting: named,
+                            ours,
+                            theirs,
+                            ..
+                        }) if *named == setting && ours != theirs => {}
+                        other => panic!(
+                            "{world} ranks, {setting} differs on rank {odd}: rank {r} got {other:?}"
+                        ),
+                    }
+                }
+            }
+        }
     }
 }

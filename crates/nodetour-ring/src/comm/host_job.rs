@@ -26,7 +26,7 @@ use super::paths::{DevicePath, Direction, LinkPath, Paths};
 use super::table::{self, Pair};
 use crate::error::{Error, Result};
 use crate::gpu_ring::GpuRing;
-use crate::host::{GpuStaging, HostRing, HostRingOptions, Links};
+use crate::host::{BELL_BYTES, GpuStaging, HostRing, HostRingOptions, Links};
 use crate::order::{neighbours, ring_order};
 
 /// Where and how this process joins its job.
@@ -115,6 +115,7 @@ impl HostJob {
             options.transport,
             verbs.is_ok(),
             options.gpu.map(|g| g as u32),
+            options.must_agree(),
         );
         let endpoint = TcpEndpoint::bind("0.0.0.0:0", token.clone(), timeout)?;
         let (host, port) = rendezvous
@@ -160,6 +161,13 @@ impl HostJob {
             deadline,
             Some(&share),
         )?;
+        // The settings that shape chunks or choose algorithms, against every rank's: every rank
+        // hears every announcement, so a rank that differs fails formation on every rank, here,
+        // naming the setting and both values (not a protocol error after a collective ran).
+        for p in job.peers() {
+            let theirs = Announcement::decode(p.rank, &p.blob)?;
+            super::options::check_agreement(&ours.settings, &theirs.settings, p.rank)?;
+        }
         let keys: Vec<&str> = job
             .peers()
             .iter()
@@ -239,8 +247,10 @@ impl HostJob {
         };
         // Only the regions peers write (slots, doorbell) allow remote writes; the staging
         // region is a send source and local only.
+        // Each region exactly as long as asked (the receive slots: what the previous rank is
+        // granted, no more).
         let region = |len: usize, access: Access| -> Result<SlotRegion> {
-            let mut buf = HostBuffer::new(len.max(4096))?;
+            let mut buf = HostBuffer::new(len.max(1))?;
             if let Some(context) = pin {
                 buf.register_with_cuda(context)?;
             }
@@ -308,6 +318,27 @@ impl HostJob {
                     .ok_or_else(|| missing("doorbell grant", prev))?,
             )
         };
+        // The slots this rank writes: exactly the agreed slots × slot bytes (the shapes were
+        // compared at the bootstrap; a grant of another size is a peer that breaks the
+        // protocol), and a doorbell that holds the notices.
+        if world > 1 && next_slots.len != slot_total as u64 {
+            return Err(Error::Protocol {
+                rank: next,
+                reason: format!(
+                    "granted {} bytes of receive slots, the agreed shape is {} × {} = {slot_total}",
+                    next_slots.len, options.slots, options.slot_bytes
+                ),
+            });
+        }
+        if world > 1 && prev_slots.len < BELL_BYTES as u64 {
+            return Err(Error::Protocol {
+                rank: prev,
+                reason: format!(
+                    "granted a doorbell of {} bytes, it must hold {BELL_BYTES}",
+                    prev_slots.len
+                ),
+            });
+        }
         let mut conns: HashMap<u32, Box<dyn HostConnection>> = HashMap::new();
         if let Some(l) = &local {
             for (p, (q, _)) in prepared.drain() {

@@ -79,7 +79,8 @@ pub use gpu_links::{GpuPaths, GpuRingOptions, NetLanding, ONE_KERNEL_MAX, OneKer
 pub use in_flight::{Failed, InFlight};
 pub use nodetour_net::bootstrap::UniqueId;
 pub use options::{
-    DEFAULT_HOST_GATHER_MAX, DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, Options,
+    DEFAULT_HOST_GATHER_MAX, DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, MUST_AGREE,
+    Options,
 };
 pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
 pub use symmetric::SymmetricBuffer;

@@ -61,6 +61,49 @@ pub struct Options {
     pub host_gather_max: usize,
 }
 
+/// The settings every rank must share: each shapes the chunks on the wire (a sender writes at
+/// its slot size, a receiver reads at its own) or chooses the algorithm a size takes, so ranks
+/// that differ would read each other's slots at the wrong offsets or run different
+/// collectives. Formation compares them across every rank and fails on every rank, naming the
+/// setting and both values ([`Error::SettingDiffers`]). Every other setting is a rank's own
+/// choice (local): the timeout and spin, `NODETOUR_RING_BLOCKS`, `NODETOUR_SHM_READ_MAX` and
+/// `NODETOUR_COPY_KERNEL_MAX` (how a receiver consumes its own slot), `NODETOUR_NET_LANDING`
+/// (where a receiver's slots live: each link agrees on it in its setup), and the GPUs of one
+/// process' `NODETOUR_KERNEL_COPY_MAX` and `NODETOUR_ONE_STEP_MAX` (one process: one value).
+pub const MUST_AGREE: [&str; 14] = [
+    "NODETOUR_SLOT_BYTES",
+    "NODETOUR_SLOTS",
+    "NODETOUR_PIECE_BYTES",
+    "NODETOUR_HOST_GATHER_MAX",
+    "NODETOUR_ONE_KERNEL",
+    "NODETOUR_ONE_KERNEL_MAX",
+    "NODETOUR_IPC_PIPELINE",
+    "NODETOUR_SHM_PIPELINE",
+    "GpuRingOptions::slots (staged slots per link)",
+    "GpuRingOptions::shm_slot_bytes",
+    "GpuRingOptions::ipc_slots (direct slots per link)",
+    "GpuRingOptions::ipc_slot_bytes",
+    "GpuRingOptions::device_flags",
+    "Options::two_rank_exchange",
+];
+
+/// Checks rank `peer`'s announced [`Options::must_agree`] values against this rank's.
+pub(crate) fn check_agreement(
+    ours: &[u64; MUST_AGREE.len()],
+    theirs: &[u64; MUST_AGREE.len()],
+    peer: u32,
+) -> Result<()> {
+    match (0..MUST_AGREE.len()).find(|&i| ours[i] != theirs[i]) {
+        None => Ok(()),
+        Some(i) => Err(Error::SettingDiffers {
+            setting: MUST_AGREE[i],
+            ours: ours[i],
+            peer,
+            theirs: theirs[i],
+        }),
+    }
+}
+
 /// Default for [`Options::host_gather_max`].
 pub const DEFAULT_HOST_GATHER_MAX: usize = 32 << 10;
 
@@ -200,6 +243,29 @@ impl Options {
             },
             two_rank_exchange: true,
         })
+    }
+
+    /// The settings every rank must share, with this rank's values, in the order of
+    /// [`MUST_AGREE`]: the bootstrap announces them and formation compares every rank's with
+    /// this rank's ([`SettingDiffers`](Error::SettingDiffers) on every rank where one differs).
+    pub(crate) fn must_agree(&self) -> [u64; MUST_AGREE.len()] {
+        let g = &self.gpu_ring;
+        [
+            self.slot_bytes as u64,
+            u64::from(self.slots),
+            self.piece_bytes as u64,
+            self.host_gather_max as u64,
+            u64::from(g.one_kernel.code()),
+            g.one_kernel_max as u64,
+            u64::from(g.ipc_pipeline),
+            u64::from(g.shm_pipeline),
+            u64::from(g.slots),
+            g.shm_slot_bytes as u64,
+            u64::from(g.ipc_slots),
+            g.ipc_slot_bytes as u64,
+            u64::from(g.device_flags),
+            u64::from(self.two_rank_exchange),
+        ]
     }
 
     /// The collective and formation timeout.

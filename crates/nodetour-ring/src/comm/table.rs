@@ -258,7 +258,12 @@ mod tests {
     fn a(forced: Option<TransportKind>, verbs: bool, gpu: Option<u32>, pid: u32) -> Announcement {
         Announcement {
             pid,
-            ..Announcement::ours(forced, verbs, gpu)
+            ..Announcement::ours(
+                forced,
+                verbs,
+                gpu,
+                crate::comm::Options::default().must_agree(),
+            )
         }
     }
 
