@@ -77,6 +77,25 @@ struct Args {
     /// collectives, then leaves; it must see `Aborted`, the others the lost rank.
     #[arg(long)]
     abort_rank: Option<u32>,
+    /// Late-peer drill (`--drill-bytes` at most `NODETOUR_ONE_KERNEL_MAX` takes the one-kernel
+    /// path): this rank is late for collective `--late-at` by `--late-gpu-ms` (a busy kernel
+    /// queued ahead of it on its stream) or `--late-host-ms` (its host sleeps before queueing
+    /// it), longer than the timeout, and queues one collective at a time; every other rank
+    /// queues four at a time (t to t+3 queued when t fails: launches queued ahead) and waits
+    /// for them up to 5x the timeout (a caller's deadline longer than the path's own). Every
+    /// `Ok` is checked against its own collective's seeded input (`GPU_LATE_DRILL` lines,
+    /// `WRONG_OK` if one is wrong).
+    #[arg(long)]
+    late_rank: Option<u32>,
+    /// The collective the late rank is late for (a multiple of 4).
+    #[arg(long, default_value_t = 8)]
+    late_at: u32,
+    /// How late on the GPU, ms.
+    #[arg(long)]
+    late_gpu_ms: Option<u64>,
+    /// How late on the host, ms.
+    #[arg(long)]
+    late_host_ms: Option<u64>,
     /// Agreement drill: this rank's slots are twice the others' bytes (both paths, and the
     /// network links'); formation must fail on every rank naming the setting and both values
     /// (prints `SETTINGS_DIFFER rank=..`).
@@ -162,6 +181,9 @@ fn run() -> anyhow::Result<()> {
     }
     if let Some(victim) = args.close_rank {
         return close_drill(g, victim, &config);
+    }
+    if let Some(late) = args.late_rank {
+        return late_drill(&g, late, &args, &config);
     }
     if let Some(odd) = args.disagree_rank {
         return disagree_drill(&g, odd, args.drill_bytes.unwrap_or(4 << 20), &config);
@@ -254,6 +276,129 @@ fn run() -> anyhow::Result<()> {
         }
     }
     Ok(g.close(deadline())?)
+}
+
+/// Queues on `stream` the busy kernel for about `ms` on this GPU (one block, calibrated here);
+/// what it returns must outlive the kernel.
+fn queue_busy(
+    context: &std::sync::Arc<cudarc::driver::CudaContext>,
+    stream: &GpuStream,
+    ms: u64,
+) -> anyhow::Result<(nodetour_core::cuda::reduce::ReduceKernels, DeviceBuffer)> {
+    let kernels = nodetour_core::cuda::reduce::ReduceKernels::load(context)?;
+    let sink = DeviceBuffer::new(context, 4096)?;
+    let probe = 1u32 << 22;
+    let start = stream.record()?;
+    kernels.busy(stream, &sink, probe, 1)?;
+    let end = stream.record()?;
+    stream.synchronize()?;
+    let per_iter_ms = f64::from(start.elapsed_ms(&end)?) / f64::from(probe);
+    let iters = (ms as f64 / per_iter_ms.max(1e-9)).clamp(1.0, f64::from(u32::MAX)) as u32;
+    kernels.busy(stream, &sink, iters, 1)?;
+    Ok((kernels, sink))
+}
+
+/// The late-peer drill (see `--late-rank`): collectives 0..40 of `--drill-bytes` (f32 sum),
+/// each on an input of its own; the late rank queues one at a time and is late for
+/// `--late-at`, the others queue four at a time and wait up to 5x the timeout. Prints one `GPU_LATE_DRILL` line per rank:
+/// the first failed collective, how many `Ok` were verified, and the error.
+fn late_drill(g: &GpuJob, late: u32, args: &Args, config: &Config) -> anyhow::Result<()> {
+    let comm = &g.variants[0].comm;
+    let bytes = args.drill_bytes.unwrap_or(64 << 10);
+    let count = bytes / 4;
+    let bufs = (0..4)
+        .map(|_| DeviceBuffer::new(&g.context, bytes))
+        .collect::<nodetour_core::Result<Vec<_>>>()?;
+    let stream = GpuStream::new(&g.context)?;
+    let me = g.rank;
+    const AHEAD: u32 = 4;
+    let t = args.late_at / AHEAD * AHEAD;
+    let depth = if me == late { 1 } else { AHEAD };
+    let deadline = if me == late {
+        config.timeout
+    } else {
+        5 * config.timeout
+    };
+    let mut got = vec![0u8; bytes];
+    let (mut verified, mut wrong) = (0u32, 0u32);
+    let mut failed = None;
+    // The busy kernel's module and sink, alive until the stream has run it.
+    let mut busy = None;
+    g.barrier()?;
+    let mut k = 0u32;
+    while k < 40 && failed.is_none() {
+        let n = depth.min(40 - k);
+        for j in 0..n {
+            bufs[j as usize].copy_from_host(
+                0,
+                &input(DataType::F32, ReduceOp::Sum, me, count, u64::from(k + j)),
+            )?;
+        }
+        if me == late && k == t {
+            if let Some(ms) = args.late_gpu_ms {
+                println!(
+                    "GPU_LATE_DRILL rank={me}: a busy kernel of {ms} ms ahead of collective {k}"
+                );
+                busy = Some(queue_busy(&g.context, &stream, ms)?);
+            }
+            if let Some(ms) = args.late_host_ms {
+                println!("GPU_LATE_DRILL rank={me}: the host sleeps {ms} ms before collective {k}");
+                std::thread::sleep(Duration::from_millis(ms));
+            }
+        }
+        let result = (0..n)
+            .try_for_each(|j| {
+                comm.all_reduce_device_buffer(
+                    &bufs[j as usize],
+                    count,
+                    DataType::F32,
+                    ReduceOp::Sum,
+                    &stream,
+                )
+            })
+            .and_then(|()| comm.wait(Deadline::after(deadline)));
+        if let Err(e) = result {
+            failed = Some((k, e));
+            break;
+        }
+        stream.synchronize()?;
+        for j in 0..n {
+            bufs[j as usize].copy_to_host(0, &mut got)?;
+            match verify(
+                DataType::F32,
+                ReduceOp::Sum,
+                g.world,
+                &got,
+                u64::from(k + j),
+            ) {
+                Ok(()) => verified += 1,
+                Err(e) => {
+                    println!(
+                        "GPU_LATE_DRILL rank={me} WRONG_OK collective={}: {e}",
+                        k + j
+                    );
+                    wrong += 1;
+                }
+            }
+        }
+        k += n;
+    }
+    stream.synchronize()?;
+    drop(busy);
+    let (at, error) = match &failed {
+        Some((k, e)) => (i64::from(*k), e.to_string()),
+        None => (-1, String::new()),
+    };
+    println!(
+        "GPU_LATE_DRILL rank={me} late_rank={late} late_at={t} failed_at={at} ok_verified={verified} wrong_ok={wrong} error=\"{error}\""
+    );
+    if wrong > 0 {
+        bail!("rank {me}: {wrong} collectives returned Ok with a wrong result");
+    }
+    if failed.is_none() {
+        bail!("rank {me}: 40 collectives and no failure: the drill did not happen");
+    }
+    Ok(())
 }
 
 /// The agreement drill: rank `odd` calls with half the count; every rank's wait must fail long

@@ -60,17 +60,24 @@ struct Rank {
     half: [Vec<Cell>; 2],
     /// A symmetric buffer of `world` segments.
     buf: Vec<Cell>,
-    /// Words peers store into (by peer).
-    words: Vec<u32>,
+    /// Words peers store into (by peer): (tick, digest).
+    words: Vec<(u32, u32)>,
     /// Device sequence words: last tick, collectives run.
     tick: u32,
     calls: u32,
-    /// The current launch: (kind, this launch's tick so far, parity, steps left).
-    running: Option<(Kind, u32, usize, VecDeque<Step>)>,
-    /// Launches still to run (the stream).
-    queue: VecDeque<Kind>,
+    /// The current launch.
+    running: Option<Launch>,
+    /// Launches still to run (the stream): (kind, the collective's index in the program).
+    queue: VecDeque<(Kind, u32)>,
     /// Collectives finished, with their kinds.
     done: u32,
+    /// The rank's stop word (host memory: its abort, or with the fix a block that failed).
+    stop: bool,
+    /// A block failed and the host has not reacted yet (today's protocol: the host sets the
+    /// stop word when its wait returns, some steps later).
+    failed_unseen: bool,
+    /// What each collective returned on this rank, by index: Ok (checked) or failed.
+    outcomes: Vec<Option<bool>>,
 }
 
 fn steps(kind: Kind) -> VecDeque<Step> {
@@ -94,6 +101,54 @@ fn steps(kind: Kind) -> VecDeque<Step> {
     }
 }
 
+/// A running launch of one block index.
+struct Launch {
+    kind: Kind,
+    /// Its index in the program (what the host called it as).
+    index: u32,
+    /// The tick so far, the half, the steps left.
+    tick: u32,
+    parity: usize,
+    left: VecDeque<Step>,
+    /// The collective number its sequence words gave it.
+    call: u32,
+    /// It read data of another collective (an Ok from it is a wrong answer).
+    wrong: Option<String>,
+}
+
+/// The protocol's rules about failures (the fix of issue 34, item 3, or today's).
+#[derive(Clone, Copy, Debug)]
+struct Rules {
+    /// A launch reads the stop word before it writes anything, and ends at once if it is set.
+    stop_at_entry: bool,
+    /// A block whose barrier fails sets its rank's stop word itself.
+    stop_on_failure: bool,
+    /// The arrival word carries the collective's number: another collective's arrival at the
+    /// same tick is a disagreement, never accepted.
+    sequence_in_word: bool,
+}
+
+/// What the fix does.
+const FIXED: Rules = Rules {
+    stop_at_entry: true,
+    stop_on_failure: true,
+    sequence_in_word: true,
+};
+
+/// What a run may inject: a wait that gives up (a peer later than the timeout), a host abort.
+#[derive(Clone, Copy, Debug)]
+struct Faults {
+    /// 1 in this many looks of a blocked wait gives up (0: never).
+    timeout_one_in: u64,
+    /// 1 in this many steps aborts a random rank from its host (0: never).
+    abort_one_in: u64,
+}
+
+const NO_FAULTS: Faults = Faults {
+    timeout_one_in: 0,
+    abort_one_in: 0,
+};
+
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -113,16 +168,49 @@ fn run(world: usize, program: &[Kind], seed: u64, start: u32) {
 
 /// [`run`] with the half a collective uses given by `parity` (of its count).
 fn run_with(world: usize, program: &[Kind], seed: u64, start: u32, half_of: impl Fn(u32) -> usize) {
+    let outcomes = run_faulty(world, program, seed, start, half_of, FIXED, NO_FAULTS)
+        .unwrap_or_else(|wrong| panic!("{wrong}"));
+    for (r, o) in outcomes.iter().enumerate() {
+        assert!(o.iter().all(|x| *x == Some(true)), "rank {r}: {o:?}");
+    }
+}
+
+/// The digest a rank's arrival word carries for `kind` as collective number `call`.
+fn digest(kind: Kind, call: u32, rules: Rules) -> u32 {
+    let d = kind as u32 + 1;
+    if rules.sequence_in_word {
+        d ^ call.wrapping_mul(0x9e37_79b1)
+    } else {
+        d
+    }
+}
+
+/// The engine: `program` on `world` ranks, each launch queued ahead on every rank's stream,
+/// interleaved by the scheduler seeded with `seed`, with `faults` injected under `rules`.
+/// Returns every rank's outcome per collective (`Some(true)`: Ok, `Some(false)`: failed), or
+/// the first wrong `Ok`: a launch that read another collective's data and still ended.
+fn run_faulty(
+    world: usize,
+    program: &[Kind],
+    seed: u64,
+    start: u32,
+    half_of: impl Fn(u32) -> usize,
+    rules: Rules,
+    faults: Faults,
+) -> Result<Vec<Vec<Option<bool>>>, String> {
     let mut ranks: Vec<Rank> = (0..world)
         .map(|_| Rank {
             half: [vec![None; world], vec![None; world]],
             buf: vec![None; world],
-            words: vec![start; world],
+            words: vec![(start, 0); world],
             tick: start,
             calls: start,
             running: None,
-            queue: program.iter().copied().collect(),
+            queue: program.iter().copied().zip(0..).collect(),
             done: 0,
+            stop: false,
+            failed_unseen: false,
+            outcomes: vec![None; program.len()],
         })
         .collect();
     let mut rng = Rng(seed | 1);
@@ -135,118 +223,188 @@ fn run_with(world: usize, program: &[Kind], seed: u64, start: u32, half_of: impl
         {
             break;
         }
+        if faults.abort_one_in > 0 && rng.next() % faults.abort_one_in == 0 {
+            let r = (rng.next() % world as u64) as usize;
+            ranks[r].stop = true;
+        }
         let me = (rng.next() % world as u64) as usize;
+        // Today: the host sets the stop word some time after a block failed (when its wait
+        // for the failed collective returns).
+        if ranks[me].failed_unseen && rng.next() % 8 == 0 {
+            ranks[me].stop = true;
+            ranks[me].failed_unseen = false;
+        }
         // Start the next launch where the stream is free.
         if ranks[me].running.is_none() {
-            if let Some(kind) = ranks[me].queue.pop_front() {
-                let r = &mut ranks[me];
-                let calls = r.calls.wrapping_add(1);
-                r.running = Some((kind, r.tick, half_of(calls), steps(kind)));
-            } else {
+            let Some((kind, index)) = ranks[me].queue.pop_front() else {
                 idle += 1;
                 assert!(idle < 100_000, "nothing can run");
                 continue;
+            };
+            let r = &mut ranks[me];
+            if rules.stop_at_entry && r.stop {
+                // Stopped: this launch writes nothing and arrives nowhere.
+                r.outcomes[index as usize] = Some(false);
+                continue;
             }
+            let call = r.calls.wrapping_add(1);
+            // The caller's input of a symmetric collective lands before the launch, whatever
+            // the stop word says (the caller's own copy).
+            let mut left = steps(kind);
+            if left.front().is_some_and(|s| matches!(s, Step::UserWrite)) {
+                left.pop_front();
+                for q in 0..world {
+                    r.buf[q] = Some((index, me as u32));
+                }
+            }
+            r.running = Some(Launch {
+                kind,
+                index,
+                tick: r.tick,
+                parity: half_of(call),
+                left,
+                call,
+                wrong: None,
+            });
         }
-        let (kind, mut tick, parity, mut left) = ranks[me].running.take().expect("running");
-        let call = ranks[me].calls.wrapping_add(1);
-        let step = left.front().cloned().expect("a kernel ends with End");
+        let mut l = ranks[me].running.take().expect("running");
+        let (index, parity) = (l.index, l.parity);
+        let step = l.left.front().cloned().expect("a kernel ends with End");
         let mut progressed = true;
+        // Where a read of another collective's data is noted (the launch goes on: what
+        // matters is whether it then returns Ok).
+        let mut check = |got: Cell, want: Cell, what: String| {
+            if got != want && l.wrong.is_none() {
+                l.wrong = Some(format!(
+                    "rank {me} (collective {index}, {:?}) {what}: {got:?}, want {want:?}; seed {seed}",
+                    l.kind
+                ));
+            }
+        };
+        let mut fail = false;
         match step {
             Step::CopyIn => {
                 for q in 0..world {
-                    ranks[me].half[parity][q] = Some((call, me as u32));
+                    ranks[me].half[parity][q] = Some((index, me as u32));
                 }
             }
             Step::Signal => {
-                tick = tick.wrapping_add(1);
-                for (p, peer) in ranks.iter_mut().enumerate() {
-                    if p != me {
-                        peer.words[me] = tick;
+                if ranks[me].stop {
+                    // A stopped rank arrives nowhere.
+                    fail = true;
+                } else {
+                    l.tick = l.tick.wrapping_add(1);
+                    let word = (l.tick, digest(l.kind, l.call, rules));
+                    for (p, peer) in ranks.iter_mut().enumerate() {
+                        if p != me {
+                            peer.words[me] = word;
+                        }
                     }
                 }
             }
             Step::Wait => {
-                progressed = (0..world).all(|p| p == me || reached(ranks[me].words[p], tick));
+                let mine = digest(l.kind, l.call, rules);
+                let words = &ranks[me].words;
+                let disagree =
+                    (0..world).any(|p| p != me && words[p].0 == l.tick && words[p].1 != mine);
+                progressed = (0..world).all(|p| p == me || reached(words[p].0, l.tick));
+                if disagree {
+                    fail = true;
+                } else if !progressed
+                    && (ranks[me].stop
+                        || faults.timeout_one_in > 0 && rng.next() % faults.timeout_one_in == 0)
+                {
+                    fail = true;
+                }
             }
             Step::ReduceAll => {
                 for (r, rank) in ranks.iter().enumerate() {
                     for q in 0..world {
-                        assert_eq!(
+                        check(
                             rank.half[parity][q],
-                            Some((call, r as u32)),
-                            "rank {me} (one-shot #{call}) read rank {r}'s segment {q} wrong: \
-                             seed {seed}"
+                            Some((index, r as u32)),
+                            format!("read rank {r}'s segment {q}"),
                         );
                     }
                 }
             }
             Step::ReduceOwn => {
                 for (r, rank) in ranks.iter().enumerate() {
-                    assert_eq!(
+                    check(
                         rank.half[parity][me],
-                        Some((call, r as u32)),
-                        "rank {me} (two-shot #{call}) reduced rank {r}'s input: seed {seed}"
+                        Some((index, r as u32)),
+                        format!("reduced rank {r}'s input"),
                     );
                 }
-                ranks[me].half[parity][me] = Some((call, REDUCED));
+                ranks[me].half[parity][me] = Some((index, REDUCED));
             }
             Step::Gather => {
                 for (q, rank) in ranks.iter().enumerate() {
-                    assert_eq!(
+                    check(
                         rank.half[parity][q],
-                        Some((call, REDUCED)),
-                        "rank {me} (two-shot #{call}) gathered segment {q}: seed {seed}"
+                        Some((index, REDUCED)),
+                        format!("gathered segment {q}"),
                     );
                 }
             }
-            Step::UserWrite => {
-                for q in 0..world {
-                    ranks[me].buf[q] = Some((call, me as u32));
-                }
-            }
+            Step::UserWrite => unreachable!("taken before the launch"),
             Step::SymReduceOwn => {
                 for (r, rank) in ranks.iter().enumerate() {
-                    assert_eq!(
+                    check(
                         rank.buf[me],
-                        Some((call, r as u32)),
-                        "rank {me} (symmetric #{call}) reduced rank {r}'s input: seed {seed}"
+                        Some((index, r as u32)),
+                        format!("reduced rank {r}'s input"),
                     );
                 }
-                ranks[me].buf[me] = Some((call, REDUCED));
+                ranks[me].buf[me] = Some((index, REDUCED));
             }
             Step::SymGather => {
                 for q in (0..world).filter(|q| *q != me) {
                     let got = ranks[q].buf[q];
-                    assert_eq!(
-                        got,
-                        Some((call, REDUCED)),
-                        "rank {me} (symmetric #{call}) gathered segment {q}: seed {seed}"
-                    );
+                    check(got, Some((index, REDUCED)), format!("gathered segment {q}"));
                     ranks[me].buf[q] = got;
                 }
             }
             Step::End => {
+                if let Some(wrong) = l.wrong {
+                    return Err(format!("a wrong Ok: {wrong}"));
+                }
                 let r = &mut ranks[me];
-                r.tick = tick;
-                r.calls = call;
+                r.tick = l.tick;
+                r.calls = l.call;
                 r.done += 1;
+                r.outcomes[index as usize] = Some(true);
                 idle = 0;
                 continue; // the launch is over: nothing to put back
             }
         }
+        if fail {
+            // The block latches its status and stops: no sequence words advance.
+            let r = &mut ranks[me];
+            r.outcomes[index as usize] = Some(false);
+            if rules.stop_on_failure {
+                r.stop = true;
+            } else {
+                r.failed_unseen = true;
+            }
+            idle = 0;
+            continue;
+        }
         if progressed {
-            left.pop_front();
+            l.left.pop_front();
             idle = 0;
         } else {
             idle += 1;
-            assert!(idle < 100_000, "deadlock: seed {seed}, {kind:?}");
+            assert!(idle < 100_000, "deadlock: seed {seed}, {:?}", l.kind);
         }
-        ranks[me].running = Some((kind, tick, parity, left));
+        ranks[me].running = Some(l);
     }
-    for (i, r) in ranks.iter().enumerate() {
-        assert_eq!(r.done as usize, program.len(), "rank {i}");
+    if faults.timeout_one_in == 0 && faults.abort_one_in == 0 {
+        for (i, r) in ranks.iter().enumerate() {
+            assert_eq!(r.done as usize, program.len(), "rank {i}");
+        }
     }
+    Ok(ranks.into_iter().map(|r| r.outcomes).collect())
 }
 
 #[test]
@@ -276,4 +434,89 @@ fn the_model_catches_a_single_half() {
     for _ in 0..2000 {
         run_with(3, &[Kind::OneShot; 4], rng.next(), 0, |_| 0);
     }
+}
+
+/// Programs of random kinds, with faults: waits that give up (a peer later than the timeout)
+/// and host aborts, launches queued ahead on every rank. Returns the first wrong `Ok`.
+fn faulty_cases(rules: Rules, cases: u64, seed: u64) -> Result<(u64, u64), String> {
+    let mut rng = Rng(seed);
+    let (mut ok, mut failed) = (0, 0);
+    for case in 0..cases {
+        let world = 2 + (rng.next() % 3) as usize;
+        let program: Vec<Kind> = (0..(2 + rng.next() % 8))
+            .map(|_| match rng.next() % 3 {
+                0 => Kind::OneShot,
+                1 => Kind::TwoShot,
+                _ => Kind::Symmetric,
+            })
+            .collect();
+        let faults = Faults {
+            timeout_one_in: [0, 20, 200][(case % 3) as usize],
+            abort_one_in: if case % 4 == 0 { 3000 } else { 0 },
+        };
+        let start = if case % 5 == 0 { u32::MAX - 3 } else { 0 };
+        let outcomes = run_faulty(
+            world,
+            &program,
+            rng.next(),
+            start,
+            |calls| (calls & 1) as usize,
+            rules,
+            faults,
+        )?;
+        for o in outcomes.iter().flatten() {
+            match o {
+                Some(true) => ok += 1,
+                _ => failed += 1,
+            }
+        }
+    }
+    Ok((ok, failed))
+}
+
+/// Timeouts, aborts, stop words, late peers and launches queued ahead: with the fix no launch
+/// that read another collective's data returns Ok (every read is checked against the index of
+/// the collective the host called), and a rank whose barrier failed arrives nowhere again.
+#[test]
+fn failures_late_peers_and_launches_queued_ahead_never_give_a_wrong_ok() {
+    let (ok, failed) = faulty_cases(FIXED, 3000, 0xfa11).unwrap_or_else(|e| panic!("{e}"));
+    println!("ONE_KERNEL_MODEL fixed: {ok} Ok (each checked), {failed} failed, 0 wrong");
+    assert!(
+        ok > 1000 && failed > 1000,
+        "faults and successes both happened"
+    );
+}
+
+/// Today's protocol before the fix (issue 34, item 3): a block whose barrier failed neither
+/// set the stop word nor advanced the sequence words, the next launch copied its input before
+/// it looked at the stop word, and the arrival word left the collective's number out. The
+/// model finds the wrong Ok the GPU drill found: a late peer pairs its collective with this
+/// rank's next one.
+#[test]
+fn the_model_catches_the_protocol_before_the_fix() {
+    let before = Rules {
+        stop_at_entry: false,
+        stop_on_failure: false,
+        sequence_in_word: false,
+    };
+    let e = faulty_cases(before, 3000, 0xfa11).expect_err("a wrong Ok before the fix");
+    println!("ONE_KERNEL_MODEL before the fix: {e}");
+    assert!(e.contains("a wrong Ok"), "{e}");
+    // The collective's number in the arrival word alone does not close it: the number comes
+    // from the failed rank's sequence words, which the failure did not advance, so its next
+    // launch arrives with the failed one's number. The stop word (set by the failing block,
+    // read before any write) does.
+    let sequence_only = Rules {
+        sequence_in_word: true,
+        ..before
+    };
+    let e = faulty_cases(sequence_only, 3000, 0xfa11).expect_err("the number alone");
+    println!("ONE_KERNEL_MODEL the number in the word alone: {e}");
+    let stop_only = Rules {
+        stop_at_entry: true,
+        stop_on_failure: true,
+        ..before
+    };
+    let (ok, failed) = faulty_cases(stop_only, 3000, 0xfa11).unwrap_or_else(|e| panic!("{e}"));
+    println!("ONE_KERNEL_MODEL the stop word alone: {ok} Ok, {failed} failed, 0 wrong");
 }

@@ -53,6 +53,10 @@ use crate::stream_plan::{
     LinkCounters, RecvKind, RecvOp, Replayable, StreamProgram, program_exchange_on, program_on,
 };
 
+/// How long a wait whose deadline passed lets the aborted streams drain before it names the
+/// cause from what the GPU latched.
+const DEADLINE_DRAIN: Duration = Duration::from_millis(500);
+
 /// Words of each rank's flag page.
 pub mod flag {
     /// Chunks that have landed in this rank's slots (written by the previous rank's stream).
@@ -292,8 +296,46 @@ pub struct GpuRing {
     // off (for the log).
     one_kernel_max: usize,
     one_kernel_path: String,
-    // The last one-kernel collective queued (to word its failure).
-    one_kernel_what: Option<Descriptor>,
+    // The one-kernel collectives queued (to name the one that failed).
+    one_kernel_log: OneKernelLog,
+}
+
+/// The one-kernel collectives a rank queued, by their number on its GPU (what a failed block
+/// latches), to name the failed one.
+#[derive(Default)]
+struct OneKernelLog {
+    /// Eager launches queued.
+    launched: u32,
+    /// Some were captured into a graph: replays count on the GPU, not here.
+    captured: bool,
+    /// The last few eager ones: (number on the GPU modulo 2^16, descriptor).
+    recent: std::collections::VecDeque<(u16, Descriptor)>,
+}
+
+impl OneKernelLog {
+    const KEPT: usize = 64;
+
+    fn queued(&mut self, what: Descriptor, capturing: bool) {
+        if capturing {
+            self.captured = true;
+            return;
+        }
+        self.launched = self.launched.wrapping_add(1);
+        if self.recent.len() == Self::KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((self.launched as u16, what));
+    }
+
+    /// The failed collective, in words.
+    fn name(&self, collective: u16) -> String {
+        match self.recent.iter().find(|(n, _)| *n == collective) {
+            Some((_, d)) if !self.captured => d.to_string(),
+            _ => format!(
+                "one-kernel collective #{collective} of this rank's GPU (counted modulo 65536,                  graph replays included)"
+            ),
+        }
+    }
 }
 
 /// The events that order one collective's streams: the caller's stream to both, the send
@@ -480,7 +522,7 @@ impl GpuRing {
             exchange: true,
             one_kernel_max: 0,
             one_kernel_path: String::new(),
-            one_kernel_what: None,
+            one_kernel_log: OneKernelLog::default(),
         })
     }
 
@@ -966,7 +1008,7 @@ impl GpuRing {
         if !capturing {
             self.queued += 1;
         }
-        self.one_kernel_what = Some(what);
+        self.one_kernel_log.queued(what, capturing);
         if let Err(e) = &queued {
             self.abort
                 .abort(&format!("queueing a collective failed: {e}"));
@@ -990,12 +1032,11 @@ impl GpuRing {
     /// have passed every collective queued).
     fn one_kernel_failure(&self) -> Option<Error> {
         let kernel = self.held.as_ref()?.one_kernel.as_ref()?;
-        let what = self
-            .one_kernel_what
-            .map_or_else(|| "a one-kernel allreduce".to_owned(), |d| d.to_string());
+        let failed = kernel.failure()?;
+        let what = self.one_kernel_log.name(failed.collective);
         // The kernels name job ranks; on one host (the only place the path runs) the ring
         // order is the rank order, so `self.rank` is this rank's too.
-        Some(match kernel.failure()? {
+        Some(match failed.failure {
             OneKernelFailure::Aborted { peer } if peer == self.rank => Error::Aborted {
                 reason: format!("{what}: this rank had aborted before it arrived"),
             },
@@ -1010,7 +1051,7 @@ impl GpuRing {
                 rank: self.rank,
                 peer,
                 ours: what,
-                theirs: "another collective (its descriptor digest differs)".into(),
+                theirs: "another collective (its descriptor or its number differs)".into(),
             },
         })
     }
@@ -1358,10 +1399,10 @@ impl GpuRing {
             if now >= deadline {
                 self.abort
                     .abort("a collective did not finish before its deadline");
-                return Err(lost.unwrap_or(Error::Timeout {
-                    waiting_for: "the GPU ring's streams (aborted: a peer stopped?)".into(),
-                    after: timeout,
-                }));
+                if let Some(e) = lost {
+                    return Err(e);
+                }
+                return Err(self.name_the_deadline(timeout));
             }
             if now >= spin_until {
                 std::thread::sleep(nap.min(deadline - now));
@@ -1369,6 +1410,43 @@ impl GpuRing {
             } else {
                 std::hint::spin_loop();
             }
+        }
+    }
+
+    /// The error of a wait whose deadline passed (the ring already aborted): the stop word now
+    /// ends every wait on the GPU, so the streams drain within moments; once they have (at
+    /// most [`DEADLINE_DRAIN`]), what the GPU saw names the cause: a one-kernel block that
+    /// timed out, or was stopped while it waited, names the rank it waited for and the
+    /// collective.
+    fn name_the_deadline(&self, timeout: Duration) -> Error {
+        let until = Instant::now() + DEADLINE_DRAIN;
+        while Instant::now() < until
+            && !(self.marks.end[0].is_complete().unwrap_or(true)
+                && self.marks.end[1].is_complete().unwrap_or(true))
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let generic = Error::Timeout {
+            waiting_for: "the GPU ring's streams (aborted: a peer stopped?)".into(),
+            after: timeout,
+        };
+        let Some(kernel) = self.held.as_ref().and_then(|h| h.one_kernel.as_ref()) else {
+            return generic;
+        };
+        let Some(failed) = kernel.failure() else {
+            return generic;
+        };
+        let what = self.one_kernel_log.name(failed.collective);
+        match failed.failure {
+            OneKernelFailure::Timeout { peer } | OneKernelFailure::Aborted { peer }
+                if peer != self.rank =>
+            {
+                Error::Timeout {
+                    waiting_for: format!("rank {peer} to arrive at {what}"),
+                    after: timeout,
+                }
+            }
+            _ => self.one_kernel_failure().unwrap_or(generic),
         }
     }
 

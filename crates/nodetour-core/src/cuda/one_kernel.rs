@@ -11,7 +11,16 @@
 //! `(peer, b)` of its own page reached `tick` for every peer — polling the rank's stop word and
 //! the global timer between reads, so an abort or a deadline ends the wait, latched into the
 //! block's word of the rank's status page (1 aborted, 2 timeout, 3 a peer's digest differs; the
-//! peer in bits 8..16). A block that fails a barrier writes nothing more.
+//! peer in bits 8..16, the collective's number on this GPU in bits 16..32; the first failure
+//! stays). The digest in the arrival word is the descriptor's mixed with the collective's
+//! number, so an arrival of another collective at the same tick is a disagreement.
+//!
+//! **A failure ends the rank.** A block that fails a barrier writes nothing more and sets the
+//! rank's stop word itself ([`STOP_ONE_KERNEL`]), and every launch reads the stop word at its
+//! start, before it writes anything: a rank whose barrier failed (its sequence words not
+//! advanced) never arrives anywhere again, so no launch queued behind the failed one — eager or
+//! a graph replay — reuses its tick and its half, where a late peer would pair its collective
+//! with this rank's next one (`tests/one_kernel_model.rs` models it).
 //!
 //! - **One-shot**: block `b` copies its slice of the caller's input into this rank's scratch
 //!   half, meets its peers, and reduces the slice from every rank's half **in rank order**
@@ -88,19 +97,25 @@ pub(crate) struct OneShotArgs {
     pub reserved: u32,
 }
 
-/// Status codes a block latches (low byte of its status word; the peer in bits 8..16).
+/// What a block whose barrier failed stores into its rank's stop word (the host's abort stores
+/// 1, a guarded wait that timed out [`crate::transport::gpu::STOP_TIMED_OUT`]).
+pub const STOP_ONE_KERNEL: u32 = 3;
+
+/// Status codes a block latches (low byte of its status word; the peer in bits 8..16, the
+/// collective's number on this GPU, modulo 2^16, in bits 16..32).
 pub mod status {
     /// The rank's stop word was set while the block waited.
     pub const ABORTED: u32 = 1;
     /// A peer did not arrive before the deadline.
     pub const TIMEOUT: u32 = 2;
-    /// A peer arrived with another descriptor digest.
+    /// A peer arrived with another descriptor digest (or as another collective).
     pub const DISAGREEMENT: u32 = 3;
 }
 
 /// The kernels' CUDA source (appended to [`super::reduce::SOURCE`]).
 pub const SOURCE: &str = r#"
 #define NT_ONE_MAX_RANKS 8
+#define NT_STOP_ONE_KERNEL 3u
 struct OneShot {
     u64 scratch[NT_ONE_MAX_RANKS];
     u64 signals[NT_ONE_MAX_RANKS];
@@ -120,11 +135,17 @@ template<class T> __device__ __forceinline__ T nt_ld1(const T* p) {
     else { asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(x.l) : "l"(p)); }
     return x.t;
 }
+// The digest a rank's arrival carries: the descriptor's, mixed with the collective's number
+// (its sequence words), so an arrival of another collective at the same tick never matches.
+__device__ __forceinline__ unsigned nt_arrival_digest(const OneShot& a, unsigned calls) {
+    return a.digest ^ (calls * 0x9e3779b1u);
+}
 // Thread 0 of a block: arrive at every peer, then wait for every peer's arrival at `tick`
 // (or the stop word, or the deadline). Returns the status code (0: every peer arrived).
-__device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned* who) {
+__device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned calls, unsigned* who) {
     const unsigned G = gridDim.x, b = blockIdx.x;
-    const u64 word = ((u64)tick << 32) | a.digest;
+    const unsigned digest = nt_arrival_digest(a, calls);
+    const u64 word = ((u64)tick << 32) | digest;
     // A stopped rank (aborted: its communicator is broken) arrives nowhere, even in a graph
     // replayed after the abort, and writes nothing.
     if (*(const volatile unsigned*)a.stop) { *who = a.rank; return 1; }
@@ -139,7 +160,7 @@ __device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned* wh
             const unsigned s = (unsigned)(v >> 32);
             if ((int)(s - tick) >= 0) {
                 // A peer already past `tick` checked our digest against its own at `tick`.
-                if (s == tick && (unsigned)v != a.digest) { *who = r; return 3; }
+                if (s == tick && (unsigned)v != digest) { *who = r; return 3; }
                 break;
             }
             if ((i & 63) == 63) {
@@ -151,19 +172,29 @@ __device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned* wh
     }
     return 0;
 }
+// Thread 0: latches `code` into the block's status word unless an earlier failure is there
+// (the first failure names the cause), and ends the rank: its stop word set, every later
+// launch of this rank returns before it writes or arrives anywhere.
+__device__ void nt_one_fail(const OneShot& a, unsigned code, unsigned who, unsigned calls) {
+    volatile unsigned* st = (volatile unsigned*)(a.status + 64ull * blockIdx.x);
+    if (*st == 0) *st = code | (who << 8) | (calls << 16);
+    volatile unsigned* stop = (volatile unsigned*)a.stop;
+    if (*stop == 0) *stop = NT_STOP_ONE_KERNEL;
+    __threadfence_system();
+}
 // Every thread of the block: what it wrote is visible system-wide, then the block's barrier
 // with every peer's block of the same index at `tick`; whether every peer arrived (else the
-// block's status word says why, and the block must stop).
-__device__ bool nt_sync_peers(const OneShot& a, unsigned tick) {
+// block's status word says why, the rank is stopped, and the block must stop).
+__device__ bool nt_sync_peers(const OneShot& a, unsigned tick, unsigned calls) {
     __shared__ unsigned s_ok;
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned who = 0;
-        const unsigned code = nt_one_barrier(a, tick, &who);
+        const unsigned code = nt_one_barrier(a, tick, calls, &who);
         __threadfence_system();
         s_ok = code == 0;
-        if (code) *(volatile unsigned*)(a.status + 64ull * blockIdx.x) = code | (who << 8);
+        if (code) nt_one_fail(a, code, who, calls);
     }
     __syncthreads();
     return s_ok != 0;
@@ -216,13 +247,17 @@ template<class T, class Op> __device__ void nt_reduce_range(T* d, const OneShot&
 }
 __device__ __forceinline__ u64 nt_round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
 // This block's sequence words: the last barrier tick and the collectives run. Read by thread 0
-// at the start, written by it at the end (only when every barrier passed).
-struct NtSeq { unsigned tick, calls; };
+// at the start, written by it at the end (only when every barrier passed). `stopped`: the
+// rank's stop word was set before this launch wrote anything (an abort, or a failed barrier of
+// an earlier launch): the launch must return at once, writing nothing and arriving nowhere.
+struct NtSeq { unsigned tick, calls, stopped; };
 __device__ NtSeq nt_seq_begin(const OneShot& a) {
     __shared__ NtSeq s;
     if (threadIdx.x == 0) {
         s.tick = ((volatile unsigned*)a.counters)[blockIdx.x];
         s.calls = ((volatile unsigned*)a.counters)[gridDim.x + blockIdx.x] + 1;
+        s.stopped = *(const volatile unsigned*)a.stop != 0;
+        if (s.stopped) nt_one_fail(a, 1, a.rank, s.calls);
     }
     __syncthreads();
     return s;
@@ -242,9 +277,10 @@ template<class T, class Op> __device__ void one_shot(const OneShot& a) {
     const u64 lo = min(a.count, (u64)b * per), hi = min(a.count, lo + per);
     const bool vec = ((a.input | a.output) & 15) == 0;
     NtSeq s = nt_seq_begin(a);
+    if (s.stopped) return;
     const u64 half = (u64)(s.calls & 1) * a.half;
     nt_copy_range((T*)(a.scratch[a.rank] + half), (const T*)a.input, lo, hi, vec);
-    if (!nt_sync_peers(a, ++s.tick)) return;
+    if (!nt_sync_peers(a, ++s.tick, s.calls)) return;
     nt_reduce_range<T, Op>((T*)a.output, a, half, lo, hi, vec);
     nt_seq_end(a, s);
 }
@@ -259,6 +295,7 @@ template<class T, class Op> __device__ void two_shot(const OneShot& a) {
     const u64 sub = nt_round_up((seg + G - 1) / G, lanes);
     const bool vec = ((a.input | a.output) & 15) == 0;
     NtSeq s = nt_seq_begin(a);
+    if (s.stopped) return;
     // Symmetric buffers: the ranks' own buffers are the scratch (one half, in place).
     const u64 half = a.symmetric ? 0 : (u64)(s.calls & 1) * a.half;
     T* mine = (T*)(a.scratch[a.rank] + half);
@@ -266,12 +303,12 @@ template<class T, class Op> __device__ void two_shot(const OneShot& a) {
         const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
         nt_copy_range(mine, (const T*)a.input, lo, hi, vec);
     }
-    if (!nt_sync_peers(a, ++s.tick)) return;
+    if (!nt_sync_peers(a, ++s.tick, s.calls)) return;
     {
         const u64 lo = min(a.count, a.rank * seg + b * sub), hi = min(min(a.count, (a.rank + 1) * seg), lo + sub);
         nt_reduce_range<T, Op>(mine, a, half, lo, hi, true);
     }
-    if (!nt_sync_peers(a, ++s.tick)) return;
+    if (!nt_sync_peers(a, ++s.tick, s.calls)) return;
     for (unsigned q = 0; q < W; q++) {
         if (a.symmetric && q == a.rank) continue; // reduced in place already
         const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
@@ -279,7 +316,7 @@ template<class T, class Op> __device__ void two_shot(const OneShot& a) {
     }
     // Symmetric buffers have no second half: the caller may write its buffer as soon as this
     // kernel ends, so every peer must have finished reading this rank's segment first.
-    if (a.symmetric && !nt_sync_peers(a, ++s.tick)) return;
+    if (a.symmetric && !nt_sync_peers(a, ++s.tick, s.calls)) return;
     nt_seq_end(a, s);
 }
 #define ONE_SHOT(T, N) \
@@ -314,5 +351,8 @@ mod tests {
         assert!(SOURCE.contains("unsigned world, rank, digest, average, symmetric, reserved;"));
         assert_eq!(ONE_SHOT_MAX_RANKS, 8);
         assert!(SOURCE.contains("#define NT_ONE_MAX_RANKS 8"));
+        assert_eq!(STOP_ONE_KERNEL, 3);
+        assert!(SOURCE.contains("#define NT_STOP_ONE_KERNEL 3u"));
+        assert_ne!(STOP_ONE_KERNEL, crate::transport::gpu::STOP_TIMED_OUT);
     }
 }

@@ -197,7 +197,18 @@ pub struct OneKernel {
     timeout: Duration,
 }
 
-/// Why a one-kernel collective did not finish: what a block latched.
+/// Why a one-kernel collective did not finish: what a block latched, and which collective
+/// (its number on this rank's GPU: the launches that ran to their end before it, plus one,
+/// modulo 2^16; graph replays count like eager launches).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OneKernelFailed {
+    /// What happened.
+    pub failure: OneKernelFailure,
+    /// The failed collective's number on this GPU, modulo 2^16.
+    pub collective: u16,
+}
+
+/// What a block latched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OneKernelFailure {
     /// The rank's stop word ended the wait (it aborted) while it waited for `peer`.
@@ -335,20 +346,45 @@ impl OneKernel {
         kernels.one_kernel(stream, dtype, op, self.two_shot(bytes), &mut args)
     }
 
-    /// What a failed collective's blocks latched (the first block's), read once the stream
-    /// has passed the collectives (the words are written by the kernels and never cleared: a
-    /// failure ends the ring).
-    pub fn failure(&self) -> Option<OneKernelFailure> {
-        (0..ONE_SHOT_BLOCKS).find_map(|b| {
+    /// What a failed collective's blocks latched, read once the stream has passed the
+    /// collectives (the words are written by the kernels and never cleared: a failure ends the
+    /// ring). The first failure, by collective, then the cause over its echoes: a block that
+    /// timed out or saw a disagreement stopped the rank, and its sibling blocks then report
+    /// the stop (an abort) for the same collective.
+    pub fn failure(&self) -> Option<OneKernelFailed> {
+        let latched = (0..ONE_SHOT_BLOCKS).filter_map(|b| {
             let w = self.own.status.read(b).ok()?;
             let peer = (w >> 8) & 0xff;
-            match w & 0xff {
-                0 => None,
-                status::ABORTED => Some(OneKernelFailure::Aborted { peer }),
-                status::TIMEOUT => Some(OneKernelFailure::Timeout { peer }),
-                _ => Some(OneKernelFailure::Disagreement { peer }),
+            let failure = match w & 0xff {
+                0 => return None,
+                status::ABORTED => OneKernelFailure::Aborted { peer },
+                status::TIMEOUT => OneKernelFailure::Timeout { peer },
+                _ => OneKernelFailure::Disagreement { peer },
+            };
+            Some(OneKernelFailed {
+                failure,
+                collective: (w >> 16) as u16,
+            })
+        });
+        // Collectives before the wrap of the 16-bit number are compared cyclically from any
+        // one of them: the failures are at most a few collectives apart.
+        let mut first: Option<OneKernelFailed> = None;
+        for f in latched {
+            let replace = match first {
+                None => true,
+                Some(g) => {
+                    let ahead = f.collective.wrapping_sub(g.collective) as i16;
+                    ahead < 0
+                        || ahead == 0
+                            && matches!(g.failure, OneKernelFailure::Aborted { .. })
+                            && !matches!(f.failure, OneKernelFailure::Aborted { .. })
+                }
+            };
+            if replace {
+                first = Some(f);
             }
-        })
+        }
+        first
     }
 
     /// Closes this rank's mappings of its peers' memory (each once the work queued on it has
