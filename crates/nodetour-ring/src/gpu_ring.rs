@@ -556,6 +556,10 @@ impl GpuRing {
         if self.held.is_none() {
             return Ok(());
         }
+        if self.captured() {
+            self.keep_for_replays();
+            return Ok(());
+        }
         let held = self.drained_held(timeout)?;
         let Held {
             send,
@@ -643,7 +647,34 @@ impl GpuRing {
         Err(e)
     }
 
+    /// A ring whose collectives were captured into CUDA graphs: a replay may be in flight, or
+    /// be launched after the ring closed (the graphs are the caller's), and each touches this
+    /// rank's slots, flag pages, guard words and scratch and its mappings of the peers'. So
+    /// the ring stops for good (its stop word: every replay's waits end at once and it writes
+    /// nothing into a peer's memory; a one-kernel replay returns before it writes anything)
+    /// and keeps all of that memory for the life of the process, leaked and logged, rather
+    /// than free what a replay may still use: no deadline bounds when a graph runs.
+    /// The stop word is set without end notices: the neighbours may still be finishing their
+    /// last collectives (the close's handshake comes after this), and a notice would fail
+    /// them; a neighbour's own replay after the close ends by its guarded waits' deadline.
+    fn keep_for_replays(&mut self) {
+        self.abort.stop_quietly();
+        let (held, exports) = (self.held.take(), self.exports.take());
+        if held.is_some() || exports.is_some() {
+            tracing::warn!(
+                "the GPU ring was captured into CUDA graphs: its streams, slots, flag pages and \
+                 scratch stay allocated (leaked) so that a replay after the close finds them; \
+                 its stop word makes every such replay a no-op"
+            );
+        }
+        std::mem::forget((held, exports));
+    }
+
     fn shut_down(&mut self, timeout: Duration) -> Result<()> {
+        if self.captured() {
+            self.keep_for_replays();
+            return Ok(());
+        }
         let result = if self.held.is_some() {
             self.drained_held(timeout).map(drop)
         } else {
@@ -869,7 +900,7 @@ impl GpuRing {
                 reason: "the ring was closed".into(),
             });
         }
-        if let Some((e, _)) = self.abort.read_notice(self.queued) {
+        if let Some((e, _)) = self.abort.read_notice(self.queued, self.captured()) {
             self.abort.abort_with(e.clone());
             return Err(e);
         }
@@ -1326,6 +1357,37 @@ impl GpuRing {
         timeout: Duration,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
+        self.wait_until(None, timeout, alive)
+    }
+
+    /// [`Self::wait_alive`], and first until `stream` has run everything queued on it so far:
+    /// graph replays of this ring's collectives included, which the host does not see
+    /// launched. Their outcome is what the GPU latched (a guarded wait that timed out, a
+    /// one-kernel block that failed: the stop word keeps it) and the neighbours' notices, each
+    /// of which taints every replay not yet confirmed by a wait.
+    pub fn wait_stream(
+        &mut self,
+        stream: &GpuStream,
+        timeout: Duration,
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+    ) -> Result<()> {
+        let g = |e| gpu_error("marking the caller's stream", e);
+        let done = GpuEvent::marker(stream.context()).map_err(g)?;
+        stream.record_marker(&done).map_err(g)?;
+        self.wait_until(Some(&done), timeout, alive)
+    }
+
+    /// Whether any collective of this ring was captured into a CUDA graph.
+    fn captured(&self) -> bool {
+        self.ring_captured || self.one_kernel_log.captured
+    }
+
+    fn wait_until(
+        &mut self,
+        stream_done: Option<&GpuEvent>,
+        timeout: Duration,
+        alive: &dyn Fn() -> nodetour_core::Result<()>,
+    ) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let g = |e| gpu_error("waiting for the collective", e);
         let spin_until = Instant::now() + Duration::from_micros(50);
@@ -1340,11 +1402,14 @@ impl GpuRing {
             if carried
                 && self.marks.end[0].is_complete().map_err(g)?
                 && self.marks.end[1].is_complete().map_err(g)?
+                && stream_done
+                    .map_or(Ok(true), GpuEvent::is_complete)
+                    .map_err(g)?
             {
                 // Read the neighbours' notices once more after the streams finished: a
                 // neighbour that aborted told us before its stop word ended its waits.
                 let failed = self.abort.error();
-                let ended = self.abort.read_notice(self.queued);
+                let ended = self.abort.read_notice(self.queued, self.captured());
                 if let Some((e, _)) = &ended {
                     // Ended by a neighbour: nothing more runs on this ring.
                     self.abort.abort_with(e.clone());
@@ -1379,7 +1444,8 @@ impl GpuRing {
                     // waits for an equal descriptor): abort, tell the neighbours, drain.
                     self.abort.abort_with(e.clone());
                     lost = Some(e);
-                } else if let Some((e, true)) = self.abort.read_notice(self.queued) {
+                } else if let Some((e, true)) = self.abort.read_notice(self.queued, self.captured())
+                {
                     // A collective queued here is tainted: abort (which tells the other
                     // neighbour) and keep polling; the streams drain now that the stop word
                     // ends every wait. (A notice for a later collective waits for these.)
@@ -1577,6 +1643,16 @@ impl AbortHandle {
         }
     }
 
+    /// Sets the stop word (unless the GPU set it first) and nothing else: no end notice, no
+    /// error recorded. For a ring closing in order.
+    fn stop_quietly(&self) {
+        if let Some(stop) = &self.shared.stop {
+            if let Err(e) = stop.set() {
+                tracing::error!(error = %e, "could not set the GPU ring's stop word");
+            }
+        }
+    }
+
     /// The error the ring ended with, if it did.
     pub fn error(&self) -> Option<Error> {
         self.shared.failed.lock().ok().and_then(|f| f.clone())
@@ -1586,7 +1662,10 @@ impl AbortHandle {
     /// collective before `queued` (one this rank has queued and not seen finish, whose result
     /// may be garbage) rather than a later one (the ones queued here finish correctly: the
     /// neighbour saw its part of them finish before it ended).
-    fn read_notice(&self, queued: u64) -> Option<(Error, bool)> {
+    /// With `captured` (collectives of this ring were captured into CUDA graphs, whose replays
+    /// the host does not count) every notice taints: the host cannot tell which replays it
+    /// covers.
+    fn read_notice(&self, queued: u64, captured: bool) -> Option<(Error, bool)> {
         let ends = self.shared.ends.as_ref()?;
         let (me, world) = self.shared.position;
         let confirmed = self.shared.confirmed.load(Ordering::Acquire);
@@ -1607,7 +1686,7 @@ impl AbortHandle {
                 seq,
                 reason: "it aborted or failed; the collectives from this one on are garbage".into(),
             };
-            return Some((e, seq < queued));
+            return Some((e, seq < queued || captured));
         }
         None
     }

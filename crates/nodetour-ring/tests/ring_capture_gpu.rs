@@ -425,3 +425,146 @@ impl Case {
         check(&what, r, &got, &want);
     }
 }
+
+/// Replays report their outcome and outlive the close (issue 34, item 4), two processes on
+/// GPU 0, on the stream-ordered ring and on the one-kernel path, every replay on an input of
+/// its own and every `Ok` checked:
+/// - rank 1 starts each replay 300 ms after rank 0: `wait` right after rank 0's launch says
+///   nothing about the replay (it reports calls, and returns at once: the drill prints it), and
+///   `wait_stream` returns only once the replay ran, with the right answer;
+/// - rank 1 aborts instead of launching replay 4: rank 0's `wait_stream` fails (the notice
+///   taints every replay not yet confirmed), never `Ok`;
+/// - both close, then launch the graph again: the replays after the close touch memory the ring
+///   kept for them and do nothing (no CUDA error on the stream).
+#[test]
+#[ignore = "needs a GPU"]
+fn replays_report_their_outcome_and_outlive_the_close() {
+    if common::gpus().is_none() {
+        return;
+    }
+    for one_kernel in ["off", "force"] {
+        // 20 s: formation on a cold machine (kernels loaded for the first time) takes seconds;
+        // nothing here waits for the timeout.
+        common::run_rank_processes(
+            "ring_replay_outcome_rank",
+            CHILD,
+            2,
+            20_000,
+            |_, c| {
+                c.env_remove("NODETOUR_HOST_ID")
+                    .env("NODETOUR_TRANSPORT", "cuda-ipc")
+                    .env("NODETOUR_ONE_KERNEL", one_kernel);
+            },
+            Duration::from_secs(120),
+        );
+    }
+}
+
+/// One rank of the test above (only as its child).
+#[test]
+#[ignore = "a rank of replays_report_their_outcome_and_outlive_the_close"]
+fn ring_replay_outcome_rank() {
+    if std::env::var_os(CHILD).is_none() {
+        println!("SKIP runs only as a rank of replays_report_their_outcome_and_outlive_the_close");
+        return;
+    }
+    let mut o = Options::from_env().unwrap();
+    o.gpu = Some(0);
+    let comm = Communicator::from_env(o).unwrap();
+    let (r, world) = (comm.rank(), comm.world());
+    let path = std::env::var("NODETOUR_ONE_KERNEL").unwrap_or_default();
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let cu_stream = ctx.new_stream().unwrap();
+    let stream = GpuStream::of_cudarc(&cu_stream);
+    // The one-kernel path takes small collectives (at most NODETOUR_ONE_KERNEL_MAX).
+    let (t, n) = if path == "force" {
+        (DataType::F32, 65_536usize)
+    } else {
+        (DataType::F32, 4_000_037usize)
+    };
+    let buf = DeviceBuffer::new(&ctx, n * 4).unwrap();
+    use cudarc::driver::sys;
+    cu_stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    comm.all_reduce_device_buffer(&buf, n, t, ReduceOp::Sum, &stream)
+        .unwrap();
+    let graph = cu_stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    let deadline = || Deadline::after(Duration::from_secs(20));
+    let mut got = vec![0u8; n * 4];
+    let mut verified = 0;
+    for k in 0..4u64 {
+        buf.copy_from_host(0, &input(t, r, n, 100 + k)).unwrap();
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        graph.launch().unwrap();
+        if r == 0 {
+            let started = std::time::Instant::now();
+            let plain = comm.wait(deadline());
+            let ran = stream_done(&cu_stream);
+            println!(
+                "RING_REPLAY path={path} replay={k} rank=0 wait_after_launch={plain:?} after_ms={} replay_done_then={ran}",
+                started.elapsed().as_millis()
+            );
+        }
+        comm.wait_stream(&stream, deadline())
+            .unwrap_or_else(|e| panic!("rank {r} replay {k}: {e}"));
+        assert!(
+            stream_done(&cu_stream),
+            "wait_stream returned before the replay ran"
+        );
+        buf.copy_to_host(0, &mut got).unwrap();
+        check(
+            &format!("replay {k} (path {path})"),
+            r,
+            &got,
+            &expected(t, ReduceOp::Sum, world, n, 100 + k),
+        );
+        verified += 1;
+    }
+    // Replay 4: rank 1 aborts instead of launching it; rank 0's replay waits for it.
+    buf.copy_from_host(0, &input(t, r, n, 104)).unwrap();
+    if r == 0 {
+        graph.launch().unwrap();
+        let started = std::time::Instant::now();
+        match comm.wait_stream(&stream, deadline()) {
+            Ok(()) => {
+                buf.copy_to_host(0, &mut got).unwrap();
+                let right = got == expected(t, ReduceOp::Sum, world, n, 104);
+                panic!(
+                    "rank 0: replay 4 returned Ok (right answer: {right}) although rank 1 aborted"
+                );
+            }
+            Err(e) => println!(
+                "RING_REPLAY path={path} replay=4 rank=0 failed_after_ms={} error=\"{e}\"",
+                started.elapsed().as_millis()
+            ),
+        }
+    } else {
+        std::thread::sleep(Duration::from_millis(300));
+        comm.abort_handle().abort("the replay drill: rank 1 leaves");
+        let e = comm.wait_stream(&stream, deadline()).unwrap_err();
+        println!("RING_REPLAY path={path} replay=4 rank=1 error=\"{e}\"");
+    }
+    // Closed, then replayed: the memory the graph uses is still there, and the replay does
+    // nothing (its stop word is set for good).
+    let closed = comm.close(Deadline::after(Duration::from_secs(10)));
+    graph.launch().unwrap();
+    cu_stream
+        .synchronize()
+        .unwrap_or_else(|e| panic!("rank {r}: a replay after the close: {e:?}"));
+    println!(
+        "RING_REPLAY path={path} rank={r} ok_verified={verified} closed={closed:?} replay_after_close=no CUDA error"
+    );
+    drop(graph);
+}
+
+/// Whether `stream` has run everything queued on it (a query: nothing waits).
+fn stream_done(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> bool {
+    let event = stream.record_event(None).unwrap();
+    event.is_complete()
+}

@@ -301,6 +301,31 @@ impl SharedHostMemory {
         Ok(())
     }
 
+    /// Stores `new` into the 4-byte word at `offset` only if it holds `current`, atomically
+    /// against every other agent's store (a GPU's, another process's); returns the value it
+    /// held (the store happened if it equals `current`).
+    pub fn compare_exchange_u32(&self, offset: usize, current: u32, new: u32) -> Result<u32> {
+        self.check(offset, 4)?;
+        if offset % 4 != 0 {
+            return Err(Error::InvalidArgument {
+                reason: "flags are 4-byte aligned".into(),
+            });
+        }
+        let _cpu = self.cpu.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: in bounds and 4-byte aligned (checked above) in a live shared mapping that
+        // outlives this call; every agent accesses the word as a whole u32, so viewing it as
+        // an atomic for the duration of this call is sound.
+        let word = unsafe { std::sync::atomic::AtomicU32::from_ptr(self.ptr.add(offset).cast()) };
+        Ok(word
+            .compare_exchange(
+                current,
+                new,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            )
+            .unwrap_or_else(|held| held))
+    }
+
     fn check(&self, offset: usize, len: usize) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
@@ -350,6 +375,26 @@ mod tests {
         assert!(!a.name().path().exists(), "unlinked, still mapped");
         assert_eq!(b.read_u32(0).unwrap(), 7);
         assert!(a.read_u32(2).is_err() && a.read_at(a.len(), &mut got).is_err());
+    }
+
+    /// What the stop word rests on: a value another agent stored (a GPU's latched timeout,
+    /// here another mapping's) is never overwritten by a store-if-zero.
+    #[test]
+    fn compare_exchange_keeps_a_value_another_agent_stored() {
+        let a = SharedHostMemory::create(4096).unwrap();
+        let b = SharedHostMemory::open(a.name(), a.len()).unwrap();
+        assert_eq!(a.compare_exchange_u32(64, 0, 1).unwrap(), 0, "stored");
+        assert_eq!(b.read_u32(64).unwrap(), 1);
+        b.write_at(128, &2u32.to_ne_bytes()).unwrap();
+        assert_eq!(
+            a.compare_exchange_u32(128, 0, 1).unwrap(),
+            2,
+            "kept the other's 2"
+        );
+        assert_eq!(b.read_u32(128).unwrap(), 2);
+        assert!(
+            a.compare_exchange_u32(2, 0, 1).is_err() && a.compare_exchange_u32(4096, 0, 1).is_err()
+        );
     }
 
     #[test]

@@ -133,6 +133,12 @@ impl Flags {
     pub fn store(&self, rank: u32, value: u32) -> Result<()> {
         self.mem.write_at(self.offset(rank)?, &value.to_ne_bytes())
     }
+
+    /// Sets word `index` to `value` only if it is 0, atomically against a GPU's store into it;
+    /// returns what it held (0: the store happened).
+    pub fn store_if_zero(&self, index: u32, value: u32) -> Result<u32> {
+        self.mem.compare_exchange_u32(self.offset(index)?, 0, value)
+    }
 }
 
 /// A page of 32-bit flags that streams wait on and set: in shared host memory ([`Flags`], any
@@ -171,9 +177,12 @@ impl StopWord {
         Ok(StopWord { page, index })
     }
 
-    /// Sets the word from the host (a plain store: no CUDA call).
+    /// Sets the word from the host (no CUDA call), unless the GPU set it first: a value a
+    /// guarded wait or a one-kernel block latched ([`STOP_TIMED_OUT`],
+    /// [`crate::cuda::one_kernel::STOP_ONE_KERNEL`]) is never erased, so the cause stays
+    /// readable after the host's abort.
     pub fn set(&self) -> Result<()> {
-        self.page.store(self.index, 1)
+        self.page.store_if_zero(self.index, 1).map(drop)
     }
 
     /// Whether the word is set.

@@ -441,7 +441,8 @@ impl Communicator {
     /// Waits until every collective issued so far has finished on this rank (device
     /// collectives run on their streams after the calls returned), to `deadline`, and returns
     /// the first failure if there was one; a failure breaks the communicator. Host collectives
-    /// finish before they return.
+    /// finish before they return. Replays of CUDA graphs are not calls: after launching one,
+    /// use [`Self::wait_stream`].
     pub fn wait(&self, deadline: Deadline) -> Result<()> {
         if let Some(m) = &self.member {
             return m.set.wait(deadline.remaining());
@@ -461,6 +462,49 @@ impl Communicator {
         };
         let bootstrap = &job.job;
         let result = ring.wait_alive(deadline.remaining(), &|| bootstrap.check_present());
+        if let Err(e) = &result {
+            failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+
+    /// [`Self::wait`], and first until `stream` has run everything queued on it so far: the
+    /// replays of CUDA graphs that captured this communicator's collectives included, which
+    /// the communicator does not see launched. Their outcome is what the GPU recorded (a wait
+    /// inside the graph that timed out, a one-kernel collective that failed) and every
+    /// neighbour's failure, which fails every replay not yet confirmed by a wait. Waiting on
+    /// the stream in any other way (`cuStreamSynchronize`, an event) runs the replays but
+    /// reports nothing: their results are trustworthy only after this returns `Ok`.
+    pub fn wait_stream(&self, stream: &GpuStream, deadline: Deadline) -> Result<()> {
+        if let Some(m) = &self.member {
+            let g = |e| gpu_error(e);
+            let done = nodetour_core::cuda::GpuEvent::marker(stream.context()).map_err(g)?;
+            stream.record_marker(&done).map_err(g)?;
+            while !done.is_complete().map_err(g)? {
+                if deadline.remaining().is_zero() {
+                    return Err(Error::Timeout {
+                        waiting_for: "the caller's stream".into(),
+                        after: self.timeout,
+                    });
+                }
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+            return m.set.wait(deadline.remaining());
+        }
+        let mut state = self.lock()?;
+        if let Some(first) = &state.failed {
+            return Err(Error::Broken {
+                first: Box::new(first.clone()),
+            });
+        }
+        let State { job, failed } = &mut *state;
+        let Some(job) = job.as_mut().filter(|j| j.gpu_ring.is_some()) else {
+            drop(state);
+            return self.wait(deadline);
+        };
+        let bootstrap = &job.job;
+        let ring = job.gpu_ring.as_mut().expect("checked above");
+        let result = ring.wait_stream(stream, deadline.remaining(), &|| bootstrap.check_present());
         if let Err(e) = &result {
             failed.get_or_insert_with(|| e.clone());
         }
