@@ -177,7 +177,7 @@ fn run() -> anyhow::Result<()> {
     let comm = &g.variants[0].comm;
     let deadline = || Deadline::after(config.timeout);
     if args.kill_rank.is_some() || args.abort_rank.is_some() {
-        return drill(&g, &args, &config);
+        return drill(g, &args, &config);
     }
     if let Some(victim) = args.close_rank {
         return close_drill(g, victim, &config);
@@ -486,7 +486,7 @@ fn close_drill(g: GpuJob, victim: u32, config: &Config) -> anyhow::Result<()> {
 /// watchdog thread after a few. Collective k's input is seeded by k and the rank (small
 /// integers: f32 sums are exact): every collective that returns `Ok` is compared bit for bit
 /// with its own reference, before and after the failure.
-fn drill(g: &GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
+fn drill(g: GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
     let comm = &g.variants[0].comm;
     let count = args.drill_bytes.unwrap_or(64 << 20) / 4;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
@@ -558,12 +558,26 @@ fn drill(g: &GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
     if waited > 2 * config.timeout {
         bail!("rank {me} took longer than 2x the timeout to notice");
     }
-    // The ring's streams drained: dropping everything must not hang either.
+    // The teardown with a rank gone: what this rank exported is freed only once every live
+    // neighbour confirmed its close (else leaked: the log says which), and the GPU is fine
+    // after it (no fault from memory freed under a neighbour's write).
     let t = std::time::Instant::now();
     drop(buf);
+    let context = g.context.clone();
+    let closed = g.close(Deadline::after(config.timeout));
+    let probe = DeviceBuffer::new(&context, 4096).and_then(|b| {
+        b.copy_from_host(0, &[7u8; 4096])?;
+        let mut back = [0u8; 4096];
+        b.copy_to_host(0, &mut back)?;
+        Ok(back == [7u8; 4096])
+    });
+    let cuda_ok = stream.synchronize().is_ok() && matches!(probe, Ok(true));
     println!(
-        "GPU_RING_DRILL rank={me} teardown_ms={}",
+        "GPU_RING_DRILL rank={me} teardown_ms={} close={closed:?} cuda_ok={cuda_ok}",
         t.elapsed().as_millis()
     );
+    if !cuda_ok {
+        bail!("rank {me}: the GPU failed after the teardown: {probe:?}");
+    }
     Ok(())
 }

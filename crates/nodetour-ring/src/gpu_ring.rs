@@ -88,8 +88,14 @@ pub mod flag {
     /// cleared: every wait its streams queued ends, and no guarded write or signal starts
     /// (`nodetour_core::transport::gpu::StopWord`).
     pub const STOPPED: u32 = DESC_BASE + DESC_CELLS;
+    /// Host page only: the previous rank closed its mappings of this rank's memory (stored by
+    /// its host at teardown, after its streams drained): this rank may free what it exported
+    /// to it.
+    pub const CLOSED_BY_PREV: u32 = STOPPED + 2;
+    /// Host page only: the same from the next rank.
+    pub const CLOSED_BY_NEXT: u32 = STOPPED + 3;
     /// Words in the page.
-    pub const WORDS: u32 = STOPPED + 2;
+    pub const WORDS: u32 = STOPPED + 4;
 }
 
 /// Default slot size for cuda-ipc: large chunks keep the per-chunk hand-off small beside a
@@ -298,6 +304,8 @@ pub struct GpuRing {
     one_kernel_path: String,
     // The one-kernel collectives queued (to name the one that failed).
     one_kernel_log: OneKernelLog,
+    // The neighbours' job ranks (previous, next), for the teardown's confirmations.
+    neighbours: Option<(u32, u32)>,
 }
 
 /// The one-kernel collectives a rank queued, by their number on its GPU (what a failed block
@@ -523,6 +531,7 @@ impl GpuRing {
             one_kernel_max: 0,
             one_kernel_path: String::new(),
             one_kernel_log: OneKernelLog::default(),
+            neighbours: None,
         })
     }
 
@@ -587,6 +596,10 @@ impl GpuRing {
                 ..
             } = l;
             drop((outgoing, next_flags, prev_flags));
+            // Tell both neighbours that nothing of this rank maps their memory any more (their
+            // host pages: shared files, which stay valid while either side maps them).
+            let _ = ends.next.store(flag::CLOSED_BY_PREV, 1);
+            let _ = ends.prev.store(flag::CLOSED_BY_NEXT, 1);
             // The network links stay up until every rank has drained (the caller's handshake):
             // a neighbour still finishing its last collective must not see its link cut.
             self.exports = Some(Exports {
@@ -598,6 +611,29 @@ impl GpuRing {
             });
         }
         Ok(())
+    }
+
+    /// The neighbours' job ranks (previous, next): whose confirmations the teardown reads.
+    pub(crate) fn set_neighbours(&mut self, prev: u32, next: u32) {
+        self.neighbours = Some((prev, next));
+    }
+
+    /// Whether every neighbour that maps this rank's memory has said it closed its mappings
+    /// ([`flag::CLOSED_BY_PREV`] / [`flag::CLOSED_BY_NEXT`] in this rank's page) or is
+    /// `absent` (lost or gone: its mappings went with its process): only then may the
+    /// memory this rank exported be freed. The one-kernel path's scratch is mapped by every
+    /// rank of the host, which write no confirmation: it is freed only after the handshake.
+    pub(crate) fn neighbours_closed(&self, absent: &dyn Fn(u32) -> bool) -> bool {
+        let Some(e) = &self.exports else { return true };
+        if e._one_kernel.is_some() {
+            return false;
+        }
+        let Some((prev, next)) = self.neighbours else {
+            return false;
+        };
+        [(flag::CLOSED_BY_PREV, prev), (flag::CLOSED_BY_NEXT, next)]
+            .into_iter()
+            .all(|(word, rank)| absent(rank) || e._ends.mine.read(word).is_ok_and(|v| v != 0))
     }
 
     /// Leaks the memory this rank exported (a neighbour that may still map it did not confirm

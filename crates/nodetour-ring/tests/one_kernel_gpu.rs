@@ -273,6 +273,20 @@ fn one_kernel_rank() {
     }
     drop(sym_graph);
     wait().unwrap();
+    // The communicator is held inside the closure: a call of it there fails typed instead of
+    // waiting for itself, and a panic there leaves it usable.
+    let inner = sym
+        .with_device_buffer(|_| comm.wait(Deadline::after(Duration::from_secs(1))))
+        .unwrap();
+    assert!(
+        matches!(inner, Err(nodetour_ring::Error::InvalidArgument { .. })),
+        "rank {r}: a call inside the closure: {inner:?}"
+    );
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        sym.with_device_buffer(|_| panic!("the caller's own panic"))
+    }));
+    assert!(panicked.is_err(), "rank {r}: the closure's panic went on");
+    wait().unwrap_or_else(|e| panic!("rank {r}: unusable after a panic in the closure: {e}"));
     println!("ONE_KERNEL_SYMMETRIC OK rank={r} world={world} cases={cases} replays=3");
 
     // Drill: rank 0 replays once more alone and aborts while its kernel waits for ranks that

@@ -14,6 +14,11 @@
 //! 4. a rank that reports `Ok` has the exact result of every collective, and so does any rank
 //!    that never stopped and finished its streams.
 //!
+//! 5. a rank frees the memory it exported (its slots, its flag pages) at teardown only when
+//!    no live neighbour can still write it: ranks tear down at random points once their own
+//!    streams finished, and a write or store into freed memory is a violation. The rule before
+//!    (free as soon as the handshake fails because some rank is lost) is kept as a mutation.
+//!
 //! The previous protocol (an abort stores "far ahead" values into its own flags to release its
 //! waits, and writes are not guarded) is kept as a mutation: the simulator must catch it
 //! writing without credit and blocking again after a live peer's late store.
@@ -92,6 +97,10 @@ struct Stream {
 }
 
 struct Rank {
+    /// Its streams finished and it closed its mappings of the neighbours' memory (teardown).
+    closed: bool,
+    /// It freed the memory it exported (its slots and flag pages).
+    freed: bool,
     ready: u32,
     released: u32,
     /// The released values the next rank's stream really stored (no host store changes it).
@@ -109,11 +118,34 @@ struct Rank {
 
 #[derive(Debug, PartialEq, Eq)]
 enum Violation {
-    WriteWithoutCredit { rank: usize },
-    StuckAfterAbort { rank: usize },
+    WriteWithoutCredit {
+        rank: usize,
+    },
+    StuckAfterAbort {
+        rank: usize,
+    },
     Deadlock,
-    WrongOk { rank: usize },
-    WrongResultWithoutStop { rank: usize },
+    WrongOk {
+        rank: usize,
+    },
+    WrongResultWithoutStop {
+        rank: usize,
+    },
+    /// A stream wrote a slot or stored a flag of a rank that had freed that memory.
+    WriteAfterFree {
+        rank: usize,
+        freed: usize,
+    },
+}
+
+/// When a rank frees what it exported, once the teardown handshake (a barrier of every rank)
+/// has failed because a rank is lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Teardown {
+    /// At once (the rule before: a lost rank made every rank count as closed).
+    WhenAnyLost,
+    /// Once each neighbour confirmed it closed its mappings or is lost; else never (leaked).
+    Confirmed,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -126,6 +158,8 @@ struct Faults {
     /// This rank queues one collective more than the others (it called `all_reduce` once
     /// more before it learnt that the ring ended); the others time out waiting for it.
     extra: Option<usize>,
+    /// The teardown rule.
+    teardown: Teardown,
 }
 
 impl Faults {
@@ -133,6 +167,7 @@ impl Faults {
         abort: None,
         kill: None,
         extra: None,
+        teardown: Teardown::Confirmed,
     };
 }
 
@@ -165,6 +200,8 @@ fn run(
         .collect();
     let mut ranks: Vec<Rank> = (0..world)
         .map(|r| Rank {
+            closed: false,
+            freed: false,
             ready: start,
             released: start,
             granted: start,
@@ -328,6 +365,14 @@ fn run(
             if !me.aborted && (me.notice || any_lost) {
                 runnable.push((r, 2));
             }
+            // A rank whose streams finished tears down (closes its mappings, then maybe frees);
+            // without a lost rank only once every rank finished (the handshake's barrier).
+            let finished =
+                |x: &Rank| x.send.at == x.send.ops.len() && x.recv.at == x.recv.ops.len();
+            let all_finished = ranks.iter().all(|x| x.lost || finished(x));
+            if !me.closed && finished(me) && (any_lost || all_finished) {
+                runnable.push((r, 3));
+            }
         }
         if runnable.is_empty() {
             let left: Vec<usize> = (0..world)
@@ -354,6 +399,19 @@ fn run(
         let (r, which) = runnable[rng.below(runnable.len())];
         if which == 2 {
             abort(&mut ranks, r);
+            continue;
+        }
+        if which == 3 {
+            ranks[r].closed = true;
+            let any_lost = ranks.iter().any(|x| x.lost);
+            let (next, prev) = ((r + 1) % world, (r + world - 1) % world);
+            let done = |x: &Rank| x.lost || x.closed;
+            ranks[r].freed = match (any_lost, faults.teardown) {
+                // The handshake: every rank closed before any frees (all finished, above).
+                (false, _) => true,
+                (true, Teardown::WhenAnyLost) => true,
+                (true, Teardown::Confirmed) => done(&ranks[next]) && done(&ranks[prev]),
+            };
             continue;
         }
         let (next, prev) = ((r + 1) % world, (r + world - 1) % world);
@@ -402,10 +460,22 @@ fn run(
                 if credit.is_some_and(|v| !reached(ranks[r].granted, v)) {
                     return Err(Violation::WriteWithoutCredit { rank: r });
                 }
+                if ranks[next].freed {
+                    return Err(Violation::WriteAfterFree {
+                        rank: r,
+                        freed: next,
+                    });
+                }
                 let chunk = ranks[r].data[coll][from..to].to_vec();
                 ranks[next].slots[slot][..chunk.len()].copy_from_slice(&chunk);
             }
             Op::Tell { desc, ready } => {
+                if ranks[next].freed {
+                    return Err(Violation::WriteAfterFree {
+                        rank: r,
+                        freed: next,
+                    });
+                }
                 if let Some((cell, word)) = desc {
                     ranks[next].desc[cell] = word;
                 }
@@ -431,6 +501,12 @@ fn run(
                 }
             }
             Op::Release(v) => {
+                if ranks[prev].freed {
+                    return Err(Violation::WriteAfterFree {
+                        rank: r,
+                        freed: prev,
+                    });
+                }
                 ranks[prev].released = v;
                 ranks[prev].granted = v;
             }
@@ -560,4 +636,60 @@ fn waits_that_end_on_stop_need_guarded_writes() {
         matches!(got, Err(Violation::WriteWithoutCredit { .. }))
     });
     assert!(caught, "unguarded writes were never caught");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// A rank killed at any step, the others tearing down at random points after their streams
+    /// finished: no live rank's stream writes memory its neighbour freed.
+    #[test]
+    fn teardown_with_a_lost_rank_frees_nothing_a_live_neighbour_still_writes(
+        world in 3usize..6,
+        count in prop::sample::select(vec![7u64, 13, 31]),
+        slot_elems in 1u64..4,
+        slots in 1u32..4,
+        collectives in 1usize..4,
+        fault_rank in 0usize..6,
+        fault_permille in 0usize..1000,
+        seed in any::<u64>(),
+    ) {
+        let faults = Faults {
+            kill: Some((fault_rank % world, fault_permille)),
+            ..Faults::NONE
+        };
+        let got = run(world, count, slot_elems, slots, collectives, false, faults, Protocol::Guarded, seed);
+        prop_assert_eq!(got, Ok(()));
+    }
+}
+
+/// The rule before (free as soon as the handshake fails on a lost rank) is caught: a live
+/// neighbour, still finishing with credit it holds, writes the slots a rank already freed.
+#[test]
+fn freeing_when_any_rank_is_lost_is_caught() {
+    let caught = (0..3000u64).find_map(|seed| {
+        let faults = Faults {
+            kill: Some(((seed % 4) as usize, (seed / 4 % 1000) as usize)),
+            teardown: Teardown::WhenAnyLost,
+            ..Faults::NONE
+        };
+        match run(
+            4,
+            13,
+            2,
+            2,
+            3,
+            false,
+            faults,
+            Protocol::Guarded,
+            seed * 7919 + 1,
+        ) {
+            Err(v @ Violation::WriteAfterFree { .. }) => Some((seed, v)),
+            _ => None,
+        }
+    });
+    println!("STREAM_ABORT_SIM teardown before the fix: {caught:?}");
+    assert!(
+        caught.is_some(),
+        "freeing on any lost rank was never caught"
+    );
 }

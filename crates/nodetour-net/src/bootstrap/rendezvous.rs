@@ -245,6 +245,12 @@ impl Bootstrap {
         }
     }
 
+    /// Whether `rank` is lost or left the job (its process gone, or its communicator closed).
+    pub fn is_absent(&self, rank: u32) -> bool {
+        let st = self.liveness.lock();
+        st.lost.iter().any(|(r, _)| *r == rank) || st.left.contains(&rank)
+    }
+
     /// `Err(RankLost)` naming the first rank lost or, failing that, the first that left on
     /// purpose: for work that needs every rank present (a collective), where a rank that left
     /// is as absent as one that died.

@@ -542,6 +542,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
         reason: "no GPU path was built".into(),
     })?;
     let mut ring = GpuRing::new(context, position, world, Some(links))?;
+    ring.set_neighbours(prev, next);
     // Each guarded wait gives up at the job's timeout, inside CUDA graphs too.
     ring.set_wait_timeout(timeout);
     ring.set_max_blocks(options.max_blocks);
@@ -588,18 +589,25 @@ pub(crate) fn teardown(
         first = first.or(ring.close_imports(deadline.remaining()).err());
     }
     let handshake = job.barrier(deadline);
-    // A rank that is gone has no mapping left.
-    let peers_done = handshake.is_ok() || job.check_present().is_err();
+    // Without the handshake (a rank is lost, or late past the deadline), each ring frees what
+    // it exported only once every neighbour that maps it confirmed its close or is gone (its
+    // mappings went with it); a live neighbour that did not confirm may still map it, or write
+    // it with credit it already holds: leaked, never freed under it.
+    let mut leaked = false;
     for ring in rings.iter_mut() {
-        if peers_done {
+        if handshake.is_ok() || ring.neighbours_closed(&|r| job.is_absent(r)) {
+            if handshake.is_err() {
+                tracing::info!("teardown: every neighbour confirmed its close or is gone: freed");
+            }
             first = first.or(ring.close(deadline.remaining()).err());
         } else {
             ring.leak_exports();
+            leaked = true;
         }
     }
     match (first, handshake) {
         (Some(e), _) => Err(e),
-        (None, Err(e)) if !peers_done => {
+        (None, Err(e)) if leaked => {
             tracing::error!(error = %e, "the teardown handshake failed: exported slots leaked");
             Err(Error::from(e))
         }

@@ -1109,6 +1109,14 @@ impl Communicator {
     // --- the machinery every collective shares ---
 
     fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        if symmetric::inside_closure() {
+            return Err(Error::InvalidArgument {
+                reason: "a communicator call inside SymmetricBuffer::with_device_buffer's \
+                         closure (the communicator is held there: queue your work in the \
+                         closure, return, then call)"
+                    .into(),
+            });
+        }
         self.state.lock().map_err(|_| Error::Aborted {
             reason: "a thread panicked inside a collective of this communicator".into(),
         })

@@ -560,7 +560,8 @@ pub(crate) fn form(
     };
     job.barrier(deadline)?;
     let choice = format!("{}; flags in host memory", choice.join("; "));
-    let ring = GpuRing::new(context, position, world, Some(links))?;
+    let mut ring = GpuRing::new(context, position, world, Some(links))?;
+    ring.set_neighbours(prev, next);
     tracing::info!(rank = me, path = ring.path(), reason = %choice, "GPU ring formed across hosts");
     Ok(FormedGpuRing { ring, choice })
 }

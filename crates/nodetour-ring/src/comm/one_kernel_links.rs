@@ -216,7 +216,20 @@ pub(crate) fn form(seat: OneKernelSeat<'_>) -> Result<OneKernelChoice> {
             v
         }
     };
-    let verdicts = all_to_all(verdict.clone())?;
+    // Past here peers may have mapped this rank's scratch: a failure leaks it (logged)
+    // rather than free it under their mappings.
+    let verdicts = match all_to_all(verdict.clone()) {
+        Ok(v) => v,
+        Err(e) => {
+            kernel.close_imports();
+            tracing::error!(
+                error = %e,
+                "one-kernel formation failed after the peers' mappings: its scratch is leaked"
+            );
+            std::mem::forget(kernel);
+            return Err(e.into());
+        }
+    };
     let refused = std::iter::once((me, verdict.clone()))
         .chain(verdicts)
         .find(|(_, v)| v.first() != Some(&1));

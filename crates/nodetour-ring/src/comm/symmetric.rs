@@ -43,6 +43,10 @@ impl SymmetricBuffer<'_> {
     /// Runs `f` on this rank's part (queue your kernels or copies that fill it, or read the
     /// result, on your stream). Peers read it while an allreduce on it runs: write it only in
     /// stream order before or after the collectives that use it.
+    ///
+    /// The communicator is held while `f` runs: a call of it from inside `f` fails with
+    /// `InvalidArgument` (instead of waiting for itself forever), and a panic in `f` leaves it
+    /// usable (the panic continues once it is released).
     pub fn with_device_buffer<R>(&self, f: impl FnOnce(&DeviceBuffer) -> R) -> Result<R> {
         let state = self.comm.usable()?;
         let ring = state
@@ -57,7 +61,41 @@ impl SymmetricBuffer<'_> {
             .ok_or_else(|| Error::InvalidArgument {
                 reason: format!("no symmetric buffer {} here", self.id),
             })?;
-        Ok(f(buffer))
+        let ran = {
+            let _inside = Inside::enter();
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(buffer)))
+        };
+        // Released before a panic goes on: the communicator is not poisoned by the caller's.
+        drop(state);
+        match ran {
+            Ok(r) => Ok(r),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
+thread_local! {
+    // Whether this thread runs a `with_device_buffer` closure (the communicator is held).
+    static INSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside a [`SymmetricBuffer::with_device_buffer`] closure.
+pub(super) fn inside_closure() -> bool {
+    INSIDE.with(std::cell::Cell::get)
+}
+
+/// Marks this thread as inside the closure until dropped (a panic included).
+struct Inside(bool);
+
+impl Inside {
+    fn enter() -> Inside {
+        Inside(INSIDE.with(|c| c.replace(true)))
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        INSIDE.with(|c| c.set(self.0));
     }
 }
 
