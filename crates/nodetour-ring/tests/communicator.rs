@@ -456,3 +456,46 @@ fn a_rank_with_another_chunk_shape_fails_formation_on_every_rank() {
         }
     }
 }
+
+/// `close` after the other ranks have gone fails at once, naming them, instead of waiting out
+/// its deadline; `Ok` from `close` means every rank closed in order.
+#[test]
+fn close_after_the_peers_have_gone_fails_at_once() {
+    let world = 3;
+    let id = UniqueId::create().unwrap();
+    let results: Vec<(u32, nodetour_ring::Result<()>, Duration)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let id = &id;
+                s.spawn(move || {
+                    let comm = Communicator::from_unique_id(id, r, world, options()).unwrap();
+                    let mut x = input(r, 100);
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+                    let started = std::time::Instant::now();
+                    let closed = if r == 0 {
+                        // The others are gone (dropped) by the time rank 0 closes.
+                        std::thread::sleep(Duration::from_millis(1500));
+                        comm.close(Deadline::after(Duration::from_secs(15)))
+                    } else {
+                        // Once every rank is out of the collective: then gone.
+                        std::thread::sleep(Duration::from_millis(300));
+                        drop(comm);
+                        Ok(())
+                    };
+                    (r, closed, started.elapsed())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (_, closed, took) = &results[0];
+    println!("CLOSE_AFTER_PEERS_GONE rank 0: {closed:?} after {took:?}");
+    assert!(
+        closed.is_err(),
+        "rank 0's close said Ok though its peers left without closing"
+    );
+    assert!(
+        *took < Duration::from_millis(1500 + 3000),
+        "rank 0's close waited {took:?} for peers that were gone"
+    );
+}

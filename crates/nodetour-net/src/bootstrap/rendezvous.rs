@@ -262,7 +262,7 @@ impl Bootstrap {
     }
 
     /// Waits until every rank has called `barrier` as many times as this one, or fails with
-    /// the lost rank, or at `deadline`.
+    /// the lost rank (or one that left before it arrived), or at `deadline`.
     pub fn barrier(&self, deadline: Deadline) -> Result<()> {
         let generation = {
             let mut g = self.generation.lock().unwrap_or_else(|p| p.into_inner());
@@ -294,6 +294,25 @@ impl Bootstrap {
             }
             if st.released >= generation {
                 return Ok(());
+            }
+            // A rank that left can no longer arrive: rank 0 (which counts the arrivals) fails
+            // at once when one left before arriving, every other rank when rank 0 left before
+            // releasing this barrier (then it cannot be released).
+            let gone = if self.rank == 0 {
+                st.left
+                    .iter()
+                    .copied()
+                    .find(|r| st.arrived.get(*r as usize).is_some_and(|g| *g < generation))
+            } else {
+                st.left.contains(&0).then_some(0)
+            };
+            if let Some(rank) = gone {
+                return Err(Error::RankLost {
+                    rank,
+                    reason: "it left the job (closed or dropped its communicator) before this \
+                             barrier"
+                        .into(),
+                });
             }
             if deadline.expired() {
                 return Err(
