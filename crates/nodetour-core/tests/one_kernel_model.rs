@@ -10,9 +10,11 @@
 //! What it checks: the two halves of scratch by parity, the per-block ticks (one barrier for
 //! one-shot, two for two-shot), the cyclic comparison across the 32-bit wrap, and that every
 //! read sees the data of its own collective. It also models the in-place two-shot on symmetric
-//! buffers (the design on branch `wip/symmetric-buffers`, not on main: no halves, a closing
-//! barrier), which passes here; without the closing barrier, or with one half for the
-//! scratch, the checks fail (the second test, and a mutation tried by hand).
+//! buffers (no halves, a closing barrier); with one half for the scratch the checks fail (the
+//! second test). With faults (waits that give up, host aborts, launches queued ahead) every
+//! read is checked against the index of the collective the host called, and a launch that read
+//! another collective's data and still ended is a wrong `Ok`: the protocol before the fix of
+//! issue 34 (no stop word set by a failed block, none read at entry) is caught.
 
 use std::collections::VecDeque;
 
@@ -25,8 +27,8 @@ const REDUCED: u32 = 1000;
 enum Kind {
     OneShot,
     TwoShot,
-    /// Two-shot in place on a symmetric buffer (the design on branch `wip/symmetric-buffers`:
-    /// no copy in, no halves, a third barrier at the end).
+    /// Two-shot in place on a symmetric buffer (no copy in, no halves, a third barrier at the
+    /// end).
     Symmetric,
 }
 

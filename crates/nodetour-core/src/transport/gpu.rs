@@ -707,9 +707,22 @@ impl IpcMapping {
     }
 }
 
+/// What a grant's offset must be a multiple of: the alignment `cuMemAlloc` guarantees an
+/// allocation, which every slot, flag page and scratch of ours starts on (their 16-byte loads
+/// and 4-byte flags rely on it), and whose multiples a peer's mapping keeps.
+const IPC_GRANT_ALIGNMENT: u64 = 256;
+
 /// A grant's slot `[offset, offset + len)` inside an allocation of `mapped` bytes, computed
-/// without overflow.
+/// without overflow, starting on [`IPC_GRANT_ALIGNMENT`].
 fn check_grant(grant: &IpcGrant, mapped: u64) -> Result<()> {
+    if grant.offset % IPC_GRANT_ALIGNMENT != 0 {
+        return Err(Error::InvalidArgument {
+            reason: format!(
+                "a cuda-ipc grant at offset {} (not a multiple of {IPC_GRANT_ALIGNMENT})",
+                grant.offset
+            ),
+        });
+    }
     match grant.offset.checked_add(grant.len) {
         Some(end) if end <= mapped && grant.len > 0 => Ok(()),
         _ => Err(Error::OutOfBounds {
@@ -1245,12 +1258,22 @@ mod tests {
             g(0, mapped + 1),
             g(mapped, 1),
             g(1 << 20, (1 << 20) + 1),
-            g(u64::MAX, 2),
-            g(1, u64::MAX),
+            g(u64::MAX - 255, 512),
+            g(256, u64::MAX),
             g(0, 0),
         ] {
             assert!(
                 matches!(check_grant(&bad, mapped), Err(Error::OutOfBounds { .. })),
+                "{bad:?}"
+            );
+        }
+        // Inside the allocation but off the alignment every slot and flag page relies on.
+        for bad in [g(1, 4096), g(65536 + 16, 4096), g(u64::MAX, 2)] {
+            assert!(
+                matches!(
+                    check_grant(&bad, mapped),
+                    Err(Error::InvalidArgument { .. })
+                ),
                 "{bad:?}"
             );
         }
