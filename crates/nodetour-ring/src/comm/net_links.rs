@@ -131,7 +131,7 @@ pub(crate) fn form(
         forced,
         deadline,
         // Network rings take no one-kernel path.
-        timeout: _,
+        timeout,
     } = seat;
     let Locality {
         next_local,
@@ -562,6 +562,9 @@ pub(crate) fn form(
     let choice = format!("{}; flags in host memory", choice.join("; "));
     let mut ring = GpuRing::new(context, position, world, Some(links))?;
     ring.set_neighbours(prev, next);
+    // Each guarded wait gives up at the job's timeout on the GPU too, as on one host (a
+    // progress thread that stalls, or a host that stops polling, cannot hang the streams).
+    ring.set_wait_timeout(timeout);
     tracing::info!(rank = me, path = ring.path(), reason = %choice, "GPU ring formed across hosts");
     Ok(FormedGpuRing { ring, choice })
 }
