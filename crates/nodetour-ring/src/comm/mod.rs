@@ -203,6 +203,23 @@ fn same_len(a: usize, b: usize, an: &str, bn: &str) -> Result<()> {
     Ok(())
 }
 
+/// Waits (polling, to `deadline`) until `stream` has run everything queued on it so far.
+fn stream_done(stream: &GpuStream, deadline: Deadline) -> Result<()> {
+    let started = std::time::Instant::now();
+    let done = nodetour_core::cuda::GpuEvent::marker(stream.context()).map_err(gpu_error)?;
+    stream.record_marker(&done).map_err(gpu_error)?;
+    while !done.is_complete().map_err(gpu_error)? {
+        if deadline.expired() {
+            return Err(Error::Timeout {
+                waiting_for: "the caller's stream".into(),
+                after: started.elapsed(),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    Ok(())
+}
+
 /// Ends a job's GPU ring with the teardown handshake: this rank's streams drained and its
 /// mappings of its neighbours' memory closed, then a barrier (or the liveness mesh reporting a
 /// rank gone, which counts as closed) says every rank has done the same, and only then is the
@@ -444,28 +461,7 @@ impl Communicator {
     /// finish before they return. Replays of CUDA graphs are not calls: after launching one,
     /// use [`Self::wait_stream`].
     pub fn wait(&self, deadline: Deadline) -> Result<()> {
-        if let Some(m) = &self.member {
-            return m.set.wait(deadline.remaining());
-        }
-        let mut state = self.lock()?;
-        if let Some(first) = &state.failed {
-            return Err(Error::Broken {
-                first: Box::new(first.clone()),
-            });
-        }
-        let State { job, failed } = &mut *state;
-        let Some(job) = job.as_mut() else {
-            return Ok(());
-        };
-        let Some(ring) = job.gpu_ring.as_mut() else {
-            return Ok(());
-        };
-        let bootstrap = &job.job;
-        let result = ring.wait_alive(deadline.remaining(), &|| bootstrap.check_present());
-        if let Err(e) = &result {
-            failed.get_or_insert_with(|| e.clone());
-        }
-        result
+        self.wait_on(None, deadline)
     }
 
     /// [`Self::wait`], and first until `stream` has run everything queued on it so far: the
@@ -476,19 +472,16 @@ impl Communicator {
     /// the stream in any other way (`cuStreamSynchronize`, an event) runs the replays but
     /// reports nothing: their results are trustworthy only after this returns `Ok`.
     pub fn wait_stream(&self, stream: &GpuStream, deadline: Deadline) -> Result<()> {
+        self.wait_on(Some(stream), deadline)
+    }
+
+    /// [`Self::wait`], after `stream` where one is given ([`Self::wait_stream`]).
+    fn wait_on(&self, stream: Option<&GpuStream>, deadline: Deadline) -> Result<()> {
+        // Without a GPU ring of processes the stream is waited for here (a GPU ring waits for
+        // it while it watches its neighbours).
+        let ringless = |deadline: Deadline| stream.map_or(Ok(()), |s| stream_done(s, deadline));
         if let Some(m) = &self.member {
-            let g = |e| gpu_error(e);
-            let done = nodetour_core::cuda::GpuEvent::marker(stream.context()).map_err(g)?;
-            stream.record_marker(&done).map_err(g)?;
-            while !done.is_complete().map_err(g)? {
-                if deadline.remaining().is_zero() {
-                    return Err(Error::Timeout {
-                        waiting_for: "the caller's stream".into(),
-                        after: self.timeout,
-                    });
-                }
-                std::thread::sleep(std::time::Duration::from_micros(100));
-            }
+            ringless(deadline)?;
             return m.set.wait(deadline.remaining());
         }
         let mut state = self.lock()?;
@@ -500,11 +493,15 @@ impl Communicator {
         let State { job, failed } = &mut *state;
         let Some(job) = job.as_mut().filter(|j| j.gpu_ring.is_some()) else {
             drop(state);
-            return self.wait(deadline);
+            return ringless(deadline);
         };
         let bootstrap = &job.job;
         let ring = job.gpu_ring.as_mut().expect("checked above");
-        let result = ring.wait_stream(stream, deadline.remaining(), &|| bootstrap.check_present());
+        let alive = || bootstrap.check_present();
+        let result = match stream {
+            Some(s) => ring.wait_stream(s, deadline.remaining(), &alive),
+            None => ring.wait_alive(deadline.remaining(), &alive),
+        };
         if let Err(e) = &result {
             failed.get_or_insert_with(|| e.clone());
         }
