@@ -310,14 +310,13 @@ fn run_faulty(
                 let disagree =
                     (0..world).any(|p| p != me && words[p].0 == l.tick && words[p].1 != mine);
                 progressed = (0..world).all(|p| p == me || reached(words[p].0, l.tick));
-                if disagree {
-                    fail = true;
-                } else if !progressed
-                    && (ranks[me].stop
-                        || faults.timeout_one_in > 0 && rng.next() % faults.timeout_one_in == 0)
-                {
-                    fail = true;
-                }
+                // Another collective's arrival at this tick, or (still waiting) the stop word
+                // or the deadline.
+                fail = disagree
+                    || !progressed
+                        && (ranks[me].stop
+                            || faults.timeout_one_in > 0
+                                && rng.next() % faults.timeout_one_in == 0);
             }
             Step::ReduceAll => {
                 for (r, rank) in ranks.iter().enumerate() {

@@ -191,7 +191,9 @@ pub struct OneKernel {
     // rank's own memory (see the module's doc for when its owner may drop it).
     peers: Vec<Option<PeerMemory>>,
     // Symmetric buffers, by id (their mappings of the peers' parts first, then this rank's).
-    symmetric: Vec<Symmetric>,
+    // (`None`: an id whose part could not be made here, or was released before any peer
+    // mapped it: the ids stay in step with the peers'.)
+    symmetric: Vec<Option<Symmetric>>,
     own: OneKernelArena,
     stop: StopWord,
     timeout: Duration,
@@ -392,7 +394,7 @@ impl OneKernel {
     /// symmetric buffers' too.
     pub fn close_imports(&mut self) {
         self.peers.clear();
-        for s in &mut self.symmetric {
+        for s in self.symmetric.iter_mut().flatten() {
             s.peers.clear();
         }
     }
@@ -401,20 +403,45 @@ impl OneKernel {
     /// calls it in the same order, so the ids agree) and what every peer needs to map it. The
     /// buffer takes collectives once [`Self::symmetric_map`] mapped every peer's part; its
     /// memory is freed with this object (after the teardown's handshake), never before.
+    /// A failure still takes the next id (as `None`), so that this rank's ids stay those of
+    /// its peers, which go on counting.
     pub fn symmetric_create(&mut self, bytes: usize) -> Result<(usize, IpcGrant)> {
-        if bytes == 0 {
-            return Err(Error::InvalidArgument {
-                reason: "a symmetric buffer of 0 bytes".into(),
-            });
+        let made = (|| {
+            if bytes == 0 {
+                return Err(Error::InvalidArgument {
+                    reason: "a symmetric buffer of 0 bytes".into(),
+                });
+            }
+            let context = self.own.scratch.buffer().context().clone();
+            let own = GpuSlot::new(&context, bytes.next_multiple_of(256))?;
+            let grant = own.ipc_grant()?;
+            Ok((own, grant))
+        })();
+        let id = self.symmetric.len();
+        match made {
+            Ok((own, grant)) => {
+                self.symmetric.push(Some(Symmetric {
+                    peers: Vec::new(),
+                    own,
+                }));
+                Ok((id, grant))
+            }
+            Err(e) => {
+                self.symmetric.push(None);
+                Err(e)
+            }
         }
-        let context = self.own.scratch.buffer().context().clone();
-        let own = GpuSlot::new(&context, bytes.next_multiple_of(256))?;
-        let grant = own.ipc_grant()?;
-        self.symmetric.push(Symmetric {
-            peers: Vec::new(),
-            own,
-        });
-        Ok((self.symmetric.len() - 1, grant))
+    }
+
+    /// Frees this rank's part of symmetric buffer `id` when no mapping of any rank can exist
+    /// yet (the ranks agreed not to map it: another rank could not make its part, or asked for
+    /// another size); the id stays taken. A buffer this rank mapped stays until teardown.
+    pub fn symmetric_release_unmapped(&mut self, id: usize) {
+        if let Some(slot) = self.symmetric.get_mut(id) {
+            if slot.as_ref().is_some_and(|s| s.peers.is_empty()) {
+                *slot = None;
+            }
+        }
     }
 
     /// Maps every peer's part of symmetric buffer `id` (`grants[r]` for every rank `r` but this
@@ -424,6 +451,7 @@ impl OneKernel {
         let s = self
             .symmetric
             .get_mut(id)
+            .and_then(Option::as_mut)
             .ok_or_else(|| Error::InvalidArgument {
                 reason: format!("no symmetric buffer {id}"),
             })?;
@@ -456,7 +484,10 @@ impl OneKernel {
 
     /// This rank's part of symmetric buffer `id` (write its inputs here, read its results).
     pub fn symmetric_buffer(&self, id: usize) -> Option<&DeviceBuffer> {
-        self.symmetric.get(id).map(|s| s.own.buffer())
+        self.symmetric
+            .get(id)
+            .and_then(Option::as_ref)
+            .map(|s| s.own.buffer())
     }
 
     /// Queues on `stream` the allreduce in place of the first `count` elements of symmetric
@@ -477,6 +508,7 @@ impl OneKernel {
         let s = self
             .symmetric
             .get(id)
+            .and_then(Option::as_ref)
             .ok_or_else(|| Error::InvalidArgument {
                 reason: format!("no symmetric buffer {id}"),
             })?;

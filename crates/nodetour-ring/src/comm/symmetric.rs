@@ -128,12 +128,28 @@ impl Communicator {
         mine[at..].copy_from_slice(&(bytes as u64).to_be_bytes());
         let per = mine.len();
         let mut all = vec![0u8; per * self.world as usize];
-        self.all_gather(&mine, &mut all)?;
+        // Every rank sees the same table: where it says no, no rank maps anything, so this
+        // rank's part (if it made one) is freed at once; its id stays taken on every rank.
+        let release = || {
+            if let Ok((id, _)) = &created {
+                if let Ok(mut state) = self.usable() {
+                    let ring = state.job.as_mut().and_then(|j| j.gpu_ring.as_mut());
+                    if let Some(k) = ring.and_then(|r| r.one_kernel_mut()) {
+                        k.symmetric_release_unmapped(*id);
+                    }
+                }
+            }
+        };
+        if let Err(e) = self.all_gather(&mine, &mut all) {
+            release();
+            return Err(e);
+        }
         let mut grants = Vec::with_capacity(self.world as usize);
         let mut refused = None;
         for (r, m) in all.chunks(per).enumerate() {
             let their_bytes = u64::from_be_bytes(m[at..].try_into().expect("8 bytes"));
             if their_bytes != bytes as u64 {
+                release();
                 return Err(Error::InvalidArgument {
                     reason: format!(
                         "symmetric buffer of {bytes} bytes here, {their_bytes} on rank {r}: \
@@ -146,19 +162,25 @@ impl Communicator {
                 grants.push(None);
                 continue;
             }
-            grants.push(Some(IpcGrant::decode(&m[1..at]).map_err(|e| {
-                Error::Protocol {
-                    rank: r as u32,
-                    reason: format!("its symmetric buffer grant: {e}"),
+            match IpcGrant::decode(&m[1..at]) {
+                Ok(g) => grants.push(Some(g)),
+                Err(e) => {
+                    release();
+                    return Err(Error::Protocol {
+                        rank: r as u32,
+                        reason: format!("its symmetric buffer grant: {e}"),
+                    });
                 }
-            })?));
+            }
         }
-        let (id, _) = created?;
         if let Some(r) = refused {
+            release();
+            created?;
             return Err(Error::Unsupported {
                 reason: format!("rank {r} could not allocate its part of the symmetric buffer"),
             });
         }
+        let (id, _) = created?;
         // 2. Every peer's part mapped here, then whether every rank mapped all.
         let me = self.rank as usize;
         grants[me] = None;
