@@ -91,12 +91,9 @@ impl HostConnection for MemConnection {
             .ok_or(Error::InvalidArgument {
                 reason: "an inverted range".into(),
             })?;
-        let from = src.ptr_at("write source", range.start, len)?;
-        let (_region, to) = self.peer.granted.target(dst.key, dst_offset, len as u64)?;
-        // SAFETY: both ranges are in bounds of live regions (checked); std::ptr::copy tolerates
-        // the overlap of a region written into itself.
-        unsafe { std::ptr::copy(from, to, len) };
-        std::sync::atomic::fence(Ordering::Release);
+        let (region, to) = self.peer.granted.target(dst.key, dst_offset, len as u64)?;
+        // Under both regions' CPU locks (one for a region written into itself).
+        src.copy_to(range.start, &region, to, len)?;
         if let Some(v) = notify {
             self.peer
                 .events

@@ -60,6 +60,13 @@ unsafe impl Sync for Inner {}
 ///
 /// Like a registered region, it is never visible as a slice: peers may write it at any time,
 /// so it is read and written through copies, after the notification that says the bytes landed.
+///
+/// Who writes a slot when: a peer, into what this process granted it ([`SlotTable`]), between
+/// the grant and the notification that says the bytes landed — by its NIC (verbs), or by this
+/// process's receive thread for it (tcp, mem), which lands the bytes only through this type's
+/// methods, under the region's one CPU lock; this process, after that notification, through
+/// the same methods and lock (or its GPU, through [`Self::device_address`]). The slot table's
+/// lock guards the table of grants, never the bytes.
 #[derive(Clone)]
 pub struct SlotRegion(Arc<Inner>);
 
@@ -276,6 +283,24 @@ impl SlotRegion {
     }
 
     /// `len` bytes at `offset` as a raw pointer, bounds-checked.
+    /// Runs `f` on the address of `len` bytes at `offset`, under the region's CPU lock: how a
+    /// receive thread lands a peer's bytes (a `recv(2)` straight into the slot, a copy out of
+    /// its buffer) without forming a slice over memory others write.
+    pub(crate) fn with_locked<R>(
+        &self,
+        what: &'static str,
+        offset: usize,
+        len: usize,
+        f: impl FnOnce(*mut u8) -> R,
+    ) -> Result<R> {
+        self.check(what, offset, len)?;
+        let _cpu = self.cpu_lock();
+        // SAFETY: offset..offset + len is within the allocation (checked).
+        let r = f(unsafe { self.0.ptr.add(offset) });
+        fence(Ordering::Release);
+        Ok(r)
+    }
+
     pub(crate) fn ptr_at(&self, what: &'static str, offset: usize, len: usize) -> Result<*mut u8> {
         self.check(what, offset, len)?;
         // SAFETY: offset is within the allocation (checked).
@@ -396,9 +421,9 @@ impl SlotTable {
             .remove(&key);
     }
 
-    /// The region and destination pointer for a peer's write of `len` bytes at `offset` into
-    /// `key`, or the reason it is refused (unknown key, out of bounds).
-    pub fn target(&self, key: u32, offset: u64, len: u64) -> Result<(SlotRegion, *mut u8)> {
+    /// The region and offset of a peer's write of `len` bytes at `offset` into `key` (checked
+    /// against the region), or the reason it is refused (unknown key, out of bounds).
+    pub fn target(&self, key: u32, offset: u64, len: u64) -> Result<(SlotRegion, usize)> {
         let table = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let region = table.get(&key).cloned().ok_or(Error::OutOfBounds {
             what: "peer write to a region it was not granted",
@@ -407,8 +432,11 @@ impl SlotTable {
             region_len: 0,
         })?;
         let (off, n) = (usize::try_from(offset), usize::try_from(len));
-        let ptr = match (off, n) {
-            (Ok(o), Ok(n)) => region.ptr_at("peer write", o, n)?,
+        let at = match (off, n) {
+            (Ok(o), Ok(n)) => {
+                region.check("peer write", o, n)?;
+                o
+            }
             _ => {
                 return Err(Error::OutOfBounds {
                     what: "peer write",
@@ -418,7 +446,7 @@ impl SlotTable {
                 });
             }
         };
-        Ok((region, ptr))
+        Ok((region, at))
     }
 }
 

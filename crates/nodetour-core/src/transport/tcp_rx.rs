@@ -244,15 +244,18 @@ impl Parser {
             let n = match &mut self.body {
                 // Nothing of the body is buffered: straight from the socket into the region.
                 Some(body) if self.start == self.end => {
-                    let dst = body
+                    let left = body.left;
+                    let n = body
                         .region
-                        .ptr_at("peer write", body.at, body.left)
+                        .with_locked("peer write", body.at, left, |dst| {
+                            // SAFETY: dst..dst + left lies inside the granted region (checked
+                            // by `with_locked`, which holds its CPU lock), which `body` holds;
+                            // recv(2) writes at most `left` bytes there and does not block.
+                            unsafe {
+                                libc::recv(sock.as_raw_fd(), dst.cast(), left, libc::MSG_DONTWAIT)
+                            }
+                        })
                         .map_err(|e| e.to_string())?;
-                    // SAFETY: dst..dst + left lies inside the granted region (bounds checked by
-                    // `ptr_at`), which `body` holds; recv(2) writes at most `left` bytes there.
-                    let n = unsafe {
-                        libc::recv(sock.as_raw_fd(), dst.cast(), body.left, libc::MSG_DONTWAIT)
-                    };
                     if n > 0 {
                         drained = (n as usize) < body.left;
                         body.at += n as usize;
@@ -313,14 +316,9 @@ impl Parser {
                 if n == 0 {
                     return Ok(());
                 }
-                let dst = body
-                    .region
-                    .ptr_at("peer write", body.at, n)
+                body.region
+                    .write_at(body.at, &self.buf[self.start..self.start + n])
                     .map_err(|e| e.to_string())?;
-                // SAFETY: dst..dst + n lies inside the granted region `body` holds (checked by
-                // `ptr_at`); the source is this parser's buffer. Raw copy: other threads and
-                // peers may touch slot memory, so no slice is formed over it.
-                unsafe { std::ptr::copy_nonoverlapping(self.buf[self.start..].as_ptr(), dst, n) };
                 self.start += n;
                 body.at += n;
                 body.left -= n;
@@ -341,14 +339,15 @@ impl Parser {
                 .expect("HEADER_LEN bytes");
             let h = WriteHeader::decode(&header)
                 .map_err(|e| format!("refused a malformed frame from the peer: {e}"))?;
-            let (region, dst) = granted
-                .target(h.key, h.offset, u64::from(h.len))
-                .map_err(|e| {
-                    format!(
-                        "refused the peer's write (key {}, offset {}, {} bytes): {e}",
-                        h.key, h.offset, h.len
-                    )
-                })?;
+            let (region, dst_at) =
+                granted
+                    .target(h.key, h.offset, u64::from(h.len))
+                    .map_err(|e| {
+                        format!(
+                            "refused the peer's write (key {}, offset {}, {} bytes): {e}",
+                            h.key, h.offset, h.len
+                        )
+                    })?;
             if have < HEAD {
                 return Ok(());
             }
@@ -364,23 +363,19 @@ impl Parser {
                 if !self.key.open(&[&header, payload], &tag) {
                     return Err(unauthentic());
                 }
-                // SAFETY: dst..dst + len lies inside the granted region (checked by the slot
-                // table; `region` holds it); the source is this parser's buffer. Raw copy, as
-                // above.
-                unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), dst, len) };
-                drop(region);
+                region
+                    .write_at(dst_at, payload)
+                    .map_err(|e| e.to_string())?;
                 self.start += HEAD + len;
                 landed.extend(h.notify);
             } else {
                 if !self.key.open(&[&header], &tag) {
                     return Err(unauthentic());
                 }
-                let at =
-                    usize::try_from(h.offset).map_err(|_| "an offset beyond memory".to_owned())?;
                 self.start += HEAD;
                 self.body = Some(Body {
                     region,
-                    at,
+                    at: dst_at,
                     left: len,
                     notify: h.notify,
                 });
