@@ -607,8 +607,8 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 })?;
                 buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed + 1))?;
                 check_graph.launch()?;
-                stream.synchronize()?;
-                comm.wait(deadline())?;
+                // The replay's outcome, once the stream ran it.
+                comm.wait_stream(&stream, deadline())?;
                 let mut graph_ok = false;
                 check(&mut graph_ok, seed + 1)?;
                 timed.launch()?; // warm-up
@@ -617,8 +617,7 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                     let start = stream.record()?;
                     timed.launch()?;
                     let end = stream.record()?;
-                    stream.synchronize()?;
-                    comm.wait(deadline())?;
+                    comm.wait_stream(&stream, deadline())?;
                     replayed.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / reps as f64);
                 }
                 graph_rows.push((is_direct(comm), median(replayed), graph_ok));
