@@ -702,12 +702,9 @@ impl TcpEndpoint {
         deadline: Deadline,
     ) -> Result<(u32, SessionKeys)> {
         s.set_nonblocking(false).ok();
-        let step = Deadline::after(deadline.remaining().min(Duration::from_secs(10)));
-        let io = |source| Error::Exchange {
-            op: "authenticate",
-            peer: peer.to_owned(),
-            source,
-        };
+        let budget = deadline.remaining().min(Duration::from_secs(10));
+        let step = Deadline::after(budget);
+        let io = |source| handshake_error(source, peer, budget);
         s.set_read_timeout(Some(step.remaining().max(Duration::from_millis(1))))
             .map_err(io)?;
         s.set_write_timeout(Some(step.remaining().max(Duration::from_millis(1))))
@@ -774,6 +771,22 @@ fn dial(
     attempt
 }
 
+/// A failed read or write of the tcp handshake with `peer`: a socket timeout (which the OS
+/// reports as "Resource temporarily unavailable") is the handshake's deadline passing, said so.
+fn handshake_error(source: std::io::Error, peer: &str, budget: Duration) -> Error {
+    match source.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout {
+            what: format!("the tcp handshake with {peer} (the peer did not answer in time)"),
+            after: budget,
+        },
+        _ => Error::Exchange {
+            op: "authenticate",
+            peer: peer.to_owned(),
+            source,
+        },
+    }
+}
+
 fn dial_authenticated(
     addr: &str,
     my_rank: u32,
@@ -783,11 +796,8 @@ fn dial_authenticated(
     deadline: Deadline,
 ) -> Result<(TcpStream, SessionKeys)> {
     let mut s = crate::net::connect_retrying(addr, deadline, alive)?;
-    let io = |source| Error::Exchange {
-        op: "authenticate",
-        peer: addr.to_owned(),
-        source,
-    };
+    let budget = deadline.remaining();
+    let io = |source| handshake_error(source, addr, budget);
     s.set_read_timeout(Some(deadline.remaining().max(Duration::from_millis(1))))
         .map_err(io)?;
     let mut challenge = [0u8; 32];
