@@ -88,9 +88,7 @@ fn ring_replay_drill_rank() {
         println!("SKIP runs only as a rank of ring_replay_alone_ends_by_its_deadline_or_an_abort");
         return;
     }
-    let mut o = Options::from_env().unwrap();
-    o.gpu = Some(0);
-    let comm = Communicator::from_env(o).unwrap();
+    let comm = form_on_gpu0();
     let (r, world) = (comm.rank(), comm.world());
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
     let cu_stream = ctx.new_stream().unwrap();
@@ -195,9 +193,7 @@ fn ring_capture_rank() {
         );
         return;
     }
-    let mut o = Options::from_env().unwrap();
-    o.gpu = Some(0);
-    let comm = Communicator::from_env(o).unwrap();
+    let comm = form_on_gpu0();
     let (r, world) = (comm.rank(), comm.world());
     let paths = comm.paths().to_string();
     if r == 0 {
@@ -468,9 +464,7 @@ fn ring_replay_outcome_rank() {
         println!("SKIP runs only as a rank of replays_report_their_outcome_and_outlive_the_close");
         return;
     }
-    let mut o = Options::from_env().unwrap();
-    o.gpu = Some(0);
-    let comm = Communicator::from_env(o).unwrap();
+    let comm = form_on_gpu0();
     let (r, world) = (comm.rank(), comm.world());
     let path = std::env::var("NODETOUR_ONE_KERNEL").unwrap_or_default();
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
@@ -567,4 +561,11 @@ fn ring_replay_outcome_rank() {
 fn stream_done(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> bool {
     let event = stream.record_event(None).unwrap();
     event.is_complete()
+}
+
+/// This process's communicator as a rank of one of the tests above, on GPU 0.
+fn form_on_gpu0() -> Communicator {
+    let mut o = Options::from_env().unwrap();
+    o.gpu = Some(0);
+    Communicator::from_env(o).unwrap()
 }
