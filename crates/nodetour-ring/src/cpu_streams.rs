@@ -291,11 +291,12 @@ impl CpuRank {
                         Some(Error::PeerFailed {
                             peer: 0,
                             seq,
-                            reason: "a neighbour ended the ring".into(),
+                            cause: crate::RootCause::new(0, crate::CauseKind::Failed),
                         })
                     } else if Instant::now() >= deadline {
                         Some(Error::Timeout {
                             waiting_for: "the CPU streams".into(),
+                            rank: None,
                             after: timeout,
                         })
                     } else {
@@ -325,7 +326,7 @@ impl CpuRank {
                 failure = Some(Error::PeerFailed {
                     peer: 0,
                     seq,
-                    reason: "a neighbour ended the ring".into(),
+                    cause: crate::RootCause::new(0, crate::CauseKind::Failed),
                 });
             } else if this.link.as_ref().is_some_and(|l| l.broke_protocol()) {
                 failure = this.link.as_ref().and_then(|l| l.failure());

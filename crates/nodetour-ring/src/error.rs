@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::cause::{CauseKind, RootCause};
+
 /// A `Result` whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -31,10 +33,12 @@ pub enum Error {
         rank: u32,
     },
     /// Nothing moved for longer than the timeout.
-    #[error("no progress for {after:?}: waiting for {waiting_for}")]
+    #[error("{}", timeout_text(waiting_for, *rank, *after))]
     Timeout {
         /// What the schedule was waiting for.
         waiting_for: String,
+        /// The rank it waited on, where one rank was (that rank did not respond).
+        rank: Option<u32>,
         /// The timeout.
         after: Duration,
     },
@@ -120,17 +124,95 @@ pub enum Error {
         #[source]
         first: Box<Error>,
     },
-    /// A neighbour ended this collective (it failed, aborted, or saw a disagreement) and said
-    /// so; this rank wrote no result.
-    #[error("rank {peer} ended collective #{seq}: {reason}; no result was written")]
+    /// A neighbour ended this collective and said why: `cause` names the rank at fault and
+    /// what happened there (the neighbour's own failure, or one it was told of and passed on);
+    /// this rank wrote no result.
+    #[error("collective #{seq} ended: {cause} (rank {peer} told this rank); no result was written")]
     PeerFailed {
         /// The neighbour that told us.
         peer: u32,
         /// The collective's sequence number (mod 128 on the host ring's wire).
         seq: u64,
-        /// What it said.
-        reason: String,
+        /// The rank at fault and what happened there.
+        cause: RootCause,
     },
+}
+
+fn timeout_text(waiting_for: &str, rank: Option<u32>, after: Duration) -> String {
+    match rank {
+        Some(r) => format!(
+            "rank {r} did not respond within the timeout: no progress for {after:?} waiting for {waiting_for} from it"
+        ),
+        None => format!("no progress for {after:?}: waiting for {waiting_for}"),
+    }
+}
+
+impl Error {
+    /// The rank at fault and what happened there, where the error names one: the same on every
+    /// rank that a failure of one rank ended ([`Error::PeerFailed`] carries it from rank to
+    /// rank). `None` for errors of this rank alone (an abort here, a refused argument, a local
+    /// CUDA error): the ring tells the other ranks of them as this rank's.
+    pub fn root_cause(&self) -> Option<RootCause> {
+        match self {
+            Error::PeerFailed { cause, .. } => Some(*cause),
+            Error::PeerLost { rank } => Some(RootCause::new(*rank, CauseKind::Lost)),
+            Error::Timeout {
+                rank: Some(rank), ..
+            } => Some(RootCause::new(*rank, CauseKind::Timeout)),
+            Error::Disagreement { rank, .. } => {
+                Some(RootCause::new(*rank, CauseKind::Disagreement))
+            }
+            Error::Protocol { rank, .. } => Some(RootCause::new(*rank, CauseKind::Failed)),
+            Error::Broken { first } => first.root_cause(),
+            _ => None,
+        }
+    }
+
+    /// What this rank tells its neighbours when it ends a collective with this error (`me`:
+    /// this rank's number in the same numbering as the error's ranks).
+    pub(crate) fn cause_to_tell(&self, me: u32) -> RootCause {
+        self.root_cause().unwrap_or(match self {
+            Error::Aborted { .. } => RootCause::new(me, CauseKind::Aborted),
+            _ => RootCause::new(me, CauseKind::Failed),
+        })
+    }
+
+    /// The same error with every rank it names mapped (ring positions to job ranks).
+    pub(crate) fn map_ranks(self, f: &dyn Fn(u32) -> u32) -> Error {
+        match self {
+            Error::Disagreement {
+                rank,
+                peer,
+                ours,
+                theirs,
+            } => Error::Disagreement {
+                rank: f(rank),
+                peer: f(peer),
+                ours,
+                theirs,
+            },
+            Error::PeerFailed { peer, seq, cause } => Error::PeerFailed {
+                peer: f(peer),
+                seq,
+                cause: cause.map_rank(f),
+            },
+            Error::Protocol { rank, reason } => Error::Protocol {
+                rank: f(rank),
+                reason,
+            },
+            Error::Timeout {
+                waiting_for,
+                rank,
+                after,
+            } => Error::Timeout {
+                waiting_for,
+                rank: rank.map(f),
+                after,
+            },
+            Error::PeerLost { rank } => Error::PeerLost { rank: f(rank) },
+            other => other,
+        }
+    }
 }
 
 impl From<nodetour_core::Error> for Error {

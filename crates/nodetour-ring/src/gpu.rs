@@ -280,6 +280,7 @@ impl GpuGroup {
             if now >= deadline {
                 let e = Error::Timeout {
                     waiting_for: "the GPU group's collectives".into(),
+                    rank: None,
                     after: timeout,
                 };
                 self.abort.fail(e.clone());

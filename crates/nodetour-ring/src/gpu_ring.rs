@@ -44,6 +44,7 @@ use nodetour_core::transport::gpu::{
 };
 use nodetour_core::transport::one_kernel::{OneKernel, OneKernelFailure};
 
+use crate::cause::{CauseKind, RootCause};
 use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
 use crate::net_link::NetLink;
@@ -94,8 +95,14 @@ pub mod flag {
     pub const CLOSED_BY_PREV: u32 = STOPPED + 2;
     /// Host page only: the same from the next rank.
     pub const CLOSED_BY_NEXT: u32 = STOPPED + 3;
+    /// Host page only: why the previous rank ended the ring ([`crate::RootCause`]'s word:
+    /// the rank at fault, in ring positions, and what happened there), stored before
+    /// [`ENDED_BY_PREV`].
+    pub const CAUSE_BY_PREV: u32 = STOPPED + 4;
+    /// Host page only: the same from the next rank.
+    pub const CAUSE_BY_NEXT: u32 = STOPPED + 5;
     /// Words in the page.
-    pub const WORDS: u32 = STOPPED + 4;
+    pub const WORDS: u32 = STOPPED + 6;
 }
 
 /// Default slot size for cuda-ipc: large chunks keep the per-chunk hand-off small beside a
@@ -677,6 +684,7 @@ impl GpuRing {
             waiting_for: "the GPU ring's streams to drain at teardown (leaked its streams \
                           and slot memory)"
                 .into(),
+            rank: None,
             after: timeout,
         };
         tracing::error!(error = %e, "GPU ring teardown");
@@ -1091,6 +1099,7 @@ impl GpuRing {
             waiting_for: "a peer's flag inside a ring collective (a guarded wait on this \
                           rank's GPU gave up; its stop word now ends every wait)"
                 .into(),
+            rank: None,
             after: self.wait_timeout.unwrap_or_default(),
         })
     }
@@ -1111,7 +1120,8 @@ impl GpuRing {
                 reason: format!("{what}: stopped while waiting for rank {peer}"),
             },
             OneKernelFailure::Timeout { peer } => Error::Timeout {
-                waiting_for: format!("rank {peer} to arrive at {what}"),
+                waiting_for: format!("its arrival at {what}"),
+                rank: Some(peer),
                 after: kernel.timeout(),
             },
             OneKernelFailure::Disagreement { peer } => Error::Disagreement {
@@ -1530,6 +1540,7 @@ impl GpuRing {
         }
         let generic = Error::Timeout {
             waiting_for: "the GPU ring's streams (aborted: a peer stopped?)".into(),
+            rank: None,
             after: timeout,
         };
         let Some(kernel) = self.held.as_ref().and_then(|h| h.one_kernel.as_ref()) else {
@@ -1544,7 +1555,8 @@ impl GpuRing {
                 if peer != self.rank =>
             {
                 Error::Timeout {
-                    waiting_for: format!("rank {peer} to arrive at {what}"),
+                    waiting_for: format!("its arrival at {what}"),
+                    rank: Some(peer),
                     after: timeout,
                 }
             }
@@ -1662,11 +1674,16 @@ impl AbortHandle {
 
     fn abort_with(&self, error: Error) {
         if let Ok(mut f) = self.shared.failed.lock() {
-            f.get_or_insert(error);
+            f.get_or_insert(error.clone());
         }
         if let Some(ends) = &self.shared.ends {
             // Before the stop word ends the waits: from here on the neighbours know not to
-            // trust any collective from the named one on.
+            // trust any collective from the named one on, and why (the cause first: a
+            // neighbour reads it once it sees the notice).
+            let cause = error.cause_to_tell(self.shared.position.0).to_word();
+            let _ = ends.next.store(flag::CAUSE_BY_PREV, cause);
+            let _ = ends.prev.store(flag::CAUSE_BY_NEXT, cause);
+            std::sync::atomic::fence(Ordering::SeqCst);
             let v = notice_value(self.shared.confirmed.load(Ordering::Acquire));
             let _ = ends.next.store(flag::ENDED_BY_PREV, v);
             let _ = ends.prev.store(flag::ENDED_BY_NEXT, v);
@@ -1705,9 +1722,13 @@ impl AbortHandle {
         let ends = self.shared.ends.as_ref()?;
         let (me, world) = self.shared.position;
         let confirmed = self.shared.confirmed.load(Ordering::Acquire);
-        for (word, peer) in [
-            (flag::ENDED_BY_PREV, (me + world - 1) % world),
-            (flag::ENDED_BY_NEXT, (me + 1) % world),
+        for (word, cause_word, peer) in [
+            (
+                flag::ENDED_BY_PREV,
+                flag::CAUSE_BY_PREV,
+                (me + world - 1) % world,
+            ),
+            (flag::ENDED_BY_NEXT, flag::CAUSE_BY_NEXT, (me + 1) % world),
         ] {
             let v = ends.mine.read(word).unwrap_or(0);
             if v == 0 {
@@ -1717,11 +1738,15 @@ impl AbortHandle {
             // confirmed here: a neighbour is never 2^31 collectives away.
             let delta = i64::from(v.wrapping_sub(1).wrapping_sub(confirmed as u32) as i32);
             let seq = (confirmed as i64 + delta).max(0) as u64;
-            let e = Error::PeerFailed {
-                peer,
-                seq,
-                reason: "it aborted or failed; the collectives from this one on are garbage".into(),
-            };
+            std::sync::atomic::fence(Ordering::SeqCst);
+            let cause = ends
+                .mine
+                .read(cause_word)
+                .ok()
+                .and_then(RootCause::from_word)
+                .filter(|c| c.rank < world)
+                .unwrap_or(RootCause::new(peer, CauseKind::Failed));
+            let e = Error::PeerFailed { peer, seq, cause };
             return Some((e, seq < queued || captured));
         }
         None

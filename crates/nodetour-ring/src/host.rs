@@ -46,6 +46,7 @@ use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion, wait_any};
 
+use crate::cause::{CauseKind, RootCause};
 use crate::descriptor::{self, Descriptor};
 use crate::error::{Error, Result};
 use crate::plan::{Plan, Shape};
@@ -55,6 +56,8 @@ use crate::schedule::{Action, RingSchedule};
 const GRANT_BIT: u32 = 1 << 31;
 const END_BIT: u32 = 1 << 30;
 const RELEASE: u32 = 4;
+/// How long a rank that timed out waits for the rank it blames to say what it knows.
+const END_GRACE: Duration = Duration::from_millis(250);
 const DESCRIBE: u32 = 5;
 
 /// Where a rank's next rank writes its descriptor in the rank's doorbell region (by epoch
@@ -66,8 +69,9 @@ const DESCRIPTOR_SOURCE_AT: usize = 2 * descriptor::ENCODED_LEN;
 pub const BELL_BYTES: usize = 4 * descriptor::ENCODED_LEN;
 
 /// A notification with the top bit set: `1 | 0 | tag_hi:7 | epoch:7 | tag_lo:8 | slot:8` for a
-/// grant; `1 | 1 | tag_hi:7 | epoch:7 | tag_lo:8 | kind:8` for the others (an end notice's kind is
-/// its reason (1-3), a release is 4, a description 5; only a description carries a tag).
+/// grant; `1 | 1 | tag_hi:7 | epoch:7 | tag_lo:8 | kind:8` for the others (a release's kind is 4,
+/// a description's 5 with its tag; an end notice's kind is `0x10` + its cause's kind (1-5), and
+/// its tag the rank at fault, [`END_RANKS`] of them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Notice {
     /// The sender's descriptor of collective `epoch` was written with this notice (into our
@@ -93,25 +97,20 @@ pub enum Notice {
         /// [`Descriptor::tag`] of the granting rank's collective.
         tag: u16,
     },
-    /// The sender ended collective `epoch` for `reason`.
+    /// The sender ended collective `epoch`: its own failure, or one it was told of and passes
+    /// on (the rank at fault and what happened there, in ring positions).
     End {
         /// Collective generation.
         epoch: u8,
-        /// Why.
-        reason: EndReason,
+        /// The rank at fault and what happened there.
+        cause: RootCause,
     },
 }
 
-/// Why a rank ended a collective.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EndReason {
-    /// Its neighbours disagree with it on what the collective is.
-    Disagreement,
-    /// It aborted (a caller's abort, a lost rank, a timeout, a local error).
-    Failed,
-    /// A neighbour told it so (passed on).
-    Relayed,
-}
+/// Ring positions an end notice can name (15 bits); a ring of more ranks names the ones beyond
+/// as [`CauseKind::Failed`] at the sender.
+pub const END_RANKS: u32 = 1 << 15;
+const END_KIND: u32 = 0x10;
 
 impl Notice {
     /// Packs into a notification value.
@@ -124,13 +123,14 @@ impl Notice {
                     | u32::from(tag & 0xff) << 8
                     | u32::from(slot)
             }
-            Notice::End { epoch, reason } => {
-                let r = match reason {
-                    EndReason::Disagreement => 1,
-                    EndReason::Failed => 2,
-                    EndReason::Relayed => 3,
-                };
-                GRANT_BIT | END_BIT | (u32::from(epoch) & 0x7f) << 16 | r
+            Notice::End { epoch, cause } => {
+                let rank = cause.rank & (END_RANKS - 1);
+                GRANT_BIT
+                    | END_BIT
+                    | (rank >> 8) << 23
+                    | (u32::from(epoch) & 0x7f) << 16
+                    | (rank & 0xff) << 8
+                    | (END_KIND + cause.kind.code())
             }
             Notice::Release { epoch } => {
                 GRANT_BIT | END_BIT | (u32::from(epoch) & 0x7f) << 16 | RELEASE
@@ -147,7 +147,7 @@ impl Notice {
     }
 
     /// Unpacks a notification with the top bit set (`None`: a data immediate, or an end notice
-    /// with an unknown reason).
+    /// with an unknown cause).
     pub fn decode(v: u32) -> Option<Notice> {
         if v & GRANT_BIT == 0 {
             return None;
@@ -155,16 +155,16 @@ impl Notice {
         let epoch = ((v >> 16) & 0x7f) as u8;
         let tag = (((v >> 23) & 0x7f) << 8 | ((v >> 8) & 0xff)) as u16;
         if v & END_BIT != 0 {
-            let reason = match (v & 0xff, tag) {
-                (DESCRIBE, tag) => return Some(Notice::Describe { epoch, tag }),
-                (_, 1..) => return None,
-                (RELEASE, _) => return Some(Notice::Release { epoch }),
-                (1, _) => EndReason::Disagreement,
-                (2, _) => EndReason::Failed,
-                (3, _) => EndReason::Relayed,
-                _ => return None,
+            return match v & 0xff {
+                DESCRIBE => Some(Notice::Describe { epoch, tag }),
+                RELEASE if tag == 0 => Some(Notice::Release { epoch }),
+                k if k > END_KIND => {
+                    let kind = CauseKind::from_code(k - END_KIND)?;
+                    let cause = RootCause::new(u32::from(tag), kind);
+                    Some(Notice::End { epoch, cause })
+                }
+                _ => None,
             };
-            return Some(Notice::End { epoch, reason });
         }
         Some(Notice::Grant {
             epoch,
@@ -783,18 +783,111 @@ impl HostRing<'_> {
                 // A neighbour may still be writing data we granted: the transport's threads
                 // take it.
                 self.read_inline(false);
+                let e = e.clone();
+                let cause = self.settle_cause(epoch, what.seq, &mut result, &e);
                 // Tell both neighbours, so that the ring ends this collective now rather than
                 // at its deadline. Best effort: a neighbour that is gone cannot be told.
-                let reason = match e {
-                    Error::Disagreement { .. } => EndReason::Disagreement,
-                    Error::PeerFailed { .. } => EndReason::Relayed,
-                    _ => EndReason::Failed,
-                };
-                self.send_end(epoch, reason);
+                self.send_end(epoch, cause, true, true);
                 let _ = self.flush();
             }
         }
         result
+    }
+
+    /// What this rank tells its neighbours for its error `e` (the rank at fault, in ring
+    /// positions). A timeout blames the neighbour waited on, but that neighbour may itself be
+    /// waiting on another rank (the ranks of a ring that stalls time out together): it is told
+    /// first, alone, and given a short grace to answer with what it knows; its answer, where it
+    /// names another rank, becomes this rank's error and cause. A rank that does not answer
+    /// (frozen, stopped) keeps the blame.
+    fn settle_cause(
+        &mut self,
+        epoch: u8,
+        seq: u64,
+        result: &mut Result<()>,
+        e: &Error,
+    ) -> RootCause {
+        let me = self.rank;
+        let cause = e.cause_to_tell(me);
+        let Error::Timeout { rank: Some(x), .. } = *e else {
+            return cause;
+        };
+        let prev = (me + self.world - 1) % self.world;
+        let next = (me + 1) % self.world;
+        if self.world < 2 || x == me || (x != prev && x != next) {
+            return cause;
+        }
+        self.send_end(epoch, cause, x == next, x == prev);
+        let _ = self.flush();
+        let grace = (self.options.timeout / 4).min(END_GRACE);
+        match self.wait_for_end(epoch, x == prev, cause, Deadline::after(grace)) {
+            Some(theirs) if theirs.rank != me && theirs != cause => {
+                *result = Err(Error::PeerFailed {
+                    peer: x,
+                    seq,
+                    cause: theirs,
+                });
+                theirs
+            }
+            _ => cause,
+        }
+    }
+
+    /// Waits until `deadline` for the end notice of collective `epoch` from one neighbour (the
+    /// previous rank's with `from_prev`; with one link, the one peer's); notices of later
+    /// collectives are kept for them, everything else of this one is dropped (it ended). A
+    /// neighbour that timed out on this rank meanwhile (it blames this rank) is answered at
+    /// once with `ours`, what this rank knows, rather than after the wait.
+    fn wait_for_end(
+        &mut self,
+        epoch: u8,
+        from_prev: bool,
+        ours: RootCause,
+        deadline: Deadline,
+    ) -> Option<RootCause> {
+        let accused = RootCause::new(self.rank, CauseKind::Timeout);
+        let mut polled: Vec<Event> = Vec::new();
+        let mut polled_any: Vec<(usize, Event)> = Vec::new();
+        loop {
+            let mut events: Vec<(bool, u32)> = Vec::new();
+            let slice = Deadline::after(Duration::from_millis(2).min(deadline.remaining()));
+            match &mut self.links {
+                Links::One(c) => {
+                    polled.clear();
+                    let _ = c.wait(&mut polled, slice);
+                    events.extend(polled.iter().map(|Event::Notified(v)| (from_prev, *v)));
+                }
+                Links::Two { next, prev } => {
+                    polled_any.clear();
+                    let _ = wait_any(&mut [&mut **prev, &mut **next], &mut polled_any, slice);
+                    events.extend(
+                        polled_any
+                            .iter()
+                            .map(|(i, Event::Notified(v))| (*i == 0, *v)),
+                    );
+                }
+            }
+            for (side, v) in events {
+                match ahead(epoch_of(v), epoch) {
+                    0 => {
+                        if let Some(Notice::End { cause, .. }) = Notice::decode(v) {
+                            if side == from_prev {
+                                return Some(cause);
+                            }
+                            if cause == accused {
+                                self.send_end(epoch, ours, !side, side);
+                                let _ = self.flush();
+                            }
+                        }
+                    }
+                    1..=63 => self.backlog.push(mark(side, v)),
+                    _ => {}
+                }
+            }
+            if deadline.expired() {
+                return None;
+            }
+        }
     }
 
     fn flush(&mut self) -> Result<()> {
@@ -838,16 +931,28 @@ impl HostRing<'_> {
         Ok(prev.write_deferred(&self.work, 0..0, &self.prev_slots, 0, Some(value))?)
     }
 
-    fn send_end(&mut self, epoch: u8, reason: EndReason) {
-        let value = Notice::End { epoch, reason }.encode();
+    /// An end notice with `cause` to the next and/or the previous rank (one write where one
+    /// link is both).
+    fn send_end(&mut self, epoch: u8, cause: RootCause, to_next: bool, to_prev: bool) {
+        // A position beyond what a notice can name: the sender's own failure.
+        let cause = if cause.rank < END_RANKS {
+            cause
+        } else {
+            RootCause::new(self.rank.min(END_RANKS - 1), CauseKind::Failed)
+        };
+        let value = Notice::End { epoch, cause }.encode();
         let (work, next_slots, prev_slots) = (&self.work, self.next_slots, self.prev_slots);
         match &mut self.links {
             Links::One(c) => {
                 let _ = c.write_deferred(work, 0..0, &next_slots, 0, Some(value));
             }
             Links::Two { next, prev } => {
-                let _ = next.write_deferred(work, 0..0, &next_slots, 0, Some(value));
-                let _ = prev.write_deferred(work, 0..0, &prev_slots, 0, Some(value));
+                if to_next {
+                    let _ = next.write_deferred(work, 0..0, &next_slots, 0, Some(value));
+                }
+                if to_prev {
+                    let _ = prev.write_deferred(work, 0..0, &prev_slots, 0, Some(value));
+                }
             }
         }
     }
@@ -1134,19 +1239,25 @@ impl HostRing<'_> {
                             sched.handle_released(now)?;
                         }
                     }
-                    Some(Notice::End { reason, .. }) => {
+                    Some(Notice::End { cause, .. }) => {
+                        // Blamed for not responding while this rank itself has waited on a
+                        // neighbour for most of the timeout: that neighbour is the one (the
+                        // accuser waited on this rank because this rank waited on it). A rank
+                        // that waited little (it was stopped, or late) keeps the blame.
+                        let cause = match sched.waiting_on(now) {
+                            Some((w, waited))
+                                if cause == RootCause::new(self.rank, CauseKind::Timeout)
+                                    && w != self.rank
+                                    && waited >= self.options.timeout / 2 =>
+                            {
+                                RootCause::new(w, CauseKind::Timeout)
+                            }
+                            _ => cause,
+                        };
                         return Err(Error::PeerFailed {
                             peer: from,
                             seq: what.seq,
-                            reason: match reason {
-                                EndReason::Disagreement => {
-                                    "ranks disagree on what the collective is".into()
-                                }
-                                EndReason::Failed => "it failed or was aborted".into(),
-                                EndReason::Relayed => {
-                                    "a rank further along the ring ended it".into()
-                                }
-                            },
+                            cause,
                         });
                     }
                     _ => {
@@ -1215,6 +1326,38 @@ fn wait_slice(c: &mut dyn HostConnection, events: &mut Vec<Event>) -> Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn end_notices_carry_the_rank_at_fault_and_the_cause_and_round_trip() {
+        use crate::cause::CauseKind::*;
+        for kind in [Timeout, Lost, Aborted, Disagreement, Failed] {
+            for rank in [0, 1, 300, END_RANKS - 1] {
+                for epoch in [0u8, 1, 127] {
+                    let n = Notice::End {
+                        epoch,
+                        cause: RootCause::new(rank, kind),
+                    };
+                    assert_eq!(Notice::decode(n.encode()), Some(n));
+                    // The backlog's mark stays clear of the cause.
+                    assert!(is_end(mark(true, n.encode())));
+                    assert_eq!(unmark(mark(true, n.encode())), (true, n.encode()));
+                }
+            }
+        }
+        for n in [
+            Notice::Release { epoch: 5 },
+            Notice::Describe { epoch: 9, tag: 0x7fff },
+            Notice::Grant {
+                epoch: 3,
+                slot: 7,
+                tag: 0x1234,
+            },
+        ] {
+            assert_eq!(Notice::decode(n.encode()), Some(n));
+        }
+        // An end notice of an unknown cause is not read as any notice.
+        assert_eq!(Notice::decode(GRANT_BIT | END_BIT | (END_KIND + 6)), None);
+    }
 
     #[test]
     fn the_options_take_their_timeout_from_the_configuration() {

@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod cause;
 pub mod comm;
 #[cfg(test)]
 mod cpu_streams;
@@ -43,6 +44,7 @@ pub mod schedule;
 pub mod seeded;
 pub mod stream_plan;
 
+pub use cause::{CauseKind, RootCause};
 pub use element::Element;
 pub use error::{Error, Result};
 pub use plan::Plan;

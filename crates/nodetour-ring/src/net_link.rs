@@ -503,6 +503,7 @@ impl NetLink {
             if now >= deadline {
                 return Err(Error::Timeout {
                     waiting_for: "the network progress thread to end (left running)".into(),
+                    rank: None,
                     after: timeout,
                 });
             }

@@ -421,9 +421,10 @@ impl RingSchedule {
         if self.state == State::Running
             && now.saturating_duration_since(self.last_progress) >= self.timeout
         {
-            let waiting_for = self.waiting_for();
+            let (waiting_for, rank) = self.waiting_for();
             self.fail(Error::Timeout {
                 waiting_for,
+                rank,
                 after: self.timeout,
             });
         }
@@ -503,27 +504,44 @@ impl RingSchedule {
         }
     }
 
-    fn waiting_for(&self) -> String {
+    /// What the schedule waits for, and the neighbour it waits on (none where it waits for
+    /// local work).
+    fn waiting_for(&self) -> (String, Option<u32>) {
         let (prev, next) = (
             (self.rank + self.plan.world - 1) % self.plan.world,
             (self.rank + 1) % self.plan.world,
         );
         if self.next_send < self.sends.len() && self.free_remote.is_empty() {
-            return format!(
-                "a slot grant from rank {next} (send {} of {})",
-                self.next_send,
-                self.sends.len()
+            return (
+                format!(
+                    "a slot grant (send {} of {})",
+                    self.next_send,
+                    self.sends.len()
+                ),
+                Some(next),
             );
         }
         if self.next_recv < self.recvs.len() {
-            return format!(
-                "chunk {} of {} from rank {prev} (step {})",
-                self.next_recv,
-                self.recvs.len(),
-                self.recvs[self.next_recv].step
+            return (
+                format!(
+                    "chunk {} of {} (step {})",
+                    self.next_recv,
+                    self.recvs.len(),
+                    self.recvs[self.next_recv].step
+                ),
+                Some(prev),
             );
         }
-        "local completions of sends and reduces".into()
+        ("local completions of sends and reduces".into(), None)
+    }
+
+    /// While running: the neighbour the schedule waits on and how long nothing has moved.
+    pub fn waiting_on(&self, now: Instant) -> Option<(u32, Duration)> {
+        if self.state != State::Running {
+            return None;
+        }
+        let (_, rank) = self.waiting_for();
+        Some((rank?, now.saturating_duration_since(self.last_progress)))
     }
 
     fn running(&self) -> Result<()> {
@@ -714,8 +732,11 @@ mod tests {
         let failed =
             std::iter::from_fn(|| s.poll_action()).find(|a| matches!(a, Action::Failed(_)));
         match failed {
-            Some(Action::Failed(Error::Timeout { waiting_for, .. })) => {
-                assert!(waiting_for.contains("grant from rank 1"), "{waiting_for}")
+            Some(Action::Failed(Error::Timeout {
+                waiting_for, rank, ..
+            })) => {
+                assert!(waiting_for.contains("slot grant"), "{waiting_for}");
+                assert_eq!(rank, Some(1), "the rank waited on");
             }
             other => panic!("{other:?}"),
         }

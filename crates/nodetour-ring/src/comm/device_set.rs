@@ -493,6 +493,7 @@ impl Call<'_> {
                                       (one thread per GPU; a thread that drives several GPUs \
                                       calls them inside a nodetour Group)"
                             .into(),
+                        rank: None,
                         after: timeout,
                     };
                     set.abort.fail(e.clone());

@@ -24,6 +24,7 @@ use super::links::Announcement;
 use super::options::Options;
 use super::paths::{DevicePath, Direction, LinkPath, Paths};
 use super::table::{self, Pair};
+use crate::cause::CauseKind;
 use crate::error::{Error, Result};
 use crate::gpu_ring::GpuRing;
 use crate::host::{BELL_BYTES, GpuStaging, HostRing, HostRingOptions, Links};
@@ -579,11 +580,19 @@ impl HostJob {
         ring.owe_release(seq);
         let aborted_before = aborted.lock().ok().and_then(|r| r.clone());
         let job = &self.job;
+        let order = &self.order;
         let alive = || {
             if let Some(reason) = aborted.lock().ok().and_then(|r| r.clone()) {
                 return Err(nodetour_core::Error::Aborted { reason });
             }
-            job.check_present()
+            // The ring numbers ranks by their position in it (blame maps them back).
+            job.check_present().map_err(|e| match e {
+                nodetour_core::Error::RankLost { rank, reason } => nodetour_core::Error::RankLost {
+                    rank: position(order, rank),
+                    reason,
+                },
+                e => e,
+            })
         };
         let result = match aborted_before {
             Some(reason) => Err(Error::Aborted { reason }),
@@ -624,37 +633,20 @@ impl HostJob {
         result
     }
 
-    /// A transport failure is usually the echo of a rank that died (its connection closed, or
-    /// a neighbour that failed because of it closed its own): ask the liveness mesh, briefly,
-    /// who was lost first, and name that rank. Ring positions become job ranks.
+    /// Ring positions become job ranks. A failure whose cause is not known yet (a transport
+    /// error, a timeout, a failure there) is usually the echo of a rank that died (its
+    /// connection closed, or a neighbour that failed because of it closed its own): ask the
+    /// liveness mesh, briefly, who was lost first, and name that rank. A known cause (an
+    /// abort, a disagreement, a loss) stays: a rank that disagreed or aborted and then left is
+    /// reported for what it did, not for leaving.
     fn blame(&self, e: Error) -> Error {
         let rank_at = |p: u32| self.order.get(p as usize).copied().unwrap_or(p);
-        let e = match e {
-            Error::Disagreement {
-                rank,
-                peer,
-                ours,
-                theirs,
-            } => {
-                return Error::Disagreement {
-                    rank: rank_at(rank),
-                    peer: rank_at(peer),
-                    ours,
-                    theirs,
-                };
-            }
-            Error::PeerFailed { peer, seq, reason } => Error::PeerFailed {
-                peer: rank_at(peer),
-                seq,
-                reason,
-            },
-            Error::Protocol { rank, reason } => Error::Protocol {
-                rank: rank_at(rank),
-                reason,
-            },
-            other => other,
-        };
-        if matches!(e, Error::PeerLost { .. } | Error::Aborted { .. }) {
+        let e = e.map_ranks(&rank_at);
+        let known = matches!(
+            e.root_cause().map(|c| c.kind),
+            Some(CauseKind::Aborted | CauseKind::Disagreement | CauseKind::Lost)
+        );
+        if known || matches!(e, Error::Aborted { .. }) {
             return e;
         }
         let wait = std::time::Duration::from_millis(500).min(self.options.timeout);

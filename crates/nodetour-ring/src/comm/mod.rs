@@ -212,6 +212,7 @@ fn stream_done(stream: &GpuStream, deadline: Deadline) -> Result<()> {
         if deadline.expired() {
             return Err(Error::Timeout {
                 waiting_for: "the caller's stream".into(),
+                rank: None,
                 after: started.elapsed(),
             });
         }
@@ -497,11 +498,21 @@ impl Communicator {
         };
         let bootstrap = &job.job;
         let ring = job.gpu_ring.as_mut().expect("checked above");
-        let alive = || bootstrap.check_present();
+        // The GPU ring names ranks by ring position; its errors name job ranks.
+        let alive = || {
+            bootstrap.check_present().map_err(|e| match e {
+                nodetour_core::Error::RankLost { rank, reason } => nodetour_core::Error::RankLost {
+                    rank: self.position_of(rank),
+                    reason,
+                },
+                e => e,
+            })
+        };
         let result = match stream {
             Some(s) => ring.wait_stream(s, deadline.remaining(), &alive),
             None => ring.wait_alive(deadline.remaining(), &alive),
-        };
+        }
+        .map_err(|e| self.job_ranks(e));
         if let Err(e) = &result {
             failed.get_or_insert_with(|| e.clone());
         }
@@ -1038,7 +1049,7 @@ impl Communicator {
         })?;
         let result = match ring.collective(buffer, shape, count, dtype, op, stream) {
             Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => return Err(e),
-            other => other,
+            other => other.map_err(|e| self.job_ranks(e)),
         };
         if let Err(e) = &result {
             state.failed.get_or_insert_with(|| e.clone());
@@ -1145,6 +1156,12 @@ impl Communicator {
 
     fn position(&self) -> u32 {
         self.position_of(self.rank)
+    }
+
+    /// An error of the GPU ring (ranks as ring positions) with job ranks.
+    fn job_ranks(&self, e: Error) -> Error {
+        let order = &self.paths.order;
+        e.map_ranks(&|p| order.get(p as usize).copied().unwrap_or(p))
     }
 
     /// The ring position of job rank `rank`.
