@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use super::wire::{HEADER_LEN, Message, PeerEntry};
 use nodetour_core::Deadline;
-use nodetour_core::auth::{JobToken, nonce};
+use nodetour_core::auth::{JobToken, Nonce, SessionKey, SessionKeys, TAG_LEN, nonce};
 use nodetour_core::{Error, Result};
 
 /// How long one handshake step may take from a connected peer (a stranger that connects and
@@ -24,8 +24,25 @@ const STEP: Duration = Duration::from_secs(10);
 /// How often the liveness watcher wakes to check for shutdown.
 const WATCH_TICK: Duration = Duration::from_millis(200);
 
-/// What the rendezvous hands back: the table, and this rank's mesh links (rank, socket).
-type Formed = (Vec<PeerEntry>, Vec<(u32, TcpStream)>);
+/// What the rendezvous hands back: the table, and this rank's mesh links.
+type Formed = (Vec<PeerEntry>, Vec<Link>);
+
+/// A mesh connection after the handshake, with its session keys.
+struct Link {
+    rank: u32,
+    stream: TcpStream,
+    keys: SessionKeys,
+}
+
+/// One direction of a mesh connection: every message it carries after the handshake is tagged
+/// with the connection's session key for that direction (derived from the job token and both
+/// handshake nonces), numbered, so that a message forged, altered, replayed, dropped or
+/// reordered on the way fails its tag and is never acted on.
+struct Sealed {
+    rank: u32,
+    stream: TcpStream,
+    key: SessionKey,
+}
 
 /// Which ranks' addresses each rank receives (run by rank 0 on the whole table):
 /// `share(table)[r]` lists the ranks whose full entries rank `r` gets (its own always comes
@@ -110,8 +127,8 @@ impl Liveness {
     }
 }
 
-/// The mesh's sockets, for whole-frame writes from any thread.
-type Writers = Arc<Mutex<Vec<(u32, TcpStream)>>>;
+/// The mesh's sockets with their sending keys, for whole-frame writes from any thread.
+type Writers = Arc<Mutex<Vec<Sealed>>>;
 
 /// Rank 0: releases barrier `generation` if every rank has reached it.
 fn release_if_complete(st: &mut State, generation: u64, writers: &Writers, liveness: &Liveness) {
@@ -120,8 +137,8 @@ fn release_if_complete(st: &mut State, generation: u64, writers: &Writers, liven
     }
     st.released = generation;
     let msg = Message::BarrierRelease { generation };
-    for (rank, s) in writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
-        let _ = send(s, &msg, &format!("rank {rank}"));
+    for w in writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+        let _ = send_sealed(w, &msg);
     }
     liveness.changed.notify_all();
 }
@@ -186,16 +203,26 @@ impl Bootstrap {
         let liveness = Arc::new(Liveness::default());
         liveness.lock().arrived = vec![0; world_size as usize];
         let stop = Arc::new(AtomicBool::new(false));
-        let readers: Vec<(u32, TcpStream)> = links
-            .iter()
-            .map(|(r, s)| s.try_clone().map(|c| (*r, c)))
-            .collect::<io::Result<_>>()
-            .map_err(|source| Error::Exchange {
+        let mut readers = Vec::with_capacity(links.len());
+        let mut senders = Vec::with_capacity(links.len());
+        for Link { rank, stream, keys } in links {
+            let clone = stream.try_clone().map_err(|source| Error::Exchange {
                 op: "clone",
                 peer: "bootstrap".into(),
                 source,
             })?;
-        let writers: Writers = Arc::new(Mutex::new(links));
+            readers.push(Sealed {
+                rank,
+                stream: clone,
+                key: keys.recv,
+            });
+            senders.push(Sealed {
+                rank,
+                stream,
+                key: keys.send,
+            });
+        }
+        let writers: Writers = Arc::new(Mutex::new(senders));
         let watcher = {
             let (liveness, stop, writers) = (liveness.clone(), stop.clone(), writers.clone());
             std::thread::Builder::new()
@@ -275,13 +302,13 @@ impl Bootstrap {
             release_if_complete(&mut st, generation, &self.writers, &self.liveness);
         } else {
             let msg = Message::Barrier { generation };
-            for (_, s) in self
+            for w in self
                 .writers
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .iter_mut()
             {
-                send(s, &msg, "rank 0")?;
+                send_sealed(w, &msg)?;
             }
         }
         let mut st = self.liveness.lock();
@@ -353,14 +380,12 @@ impl Drop for Bootstrap {
             let _ = w.join();
         }
         let mut writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Ok(bye) = Message::Goodbye.encode() {
-            for (_, s) in writers.iter_mut() {
-                let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-                let _ = s.write_all(&bye);
-            }
+        for w in writers.iter_mut() {
+            let _ = w.stream.set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = send_sealed_within(w, &Message::Goodbye, Duration::from_secs(1));
         }
-        for (_, s) in writers.iter() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        for w in writers.iter() {
+            let _ = w.stream.shutdown(std::net::Shutdown::Both);
         }
     }
 }
@@ -382,11 +407,6 @@ fn take_parked_listener(port: u16) -> Option<TcpListener> {
     Some(parked.swap_remove(at).1)
 }
 
-/// Reads one message within `deadline`.
-fn read_message(s: &mut TcpStream, deadline: Deadline, peer: &str) -> Result<Message> {
-    read_message_capped(s, deadline, peer, super::wire::MAX_PAYLOAD)
-}
-
 /// The most a peer may make this process read before it has proven the job token (a challenge,
 /// a hello, a server proof, a refusal): nothing large is allocated for an unauthenticated peer.
 const UNAUTHENTICATED_MAX: u32 = 2048;
@@ -406,6 +426,17 @@ fn read_message_capped(
     peer: &str,
     max: u32,
 ) -> Result<Message> {
+    let (kind, frame) = read_frame(s, deadline, peer, max)?;
+    Message::decode_payload(kind, &frame[HEADER_LEN..])
+}
+
+/// Reads one frame (header and payload) of at most `max` payload bytes: its kind and bytes.
+fn read_frame(
+    s: &mut TcpStream,
+    deadline: Deadline,
+    peer: &str,
+    max: u32,
+) -> Result<(u8, Vec<u8>)> {
     let mut header = [0u8; HEADER_LEN];
     read_exact(s, &mut header, deadline, peer)?;
     let (kind, len) = Message::decode_header(&header)?;
@@ -417,9 +448,67 @@ fn read_message_capped(
             ),
         });
     }
-    let mut payload = vec![0u8; len as usize];
-    read_exact(s, &mut payload, deadline, peer)?;
-    Message::decode_payload(kind, &payload)
+    let mut frame = vec![0u8; HEADER_LEN + len as usize];
+    frame[..HEADER_LEN].copy_from_slice(&header);
+    read_exact(s, &mut frame[HEADER_LEN..], deadline, peer)?;
+    Ok((kind, frame))
+}
+
+/// Reads one message sent after the handshake and checks its session tag (`key`: this
+/// direction's); a bad tag is an authentication error and the message is not decoded.
+fn read_sealed(
+    s: &mut TcpStream,
+    key: &mut SessionKey,
+    deadline: Deadline,
+    peer: &str,
+) -> Result<Message> {
+    let (kind, frame) = read_frame(s, deadline, peer, super::wire::MAX_PAYLOAD)?;
+    let mut tag = [0u8; TAG_LEN];
+    read_exact(s, &mut tag, deadline, peer)?;
+    if !key.open(&[&frame], &tag) {
+        return Err(Error::Authenticate {
+            peer: peer.to_owned(),
+            reason: "a bootstrap message failed its session tag (forged, altered, replayed or \
+                     reordered on the way): not acted on, the connection is dropped"
+                .into(),
+        });
+    }
+    Message::decode_payload(kind, &frame[HEADER_LEN..])
+}
+
+/// Sends `m` tagged with `key` (see [`read_sealed`]).
+fn send_tagged(s: &mut TcpStream, key: &mut SessionKey, m: &Message, peer: &str) -> Result<()> {
+    let mut frame = m.encode()?;
+    let tag = key.seal(&[&frame]);
+    frame.extend_from_slice(&tag);
+    s.set_write_timeout(Some(STEP))
+        .and_then(|()| s.write_all(&frame))
+        .map_err(|source| Error::Exchange {
+            op: "write",
+            peer: peer.to_owned(),
+            source,
+        })
+}
+
+/// Sends `m` on a mesh link, tagged.
+fn send_sealed(w: &mut Sealed, m: &Message) -> Result<()> {
+    let peer = format!("rank {}", w.rank);
+    send_tagged(&mut w.stream, &mut w.key, m, &peer)
+}
+
+/// [`send_sealed`] with a shorter write timeout (a goodbye at teardown).
+fn send_sealed_within(w: &mut Sealed, m: &Message, within: Duration) -> Result<()> {
+    let mut frame = m.encode()?;
+    let tag = w.key.seal(&[&frame]);
+    frame.extend_from_slice(&tag);
+    w.stream
+        .set_write_timeout(Some(within))
+        .and_then(|()| w.stream.write_all(&frame))
+        .map_err(|source| Error::Exchange {
+            op: "write",
+            peer: format!("rank {}", w.rank),
+            source,
+        })
 }
 
 fn read_exact(s: &mut TcpStream, buf: &mut [u8], deadline: Deadline, peer: &str) -> Result<()> {
@@ -479,6 +568,7 @@ struct Joined {
     stream: TcpStream,
     entry: PeerEntry,
     peer: String,
+    keys: SessionKeys,
 }
 
 /// Rank 0: accept, authenticate and collect every other rank, then send the table.
@@ -548,7 +638,12 @@ fn serve(
                             first.peer, j.peer
                         );
                         tracing::warn!(%reason, "duplicate rank refused");
-                        let _ = send(&mut j.stream, &Message::Reject { reason }, &j.peer);
+                        let _ = send_tagged(
+                            &mut j.stream,
+                            &mut j.keys.send,
+                            &Message::Reject { reason },
+                            &j.peer,
+                        );
                         continue;
                     }
                     tracing::debug!(rank = r, peer = %j.peer, "rank joined");
@@ -571,8 +666,9 @@ fn serve(
                 deadline.budget()
             );
             for j in joined.iter_mut().flatten() {
-                let _ = send(
+                let _ = send_tagged(
                     &mut j.stream,
+                    &mut j.keys.send,
                     &Message::Reject {
                         reason: reason.clone(),
                     },
@@ -604,10 +700,15 @@ fn serve(
             mut stream,
             entry,
             peer,
+            mut keys,
         } = j;
         let msg = Message::Table(table_for(&table, lists.as_deref(), entry.rank));
-        send(&mut stream, &msg, &peer)?;
-        links.push((entry.rank, stream));
+        send_tagged(&mut stream, &mut keys.send, &msg, &peer)?;
+        links.push(Link {
+            rank: entry.rank,
+            stream,
+            keys,
+        });
     }
     Ok((table_for(&table, lists.as_deref(), 0), links))
 }
@@ -685,11 +786,14 @@ fn handshake_server(
         },
         peer,
     )?;
-    match read_message(&mut s, step, peer)? {
+    // From here on every message is tagged with the session's keys.
+    let mut keys = session(token, &ours, &theirs, rank, world_size, true);
+    match read_sealed(&mut s, &mut keys.recv, step, peer)? {
         Message::Join(entry) if entry.rank == rank => Ok(Joined {
             stream: s,
             entry,
             peer: peer.to_owned(),
+            keys,
         }),
         Message::Join(entry) => Err(refuse(
             &mut s,
@@ -753,11 +857,13 @@ fn join(
             });
         }
     }
-    send(&mut s, &Message::Join(me), &peer)?;
+    // From here on every message is tagged with the session's keys.
+    let mut keys = session(token, &challenge, &ours, rank, world_size, false);
+    send_tagged(&mut s, &mut keys.send, &Message::Join(me), &peer)?;
     // Rank 0 answers at its own deadline, naming the ranks that never arrived: that answer is
     // worth a short grace past ours.
     let answer = Deadline::after(deadline.remaining() + Duration::from_secs(2));
-    let table = match read_message(&mut s, answer, &peer)? {
+    let table = match read_sealed(&mut s, &mut keys.recv, answer, &peer)? {
         Message::Table(t) => t,
         Message::Reject { reason } => return Err(Error::Rendezvous { reason }),
         other => {
@@ -778,7 +884,26 @@ fn join(
             ),
         });
     }
-    Ok((table, vec![(0, s)]))
+    Ok((
+        table,
+        vec![Link {
+            rank: 0,
+            stream: s,
+            keys,
+        }],
+    ))
+}
+
+/// The session keys of a mesh connection (rank 0 accepts, `rank` dials).
+fn session(
+    token: &JobToken,
+    acceptor_nonce: &Nonce,
+    dialer_nonce: &Nonce,
+    rank: u32,
+    world_size: u32,
+    acceptor: bool,
+) -> SessionKeys {
+    token.session(acceptor_nonce, dialer_nonce, rank, world_size, acceptor)
 }
 
 /// The liveness watcher: reads the mesh's sockets until told to stop. On rank 0 a closed socket
@@ -786,7 +911,7 @@ fn join(
 /// the messages come from rank 0.
 fn watch(
     me: u32,
-    mut streams: Vec<(u32, TcpStream)>,
+    mut streams: Vec<Sealed>,
     writers: &Writers,
     liveness: &Liveness,
     stop: &AtomicBool,
@@ -796,7 +921,7 @@ fn watch(
         let fds: Vec<Option<std::os::fd::RawFd>> = streams
             .iter()
             .zip(&open)
-            .map(|((_, s), o)| o.then(|| s.as_raw_fd()))
+            .map(|(l, o)| o.then(|| l.stream.as_raw_fd()))
             .collect();
         let ready = nodetour_core::net::poll_readable(&fds, WATCH_TICK);
         if !ready.iter().any(|r| *r) {
@@ -806,8 +931,12 @@ fn watch(
             if !open[i] || !ready[i] {
                 continue;
             }
-            let (rank, ref mut s) = streams[i];
-            let outcome = read_message(s, Deadline::after(STEP), &format!("rank {rank}"));
+            let Sealed {
+                rank,
+                stream: ref mut s,
+                ref mut key,
+            } = streams[i];
+            let outcome = read_sealed(s, key, Deadline::after(STEP), &format!("rank {rank}"));
             if stop.load(Ordering::SeqCst) {
                 return;
             }
@@ -835,11 +964,9 @@ fn watch(
                         // Tell the others: a collective that still needs this rank fails now,
                         // naming it, instead of at its deadline.
                         let msg = Message::RankLeft { rank };
-                        for (other, s2) in
-                            writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut()
-                        {
-                            if *other != rank {
-                                let _ = send(s2, &msg, &format!("rank {other}"));
+                        for w in writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+                            if w.rank != rank {
+                                let _ = send_sealed(w, &msg);
                             }
                         }
                     }
@@ -853,11 +980,9 @@ fn watch(
                     liveness.mark(rank, reason.clone());
                     if me == 0 {
                         let msg = Message::RankLost { rank, reason };
-                        for (other, s2) in
-                            writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut()
-                        {
-                            if *other != rank {
-                                let _ = send(s2, &msg, &format!("rank {other}"));
+                        for w in writers.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+                            if w.rank != rank {
+                                let _ = send_sealed(w, &msg);
                             }
                         }
                     }

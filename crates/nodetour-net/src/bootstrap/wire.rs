@@ -10,8 +10,9 @@ use nodetour_core::{Error, Result};
 
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"NDTB";
-/// Protocol version (2: rank 0 relays a rank's departure, `RankLeft`).
-pub const VERSION: u8 = 2;
+/// Protocol version (2: rank 0 relays a rank's departure, `RankLeft`; 3: every message after
+/// the proofs carries a session tag).
+pub const VERSION: u8 = 3;
 /// Header length.
 pub const HEADER_LEN: usize = 12;
 /// Largest payload (a peer table of thousands of ranks fits).
