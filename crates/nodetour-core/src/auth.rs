@@ -53,19 +53,36 @@ impl JobToken {
         self.0.is_empty()
     }
 
-    fn mac(&self, label: &[u8], nonce: &Nonce, rank: u32, world: u32) -> Hmac<Sha256> {
+    fn mac(
+        &self,
+        label: &[u8],
+        nonce: &Nonce,
+        rank: u32,
+        world: u32,
+        to: Acceptor<'_>,
+    ) -> Hmac<Sha256> {
         let mut m =
             <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
         m.update(label);
         m.update(nonce);
         m.update(&rank.to_be_bytes());
         m.update(&world.to_be_bytes());
+        m.update(&to.rank.to_be_bytes());
+        m.update(&(to.address.len() as u64).to_be_bytes());
+        m.update(to.address.as_bytes());
         m
     }
 
-    /// A client's answer to the server's `nonce`, bound to the rank and world size it claims.
+    /// A client's answer to the server's `nonce`, bound to the rank and world size it claims
+    /// (the acceptor unnamed: the rendezvous).
     pub fn client_proof(&self, nonce: &Nonce, rank: u32, world: u32) -> Proof {
-        self.mac(CLIENT_LABEL, nonce, rank, world)
+        self.client_proof_to(nonce, rank, world, Acceptor::ANY)
+    }
+
+    /// [`Self::client_proof`] bound also to the acceptor the client means to reach: a
+    /// connection redirected to another rank of the job (which knows the token too) fails.
+    pub fn client_proof_to(&self, nonce: &Nonce, rank: u32, world: u32, to: Acceptor<'_>) -> Proof {
+        self.mac(CLIENT_LABEL, nonce, rank, world, to)
             .finalize()
             .into_bytes()
             .into()
@@ -73,14 +90,31 @@ impl JobToken {
 
     /// Checks a client's proof in constant time.
     pub fn verify_client(&self, nonce: &Nonce, rank: u32, world: u32, proof: &Proof) -> bool {
-        self.mac(CLIENT_LABEL, nonce, rank, world)
+        self.verify_client_to(nonce, rank, world, Acceptor::ANY, proof)
+    }
+
+    /// Checks a client's proof made for acceptor `to` (this side) in constant time.
+    pub fn verify_client_to(
+        &self,
+        nonce: &Nonce,
+        rank: u32,
+        world: u32,
+        to: Acceptor<'_>,
+        proof: &Proof,
+    ) -> bool {
+        self.mac(CLIENT_LABEL, nonce, rank, world, to)
             .verify_slice(proof)
             .is_ok()
     }
 
     /// The server's answer to the client's `nonce`.
     pub fn server_proof(&self, nonce: &Nonce, rank: u32, world: u32) -> Proof {
-        self.mac(SERVER_LABEL, nonce, rank, world)
+        self.server_proof_to(nonce, rank, world, Acceptor::ANY)
+    }
+
+    /// The server's answer, naming itself (`me`): the client checks it reached whom it meant.
+    pub fn server_proof_to(&self, nonce: &Nonce, rank: u32, world: u32, me: Acceptor<'_>) -> Proof {
+        self.mac(SERVER_LABEL, nonce, rank, world, me)
             .finalize()
             .into_bytes()
             .into()
@@ -88,10 +122,43 @@ impl JobToken {
 
     /// Checks the server's proof in constant time.
     pub fn verify_server(&self, nonce: &Nonce, rank: u32, world: u32, proof: &Proof) -> bool {
-        self.mac(SERVER_LABEL, nonce, rank, world)
+        self.verify_server_to(nonce, rank, world, Acceptor::ANY, proof)
+    }
+
+    /// Checks the server's proof, made as acceptor `to`, in constant time.
+    pub fn verify_server_to(
+        &self,
+        nonce: &Nonce,
+        rank: u32,
+        world: u32,
+        to: Acceptor<'_>,
+        proof: &Proof,
+    ) -> bool {
+        self.mac(SERVER_LABEL, nonce, rank, world, to)
             .verify_slice(proof)
             .is_ok()
     }
+}
+
+/// The accepting side of an authenticated connection as the proofs name it: its rank and the
+/// address it published (in the authenticated bootstrap table). Both proofs cover it, so a
+/// dial meant for one rank that reaches another (an on-path redirect to a rank that holds the
+/// token too) fails on both sides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Acceptor<'a> {
+    /// Its rank (`u32::MAX`: not named).
+    pub rank: u32,
+    /// The address it published (empty: not named).
+    pub address: &'a str,
+}
+
+impl Acceptor<'static> {
+    /// No acceptor named (the rendezvous, which ranks may reach by any name; point-to-point
+    /// connections made without a table).
+    pub const ANY: Acceptor<'static> = Acceptor {
+        rank: u32::MAX,
+        address: "",
+    };
 }
 
 const SESSION_LABEL: &[u8] = b"nodetour-session-v1";
@@ -226,6 +293,31 @@ mod tests {
             "client and server proofs differ"
         );
         assert!(t.verify_server(&n, 3, 8, &t.server_proof(&n, 3, 8)));
+        // Bound to the acceptor meant: another rank, or another address, fails.
+        let to = Acceptor {
+            rank: 1,
+            address: "10.0.0.1:4000",
+        };
+        let p = t.client_proof_to(&n, 3, 8, to);
+        assert!(t.verify_client_to(&n, 3, 8, to, &p));
+        assert!(!t.verify_client_to(&n, 3, 8, Acceptor { rank: 2, ..to }, &p));
+        assert!(!t.verify_client_to(
+            &n,
+            3,
+            8,
+            Acceptor {
+                address: "10.0.0.2:4000",
+                ..to
+            },
+            &p
+        ));
+        assert!(
+            !t.verify_client(&n, 3, 8, &p),
+            "a bound proof is not an unbound one"
+        );
+        let p = t.server_proof_to(&n, 3, 8, to);
+        assert!(t.verify_server_to(&n, 3, 8, to, &p));
+        assert!(!t.verify_server_to(&n, 3, 8, Acceptor { rank: 0, ..to }, &p));
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::time::Duration;
 use super::tcp_rx::{self, Receiver};
 use super::wire::{CONTROL_MAX, HEADER_LEN, MAX_FRAME, WriteHeader};
 use super::{Armed, Event, HostConnection, SlotGrant, SlotRegion, SlotTable, TransportKind};
-use crate::auth::{JobToken, nonce};
+use crate::auth::{Acceptor, JobToken, nonce};
 use crate::auth::{SessionKey, SessionKeys, TAG_LEN, Tag};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -435,6 +435,15 @@ impl Drop for TcpConnection {
 /// The largest payload [`TcpEndpoint::exchange`] carries each way.
 pub const EXCHANGE_MAX: usize = 64 << 10;
 
+/// Connections a listener authenticates at once (each on its own thread); more wait in the
+/// listener's backlog.
+const HANDSHAKES_MAX: usize = 64;
+
+/// How long a connection may take to answer the challenge (a rank answers at once): what a
+/// silent stranger costs one of the [`HANDSHAKES_MAX`] handshakes, without holding up the
+/// others.
+const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+
 /// A listening endpoint that accepts authenticated connections from ranks of the job.
 pub struct TcpEndpoint {
     listener: TcpListener,
@@ -602,13 +611,25 @@ impl TcpEndpoint {
         deadline: Deadline,
     ) -> Result<HashMap<u32, (TcpStream, String, SessionKeys)>> {
         let higher: Vec<u32> = peers.iter().copied().filter(|p| *p > my_rank).collect();
+        // The proofs name the acceptor (its rank and the address it published in the table):
+        // a dial redirected to another rank of the job fails on both sides.
+        let mine = address(my_rank);
+        let me = Acceptor {
+            rank: my_rank,
+            address: &mine,
+        };
         std::thread::scope(|s| {
-            let accepting = s.spawn(|| self.accept_streams(&higher, world_size, alive, deadline));
+            let accepting =
+                s.spawn(|| self.accept_streams(&higher, world_size, me, alive, deadline));
             let mut out = HashMap::new();
             let dialled = peers.iter().filter(|p| **p < my_rank).try_for_each(|&p| {
                 let addr = address(p);
+                let to = Acceptor {
+                    rank: p,
+                    address: &addr,
+                };
                 let (stream, keys) =
-                    dial(&addr, my_rank, world_size, &self.token, alive, deadline)?;
+                    dial(&addr, my_rank, world_size, &self.token, to, alive, deadline)?;
                 out.insert(p, (stream, addr, keys));
                 Ok(())
             });
@@ -632,7 +653,7 @@ impl TcpEndpoint {
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
     ) -> Result<HashMap<u32, TcpConnection>> {
-        let streams = self.accept_streams(expected, world_size, alive, deadline)?;
+        let streams = self.accept_streams(expected, world_size, Acceptor::ANY, alive, deadline)?;
         streams
             .into_iter()
             .map(|(r, (s, who, keys))| {
@@ -644,95 +665,120 @@ impl TcpEndpoint {
             .collect()
     }
 
+    /// Accepts and authenticates connections (up to [`HANDSHAKES_MAX`] at once, each given
+    /// [`ANSWER_WITHIN`] to answer the challenge, so silent strangers cannot hold up the ranks)
+    /// until every rank in `expected` has connected and proved itself to be that rank and to
+    /// mean this acceptor (`me`).
     fn accept_streams(
         &self,
         expected: &[u32],
         world_size: u32,
+        me: Acceptor<'_>,
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
     ) -> Result<HashMap<u32, (TcpStream, String, SessionKeys)>> {
+        type Outcome = (String, Result<(TcpStream, u32, SessionKeys)>);
         let mut got: HashMap<u32, (TcpStream, String, SessionKeys)> = HashMap::new();
+        let (tx, rx) = std::sync::mpsc::channel::<Outcome>();
+        let mut pending = 0usize;
+        let me_owned = (me.rank, me.address.to_owned());
         while got.len() < expected.len() {
-            match self.listener.accept() {
-                Ok((mut s, peer)) => {
+            let accepted = (pending < HANDSHAKES_MAX).then(|| self.listener.accept());
+            match accepted {
+                Some(Ok((s, peer))) => {
+                    let (tx, token, me) = (tx.clone(), self.token.clone(), me_owned.clone());
                     let peer = peer.to_string();
-                    match self.authenticate(&mut s, &peer, world_size, deadline) {
-                        Ok((rank, keys))
-                            if expected.contains(&rank) && !got.contains_key(&rank) =>
-                        {
-                            got.insert(rank, (s, format!("rank {rank} at {peer}"), keys));
-                        }
-                        Ok((rank, _)) => {
-                            tracing::warn!(%peer, rank, "refused an unexpected or duplicate tcp connection")
-                        }
-                        Err(e) => tracing::warn!(%peer, error = %e, "refused a tcp connection"),
-                    }
+                    pending += 1;
+                    std::thread::spawn(move || {
+                        let me = Acceptor {
+                            rank: me.0,
+                            address: &me.1,
+                        };
+                        let r = authenticate(s, &peer, &token, world_size, me, deadline);
+                        let _ = tx.send((peer, r));
+                    });
+                    continue;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    alive()?;
-                    let missing: Vec<u32> = expected
-                        .iter()
-                        .filter(|r| !got.contains_key(r))
-                        .copied()
-                        .collect();
-                    deadline.check(|| format!("tcp connections from rank(s) {missing:?}"))?;
-                    crate::net::wait_readable(
-                        self.listener.as_raw_fd(),
-                        deadline,
-                        Duration::from_millis(200),
-                    );
-                }
-                Err(source) => {
+                Some(Err(e)) if e.kind() != io::ErrorKind::WouldBlock => {
                     return Err(Error::Exchange {
                         op: "accept",
                         peer: "tcp endpoint".into(),
-                        source,
+                        source: e,
                     });
                 }
+                _ => {}
             }
+            while let Ok((peer, r)) = rx.try_recv() {
+                pending -= 1;
+                match r {
+                    Ok((s, rank, keys)) if expected.contains(&rank) && !got.contains_key(&rank) => {
+                        got.insert(rank, (s, format!("rank {rank} at {peer}"), keys));
+                    }
+                    Ok((_, rank, _)) => {
+                        tracing::warn!(%peer, rank, "refused an unexpected or duplicate tcp connection")
+                    }
+                    Err(e) => tracing::warn!(%peer, error = %e, "refused a tcp connection"),
+                }
+            }
+            if got.len() == expected.len() {
+                break;
+            }
+            alive()?;
+            let missing: Vec<u32> = expected
+                .iter()
+                .filter(|r| !got.contains_key(r))
+                .copied()
+                .collect();
+            deadline.check(|| format!("tcp connections from rank(s) {missing:?}"))?;
+            crate::net::wait_readable(
+                self.listener.as_raw_fd(),
+                deadline,
+                Duration::from_millis(if pending > 0 { 5 } else { 200 }),
+            );
         }
         Ok(got)
     }
+}
 
-    fn authenticate(
-        &self,
-        s: &mut TcpStream,
-        peer: &str,
-        world_size: u32,
-        deadline: Deadline,
-    ) -> Result<(u32, SessionKeys)> {
-        s.set_nonblocking(false).ok();
-        let budget = deadline.remaining().min(Duration::from_secs(10));
-        let step = Deadline::after(budget);
-        let io = |source| handshake_error(source, peer, budget);
-        s.set_read_timeout(Some(step.remaining().max(Duration::from_millis(1))))
-            .map_err(io)?;
-        s.set_write_timeout(Some(step.remaining().max(Duration::from_millis(1))))
-            .map_err(io)?;
-        let challenge = nonce();
-        s.write_all(&challenge).map_err(io)?;
-        // The connector's rank, its proof over our nonce, and its own nonce for our proof.
-        let mut answer = [0u8; 4 + 32 + 32];
-        s.read_exact(&mut answer).map_err(io)?;
-        let rank = u32::from_be_bytes(answer[..4].try_into().expect("4 bytes"));
-        let proof: [u8; 32] = answer[4..36].try_into().expect("32 bytes");
-        let theirs: [u8; 32] = answer[36..].try_into().expect("32 bytes");
-        if !self
-            .token
-            .verify_client(&challenge, rank, world_size, &proof)
-        {
-            return Err(Error::Authenticate {
-                peer: peer.to_owned(),
-                reason: format!("wrong job token (claimed rank {rank})"),
-            });
-        }
-        s.write_all(&self.token.server_proof(&theirs, rank, world_size))
-            .map_err(io)?;
-        let keys = self
-            .token
-            .session(&challenge, &theirs, rank, world_size, true);
-        Ok((rank, keys))
+/// The acceptor's side of the handshake on a new connection: challenge, check the dialler's
+/// proof (made for this rank, `me`, and the rank it claims), answer with ours. Returns the
+/// stream, the dialler's rank and the session keys.
+fn authenticate(
+    mut s: TcpStream,
+    peer: &str,
+    token: &JobToken,
+    world_size: u32,
+    me: Acceptor<'_>,
+    deadline: Deadline,
+) -> Result<(TcpStream, u32, SessionKeys)> {
+    s.set_nonblocking(false).ok();
+    let budget = deadline.remaining().min(ANSWER_WITHIN);
+    let step = Deadline::after(budget);
+    let io = |source| handshake_error(source, peer, budget);
+    s.set_read_timeout(Some(step.remaining().max(Duration::from_millis(1))))
+        .map_err(io)?;
+    s.set_write_timeout(Some(step.remaining().max(Duration::from_millis(1))))
+        .map_err(io)?;
+    let challenge = nonce();
+    s.write_all(&challenge).map_err(io)?;
+    // The connector's rank, its proof over our nonce, and its own nonce for our proof.
+    let mut answer = [0u8; 4 + 32 + 32];
+    s.read_exact(&mut answer).map_err(io)?;
+    let rank = u32::from_be_bytes(answer[..4].try_into().expect("4 bytes"));
+    let proof: [u8; 32] = answer[4..36].try_into().expect("32 bytes");
+    let theirs: [u8; 32] = answer[36..].try_into().expect("32 bytes");
+    if !token.verify_client_to(&challenge, rank, world_size, me, &proof) {
+        return Err(Error::Authenticate {
+            peer: peer.to_owned(),
+            reason: format!(
+                "wrong job token, or a connection meant for another rank (claimed rank {rank})"
+            ),
+        });
     }
+    s.write_all(&token.server_proof_to(&theirs, rank, world_size, me))
+        .map_err(io)?;
+    let keys = token.session(&challenge, &theirs, rank, world_size, true);
+    Ok((s, rank, keys))
 }
 
 /// Connects to the endpoint of a peer rank, proves this rank's identity, and starts the
@@ -748,7 +794,15 @@ pub fn connect(
     timeout: Duration,
     deadline: Deadline,
 ) -> Result<TcpConnection> {
-    let (s, keys) = dial(addr, my_rank, world_size, token, alive, deadline)?;
+    let (s, keys) = dial(
+        addr,
+        my_rank,
+        world_size,
+        token,
+        Acceptor::ANY,
+        alive,
+        deadline,
+    )?;
     TcpConnection::start(s, addr.to_owned(), timeout, regions, keys)
 }
 
@@ -760,10 +814,11 @@ fn dial(
     my_rank: u32,
     world_size: u32,
     token: &JobToken,
+    to: Acceptor<'_>,
     alive: &dyn Fn() -> Result<()>,
     deadline: Deadline,
 ) -> Result<(TcpStream, SessionKeys)> {
-    let attempt = dial_authenticated(addr, my_rank, world_size, token, alive, deadline);
+    let attempt = dial_authenticated(addr, my_rank, world_size, token, to, alive, deadline);
     if attempt.is_err() {
         std::thread::sleep(Duration::from_millis(300).min(deadline.remaining()));
         alive()?;
@@ -792,6 +847,7 @@ fn dial_authenticated(
     my_rank: u32,
     world_size: u32,
     token: &JobToken,
+    to: Acceptor<'_>,
     alive: &dyn Fn() -> Result<()>,
     deadline: Deadline,
 ) -> Result<(TcpStream, SessionKeys)> {
@@ -805,7 +861,7 @@ fn dial_authenticated(
     let ours = nonce();
     let mut answer = Vec::with_capacity(4 + 32 + 32);
     answer.extend_from_slice(&my_rank.to_be_bytes());
-    answer.extend_from_slice(&token.client_proof(&challenge, my_rank, world_size));
+    answer.extend_from_slice(&token.client_proof_to(&challenge, my_rank, world_size, to));
     answer.extend_from_slice(&ours);
     s.write_all(&answer).map_err(io)?;
     // The acceptor proves the token too, over our nonce: a stranger that answers on the
@@ -813,12 +869,14 @@ fn dial_authenticated(
     let mut proof = [0u8; 32];
     s.read_exact(&mut proof).map_err(|_| Error::Authenticate {
         peer: addr.to_owned(),
-        reason: "the peer refused our job token (closed without its proof)".into(),
+        reason: "the peer refused our job token, or is not the rank we meant (closed without \
+                 its proof)"
+            .into(),
     })?;
-    if !token.verify_server(&ours, my_rank, world_size, &proof) {
+    if !token.verify_server_to(&ours, my_rank, world_size, to, &proof) {
         return Err(Error::Authenticate {
             peer: addr.to_owned(),
-            reason: "the peer did not prove the job token".into(),
+            reason: "the peer did not prove the job token as the rank we meant".into(),
         });
     }
     let keys = token.session(&challenge, &ours, my_rank, world_size, false);
@@ -980,13 +1038,111 @@ mod tests {
                 &[1],
                 0,
                 2,
-                &|_| unreachable!("rank 0 dials no one"),
+                &|r| {
+                    assert_eq!(r, 0, "rank 0 dials no one");
+                    a0.clone()
+                },
                 &|_| p0.clone(),
                 &|| Ok(()),
                 Deadline::after(wait),
             );
             (r0, t.join().unwrap())
         })
+    }
+
+    /// An on-path redirect: rank 2 dials "rank 1" at an address that leads to rank 0, which
+    /// holds the same token and waits for rank 2. The proofs name the acceptor, so both refuse
+    /// instead of pairing the wrong ranks.
+    #[test]
+    fn a_dial_redirected_to_another_rank_of_the_job_fails_on_both_sides() {
+        let timeout = Duration::from_secs(5);
+        let token = JobToken::new("t");
+        let e0 = TcpEndpoint::bind("127.0.0.1:0", token.clone(), timeout).unwrap();
+        let e2 = TcpEndpoint::bind("127.0.0.1:0", token, timeout).unwrap();
+        let a0 = e0.local_addr().unwrap().to_string();
+        let a2 = e2.local_addr().unwrap().to_string();
+        let wait = Duration::from_secs(3);
+        let (r0, r2) = std::thread::scope(|s| {
+            let t = s.spawn(|| {
+                // Rank 2's table says rank 1 is at a0 (the redirect).
+                e2.exchange(
+                    &[1],
+                    2,
+                    3,
+                    &|r| if r == 2 { a2.clone() } else { a0.clone() },
+                    &|_| b"from rank 2".to_vec(),
+                    &|| Ok(()),
+                    Deadline::after(wait),
+                )
+            });
+            let r0 = e0.exchange(
+                &[2],
+                0,
+                3,
+                &|r| if r == 0 { a0.clone() } else { a2.clone() },
+                &|_| b"from rank 0".to_vec(),
+                &|| Ok(()),
+                Deadline::after(wait),
+            );
+            (r0, t.join().unwrap())
+        });
+        println!("REDIRECT rank 0: {r0:?}");
+        println!("REDIRECT rank 2: {r2:?}");
+        assert!(
+            r0.is_err(),
+            "rank 0 paired with a dial meant for rank 1: {r0:?}"
+        );
+        assert!(r2.is_err(), "rank 2 took rank 0 for rank 1: {r2:?}");
+    }
+
+    /// Strangers that connect and say nothing cost the listener a bounded wait each, in
+    /// parallel: the rank behind them is authenticated at once.
+    #[test]
+    fn silent_strangers_do_not_hold_up_the_ranks() {
+        let timeout = Duration::from_secs(5);
+        let e0 = TcpEndpoint::bind("127.0.0.1:0", JobToken::new("t"), timeout).unwrap();
+        let e1 = TcpEndpoint::bind("127.0.0.1:0", JobToken::new("t"), timeout).unwrap();
+        let a0 = e0.local_addr().unwrap().to_string();
+        let strangers: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(&a0).unwrap()).collect();
+        let wait = Duration::from_secs(8);
+        let started = std::time::Instant::now();
+        let (r0, r1) = std::thread::scope(|s| {
+            let t = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(100));
+                e1.exchange(
+                    &[0],
+                    1,
+                    2,
+                    &|_| a0.clone(),
+                    &|_| b"one".to_vec(),
+                    &|| Ok(()),
+                    Deadline::after(wait),
+                )
+            });
+            let r0 = e0.exchange(
+                &[1],
+                0,
+                2,
+                &|_| a0.clone(),
+                &|_| b"zero".to_vec(),
+                &|| Ok(()),
+                Deadline::after(wait),
+            );
+            (r0, t.join().unwrap())
+        });
+        let took = started.elapsed();
+        println!(
+            "STRANGERS: rank 0 {:?} rank 1 {:?} after {took:?}",
+            r0.is_ok(),
+            r1.is_ok()
+        );
+        assert_eq!(r0.unwrap()[&1], b"one");
+        assert_eq!(r1.unwrap()[&0], b"zero");
+        assert!(
+            took < Duration::from_secs(3),
+            "held up {took:?} by silent strangers"
+        );
+        drop(strangers);
     }
 
     #[test]
