@@ -31,7 +31,7 @@ use nodetour_core::transport::{
 };
 use nodetour_core::verbs::{Access, EndpointDescription, MemoryRegion, Near, PathOptions};
 use nodetour_core::{Config, Deadline};
-use nodetour_net::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
+use nodetour_net::bootstrap::{Bootstrap, HostIdentity, LaunchInfo, PeerEntry};
 use nodetour_tools::link::LocalSide;
 
 #[derive(Parser)]
@@ -111,7 +111,7 @@ fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = Config::from_env()?;
     let info = LaunchInfo::from_env()?;
-    let token = JobToken::from_env();
+    let token = nodetour_net::bootstrap::job_token(&info)?;
     let (me, world) = (info.rank, info.world_size);
     let size = args.bench.unwrap_or(args.size);
     if args.bench.is_some() && world != 2 {

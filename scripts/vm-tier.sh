@@ -33,6 +33,8 @@ else
 fi
 
 export NODETOUR_REQUIRE_RDMA=1
+# The two-node tools prove a job token on their out-of-band channel (one for this tier).
+export NODETOUR_JOB_TOKEN=${NODETOUR_JOB_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 for exe in "$@"; do
     say "running $(basename "$exe") --ignored (the port-down test runs last, alone)"
     "$exe" --ignored --test-threads 1 --skip a_port_that_goes_down_fails_waits_with_a_typed_event || failed=1

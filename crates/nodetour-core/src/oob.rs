@@ -4,13 +4,16 @@
 //! Frames are `"NDTR" | version u8 | kind u8 | 0u16 | length u32 (big-endian) | payload`,
 //! at most [`MAX_PAYLOAD`] bytes of payload. Every connect, accept and read has a deadline; a
 //! peer that sends garbage, a truncated frame, or disconnects yields a typed error, never a hang
-//! or a panic. (Authentication of peers by job token belongs to the bootstrap layer.)
+//! or a panic. Both ends prove the job token before anything is exchanged (the handshake of
+//! [`crate::auth::handshake`]), and every frame after it carries a session tag (numbered: a
+//! frame forged, altered, replayed or dropped on the way fails).
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use crate::auth::{Acceptor, JobToken, SessionKeys, TAG_LEN, handshake};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::verbs::EndpointDescription;
@@ -148,11 +151,24 @@ impl OobListener {
             })
     }
 
-    /// Accepts one peer before `deadline`.
-    pub fn accept(&self, deadline: Deadline) -> Result<OobChannel> {
+    /// Accepts one peer that proves `token` before `deadline` (others are refused, logged, and
+    /// do not end the wait).
+    pub fn accept(&self, token: &JobToken, deadline: Deadline) -> Result<OobChannel> {
         loop {
             match self.listener.accept() {
-                Ok((stream, peer)) => return OobChannel::from_stream(stream, peer.to_string()),
+                Ok((stream, peer)) => {
+                    let peer = peer.to_string();
+                    match handshake::accept(stream, &peer, token, 2, Acceptor::ANY, deadline) {
+                        Ok((stream, 1, keys)) => {
+                            return OobChannel::from_stream(stream, peer, keys);
+                        }
+                        Ok((_, rank, _)) => {
+                            tracing::warn!(%peer, rank, "refused an out-of-band peer claiming another rank")
+                        }
+                        Err(e) => tracing::warn!(%peer, error = %e, "refused an out-of-band peer"),
+                    }
+                    continue;
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(source) => {
@@ -173,21 +189,23 @@ impl OobListener {
     }
 }
 
-/// A connected out-of-band channel.
+/// A connected, authenticated out-of-band channel.
 pub struct OobChannel {
     stream: TcpStream,
     peer: String,
+    keys: SessionKeys,
 }
 
 impl OobChannel {
-    /// Connects to `addr` ("host:port"), retrying while the peer is not listening yet, until
-    /// `deadline`.
-    pub fn connect(addr: &str, deadline: Deadline) -> Result<Self> {
-        let stream = crate::net::connect_retrying(addr, deadline, &|| Ok(()))?;
-        Self::from_stream(stream, addr.to_owned())
+    /// Connects to `addr` ("host:port"), retrying while the peer is not listening yet, and
+    /// proves `token` both ways, until `deadline`.
+    pub fn connect(addr: &str, token: &JobToken, deadline: Deadline) -> Result<Self> {
+        let mut stream = crate::net::connect_retrying(addr, deadline, &|| Ok(()))?;
+        let keys = handshake::dial(&mut stream, addr, 1, 2, token, Acceptor::ANY, deadline)?;
+        Self::from_stream(stream, addr.to_owned(), keys)
     }
 
-    fn from_stream(stream: TcpStream, peer: String) -> Result<Self> {
+    fn from_stream(stream: TcpStream, peer: String, keys: SessionKeys) -> Result<Self> {
         let setup = |source| Error::Exchange {
             op: "configure",
             peer: peer.clone(),
@@ -195,7 +213,7 @@ impl OobChannel {
         };
         stream.set_nonblocking(false).map_err(setup)?;
         stream.set_nodelay(true).map_err(setup)?;
-        Ok(OobChannel { stream, peer })
+        Ok(OobChannel { stream, peer, keys })
     }
 
     /// The peer's address.
@@ -205,7 +223,9 @@ impl OobChannel {
 
     /// Sends one frame.
     pub fn send(&mut self, kind: MessageKind, payload: &[u8], deadline: Deadline) -> Result<()> {
-        let frame = encode_frame(kind, payload)?;
+        let mut frame = encode_frame(kind, payload)?;
+        let tag = self.keys.send.seal(&[&frame]);
+        frame.extend_from_slice(&tag);
         self.stream
             .set_write_timeout(Some(deadline.remaining().max(Duration::from_millis(1))))
             .and_then(|()| self.stream.write_all(&frame))
@@ -219,6 +239,18 @@ impl OobChannel {
         let (kind, len) = decode_header(&header)?;
         let mut payload = vec![0u8; len as usize];
         self.read_exact(&mut payload, deadline)?;
+        let mut tag = [0u8; TAG_LEN];
+        self.read_exact(&mut tag, deadline)?;
+        let mut frame = header.to_vec();
+        frame.extend_from_slice(&payload);
+        if !self.keys.recv.open(&[&frame], &tag) {
+            return Err(Error::Authenticate {
+                peer: self.peer.clone(),
+                reason: "an out-of-band frame failed its session tag (forged, altered, replayed \
+                         or reordered on the way)"
+                    .into(),
+            });
+        }
         Ok(Message { kind, payload })
     }
 
@@ -311,10 +343,43 @@ mod tests {
         let l = OobListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let t = thread::spawn(move || {
-            OobChannel::connect(&addr, Deadline::after(Duration::from_secs(5))).unwrap()
+            let token = JobToken::new("t");
+            OobChannel::connect(&addr, &token, Deadline::after(Duration::from_secs(5))).unwrap()
         });
-        let server = l.accept(Deadline::after(Duration::from_secs(5))).unwrap();
+        let token = JobToken::new("t");
+        let server = l
+            .accept(&token, Deadline::after(Duration::from_secs(5)))
+            .unwrap();
         (server, t.join().unwrap())
+    }
+
+    #[test]
+    fn a_peer_without_the_token_is_refused_and_a_forged_frame_fails_its_tag() {
+        let l = OobListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let t = thread::spawn(move || {
+            let wrong = JobToken::new("not the job's");
+            OobChannel::connect(&addr, &wrong, Deadline::after(Duration::from_secs(5)))
+        });
+        let waited = l.accept(
+            &JobToken::new("t"),
+            Deadline::after(Duration::from_millis(1500)),
+        );
+        assert!(
+            matches!(waited, Err(Error::Timeout { .. })),
+            "the stranger was refused and the wait went on"
+        );
+        assert!(matches!(t.join().unwrap(), Err(Error::Authenticate { .. })));
+        // A frame written on the connection without the session's key.
+        let (mut a, b) = pair();
+        let mut raw = b.stream.try_clone().unwrap();
+        let mut forged = encode_frame(MessageKind::Done, b"forged").unwrap();
+        forged.extend_from_slice(&[0; TAG_LEN]);
+        raw.write_all(&forged).unwrap();
+        match a.recv(Deadline::after(Duration::from_secs(5))) {
+            Err(Error::Authenticate { reason, .. }) => assert!(reason.contains("session tag")),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -417,12 +482,16 @@ mod tests {
             .port();
         let r = OobChannel::connect(
             &format!("127.0.0.1:{port}"),
+            &JobToken::new("t"),
             Deadline::after(Duration::from_millis(300)),
         );
         assert!(matches!(r, Err(Error::Timeout { .. })), "{:?}", r.err());
         let l = OobListener::bind("127.0.0.1:0").unwrap();
         assert!(matches!(
-            l.accept(Deadline::after(Duration::from_millis(100))),
+            l.accept(
+                &JobToken::new("t"),
+                Deadline::after(Duration::from_millis(100))
+            ),
             Err(Error::Timeout { .. })
         ));
     }

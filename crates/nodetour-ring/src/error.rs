@@ -56,6 +56,13 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A setting is missing or invalid (the environment, the job policy); nothing was formed
+    /// or sent.
+    #[error("{reason}")]
+    Config {
+        /// The setting, its value and what is wrong.
+        reason: String,
+    },
     /// This machine or configuration cannot run the requested path.
     #[error("unsupported: {reason}")]
     Unsupported {
@@ -222,6 +229,10 @@ impl From<nodetour_core::Error> for Error {
             nodetour_core::Error::Aborted { reason } => Error::Aborted { reason },
             nodetour_core::Error::Unsupported { what, reason } => Error::Unsupported {
                 reason: format!("{what}: {reason}"),
+            },
+            // A setting (the environment, the job policy): nothing was sent.
+            e @ nodetour_core::Error::InvalidConfig { .. } => Error::Config {
+                reason: e.to_string(),
             },
             other => Error::Transport {
                 source: CoreError(std::sync::Arc::new(other)),

@@ -1346,7 +1346,10 @@ mod tests {
         }
         for n in [
             Notice::Release { epoch: 5 },
-            Notice::Describe { epoch: 9, tag: 0x7fff },
+            Notice::Describe {
+                epoch: 9,
+                tag: 0x7fff,
+            },
             Notice::Grant {
                 epoch: 3,
                 slot: 7,

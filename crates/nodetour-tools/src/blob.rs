@@ -2,7 +2,7 @@
 
 use anyhow::Context as _;
 use nodetour_core::{Config, Deadline};
-use nodetour_net::bootstrap::{Bootstrap, HostIdentity, JobToken, LaunchInfo, PeerEntry};
+use nodetour_net::bootstrap::{Bootstrap, HostIdentity, LaunchInfo, PeerEntry};
 
 /// Joins the job of `info` (token from the environment, deadline from `config`), announcing
 /// this host, `address` (empty where ranks meet only through shared memory) and `blob`.
@@ -18,7 +18,7 @@ pub fn rendezvous(
         address,
         blob,
     };
-    let token = JobToken::from_env();
+    let token = nodetour_net::bootstrap::job_token(info)?;
     let deadline = Deadline::after(config.timeout);
     Ok(Bootstrap::rendezvous(
         &info.rendezvous_addr(),

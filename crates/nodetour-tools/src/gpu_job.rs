@@ -123,17 +123,21 @@ impl GpuJob {
             label: first.label.clone(),
             comm,
         }];
-        for s in &specs[1..] {
-            let id = if rank == 0 {
-                Some(UniqueId::create()?)
+        // Each further variant's job: rank 0 binds its rendezvous and shares only the
+        // address; every rank derives the variant's token from the job's own (no token
+        // travels).
+        let job = nodetour::net::bootstrap::job_token(&LaunchInfo::from_env()?)?;
+        for (k, s) in specs.iter().enumerate().skip(1) {
+            let address = if rank == 0 {
+                UniqueId::create()?.address
             } else {
-                None
+                String::new()
             };
-            let id = share(
-                &variants[0].comm,
-                id.map(|i| i.encode()).unwrap_or_default(),
-            )?;
-            let id = UniqueId::decode(&id)?;
+            let address = share(&variants[0].comm, address)?;
+            let id = UniqueId {
+                address,
+                token: job.derive(format!("nodetour perf variant {k}").as_bytes()),
+            };
             let comm = Communicator::from_unique_id(&id, rank, world, options(s)?)?;
             variants.push(Variant {
                 label: s.label.clone(),

@@ -77,9 +77,12 @@ impl<B: RdmaBuffer> PeerLink<B> {
     ) -> Result<PeerLink<B>> {
         let qp = QueuePair::new(&local.pd, local.port.port, options)?;
         qp.post_receives(options.recv_depth)?;
+        // The channel proves the job's token both ways (NODETOUR_JOB_TOKEN) before anything
+        // is exchanged.
+        let token = nodetour_net::bootstrap::explicit_job_token()?;
         let mut channel = match role {
-            Role::Listen(addr) => OobListener::bind(addr.as_str())?.accept(deadline)?,
-            Role::Connect(addr) => OobChannel::connect(addr, deadline)?,
+            Role::Listen(addr) => OobListener::bind(addr.as_str())?.accept(&token, deadline)?,
+            Role::Connect(addr) => OobChannel::connect(addr, &token, deadline)?,
         };
         let ours = EndpointDescription {
             endpoint: qp.endpoint(&local.gid),

@@ -21,7 +21,8 @@ use std::time::Duration;
 use super::tcp_rx::{self, Receiver};
 use super::wire::{CONTROL_MAX, HEADER_LEN, MAX_FRAME, WriteHeader};
 use super::{Armed, Event, HostConnection, SlotGrant, SlotRegion, SlotTable, TransportKind};
-use crate::auth::{Acceptor, JobToken, nonce};
+use crate::auth::handshake;
+use crate::auth::{Acceptor, JobToken};
 use crate::auth::{SessionKey, SessionKeys, TAG_LEN, Tag};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
@@ -439,11 +440,6 @@ pub const EXCHANGE_MAX: usize = 64 << 10;
 /// listener's backlog.
 const HANDSHAKES_MAX: usize = 64;
 
-/// How long a connection may take to answer the challenge (a rank answers at once): what a
-/// silent stranger costs one of the [`HANDSHAKES_MAX`] handshakes, without holding up the
-/// others.
-const ANSWER_WITHIN: Duration = Duration::from_secs(2);
-
 /// A listening endpoint that accepts authenticated connections from ranks of the job.
 pub struct TcpEndpoint {
     listener: TcpListener,
@@ -666,7 +662,7 @@ impl TcpEndpoint {
     }
 
     /// Accepts and authenticates connections (up to [`HANDSHAKES_MAX`] at once, each given
-    /// [`ANSWER_WITHIN`] to answer the challenge, so silent strangers cannot hold up the ranks)
+    /// [`handshake::ANSWER_WITHIN`] to answer the challenge, so silent strangers cannot hold up the ranks)
     /// until every rank in `expected` has connected and proved itself to be that rank and to
     /// mean this acceptor (`me`).
     fn accept_streams(
@@ -694,7 +690,7 @@ impl TcpEndpoint {
                             rank: me.0,
                             address: &me.1,
                         };
-                        let r = authenticate(s, &peer, &token, world_size, me, deadline);
+                        let r = handshake::accept(s, &peer, &token, world_size, me, deadline);
                         let _ = tx.send((peer, r));
                     });
                     continue;
@@ -738,47 +734,6 @@ impl TcpEndpoint {
         }
         Ok(got)
     }
-}
-
-/// The acceptor's side of the handshake on a new connection: challenge, check the dialler's
-/// proof (made for this rank, `me`, and the rank it claims), answer with ours. Returns the
-/// stream, the dialler's rank and the session keys.
-fn authenticate(
-    mut s: TcpStream,
-    peer: &str,
-    token: &JobToken,
-    world_size: u32,
-    me: Acceptor<'_>,
-    deadline: Deadline,
-) -> Result<(TcpStream, u32, SessionKeys)> {
-    s.set_nonblocking(false).ok();
-    let budget = deadline.remaining().min(ANSWER_WITHIN);
-    let step = Deadline::after(budget);
-    let io = |source| handshake_error(source, peer, budget);
-    s.set_read_timeout(Some(step.remaining().max(Duration::from_millis(1))))
-        .map_err(io)?;
-    s.set_write_timeout(Some(step.remaining().max(Duration::from_millis(1))))
-        .map_err(io)?;
-    let challenge = nonce();
-    s.write_all(&challenge).map_err(io)?;
-    // The connector's rank, its proof over our nonce, and its own nonce for our proof.
-    let mut answer = [0u8; 4 + 32 + 32];
-    s.read_exact(&mut answer).map_err(io)?;
-    let rank = u32::from_be_bytes(answer[..4].try_into().expect("4 bytes"));
-    let proof: [u8; 32] = answer[4..36].try_into().expect("32 bytes");
-    let theirs: [u8; 32] = answer[36..].try_into().expect("32 bytes");
-    if !token.verify_client_to(&challenge, rank, world_size, me, &proof) {
-        return Err(Error::Authenticate {
-            peer: peer.to_owned(),
-            reason: format!(
-                "wrong job token, or a connection meant for another rank (claimed rank {rank})"
-            ),
-        });
-    }
-    s.write_all(&token.server_proof_to(&theirs, rank, world_size, me))
-        .map_err(io)?;
-    let keys = token.session(&challenge, &theirs, rank, world_size, true);
-    Ok((s, rank, keys))
 }
 
 /// Connects to the endpoint of a peer rank, proves this rank's identity, and starts the
@@ -826,22 +781,6 @@ fn dial(
     attempt
 }
 
-/// A failed read or write of the tcp handshake with `peer`: a socket timeout (which the OS
-/// reports as "Resource temporarily unavailable") is the handshake's deadline passing, said so.
-fn handshake_error(source: std::io::Error, peer: &str, budget: Duration) -> Error {
-    match source.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout {
-            what: format!("the tcp handshake with {peer} (the peer did not answer in time)"),
-            after: budget,
-        },
-        _ => Error::Exchange {
-            op: "authenticate",
-            peer: peer.to_owned(),
-            source,
-        },
-    }
-}
-
 fn dial_authenticated(
     addr: &str,
     my_rank: u32,
@@ -852,34 +791,7 @@ fn dial_authenticated(
     deadline: Deadline,
 ) -> Result<(TcpStream, SessionKeys)> {
     let mut s = crate::net::connect_retrying(addr, deadline, alive)?;
-    let budget = deadline.remaining();
-    let io = |source| handshake_error(source, addr, budget);
-    s.set_read_timeout(Some(deadline.remaining().max(Duration::from_millis(1))))
-        .map_err(io)?;
-    let mut challenge = [0u8; 32];
-    s.read_exact(&mut challenge).map_err(io)?;
-    let ours = nonce();
-    let mut answer = Vec::with_capacity(4 + 32 + 32);
-    answer.extend_from_slice(&my_rank.to_be_bytes());
-    answer.extend_from_slice(&token.client_proof_to(&challenge, my_rank, world_size, to));
-    answer.extend_from_slice(&ours);
-    s.write_all(&answer).map_err(io)?;
-    // The acceptor proves the token too, over our nonce: a stranger that answers on the
-    // address learns nothing and receives no frame.
-    let mut proof = [0u8; 32];
-    s.read_exact(&mut proof).map_err(|_| Error::Authenticate {
-        peer: addr.to_owned(),
-        reason: "the peer refused our job token, or is not the rank we meant (closed without \
-                 its proof)"
-            .into(),
-    })?;
-    if !token.verify_server_to(&ours, my_rank, world_size, to, &proof) {
-        return Err(Error::Authenticate {
-            peer: addr.to_owned(),
-            reason: "the peer did not prove the job token as the rank we meant".into(),
-        });
-    }
-    let keys = token.session(&challenge, &ours, my_rank, world_size, false);
+    let keys = handshake::dial(&mut s, addr, my_rank, world_size, token, to, deadline)?;
     Ok((s, keys))
 }
 
@@ -976,7 +888,7 @@ mod tests {
         let addr = l.local_addr().unwrap().to_string();
         let t = std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
-            s.write_all(&nonce()).unwrap();
+            s.write_all(&crate::auth::nonce()).unwrap();
             let mut got = [0u8; 68];
             let _ = s.read_exact(&mut got);
             let _ = s.write_all(answer);

@@ -6,8 +6,41 @@
 
 use nodetour_core::{Error, Result};
 
-/// Default rendezvous port when neither `NODETOUR_PORT` nor `MASTER_PORT` is set.
+/// Default rendezvous port when neither `NODETOUR_PORT` nor `MASTER_PORT` is set (a job the
+/// launcher names takes one of the [`JOB_PORTS`] ports from here, by its name).
 pub const DEFAULT_PORT: u16 = 29600;
+/// Ports the launcher's job identity chooses among.
+pub const JOB_PORTS: u32 = 1000;
+
+/// The launcher's name for the job (`NODETOUR_JOB_ID` first, for any launcher).
+fn job_identity(launcher: Launcher, get: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    if let Some(id) = get("NODETOUR_JOB_ID") {
+        return Some(format!("nodetour:{id}"));
+    }
+    match launcher {
+        Launcher::Explicit => None,
+        // torchrun's default run id is "none" (not a name); --standalone makes a random one.
+        Launcher::Torchrun => get("TORCHELASTIC_RUN_ID")
+            .filter(|id| id != "none")
+            .map(|id| format!("torchrun:{id}")),
+        Launcher::Slurm => {
+            let job = get("SLURM_JOB_ID")?;
+            Some(format!(
+                "slurm:{job}.{}",
+                get("SLURM_STEP_ID").unwrap_or_else(|| "-".into())
+            ))
+        }
+        Launcher::OpenMpi => get("OMPI_MCA_ess_base_jobid")
+            .map(|id| format!("ompi:{id}"))
+            .or_else(|| get("PMIX_NAMESPACE").map(|ns| format!("pmix:{ns}"))),
+    }
+}
+
+fn fnv1a(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    })
+}
 /// `NODETOUR_PORT` defaults to `MASTER_PORT + PORT_OFFSET`: torchrun's agent already listens on
 /// `MASTER_PORT`, so nodetour must not.
 pub const PORT_OFFSET: u16 = 17;
@@ -40,6 +73,10 @@ pub struct LaunchInfo {
     pub port: u16,
     /// Which launcher provided the values.
     pub launcher: Launcher,
+    /// The launcher's name for this job, where it gives one: `slurm:<job>.<step>`,
+    /// `ompi:<job id>`, `torchrun:<run id>`, or `nodetour:<NODETOUR_JOB_ID>`. A job without a
+    /// token is keyed by it (see [`crate::bootstrap::job_token`]).
+    pub job_id: Option<String>,
 }
 
 impl LaunchInfo {
@@ -107,6 +144,7 @@ impl LaunchInfo {
             Some(v) => Some(parse_u32("LOCAL_RANK", &v)?),
             None => None,
         };
+        let job_id = job_identity(launcher, &get);
         let master_addr = get("NODETOUR_MASTER_ADDR")
             .or_else(|| get("MASTER_ADDR"))
             .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"))
@@ -126,7 +164,11 @@ impl LaunchInfo {
                     value: m.clone(),
                     reason: format!("MASTER_PORT + {PORT_OFFSET} exceeds 65535: set NODETOUR_PORT"),
                 })?,
-            (None, None) => DEFAULT_PORT,
+            // Two jobs whose rank 0 share a host get different ports.
+            (None, None) => match &job_id {
+                Some(id) => DEFAULT_PORT + (fnv1a(id.as_bytes()) % JOB_PORTS) as u16,
+                None => DEFAULT_PORT,
+            },
         };
         Ok(LaunchInfo {
             rank,
@@ -135,6 +177,7 @@ impl LaunchInfo {
             master_addr,
             port,
             launcher,
+            job_id,
         })
     }
 
@@ -221,6 +264,56 @@ mod tests {
         .unwrap();
         assert_eq!((o.launcher, o.port), (Launcher::OpenMpi, 4000));
         assert_eq!(o.rendezvous_addr(), "[::1]:4000");
+    }
+
+    #[test]
+    fn each_launcher_names_its_job_and_two_jobs_take_different_ports() {
+        let slurm = |job: &str| {
+            info(&[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.9"),
+                ("SLURM_JOB_ID", job),
+                ("SLURM_STEP_ID", "3"),
+            ])
+            .unwrap()
+        };
+        let (a, b) = (slurm("1234"), slurm("1235"));
+        assert_eq!(a.job_id.as_deref(), Some("slurm:1234.3"));
+        assert_ne!(a.port, b.port, "two jobs' rank 0 on one host");
+        assert!((DEFAULT_PORT..DEFAULT_PORT + JOB_PORTS as u16).contains(&a.port));
+        let torch = |run: &str| {
+            info(&[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "x"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_RUN_ID", run),
+            ])
+            .unwrap()
+            .job_id
+        };
+        assert_eq!(torch("f00d").as_deref(), Some("torchrun:f00d"));
+        assert_eq!(
+            torch("none"),
+            None,
+            "torchrun's default run id names no job"
+        );
+        let o = info(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "x"),
+            ("OMPI_MCA_ess_base_jobid", "77"),
+        ])
+        .unwrap();
+        assert_eq!(o.job_id.as_deref(), Some("ompi:77"));
+        let e = info(&[
+            ("NODETOUR_RANK", "0"),
+            ("NODETOUR_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "x"),
+        ])
+        .unwrap();
+        assert_eq!(e.job_id, None);
     }
 
     #[test]

@@ -131,9 +131,74 @@ impl UniqueId {
     }
 }
 
+/// The job's token under the job policy (`shared` security policy, README "Security"):
+/// `NODETOUR_JOB_TOKEN` where set (authenticated); else, where the launcher names the job
+/// ([`LaunchInfo::job_id`]), a token keyed by that name, unauthenticated (two jobs never
+/// cross; anyone who knows the name can join; a warning here, and `paths()` says so); else an
+/// error that says how to set a token.
+pub fn job_token(info: &LaunchInfo) -> Result<JobToken> {
+    job_token_from(info.job_id.as_deref(), &|k| std::env::var(k).ok())
+}
+
+/// [`job_token`] for tools that take their rank from arguments, not a launcher (the two-node
+/// examples): the job is named only by `NODETOUR_JOB_ID`.
+pub fn explicit_job_token() -> Result<JobToken> {
+    let job = std::env::var("NODETOUR_JOB_ID")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .map(|v| format!("nodetour:{}", v.trim()));
+    job_token_from(job.as_deref(), &|k| std::env::var(k).ok())
+}
+
+/// [`job_token`] for a job named `job_id` (if at all), reading through `lookup`.
+pub fn job_token_from(
+    job_id: Option<&str>,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<JobToken> {
+    if let Some(t) = lookup("NODETOUR_JOB_TOKEN").filter(|t| !t.is_empty()) {
+        return Ok(JobToken::new(t.into_bytes()));
+    }
+    match job_id {
+        Some(job) => {
+            tracing::warn!(
+                job = %job,
+                "NODETOUR_JOB_TOKEN is not set: this job is unauthenticated (keyed by the launcher's job id: jobs stay apart, but anyone who knows the id and reaches the ports can join)"
+            );
+            Ok(JobToken::unauthenticated(job))
+        }
+        None => Err(Error::InvalidConfig {
+            name: "NODETOUR_JOB_TOKEN",
+            value: String::new(),
+            reason: "not set, and the launcher names no job (no SLURM_JOB_ID, \
+                     OMPI_MCA_ess_base_jobid, TORCHELASTIC_RUN_ID or NODETOUR_JOB_ID): set \
+                     NODETOUR_JOB_TOKEN to one secret shared by every rank, e.g. \
+                     `export NODETOUR_JOB_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')` \
+                     before launching (or NODETOUR_JOB_ID for an unauthenticated job on a \
+                     trusted network)"
+                .into(),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_job_policy_takes_the_token_else_the_launchers_job_id_else_refuses() {
+        let with = |k: &str| (k == "NODETOUR_JOB_TOKEN").then(|| "s3cret".to_owned());
+        let t = job_token_from(Some("slurm:7.0"), &with).unwrap();
+        assert!(t.is_authenticated());
+        let none = |_: &str| None;
+        let t = job_token_from(Some("slurm:7.0"), &none).unwrap();
+        assert!(!t.is_authenticated() && t.describe().contains("slurm:7.0"));
+        // Two jobs' unauthenticated keys differ: their proofs do not cross.
+        let u = job_token_from(Some("slurm:8.0"), &none).unwrap();
+        let n = auth::nonce();
+        assert!(!u.verify_client(&n, 1, 2, &t.client_proof(&n, 1, 2)));
+        let e = job_token_from(None, &none).unwrap_err();
+        assert!(e.to_string().contains("NODETOUR_JOB_TOKEN"), "{e}");
+    }
 
     #[test]
     fn unique_ids_round_trip_and_reject_garbage() {

@@ -190,10 +190,8 @@ impl Bootstrap {
                 ),
             });
         }
-        if token.is_empty() {
-            tracing::warn!(
-                "NODETOUR_JOB_TOKEN is not set: any process that reaches the rendezvous port can join this job"
-            );
+        if !token.is_authenticated() {
+            tracing::warn!(security = %token.describe(), "this job is not authenticated");
         }
         let (table, links) = if rank == 0 {
             serve(rendezvous, world_size, me, token, deadline, share)?

@@ -489,6 +489,7 @@ impl HostJob {
             world,
             order: order.clone(),
             links,
+            security: token.describe(),
             device,
         };
         tracing::info!(%paths, "communicator formed");

@@ -92,7 +92,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRep
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
-use nodetour_net::bootstrap::{JobToken, LaunchInfo};
+use nodetour_net::bootstrap::LaunchInfo;
 
 use self::device_set::{DeviceSet, SetMember};
 use self::host_job::{AbortFlag, HostJob, Launch};
@@ -300,8 +300,10 @@ impl Communicator {
     /// Forms the communicator of this process's job from the launcher's environment: rank,
     /// world size and rank 0's address from `NODETOUR_RANK`/`NODETOUR_WORLD_SIZE`/
     /// `NODETOUR_MASTER_ADDR`, torchrun, Open MPI or Slurm; the job token from
-    /// `NODETOUR_JOB_TOKEN` (set it: without it any process that reaches the rendezvous port
-    /// can join).
+    /// `NODETOUR_JOB_TOKEN`. Without a token the job is unauthenticated, keyed by the
+    /// launcher's job id (Slurm, Open MPI, torchrun's run id, `NODETOUR_JOB_ID`): a warning,
+    /// and [`Self::paths`] says so; with neither, forming fails with an error that says how
+    /// to set a token.
     pub fn from_env(options: Options) -> Result<Communicator> {
         let info = LaunchInfo::from_env()?;
         Self::form(
@@ -309,7 +311,7 @@ impl Communicator {
                 rank: info.rank,
                 world: info.world_size,
                 rendezvous: info.rendezvous_addr(),
-                token: JobToken::from_env(),
+                token: nodetour_net::bootstrap::job_token(&info)?,
             },
             options,
         )
@@ -401,6 +403,7 @@ impl Communicator {
                     world: n,
                     order: (0..n).collect(),
                     links: Vec::new(),
+                    security: "one process: no network".into(),
                     device: DevicePath::InProcess {
                         reason: reason.clone(),
                     },

@@ -79,6 +79,8 @@ pub struct Paths {
     pub order: Vec<u32>,
     /// The links (none for a communicator of one rank).
     pub links: Vec<LinkPath>,
+    /// Whether the job is authenticated ("authenticated (job token)", or why not).
+    pub security: String,
     /// How collectives on GPU memory run.
     pub device: DevicePath,
 }
@@ -135,6 +137,7 @@ impl fmt::Display for Paths {
                 l.direction, l.peer, l.transport, l.landing, l.reason
             )?;
         }
+        write!(f, "; {}", self.security)?;
         match &self.device {
             DevicePath::None | DevicePath::InProcess { .. } => Ok(()),
             DevicePath::GpuRing { transport, reason } => {
@@ -169,6 +172,7 @@ mod tests {
                 landing: Landing::SoftwareHost,
                 reason: "no RDMA device on rank 2".into(),
             }],
+            security: "authenticated (job token)".into(),
             device: DevicePath::Staged {
                 reason: "the ranks are on several hosts".into(),
             },

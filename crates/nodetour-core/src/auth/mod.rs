@@ -10,6 +10,8 @@
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+pub mod handshake;
+
 /// A proof: HMAC-SHA256 output.
 pub type Proof = [u8; 32];
 /// A challenge nonce.
@@ -18,39 +20,89 @@ pub type Nonce = [u8; 32];
 const CLIENT_LABEL: &[u8] = b"nodetour-bootstrap-v1 client";
 const SERVER_LABEL: &[u8] = b"nodetour-bootstrap-v1 server";
 
-/// The shared secret of a job.
+/// The shared secret of a job, or (for a job without one) the launcher's name for the job.
 #[derive(Clone)]
-pub struct JobToken(Vec<u8>);
+pub struct JobToken {
+    key: Vec<u8>,
+    /// Where the job has no secret: the launcher's job identity the key is made from.
+    unauthenticated: Option<String>,
+}
 
 impl std::fmt::Debug for JobToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_empty() {
-            "JobToken(none)"
-        } else {
-            "JobToken(<secret>)"
-        })
+        match &self.unauthenticated {
+            Some(job) => write!(f, "JobToken(unauthenticated: {job})"),
+            None if self.key.is_empty() => f.write_str("JobToken(none)"),
+            None => f.write_str("JobToken(<secret>)"),
+        }
     }
 }
 
 impl JobToken {
     /// A token from bytes.
     pub fn new(secret: impl Into<Vec<u8>>) -> Self {
-        JobToken(secret.into())
+        JobToken {
+            key: secret.into(),
+            unauthenticated: None,
+        }
     }
 
-    /// `NODETOUR_JOB_TOKEN`, or the empty token (anyone who reaches the port can join: logged
-    /// as a warning by the rendezvous).
+    /// `NODETOUR_JOB_TOKEN`, or the empty token (anyone who reaches the port can join). The
+    /// communicator and the tools apply the job policy instead
+    /// (`nodetour_net::bootstrap::job_token`): a launcher's job identity, else an error.
     pub fn from_env() -> Self {
-        JobToken(
+        JobToken::new(
             std::env::var("NODETOUR_JOB_TOKEN")
                 .map(String::into_bytes)
                 .unwrap_or_default(),
         )
     }
 
-    /// Whether no secret is set.
+    /// A job without a secret, named by its launcher (`job`: e.g. `slurm:1234.0`): every proof
+    /// and tag is keyed by the name, so two jobs never cross, but anyone who knows the name
+    /// can join. [`Self::is_authenticated`] says so.
+    pub fn unauthenticated(job: &str) -> Self {
+        let mut key = b"nodetour unauthenticated job: ".to_vec();
+        key.extend_from_slice(job.as_bytes());
+        JobToken {
+            key,
+            unauthenticated: Some(job.to_owned()),
+        }
+    }
+
+    /// Whether no secret and no job identity is set.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.key.is_empty()
+    }
+
+    /// Whether the job has a secret (not a launcher's job identity, not empty).
+    pub fn is_authenticated(&self) -> bool {
+        self.unauthenticated.is_none() && !self.key.is_empty()
+    }
+
+    /// In words, for the paths report: "authenticated (job token)", or why not.
+    pub fn describe(&self) -> String {
+        match &self.unauthenticated {
+            None if !self.key.is_empty() => "authenticated (job token)".into(),
+            None => "unauthenticated (no job token: anyone who reaches the ports can join)".into(),
+            Some(job) => format!(
+                "unauthenticated (no NODETOUR_JOB_TOKEN; keyed by the launcher's job id {job}, \
+                 which keeps jobs apart but lets anyone who knows it join)"
+            ),
+        }
+    }
+
+    /// A 16-byte secret for another purpose of the same job (`label`), derived from this
+    /// token: every rank computes it, nothing travels (the tools' further communicators).
+    pub fn derive(&self, label: &[u8]) -> [u8; 16] {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.key)
+            .expect("HMAC takes keys of any length");
+        m.update(b"nodetour derived token: ");
+        m.update(label);
+        let full = m.finalize().into_bytes();
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&full[..16]);
+        out
     }
 
     fn mac(
@@ -61,8 +113,8 @@ impl JobToken {
         world: u32,
         to: Acceptor<'_>,
     ) -> Hmac<Sha256> {
-        let mut m =
-            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.key)
+            .expect("HMAC takes keys of any length");
         m.update(label);
         m.update(nonce);
         m.update(&rank.to_be_bytes());
@@ -235,8 +287,8 @@ impl JobToken {
         world: u32,
         acceptor: bool,
     ) -> SessionKeys {
-        let mut m =
-            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.key)
+            .expect("HMAC takes keys of any length");
         m.update(SESSION_LABEL);
         m.update(acceptor_nonce);
         m.update(dialer_nonce);
