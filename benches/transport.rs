@@ -91,9 +91,11 @@ fn verbs(c: &mut Criterion) {
                 let port = 20000 + (std::process::id() % 20000) as u16;
                 let (cs, addr) = (config.clone(), format!("127.0.0.1:{port}"));
                 let listen = addr.clone();
-                let server = std::thread::spawn(move || run_server(&cs, &listen, opts));
+                let token = JobToken::new("bench");
+                let t2 = token.clone();
+                let server = std::thread::spawn(move || run_server(&cs, &listen, &t2, opts));
                 std::thread::sleep(Duration::from_millis(50));
-                let report = run_client(&config, &addr, opts).expect("verbs client");
+                let report = run_client(&config, &addr, &token, opts).expect("verbs client");
                 server.join().expect("server thread").expect("verbs server");
                 report.elapsed
             })

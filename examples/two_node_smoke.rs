@@ -339,11 +339,14 @@ impl Smoke {
             recv_depth: 4,
             max_inline: 0,
         };
+        // The pair proves NODETOUR_JOB_TOKEN on its out-of-band channel.
+        let token = nodetour_net::bootstrap::explicit_job_token()?;
         let mut link = PeerLink::connect(
             config,
             local,
             Arc::new(region),
             &self.role,
+            &token,
             options,
             Deadline::after(config.timeout),
         )?;

@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 
+use nodetour_core::auth::JobToken;
 use nodetour_core::memory::{HostBuffer, RdmaBuffer};
 use nodetour_core::oob::{MessageKind, OobChannel, OobListener};
 use nodetour_core::verbs::{
@@ -51,6 +52,7 @@ impl PeerLink<HostBuffer> {
     pub fn establish(
         config: &Config,
         role: &Role,
+        token: &JobToken,
         region_len: usize,
         options: QueuePairOptions,
         deadline: Deadline,
@@ -61,7 +63,7 @@ impl PeerLink<HostBuffer> {
             HostBuffer::new(region_len)?,
             Access::REMOTE,
         )?);
-        PeerLink::connect(config, local, region, role, options, deadline)
+        PeerLink::connect(config, local, region, role, token, options, deadline)
     }
 }
 
@@ -72,17 +74,16 @@ impl<B: RdmaBuffer> PeerLink<B> {
         local: LocalSide,
         region: Arc<MemoryRegion<B>>,
         role: &Role,
+        token: &JobToken,
         options: QueuePairOptions,
         deadline: Deadline,
     ) -> Result<PeerLink<B>> {
         let qp = QueuePair::new(&local.pd, local.port.port, options)?;
         qp.post_receives(options.recv_depth)?;
-        // The channel proves the job's token both ways (NODETOUR_JOB_TOKEN) before anything
-        // is exchanged.
-        let token = nodetour_net::bootstrap::explicit_job_token()?;
+        // The channel proves the job's token both ways before anything is exchanged.
         let mut channel = match role {
-            Role::Listen(addr) => OobListener::bind(addr.as_str())?.accept(&token, deadline)?,
-            Role::Connect(addr) => OobChannel::connect(addr, &token, deadline)?,
+            Role::Listen(addr) => OobListener::bind(addr.as_str())?.accept(token, deadline)?,
+            Role::Connect(addr) => OobChannel::connect(addr, token, deadline)?,
         };
         let ours = EndpointDescription {
             endpoint: qp.endpoint(&local.gid),

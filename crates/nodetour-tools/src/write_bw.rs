@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use nodetour_core::auth::JobToken;
 use nodetour_core::oob::MessageKind;
 use nodetour_core::verbs::{Completion, QueuePairOptions};
 use nodetour_core::{Config, Deadline, Error, Result};
@@ -58,7 +59,13 @@ fn pattern(i: usize) -> u8 {
 }
 
 /// Runs the measuring side: connects to the server and writes.
-pub fn run_client(config: &Config, server: &str, opts: WriteBwOptions) -> Result<WriteBwReport> {
+/// `token`: the pair's job token, which the out-of-band channel proves both ways.
+pub fn run_client(
+    config: &Config,
+    server: &str,
+    token: &JobToken,
+    opts: WriteBwOptions,
+) -> Result<WriteBwReport> {
     check(&opts)?;
     let deadline = Deadline::after(config.timeout);
     let qp_options = QueuePairOptions {
@@ -69,6 +76,7 @@ pub fn run_client(config: &Config, server: &str, opts: WriteBwOptions) -> Result
     let mut link = PeerLink::establish(
         config,
         &Role::Connect(server.to_owned()),
+        token,
         opts.size,
         qp_options,
         deadline,
@@ -111,7 +119,13 @@ pub fn run_client(config: &Config, server: &str, opts: WriteBwOptions) -> Result
 }
 
 /// Runs the passive side: accepts the client, lets it write, and verifies the data.
-pub fn run_server(config: &Config, listen: &str, opts: WriteBwOptions) -> Result<WriteBwReport> {
+/// `token`: as for [`run_client`].
+pub fn run_server(
+    config: &Config,
+    listen: &str,
+    token: &JobToken,
+    opts: WriteBwOptions,
+) -> Result<WriteBwReport> {
     check(&opts)?;
     let qp_options = QueuePairOptions {
         send_depth: 1,
@@ -122,6 +136,7 @@ pub fn run_server(config: &Config, listen: &str, opts: WriteBwOptions) -> Result
     let mut link = PeerLink::establish(
         config,
         &Role::Listen(listen.to_owned()),
+        token,
         opts.size,
         qp_options,
         accept_deadline,

@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use nodetour_core::auth::JobToken;
 use nodetour_core::verbs::{Completion, QueuePairOptions};
 use nodetour_core::{Config, Deadline, Error, Result};
 
@@ -75,7 +76,7 @@ fn wait_for_peer(link: &PeerLink, timeout: Duration) -> Result<()> {
     }
 }
 
-fn establish(config: &Config, role: Role, size: usize) -> Result<PeerLink> {
+fn establish(config: &Config, role: Role, token: &JobToken, size: usize) -> Result<PeerLink> {
     if size == 0 {
         return Err(Error::InvalidArgument {
             reason: "the write size must be positive".into(),
@@ -89,6 +90,7 @@ fn establish(config: &Config, role: Role, size: usize) -> Result<PeerLink> {
     PeerLink::establish(
         config,
         &role,
+        token,
         size,
         options,
         Deadline::after(config.timeout),
@@ -96,13 +98,19 @@ fn establish(config: &Config, role: Role, size: usize) -> Result<PeerLink> {
 }
 
 /// Runs the measuring side against the server at `server`.
-pub fn run_client(config: &Config, server: &str, o: WriteLatOptions) -> Result<WriteLatReport> {
+/// `token`: the pair's job token, which the out-of-band channel proves both ways.
+pub fn run_client(
+    config: &Config,
+    server: &str,
+    token: &JobToken,
+    o: WriteLatOptions,
+) -> Result<WriteLatReport> {
     if o.iters == 0 {
         return Err(Error::InvalidArgument {
             reason: "iterations must be positive".into(),
         });
     }
-    let link = establish(config, Role::Connect(server.to_owned()), o.size)?;
+    let link = establish(config, Role::Connect(server.to_owned()), token, o.size)?;
     let mut rtts = Vec::with_capacity(o.iters as usize);
     for i in 0..WARMUP + o.iters {
         let t = Instant::now();
@@ -123,8 +131,14 @@ pub fn run_client(config: &Config, server: &str, o: WriteLatOptions) -> Result<W
 }
 
 /// Runs the answering side: each write of the client is answered by one of the same size.
-pub fn run_server(config: &Config, listen: &str, o: WriteLatOptions) -> Result<WriteLatReport> {
-    let link = establish(config, Role::Listen(listen.to_owned()), o.size)?;
+/// `token`: as for [`run_client`].
+pub fn run_server(
+    config: &Config,
+    listen: &str,
+    token: &JobToken,
+    o: WriteLatOptions,
+) -> Result<WriteLatReport> {
+    let link = establish(config, Role::Listen(listen.to_owned()), token, o.size)?;
     for i in 0..WARMUP + o.iters {
         wait_for_peer(&link, config.timeout)?;
         link.qp.post_write(

@@ -281,8 +281,8 @@ fn main() -> ExitCode {
                     verify: !no_verify,
                 };
                 let report = match (listen, connect) {
-                    (Some(addr), _) => write_bw::run_server(&config, &addr, opts)?,
-                    (None, Some(addr)) => write_bw::run_client(&config, &addr, opts)?,
+                    (Some(addr), _) => write_bw::run_server(&config, &addr, &token()?, opts)?,
+                    (None, Some(addr)) => write_bw::run_client(&config, &addr, &token()?, opts)?,
                     (None, None) => unreachable!("clap requires one of them"),
                 };
                 println!("{}", report.line());
@@ -296,8 +296,8 @@ fn main() -> ExitCode {
             } => {
                 let opts = write_lat::WriteLatOptions { size, iters };
                 let report = match (listen, connect) {
-                    (Some(addr), _) => write_lat::run_server(&config, &addr, opts)?,
-                    (None, Some(addr)) => write_lat::run_client(&config, &addr, opts)?,
+                    (Some(addr), _) => write_lat::run_server(&config, &addr, &token()?, opts)?,
+                    (None, Some(addr)) => write_lat::run_client(&config, &addr, &token()?, opts)?,
                     (None, None) => unreachable!("clap requires one of them"),
                 };
                 println!("{}", report.line());
@@ -619,4 +619,10 @@ fn perf(
     }
     comm.close(nodetour_core::Deadline::after(timeout))?;
     Ok(rows.iter().all(|r| r.correct))
+}
+
+/// The pair's job token for the two-node commands (`NODETOUR_JOB_TOKEN`, else an
+/// unauthenticated `NODETOUR_JOB_ID`, else an error saying how to set one).
+fn token() -> nodetour_core::Result<nodetour_core::auth::JobToken> {
+    nodetour_net::bootstrap::explicit_job_token()
 }
