@@ -1,6 +1,8 @@
 //! One-sided writes through every transport this machine has: in-memory and tcp on loopback
 //! always; verbs only where an RDMA device exists (else `SKIP`, with the reason). Throughput in
-//! bytes. The GPU transports (cuda-ipc, shm) are measured between processes by
+//! bytes. Beside them, in the same run, what a MAC over the bulk tcp payloads would cost on one
+//! core (`bulk_mac`: HMAC-SHA256, keyed BLAKE3, Poly1305, and a memcpy of the same bytes as the
+//! ceiling), the figures behind the choice in `docs/security-bulk-mac.md`. The GPU transports (cuda-ipc, shm) are measured between processes by
 //! `nodetour perf --gpu` and `examples/gpu_transport_check` (a bench cannot start two
 //! processes).
 
@@ -104,9 +106,48 @@ fn verbs(c: &mut Criterion) {
     g.finish();
 }
 
+/// One core's throughput of each candidate MAC over a payload, beside a memcpy of it.
+fn bulk_mac(c: &mut Criterion) {
+    use hmac::{Hmac, Mac};
+    use poly1305::universal_hash::KeyInit;
+    use std::hint::black_box;
+    let mut g = c.benchmark_group("bulk_mac");
+    let data: Vec<u8> = (0..(1usize << 20)).map(|i| (i * 131) as u8).collect();
+    let mut copy = vec![0u8; 1 << 20];
+    let key = [7u8; 32];
+    for len in SIZES {
+        let d = &data[..len];
+        g.throughput(Throughput::Bytes(len as u64));
+        let kib = len >> 10;
+        g.bench_function(format!("memcpy/{kib}KiB"), |b| {
+            b.iter(|| {
+                copy[..len].copy_from_slice(black_box(d));
+                black_box(&copy);
+            })
+        });
+        g.bench_function(format!("hmac_sha256/{kib}KiB"), |b| {
+            b.iter(|| {
+                let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(&key).expect("any key");
+                m.update(black_box(d));
+                black_box(m.finalize().into_bytes())
+            })
+        });
+        g.bench_function(format!("blake3_keyed/{kib}KiB"), |b| {
+            b.iter(|| black_box(blake3::keyed_hash(&key, black_box(d))))
+        });
+        // (A real use keys Poly1305 afresh per frame from a stream cipher: a few ns more.)
+        g.bench_function(format!("poly1305/{kib}KiB"), |b| {
+            b.iter(|| {
+                black_box(poly1305::Poly1305::new((&key).into()).compute_unpadded(black_box(d)))
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
-    targets = transports
+    targets = transports, bulk_mac
 }
 criterion_main!(benches);
