@@ -31,8 +31,7 @@ fn nccl_error(what: &'static str, e: result::NcclError) -> Error {
 
 /// NCCL's version as (major, minor, patch), or `Unsupported` where libnccl cannot be loaded.
 pub fn version() -> Result<(i32, i32, i32)> {
-    // SAFETY: only tries to open the library.
-    if !unsafe { sys::is_culib_present() } {
+    if !crate::cuda::libs::nccl_present() {
         return Err(Error::Unsupported {
             what: "NCCL",
             reason: "libnccl.so is not loadable (install NCCL, e.g. libnccl2)".into(),

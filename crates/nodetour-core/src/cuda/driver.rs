@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use cudarc::driver::result;
-use cudarc::driver::sys::{self, CUdevice_attribute as A};
+use cudarc::driver::sys::CUdevice_attribute as A;
 
 use super::result::{cuda_error, error_name};
 use crate::error::{Error, Result};
@@ -19,8 +19,7 @@ static AVAILABLE: OnceLock<std::result::Result<i32, String>> = OnceLock::new();
 pub fn availability() -> Result<i32> {
     AVAILABLE
         .get_or_init(|| {
-            // SAFETY: only tries to open the library.
-            if !unsafe { sys::is_culib_present() } {
+            if super::libs::libcuda().is_none() {
                 return Err("libcuda.so is not loadable: no NVIDIA driver on this machine (or not visible to this container)".into());
             }
             result::init().map_err(|e| format!("cuInit failed: {} (no usable GPU, or the driver and kernel module disagree)", error_name(e)))?;

@@ -12,6 +12,7 @@ pub(crate) mod copy;
 pub mod device_buffer;
 pub mod driver;
 pub mod kernel_cache;
+pub(crate) mod libs;
 pub mod nvrtc;
 pub mod one_kernel;
 pub mod reduce;

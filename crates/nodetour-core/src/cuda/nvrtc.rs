@@ -8,8 +8,7 @@ use crate::error::{Error, Result};
 
 /// NVRTC's version, or `Unsupported` where libnvrtc cannot be loaded.
 pub fn version() -> Result<(i32, i32)> {
-    // SAFETY: only tries to open the library.
-    if !unsafe { sys::is_culib_present() } {
+    if !super::libs::nvrtc_present() {
         return Err(Error::Unsupported {
             what: "NVRTC",
             reason:

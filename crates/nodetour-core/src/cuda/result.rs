@@ -40,11 +40,12 @@ pub(crate) fn cuda_error(op: &'static str, e: DriverError) -> Error {
 pub(crate) unsafe fn proc_address(symbol: &str, version: i32) -> Option<*mut c_void> {
     type GetProcAddress =
         unsafe extern "C" fn(*const std::ffi::c_char, *mut *mut c_void, i32, u64) -> sys::CUresult;
-    // cuGetProcAddress (the v1 ABI, CUDA 11.3+) is looked up by hand: cudarc's loader would
-    // panic on a driver that lacks it.
-    // SAFETY: culib() is loaded (availability checked by the caller); the symbol, if present, has
-    // this signature.
-    let get = unsafe { sys::culib().get::<GetProcAddress>(b"cuGetProcAddress\0") }.ok()?;
+    // cuGetProcAddress (the v1 ABI, CUDA 11.3+) is looked up by hand, in nodetour's own handle
+    // on libcuda (cudarc's loader exists only when it loads at run time, and would panic on a
+    // driver that lacks the symbol).
+    let get = super::libs::libcuda()?.symbol(c"cuGetProcAddress")?;
+    // SAFETY: the driver exports cuGetProcAddress with this signature.
+    let get = unsafe { std::mem::transmute::<*mut c_void, GetProcAddress>(get) };
     let name = CString::new(symbol).ok()?;
     let mut pfn: *mut c_void = std::ptr::null_mut();
     // SAFETY: name is a valid C string and pfn a valid out-pointer; flags 0 = default.

@@ -1,0 +1,2 @@
+//! The same program as plain-cudarc's, in this feature set's graph.
+include!("../../plain-cudarc/src/main.rs");
