@@ -120,6 +120,16 @@ check "nodetour beside candle-core 0.11.1's cudarc features (dynamic-linking) ch
 check "nodetour beside cubecl-cuda 0.12's cudarc features (NCCL, fallback loading) builds and allreduces" \
     compat tests/compat/cubecl run
 check "nodetour beside cudarc's defaults and cuda-12080 builds and allreduces" compat tests/compat/plain-cudarc run
+check "nodetour builds under the oldest CUDA bindings it supports (11.7: tests/compat/cuda-range)" \
+    compat tests/compat/cuda-range check CUDARC_CUDA_VERSION=11070
+check "nodetour builds under the newest CUDA bindings of its cudarc (13.4: tests/compat/cuda-range)" \
+    compat tests/compat/cuda-range check CUDARC_CUDA_VERSION=13040
+package_workspace() { # every crate packs, and builds from its package alone
+    CARGO_TARGET_DIR="$PWD/target/package" cargo package --workspace --allow-dirty --color never 2>&1 |
+        grep -E '^(error|warning: manifest)|Packaged|Verifying' | tail -n 12
+    return "${PIPESTATUS[0]}"
+}
+check "cargo package --workspace: nodetour, -core, -net, -ring and the tools pack and build from their packages" package_workspace
 
 step "process tier: N processes over tcp (scripts/launch-local.sh)"
 for n in 2 4 8; do

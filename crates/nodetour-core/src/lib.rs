@@ -43,8 +43,7 @@ pub mod dtype;
 pub mod error;
 pub mod meeting;
 pub mod memory;
-/// NCCL, the reference the tools compare against: built only with the `nccl` feature (the
-/// tools turn it on; a runtime linking nodetour never links NCCL through it).
+// NCCL, the tools' reference: only with the `nccl` feature (see the module's docs).
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod net;

@@ -5,6 +5,9 @@
 //! Where libnccl is missing this is [`Error::Unsupported`]. Callers on shared GPU hosts export
 //! `NCCL_NVLS_ENABLE=0` before the first call (NVLink multicast can take the host's GPUs out of
 //! service); [`LocalNccl::new`] refuses to start without it.
+//!
+//! Built only with this crate's `nccl` feature, which the tools turn on: a runtime that links
+//! nodetour never links NCCL through it.
 
 use cudarc::nccl::{result, sys};
 

@@ -53,13 +53,12 @@ pub(crate) unsafe fn proc_address(symbol: &str, version: i32) -> Option<*mut c_v
     (rc == sys::CUresult::CUDA_SUCCESS && !pfn.is_null()).then_some(pfn)
 }
 
-type GetHandleForAddressRange = unsafe extern "C" fn(
-    *mut c_void,
-    sys::CUdeviceptr,
-    usize,
-    sys::CUmemRangeHandleType,
-    u64,
-) -> sys::CUresult;
+/// `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD` (CUDA 11.7; spelled here so that bindings of older
+/// CUDA versions, which lack the enum, build too: the call is resolved at run time).
+const DMA_BUF_FD: u32 = 1;
+
+type GetHandleForAddressRange =
+    unsafe extern "C" fn(*mut c_void, sys::CUdeviceptr, usize, u32, u64) -> sys::CUresult;
 type FlushGpuDirectRdmaWrites = unsafe extern "C" fn(u32, u32) -> sys::CUresult;
 
 /// `cuMemGetHandleForAddressRange(..., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)`: a dma-buf file
@@ -80,7 +79,7 @@ pub(crate) unsafe fn dmabuf_fd(ptr: sys::CUdeviceptr, len: usize) -> Result<Owne
             (&mut fd as *mut i32).cast(),
             ptr,
             len,
-            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            DMA_BUF_FD,
             0,
         )
     };
