@@ -154,7 +154,18 @@ impl JobToken {
         to: Acceptor<'_>,
         proof: &Proof,
     ) -> bool {
-        self.mac(CLIENT_LABEL, nonce, rank, world, to)
+        self.verify(CLIENT_LABEL, nonce, (rank, world), to, proof)
+    }
+
+    fn verify(
+        &self,
+        label: &[u8],
+        nonce: &Nonce,
+        (rank, world): (u32, u32),
+        to: Acceptor<'_>,
+        proof: &Proof,
+    ) -> bool {
+        self.mac(label, nonce, rank, world, to)
             .verify_slice(proof)
             .is_ok()
     }
@@ -186,9 +197,7 @@ impl JobToken {
         to: Acceptor<'_>,
         proof: &Proof,
     ) -> bool {
-        self.mac(SERVER_LABEL, nonce, rank, world, to)
-            .verify_slice(proof)
-            .is_ok()
+        self.verify(SERVER_LABEL, nonce, (rank, world), to, proof)
     }
 }
 

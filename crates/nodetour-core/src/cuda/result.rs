@@ -74,15 +74,7 @@ pub(crate) unsafe fn dmabuf_fd(ptr: sys::CUdeviceptr, len: usize) -> Result<Owne
         unsafe { std::mem::transmute::<*mut c_void, GetHandleForAddressRange>(f) };
     let mut fd: i32 = -1;
     // SAFETY: fd is a valid out-pointer for an int; the range is a live allocation.
-    let rc = unsafe {
-        f(
-            (&mut fd as *mut i32).cast(),
-            ptr,
-            len,
-            DMA_BUF_FD,
-            0,
-        )
-    };
+    let rc = unsafe { f((&mut fd as *mut i32).cast(), ptr, len, DMA_BUF_FD, 0) };
     rc.result()
         .map_err(|e| cuda_error("cuMemGetHandleForAddressRange", e))?;
     if fd < 0 {

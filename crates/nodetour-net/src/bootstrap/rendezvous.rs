@@ -474,18 +474,29 @@ fn read_sealed(
     Message::decode_payload(kind, &frame[HEADER_LEN..])
 }
 
-/// Sends `m` tagged with `key` (see [`read_sealed`]).
-fn send_tagged(s: &mut TcpStream, key: &mut SessionKey, m: &Message, peer: &str) -> Result<()> {
+/// `m`'s frame followed by its tag under `key` (see [`read_sealed`]).
+fn sealed_frame(key: &mut SessionKey, m: &Message) -> Result<Vec<u8>> {
     let mut frame = m.encode()?;
     let tag = key.seal(&[&frame]);
     frame.extend_from_slice(&tag);
-    s.set_write_timeout(Some(STEP))
-        .and_then(|()| s.write_all(&frame))
+    Ok(frame)
+}
+
+/// Writes a whole frame within `within`.
+fn write_frame(s: &mut TcpStream, frame: &[u8], peer: &str, within: Duration) -> Result<()> {
+    s.set_write_timeout(Some(within))
+        .and_then(|()| s.write_all(frame))
         .map_err(|source| Error::Exchange {
             op: "write",
             peer: peer.to_owned(),
             source,
         })
+}
+
+/// Sends `m` tagged with `key` (see [`read_sealed`]).
+fn send_tagged(s: &mut TcpStream, key: &mut SessionKey, m: &Message, peer: &str) -> Result<()> {
+    let frame = sealed_frame(key, m)?;
+    write_frame(s, &frame, peer, STEP)
 }
 
 /// Sends `m` on a mesh link, tagged.
@@ -496,17 +507,8 @@ fn send_sealed(w: &mut Sealed, m: &Message) -> Result<()> {
 
 /// [`send_sealed`] with a shorter write timeout (a goodbye at teardown).
 fn send_sealed_within(w: &mut Sealed, m: &Message, within: Duration) -> Result<()> {
-    let mut frame = m.encode()?;
-    let tag = w.key.seal(&[&frame]);
-    frame.extend_from_slice(&tag);
-    w.stream
-        .set_write_timeout(Some(within))
-        .and_then(|()| w.stream.write_all(&frame))
-        .map_err(|source| Error::Exchange {
-            op: "write",
-            peer: format!("rank {}", w.rank),
-            source,
-        })
+    let frame = sealed_frame(&mut w.key, m)?;
+    write_frame(&mut w.stream, &frame, &format!("rank {}", w.rank), within)
 }
 
 fn read_exact(s: &mut TcpStream, buf: &mut [u8], deadline: Deadline, peer: &str) -> Result<()> {
@@ -552,14 +554,7 @@ fn read_exact(s: &mut TcpStream, buf: &mut [u8], deadline: Deadline, peer: &str)
 }
 
 fn send(s: &mut TcpStream, m: &Message, peer: &str) -> Result<()> {
-    let frame = m.encode()?;
-    s.set_write_timeout(Some(STEP))
-        .and_then(|()| s.write_all(&frame))
-        .map_err(|source| Error::Exchange {
-            op: "write",
-            peer: peer.to_owned(),
-            source,
-        })
+    write_frame(s, &m.encode()?, peer, STEP)
 }
 
 struct Joined {
