@@ -11,6 +11,10 @@ use nodetour_net::bootstrap::UniqueId;
 use nodetour_ring::comm::{Communicator, Options};
 use nodetour_ring::{CauseKind, Error, ReduceOp, RootCause};
 
+/// The tests here time out ranks on purpose (1.5 s): run one at a time, so that another test's
+/// ranks do not starve a live rank past its deadline on a small machine.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn options(timeout: Duration) -> Options {
     let mut o = Options {
         transport: Some(TransportKind::Tcp),
@@ -64,6 +68,7 @@ fn sum(world: u32, k: u64, n: usize) -> Vec<i64> {
 /// "rank 1 did not respond within the timeout".
 #[test]
 fn a_frozen_rank_is_named_by_every_rank_even_two_hops_away() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let world = 4;
     let n = 3000;
     let all_done = Barrier::new(world as usize);
@@ -112,6 +117,7 @@ fn a_frozen_rank_is_named_by_every_rank_even_two_hops_away() {
 /// reports the disagreement (not the departure that followed it).
 #[test]
 fn a_rank_that_disagreed_and_left_is_reported_as_a_disagreement() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let world = 3;
     let got = ranks(
         world,
@@ -120,6 +126,7 @@ fn a_rank_that_disagreed_and_left_is_reported_as_a_disagreement() {
             let r = comm.rank();
             let mut x = input(r, 0, 3000);
             comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, sum(world, 0, 3000), "rank {r}: the collective before");
             // Rank 2 passes one element more.
             let mut x = input(r, 1, 3000 + usize::from(r == 2));
             let e = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err();
@@ -148,6 +155,7 @@ fn a_rank_that_disagreed_and_left_is_reported_as_a_disagreement() {
 /// names it and says it aborted.
 #[test]
 fn an_abort_is_named_by_every_rank() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let world = 4;
     let all_done = Barrier::new(world as usize);
     let got = ranks(
@@ -157,6 +165,7 @@ fn an_abort_is_named_by_every_rank() {
             let r = comm.rank();
             let mut x = input(r, 0, 3000);
             comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, sum(world, 0, 3000), "rank {r}: the collective before");
             let aborter = (r == 2).then(|| {
                 let handle = comm.abort_handle();
                 std::thread::spawn(move || {
