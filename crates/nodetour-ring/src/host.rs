@@ -809,6 +809,21 @@ impl HostRing<'_> {
     ) -> RootCause {
         let me = self.rank;
         let cause = e.cause_to_tell(me);
+        if matches!(e, Error::PeerLost { .. } | Error::Transport { .. }) {
+            // A rank that disagreed or aborted tells its neighbours, then leaves: its departure
+            // (seen on the liveness mesh or as a closed link) can overtake what it told, which
+            // travels on another connection or through a neighbour. What it told is the cause.
+            let grace = (self.options.timeout / 4).min(END_GRACE);
+            if let Some((peer, theirs)) = self.wait_for_told_cause(epoch, Deadline::after(grace)) {
+                *result = Err(Error::PeerFailed {
+                    peer,
+                    seq,
+                    cause: theirs,
+                });
+                return theirs;
+            }
+            return cause;
+        }
         let Error::Timeout { rank: Some(x), .. } = *e else {
             return cause;
         };
@@ -885,6 +900,63 @@ impl HostRing<'_> {
                 }
             }
             if deadline.expired() {
+                return None;
+            }
+        }
+    }
+
+    /// Waits until `deadline` for an end notice of collective `epoch` from either neighbour
+    /// that names a deliberate cause (a disagreement or an abort): `(the neighbour, the
+    /// cause)`. A link that has ended gives what arrived on it before it ended and is then
+    /// left alone; with every link ended, or at the deadline, `None`. Notices of later
+    /// collectives are kept for them.
+    fn wait_for_told_cause(&mut self, epoch: u8, deadline: Deadline) -> Option<(u32, RootCause)> {
+        let world = self.world;
+        let prev_rank = (self.rank + world - 1) % world;
+        let next_rank = (self.rank + 1) % world;
+        let mut ended = [false; 2];
+        let mut got: Vec<Event> = Vec::new();
+        loop {
+            let mut events: Vec<(bool, u32)> = Vec::new();
+            let live = ended.iter().filter(|e| !**e).count().max(1) as u32;
+            let slice = Duration::from_millis(2) / live;
+            let mut links: Vec<(usize, bool, &mut dyn HostConnection)> = match &mut self.links {
+                Links::One(c) => vec![(0, true, &mut **c)],
+                Links::Two { next, prev } => vec![(0, true, &mut **prev), (1, false, &mut **next)],
+            };
+            for (i, from_prev, c) in links.iter_mut() {
+                if ended[*i] {
+                    continue;
+                }
+                got.clear();
+                let d = Deadline::after(slice.min(deadline.remaining()));
+                match c.wait(&mut got, d) {
+                    Ok(()) | Err(nodetour_core::Error::Timeout { .. }) => {}
+                    Err(_) => ended[*i] = true,
+                }
+                events.extend(got.iter().map(|Event::Notified(v)| (*from_prev, *v)));
+            }
+            drop(links);
+            for (from_prev, v) in events {
+                match ahead(epoch_of(v), epoch) {
+                    0 => {
+                        if let Some(Notice::End { cause, .. }) = Notice::decode(v) {
+                            if matches!(cause.kind, CauseKind::Disagreement | CauseKind::Aborted) {
+                                let from = if from_prev { prev_rank } else { next_rank };
+                                return Some((from, cause));
+                            }
+                        }
+                    }
+                    1..=63 => self.backlog.push(mark(from_prev, v)),
+                    _ => {}
+                }
+            }
+            let links = if matches!(self.links, Links::One(_)) {
+                1
+            } else {
+                2
+            };
+            if ended[..links].iter().all(|e| *e) || deadline.expired() {
                 return None;
             }
         }
