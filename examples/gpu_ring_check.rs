@@ -10,7 +10,7 @@
 //!   counts (1, a prime, and one that spans several slots per segment);
 //! - `--perf`: f32 sum from 1 MiB to 1 GiB, median of 5 batches timed by CUDA events, each row
 //!   checked; `--compare-nccl` alternates NCCL's allreduce (one rank per process,
-//!   `ncclCommInitRank`) on the same buffers and streams;
+//!   `ncclCommInitRank`) on buffers of its own on the same streams;
 //! - `--ceiling`: the concurrent-copy ceiling of this machine in the same run (every rank's GPU
 //!   copying to and from pinned shared memory at once, both directions), which the staged
 //!   path is measured against.
@@ -45,7 +45,7 @@ struct Args {
     /// Largest size of the sweep, bytes.
     #[arg(long, default_value_t = 1 << 30)]
     max_bytes: usize,
-    /// NCCL alongside, same buffers and streams.
+    /// NCCL alongside, on the same streams.
     #[arg(long)]
     compare_nccl: bool,
     /// Measure the concurrent-copy ceiling.

@@ -5,7 +5,7 @@
 //! ring's network links over verbs, "from GPU send slots the NIC reads: direct (dma-buf …)" and
 //! "landing in GPU slots the NIC writes: direct (dma-buf …); no flush (…)" on Hopper; where a
 //! rung is refused, host slots and every rung's reason), checks an allreduce on every rank,
-//! then sweeps f32 sums beside NCCL's allreduce on the same buffers and streams, in the same
+//! then sweeps f32 sums beside NCCL's allreduce on the same streams, in the same
 //! run.
 //!
 //! ```text
@@ -44,7 +44,7 @@ struct Args {
     /// Sizes per rank for the sweep (MIN:MAX, K/M/G suffixes).
     #[arg(long, default_value = "1M:1G")]
     sizes: String,
-    /// NCCL's allreduce alongside (same buffers and streams, alternating batches).
+    /// NCCL's allreduce alongside (its own buffers, same streams, alternating batches).
     #[arg(long)]
     compare_nccl: bool,
     /// Collectives per timed batch.

@@ -43,9 +43,6 @@ pub mod dtype;
 pub mod error;
 pub mod meeting;
 pub mod memory;
-// NCCL, the tools' reference: only with the `nccl` feature (see the module's docs).
-#[cfg(feature = "nccl")]
-pub mod nccl;
 pub mod net;
 pub mod oob;
 pub mod probe;

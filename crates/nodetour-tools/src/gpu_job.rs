@@ -147,7 +147,9 @@ impl GpuJob {
         let first = &variants[0].comm;
         let nccl_id = if want_nccl {
             let mut id = if rank == 0 {
-                nodetour::core::nccl::unique_id()?
+                crate::nccl_ref::unique_id().map_err(|e| Error::Unsupported {
+                    reason: format!("NCCL: {e:#}"),
+                })?
             } else {
                 [0u8; 128]
             };

@@ -16,6 +16,7 @@ pub mod doctor;
 pub mod gpu_job;
 pub mod link;
 pub mod logging;
+pub mod nccl_ref;
 pub mod perf;
 pub mod perf_gpu;
 pub mod perf_handoff;

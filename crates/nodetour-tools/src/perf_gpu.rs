@@ -1,7 +1,8 @@
 //! GPU allreduce sweeps measured like `all_reduce_perf`, with the references in the same run:
-//! NCCL's allreduce on the same buffers and streams (the two alternate, batch by batch, and each
-//! reports the median of its batches) and the machine's copy ceilings ([`crate::ceiling`]).
-//! Every row checks the results against the float64 reference first.
+//! NCCL's allreduce ([`crate::nccl_ref`], cudarc's `nccl::Comm`) on buffers of its own of the
+//! same size, queued on the same streams (the two alternate, batch by batch, and each reports
+//! the median of its batches), and the machine's copy ceilings ([`crate::ceiling`]). Every row
+//! checks each implementation's results against the float64 reference first.
 //!
 //! - `nodetour perf --gpus 0,1`: the direct GPU ring (`Communicator::from_devices`, driven by a
 //!   `Group`) over the GPUs of this process;
@@ -12,11 +13,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaStream};
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_core::nccl::LocalNccl;
 use nodetour_ring::comm::{Communicator, DevicePath, Group, Options};
 use nodetour_ring::{DataType, ReduceOp};
 use serde_json::json;
@@ -24,6 +24,7 @@ use serde_json::json;
 use crate::ceiling::{CEILING_BYTES, Ceilings, measure};
 use crate::compute_load::ComputeLoad;
 use crate::gpu_job::{GpuJob, is_direct};
+use crate::nccl_ref::{self, NcclBuffer};
 use crate::perf::median;
 use crate::plot::Series;
 use nodetour_ring::seeded::{input, verify};
@@ -77,7 +78,11 @@ impl ComputeShare {
 
 struct Ranks {
     buffers: Vec<DeviceBuffer>,
+    /// The cudarc streams (NCCL queues there) and the same streams seen as nodetour's.
+    cu_streams: Vec<Arc<CudaStream>>,
     streams: Vec<GpuStream>,
+    /// NCCL's communicators and buffers, when compared.
+    nccl: Option<(Vec<cudarc::nccl::Comm>, Vec<NcclBuffer>)>,
 }
 
 impl Ranks {
@@ -114,6 +119,32 @@ impl Ranks {
             s.synchronize()?;
         }
         Ok(())
+    }
+
+    /// NCCL's allreduce of the seeded inputs of `seed`, checked on every rank.
+    fn nccl_checked(
+        &mut self,
+        dtype: DataType,
+        op: ReduceOp,
+        count: usize,
+        seed: u64,
+    ) -> anyhow::Result<Option<bool>> {
+        let Some((comms, bufs)) = self.nccl.as_mut() else {
+            return Ok(None);
+        };
+        for (r, (b, s)) in bufs.iter_mut().zip(&self.cu_streams).enumerate() {
+            b.load(s, &input(dtype, op, r as u32, count, seed))?;
+        }
+        nccl_ref::all_reduce_group(comms, bufs, count, op)?;
+        let world = bufs.len() as u32;
+        let mut ok = true;
+        for (b, s) in bufs.iter().zip(&self.cu_streams) {
+            if let Err(e) = verify(dtype, op, world, &b.read(s, count)?, seed) {
+                tracing::error!(%e, "wrong NCCL allreduce result");
+                ok = false;
+            }
+        }
+        Ok(Some(ok))
     }
 }
 
@@ -202,27 +233,32 @@ pub fn sweep(
         other => format!("{other:?}"),
     };
     tracing::info!(ranks = contexts.len(), path = %path, "GPU group ready");
-    let mut nccl = if compare_nccl {
-        let list: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
-        Some(LocalNccl::new(&list).context("starting NCCL (the reference)")?)
-    } else {
-        None
-    };
     let n = contexts.len() as f64;
     let es = dtype.size();
     let largest = sizes.iter().max().copied().unwrap_or(0).max(es);
-    let ranks = Ranks {
+    let cu_streams = contexts
+        .iter()
+        .map(|c| c.new_stream())
+        .collect::<Result<Vec<_>, _>>()?;
+    let nccl = if compare_nccl {
+        let comms = nccl_ref::local(&cu_streams).context("starting NCCL (the reference)")?;
+        let bufs = cu_streams
+            .iter()
+            .map(|s| NcclBuffer::zeroed(s, dtype, largest / es))
+            .collect::<anyhow::Result<_>>()?;
+        Some((comms, bufs))
+    } else {
+        None
+    };
+    let mut ranks = Ranks {
         buffers: contexts
             .iter()
             .map(|c| DeviceBuffer::new(c, largest))
             .collect::<nodetour_core::Result<_>>()?,
-        streams: contexts
-            .iter()
-            .map(GpuStream::new)
-            .collect::<nodetour_core::Result<_>>()?,
+        streams: cu_streams.iter().map(GpuStream::of_cudarc).collect(),
+        cu_streams,
+        nccl,
     };
-    let b: Vec<&DeviceBuffer> = ranks.buffers.iter().collect();
-    let s: Vec<&GpuStream> = ranks.streams.iter().collect();
     let mut rows = Vec::new();
     for (k, &size) in sizes.iter().enumerate() {
         let count = size / es;
@@ -231,16 +267,9 @@ pub fn sweep(
         // Correctness first, on fresh data of its own, for each implementation.
         let seed = 2 * k as u64;
         ranks.load(dtype, op, count, seed)?;
-        all_reduce(&comms, &b, &s, count, dtype, op)?;
+        all_reduce(&comms, &ranks, count, dtype, op)?;
         let ours_ok = ranks.check(dtype, op, count, seed)?;
-        let nccl_ok = match nccl.as_mut() {
-            Some(nc) => {
-                ranks.load(dtype, op, count, seed + 1)?;
-                nc.all_reduce(&b, &s, count, dtype, op)?;
-                Some(ranks.check(dtype, op, count, seed + 1)?)
-            }
-            None => None,
-        };
+        let nccl_ok = ranks.nccl_checked(dtype, op, count, seed + 1)?;
         // Then timing, alternating batches; the data keeps being reduced (values do not
         // matter for the time).
         let batch = iters.max(1);
@@ -249,16 +278,16 @@ pub fn sweep(
             let reps = if round == 0 { warmup } else { batch };
             let t = Instant::now();
             for _ in 0..reps {
-                all_reduce(&comms, &b, &s, count, dtype, op)?;
+                all_reduce(&comms, &ranks, count, dtype, op)?;
             }
             ranks.sync()?;
             if round > 0 {
                 ours.push(t.elapsed().as_secs_f64() / reps as f64);
             }
-            if let Some(nc) = nccl.as_mut() {
+            if let Some((nc, bufs)) = ranks.nccl.as_mut() {
                 let t = Instant::now();
                 for _ in 0..reps {
-                    nc.all_reduce(&b, &s, count, dtype, op)?;
+                    nccl_ref::all_reduce_group(nc, bufs, count, op)?;
                 }
                 ranks.sync()?;
                 if round > 0 {
@@ -483,22 +512,21 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
     } else {
         None
     };
-    let mut nccl = if compare_nccl {
-        let id = g.nccl_id.context("the job was formed without an NCCL id")?;
-        let ordinal = g.context.ordinal() as i32;
-        Some(
-            LocalNccl::join(&id, g.world, g.rank, ordinal)
-                .context("starting NCCL (the reference)")?,
-        )
-    } else {
-        None
-    };
     let es = dtype.size();
     let largest = sizes.iter().max().copied().unwrap_or(0).max(es);
     let buf = DeviceBuffer::new(&g.context, largest)?;
-    // A cudarc stream (its graphs capture and launch there), seen as nodetour's.
+    // A cudarc stream (its graphs capture and launch there; NCCL queues there), seen as
+    // nodetour's.
     let cu_stream = g.context.new_stream()?;
     let stream = GpuStream::of_cudarc(&cu_stream);
+    let mut nccl = if compare_nccl {
+        let id = g.nccl_id.context("the job was formed without an NCCL id")?;
+        let comm = nccl_ref::join(&id, g.world, g.rank, &cu_stream)
+            .context("starting NCCL (the reference)")?;
+        Some((comm, NcclBuffer::zeroed(&cu_stream, dtype, largest / es)?))
+    } else {
+        None
+    };
     let n = f64::from(g.world);
     // Every rank's load runs before any rank measures it alone (the GPUs may be shared).
     let load = if spec.beside_compute {
@@ -535,12 +563,10 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
             Ok(())
         };
         let mut nccl_ok = None;
-        if let Some(c) = nccl.as_mut() {
-            buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed0))?;
-            c.all_reduce(&[&buf], &[&stream], count, dtype, op)?;
-            let mut ok = false;
-            check(&mut ok, seed0)?;
-            nccl_ok = Some(ok);
+        if let Some((c, nb)) = nccl.as_mut() {
+            nb.load(&cu_stream, &input(dtype, op, g.rank, count, seed0))?;
+            nb.all_reduce(c, count, op)?;
+            nccl_ok = Some(verify(dtype, op, g.world, &nb.read(&cu_stream, count)?, seed0).is_ok());
         }
         let mut theirs = Vec::new();
         let mut per_ring = Vec::new();
@@ -577,11 +603,11 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                     }
                 }
                 // NCCL alternates with the first path's batches.
-                if let (Some(c), true) = (nccl.as_mut(), per_ring.is_empty()) {
+                if let (Some((c, nb)), true) = (nccl.as_mut(), per_ring.is_empty()) {
                     let mark = load.as_ref().map(ComputeLoad::mark);
                     let start = stream.record()?;
                     for _ in 0..reps {
-                        c.all_reduce(&[&buf], &[&stream], count, dtype, op)?;
+                        nb.all_reduce(c, count, op)?;
                     }
                     let end = stream.record()?;
                     if round > 0 {
@@ -686,14 +712,13 @@ fn capture(
 /// One allreduce over every GPU of the set, queued from this thread as a group.
 fn all_reduce(
     comms: &[Communicator],
-    buffers: &[&DeviceBuffer],
-    streams: &[&GpuStream],
+    ranks: &Ranks,
     count: usize,
     dtype: DataType,
     op: ReduceOp,
 ) -> nodetour_ring::Result<()> {
     let mut group = Group::new();
-    for ((comm, buf), stream) in comms.iter().zip(buffers).zip(streams) {
+    for ((comm, buf), stream) in comms.iter().zip(&ranks.buffers).zip(&ranks.streams) {
         group.all_reduce_device_buffer(comm, buf, count, dtype, op, stream)?;
     }
     group.end()

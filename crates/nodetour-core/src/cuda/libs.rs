@@ -60,9 +60,9 @@ pub(crate) fn nvrtc_present() -> bool {
     .is_some()
 }
 
-/// Whether libnccl loads here.
-#[cfg(feature = "nccl")]
-pub fn nccl_present() -> bool {
+/// Whether libnccl loads in this process. nodetour never uses NCCL; tools that compare
+/// against it (through cudarc, which panics where the library is missing) look here first.
+pub fn nccl_loadable() -> bool {
     static LIB: OnceLock<Option<Library>> = OnceLock::new();
     LIB.get_or_init(|| Library::open(&["libnccl.so.2", "libnccl.so"]))
         .is_some()

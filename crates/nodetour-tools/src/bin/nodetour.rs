@@ -145,7 +145,7 @@ struct GpuArgs {
     /// With --gpu: direct (cuda-ipc), staged (shm), both side by side, or auto.
     #[arg(long, default_value = "auto")]
     path: String,
-    /// References measured in the same run: nccl (same buffers and streams, alternating) and
+    /// References measured in the same run: nccl (its own buffers, on the same streams, alternating) and
     /// ceiling (the copy ceilings: peer copies and concurrent D2H+H2D on all GPUs at once).
     #[arg(long, value_delimiter = ',')]
     compare: Vec<String>,
