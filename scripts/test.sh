@@ -120,6 +120,8 @@ check "nodetour beside candle-core 0.11.1's cudarc features (dynamic-linking) ch
 check "nodetour beside cubecl-cuda 0.12's cudarc features (NCCL, fallback loading) builds and allreduces" \
     compat tests/compat/cubecl run
 check "nodetour beside cudarc's defaults and cuda-12080 builds and allreduces" compat tests/compat/plain-cudarc run
+check "a runtime on cudarc 0.17 reaches nodetour through raw handles, builds and allreduces (tests/compat/old-cudarc)" \
+    compat tests/compat/old-cudarc run
 check "nodetour builds under the oldest CUDA bindings it supports (11.7: tests/compat/cuda-range)" \
     compat tests/compat/cuda-range check CUDARC_CUDA_VERSION=11070
 check "nodetour builds under the newest CUDA bindings of its cudarc (13.4: tests/compat/cuda-range)" \
