@@ -132,7 +132,9 @@ fn link(wire: &Wire) -> (End, End) {
             out_prev: w(&out_prev),
             desc_cells: (words::DESC_BASE, SLOTS + 2),
             stop_word: words::STOPPED,
-            options: NetOptions::from_env(),
+            options: NetOptions::from_config(
+                &nodetour::Config::from_env().expect("NODETOUR_* settings"),
+            ),
             lander: None,
         })
         .unwrap();

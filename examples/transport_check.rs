@@ -205,7 +205,10 @@ fn run() -> anyhow::Result<()> {
             gpu_peer_access: false,
             both_have_rdma: kind == TransportKind::Verbs,
         };
-        let auto = transport::choose(&facts, transport::forced_from_env()?);
+        let auto = transport::choose(
+            &facts,
+            transport::forced(&nodetour::core::knobs::Env::process())?,
+        );
         tracing::info!(peer = p, chosen = %auto.kind, reason = %auto.reason, running = %kind, "transport for this pair");
     }
     let mut theirs: HashMap<u32, SlotGrant> = HashMap::new();

@@ -155,13 +155,8 @@ fn run() -> anyhow::Result<()> {
     };
     let buffer = DeviceBuffer::new(&context, 2 * smoke.size)?;
     let probe = Probe::gather(Ok(info.gdr.clone()), Ok(&local.pd));
-    let outcome = registration::register_gpu(
-        &local.pd,
-        buffer,
-        &probe,
-        GdrMode::from_env()?,
-        Access::REMOTE,
-    )?;
+    let outcome =
+        registration::register_gpu(&local.pd, buffer, &probe, smoke.config.gdr, Access::REMOTE)?;
     println!(
         "rank {rank}: GPU buffer registration: {}",
         outcome.describe()
@@ -224,7 +219,8 @@ fn report_without_nic(rank: u32, info: &GpuInfo, e: &Error) {
         nic_dmabuf: DmabufSupport::Unknown(why),
         peermem: registration::peermem_state(std::path::Path::new("/")),
     };
-    let plan = registration::plan(&probe, GdrMode::from_env().unwrap_or(GdrMode::Auto));
+    let mode = Config::from_env().map_or(GdrMode::Auto, |c| c.gdr);
+    let plan = registration::plan(&probe, mode);
     let reasons: Vec<String> = plan
         .refused
         .iter()

@@ -14,7 +14,7 @@
 # 5. landing in GPU slots (NODETOUR_NET_LANDING=gpu), checked and drilled; the communicator's
 #    device tests;
 # 6. the hand-off (nodetour perf --handoff: one process, no time slicing), 8 B to 1 MiB, in
-#    three wait modes (NODETOUR_SPIN_US = 0, 20, 1000), two rounds; and two processes across
+#    three wait modes (NODETOUR_NET_SPIN_US = 0, 20, 1000), two rounds; and two processes across
 #    hosts for bandwidth (time-sliced on one GPU).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -77,8 +77,8 @@ failed=0
     echo "   8 B to 1 MiB, in three wait modes, beside the same copies handed over by a word; two rounds"
     for round in 1 2; do
         for spin in 0 20 1000; do
-            echo "-- round $round: NODETOUR_SPIN_US=$spin" | tee -a "$perf"
-            NODETOUR_SPIN_US=$spin ./nodetour perf --handoff --sizes 8:1M --factor 8 --iters 50 2>&1 | grep -vE 'INFO|hugepages' | tee -a "$perf"
+            echo "-- round $round: NODETOUR_NET_SPIN_US=$spin" | tee -a "$perf"
+            NODETOUR_NET_SPIN_US=$spin ./nodetour perf --handoff --sizes 8:1M --factor 8 --iters 50 2>&1 | grep -vE 'INFO|hugepages' | tee -a "$perf"
         done
     done
     echo "== two processes across hosts (time-sliced on one GPU: bandwidth only), 1 MiB to 64 MiB"

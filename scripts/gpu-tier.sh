@@ -85,9 +85,9 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     grep -E 'GPU_RING OK|rror' "$out/ring-blocks.log" | sort | uniq -c
     log_reports 2 'GPU_RING OK' "$out/ring-blocks.log" || failed=1
     grep -q 'kernels of up to 3 blocks' "$out/ring-blocks.log" || { echo "the cap was not applied"; failed=1; }
-    echo "== gpu_ring_check with pipelined chunks (NODETOUR_IPC_PIPELINE=4 direct at 2 and 3 ranks, NODETOUR_SHM_PIPELINE=8 staged), staged chunks copied in (NODETOUR_SHM_READ_MAX) and direct received copies by the copy engine (NODETOUR_COPY_KERNEL_MAX=0) or by a kernel up to 128 KiB: same results"
-    NODETOUR_IPC_PIPELINE=4 NODETOUR_COPY_KERNEL_MAX=0 NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >"$out/ring-pipeline.log" 2>&1 || failed=1
-    NODETOUR_IPC_PIPELINE=4 NODETOUR_COPY_KERNEL_MAX=131072 NODETOUR_LOG=info ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
+    echo "== gpu_ring_check with pipelined chunks (NODETOUR_IPC_PIPELINE=4 direct at 2 and 3 ranks, NODETOUR_SHM_PIPELINE=8 staged), staged chunks copied in (NODETOUR_SHM_READ_MAX) and direct received copies by the copy engine (NODETOUR_SLOT_COPY_KERNEL_MAX=0) or by a kernel up to 128 KiB: same results"
+    NODETOUR_IPC_PIPELINE=4 NODETOUR_SLOT_COPY_KERNEL_MAX=0 NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >"$out/ring-pipeline.log" 2>&1 || failed=1
+    NODETOUR_IPC_PIPELINE=4 NODETOUR_SLOT_COPY_KERNEL_MAX=131072 NODETOUR_LOG=info ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
     # Staged chunks up to 256 KiB reduced out of the host slots, larger ones copied in first.
     NODETOUR_SHM_PIPELINE=8 NODETOUR_SHM_READ_MAX=262144 NODETOUR_TRANSPORT=shm NODETOUR_LOG=info ./launch-local.sh -n 3 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
     NODETOUR_SHM_READ_MAX=0 NODETOUR_TRANSPORT=shm NODETOUR_LOG=info ./launch-local.sh -n 2 --timeout 300 -- ./gpu_ring_check --all >>"$out/ring-pipeline.log" 2>&1 || failed=1
@@ -97,7 +97,7 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
         grep -q "segments cut into $d chunks or more" "$out/ring-pipeline.log" || { echo "the pipeline of $d was not applied"; failed=1; }
     done
     grep -q "chunks of up to 256 KiB reduced straight out of the host slots" "$out/ring-pipeline.log" || { echo "NODETOUR_SHM_READ_MAX was not applied"; failed=1; }
-    grep -q "copies of up to 128 KiB out of the slots by one kernel" "$out/ring-pipeline.log" || { echo "NODETOUR_COPY_KERNEL_MAX was not applied"; failed=1; }
+    grep -q "copies of up to 128 KiB out of the slots by one kernel" "$out/ring-pipeline.log" || { echo "NODETOUR_SLOT_COPY_KERNEL_MAX was not applied"; failed=1; }
     grep -q "copies of up to 1024 KiB out of the slots by one kernel" "$out/ring-blocks.log" || { echo "the copy kernel was not on by default"; failed=1; }
     echo "== failure drills: a rank SIGKILLed, or aborted from a watchdog thread, mid-stream (NODETOUR_TIMEOUT_MS=5000)"
     for spec in "2|--kill-rank 1|auto" "2|--kill-rank 1|shm" "3|--abort-rank 2|shm"; do

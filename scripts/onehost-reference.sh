@@ -23,7 +23,7 @@
 #   NODETOUR_SHM_PIPELINE and NODETOUR_IPC_PIPELINE at 1 (whole slots), 2, 4 and 8, and the
 #   staged path with every chunk copied in before its reduce (NODETOUR_SHM_READ_MAX=0), the
 #   direct path with the one-kernel two-shot path up to 4 and 32 MiB (NODETOUR_ONE_KERNEL_MAX),
-#   received copies by the copy engine (NODETOUR_COPY_KERNEL_MAX=0) or by a kernel up to 16 MiB,
+#   received copies by the copy engine (NODETOUR_SLOT_COPY_KERNEL_MAX=0) or by a kernel up to 16 MiB,
 #   interleaved within each round, direct and staged, beside the copy ceilings and, with two
 #   GPUs, NCCL (NCCL_P2P_DISABLE=1 beside the staged path: NCCL's own staging through host
 #   memory); ONEHOST_PIPE lines give each variant's busbw against d1 in the same round
@@ -98,7 +98,7 @@ if [[ $part == pipeline ]]; then
     # host slot); direct only, ok4m and ok32m (the one-kernel two-shot path up to 4 or 32 MiB,
     # NODETOUR_ONE_KERNEL_MAX, where the default hands over to the ring above 1 MiB: with GPUs
     # of their own; ranks sharing a GPU never take that path, so there they repeat d1); ck0
-    # (received copies by the copy engine and a credit kernel, NODETOUR_COPY_KERNEL_MAX=0,
+    # (received copies by the copy engine and a credit kernel, NODETOUR_SLOT_COPY_KERNEL_MAX=0,
     # where the default copies chunks up to 1 MiB out of the slot by one kernel that credits
     # it; direct only: host slots always take the copy engine) and ck16m (that kernel up to
     # 16 MiB).
@@ -112,8 +112,8 @@ if [[ $part == pipeline ]]; then
                     d*) knobs=(NODETOUR_SHM_PIPELINE=${variant#d} NODETOUR_IPC_PIPELINE=${variant#d}) ;;
                     copyin) knobs=(NODETOUR_SHM_READ_MAX=0) ;;
                     ok*) knobs=(NODETOUR_ONE_KERNEL_MAX=$((${variant//[^0-9]/} << 20))) ;;
-                    ck0) knobs=(NODETOUR_COPY_KERNEL_MAX=0) ;;
-                    ck16m) knobs=(NODETOUR_COPY_KERNEL_MAX=$((16 << 20))) ;;
+                    ck0) knobs=(NODETOUR_SLOT_COPY_KERNEL_MAX=0) ;;
+                    ck16m) knobs=(NODETOUR_SLOT_COPY_KERNEL_MAX=$((16 << 20))) ;;
                     *) echo "PIPELINE_VARIANTS: unknown variant $variant" >&2; exit 2 ;;
                 esac
                 cmp=(--compare ceiling) p2p=()

@@ -1,17 +1,23 @@
-//! The `NODETOUR_*` knobs that the core reads, parsed once into a typed [`Config`].
+//! The settings the core uses, parsed once from an [`Env`] into a typed [`Config`] (each
+//! variable is declared in [`crate::knobs`]: its range, default and meaning).
 //!
-//! Parsing is a pure function of a lookup closure ([`Config::from_lookup`]), so every knob and
-//! every malformed value is unit-tested without touching the process environment. Every knob
-//! is optional; [`Config::describe`] renders the effective values for the startup log line.
+//! Parsing is a pure function of the [`Env`] ([`Config::from_knobs`]), so every setting and
+//! every malformed value is unit-tested without touching the process environment; `Default` is
+//! the declared defaults and reads nothing. [`Config::describe`] renders the effective values
+//! for the startup log line.
 
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::knobs::Env;
+use crate::registration::GdrMode;
+use crate::visibility::FlushOverride;
 
 /// Default for `NODETOUR_TIMEOUT_MS`: how long any single wait may block.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Effective settings of the verbs layer.
+/// Effective settings of the core: the RDMA device and its packets, the waits, and whether
+/// and how GPU memory is registered for the NIC.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     /// `NODETOUR_IB_DEVICE`: use this RDMA device (and only it).
@@ -25,67 +31,59 @@ pub struct Config {
     /// `NODETOUR_TIMEOUT_MS`: the budget of every blocking wait, and the base of the queue
     /// pairs' retransmission timeout.
     pub timeout: Duration,
-    /// `NODETOUR_SPIN_US`: how long a waiter polls before it blocks (default 50 µs). Longer
-    /// trades a CPU core for latency; 0 blocks at once.
+    /// `NODETOUR_SPIN_US`: how long a verbs waiter polls before it blocks (default 50 µs).
+    /// Longer trades a CPU core for latency; 0 blocks at once.
     pub spin: Duration,
+    /// `NODETOUR_NET_SPIN_US`: how long a GPU network link's progress thread polls before it
+    /// blocks (default 20 µs).
+    pub net_spin: Duration,
     /// `NODETOUR_RING_SPIN_US`: how long a host collective keeps looking for its neighbours'
     /// next notification without blocking, after each one (default 1 ms). Only while a
     /// collective runs; where a host has more ranks than CPUs the ring yields its CPU between
     /// looks.
     pub ring_spin: Duration,
+    /// `NODETOUR_GDR`: whether GPU memory is registered for the NIC (the direct path).
+    pub gdr: GdrMode,
+    /// `NODETOUR_GDR_FLUSH`: how landed chunks are made visible to the GPU.
+    pub gdr_flush: FlushOverride,
 }
 
 /// Default for `NODETOUR_RING_SPIN_US`.
 pub const DEFAULT_RING_SPIN: Duration = Duration::from_millis(1);
 
 impl Default for Config {
+    /// The declared defaults ([`crate::knobs::KNOBS`]); no environment read.
     fn default() -> Self {
-        Config {
-            ib_device: None,
-            gid_index: None,
-            traffic_class: 0,
-            service_level: 0,
-            timeout: DEFAULT_TIMEOUT,
-            spin: crate::verbs::DEFAULT_SPIN,
-            ring_spin: DEFAULT_RING_SPIN,
-        }
+        Self::from_knobs(&Env::empty()).expect("the declared defaults parse")
     }
 }
 
 impl Config {
-    /// Reads the knobs from the process environment.
+    /// Reads the settings from the process environment.
     pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|name| std::env::var(name).ok())
+        Self::from_knobs(&Env::process())
     }
 
-    /// Reads the knobs through `lookup` (a variable name to its value, if set).
+    /// Reads the settings through `lookup` (a variable name to its value, if set).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let mut config = Config::default();
-        let get = |name: &'static str| lookup(name).filter(|v| !v.trim().is_empty());
-        if let Some(device) = get("NODETOUR_IB_DEVICE") {
-            config.ib_device = Some(device.trim().to_owned());
-        }
-        if let Some(v) = get("NODETOUR_IB_GID_INDEX") {
-            config.gid_index = Some(parse_int("NODETOUR_IB_GID_INDEX", &v, 0, 255)? as u32);
-        }
-        if let Some(v) = get("NODETOUR_IB_TC") {
-            config.traffic_class = parse_int("NODETOUR_IB_TC", &v, 0, 255)? as u8;
-        }
-        if let Some(v) = get("NODETOUR_IB_SL") {
-            config.service_level = parse_int("NODETOUR_IB_SL", &v, 0, 15)? as u8;
-        }
-        if let Some(v) = get("NODETOUR_TIMEOUT_MS") {
-            let ms = parse_int("NODETOUR_TIMEOUT_MS", &v, 1, 24 * 3600 * 1000)?;
-            config.timeout = Duration::from_millis(ms);
-        }
-        if let Some(v) = get("NODETOUR_SPIN_US") {
-            config.spin = Duration::from_micros(parse_int("NODETOUR_SPIN_US", &v, 0, 1_000_000)?);
-        }
-        if let Some(v) = get("NODETOUR_RING_SPIN_US") {
-            config.ring_spin =
-                Duration::from_micros(parse_int("NODETOUR_RING_SPIN_US", &v, 0, 1_000_000)?);
-        }
-        Ok(config)
+        Self::from_knobs(&Env::from_lookup(lookup))
+    }
+
+    /// Reads the settings from `env`.
+    pub fn from_knobs(env: &Env<'_>) -> Result<Self> {
+        let micros = |name| env.count(name).map(Duration::from_micros);
+        Ok(Config {
+            ib_device: env.get("NODETOUR_IB_DEVICE"),
+            gid_index: env.count_if_set("NODETOUR_IB_GID_INDEX")?.map(|i| i as u32),
+            traffic_class: env.count("NODETOUR_IB_TC")? as u8,
+            service_level: env.count("NODETOUR_IB_SL")? as u8,
+            timeout: Duration::from_millis(env.count("NODETOUR_TIMEOUT_MS")?),
+            spin: micros("NODETOUR_SPIN_US")?,
+            net_spin: micros("NODETOUR_NET_SPIN_US")?,
+            ring_spin: micros("NODETOUR_RING_SPIN_US")?,
+            gdr: GdrMode::parse(env.choice("NODETOUR_GDR")?),
+            gdr_flush: FlushOverride::parse(env.choice("NODETOUR_GDR_FLUSH")?)?,
+        })
     }
 
     /// One line with every effective value, for the startup log.
@@ -103,27 +101,10 @@ impl Config {
     }
 }
 
-fn parse_int(name: &'static str, value: &str, min: u64, max: u64) -> Result<u64> {
-    let invalid = |reason: String| Error::InvalidConfig {
-        name,
-        value: value.to_owned(),
-        reason,
-    };
-    let n: u64 = value
-        .trim()
-        .parse()
-        .map_err(|_| invalid(format!("expected a whole number from {min} to {max}")))?;
-    if n < min || n > max {
-        return Err(invalid(format!(
-            "expected a whole number from {min} to {max}"
-        )));
-    }
-    Ok(n)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use std::collections::HashMap;
 
     fn config(vars: &[(&str, &str)]) -> Result<Config> {
@@ -181,6 +162,15 @@ mod tests {
                 other => panic!("{name}={value}: expected InvalidConfig, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn the_constants_are_the_declared_defaults() {
+        let c = Config::default();
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(c.ring_spin, DEFAULT_RING_SPIN);
+        assert_eq!(c.spin, crate::verbs::DEFAULT_SPIN);
+        assert_eq!((c.gdr, c.gdr_flush), (GdrMode::Auto, FlushOverride::Auto));
     }
 
     #[test]

@@ -41,6 +41,7 @@ pub mod cuda;
 pub mod deadline;
 pub mod dtype;
 pub mod error;
+pub mod knobs;
 pub mod meeting;
 pub mod memory;
 pub mod net;

@@ -60,17 +60,12 @@ pub enum GdrMode {
 }
 
 impl GdrMode {
-    /// Parses `NODETOUR_GDR` (`auto`, `force`, `off`; unset means auto).
-    pub fn from_env() -> Result<Self, Error> {
-        match std::env::var("NODETOUR_GDR").as_deref().map(str::trim) {
-            Err(_) | Ok("") | Ok("auto") => Ok(GdrMode::Auto),
-            Ok("force") => Ok(GdrMode::Force),
-            Ok("off") => Ok(GdrMode::Off),
-            Ok(other) => Err(Error::InvalidConfig {
-                name: "NODETOUR_GDR",
-                value: other.to_owned(),
-                reason: "expected auto, force or off".into(),
-            }),
+    /// `NODETOUR_GDR`'s word (`auto`, `force`, `off`: the knob table checked it).
+    pub(crate) fn parse(word: &str) -> Self {
+        match word {
+            "force" => GdrMode::Force,
+            "off" => GdrMode::Off,
+            _ => GdrMode::Auto,
         }
     }
 }
@@ -561,6 +556,12 @@ mod tests {
 
     #[test]
     fn gdr_mode_parses() {
-        assert_eq!(GdrMode::from_env().unwrap_or(GdrMode::Auto), GdrMode::Auto);
+        for (word, mode) in [
+            ("auto", GdrMode::Auto),
+            ("force", GdrMode::Force),
+            ("off", GdrMode::Off),
+        ] {
+            assert_eq!(GdrMode::parse(word), mode);
+        }
     }
 }

@@ -55,11 +55,6 @@ impl FlushOverride {
             }),
         }
     }
-
-    /// `NODETOUR_GDR_FLUSH` of this process (`Auto` when unset).
-    pub fn from_env() -> Result<FlushOverride> {
-        std::env::var("NODETOUR_GDR_FLUSH").map_or(Ok(FlushOverride::Auto), |v| Self::parse(&v))
-    }
 }
 
 /// How the receiver makes a landed chunk visible before its stream reads it.

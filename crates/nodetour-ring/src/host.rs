@@ -206,15 +206,9 @@ impl HostRingOptions {
 }
 
 impl Default for HostRingOptions {
-    /// The default slots, with the timeout from `NODETOUR_TIMEOUT_MS` (its default where unset;
-    /// a malformed value is logged and the default used: `Config::from_env` reports it as an
-    /// error where the caller reads the configuration itself).
+    /// The default slots, timeout and spin (the declared defaults; no environment read).
     fn default() -> Self {
-        let config = nodetour_core::Config::from_env().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "ignoring the NODETOUR_* settings for the ring's defaults");
-            nodetour_core::Config::default()
-        });
-        Self::from_config(&config)
+        Self::from_config(&nodetour_core::Config::default())
     }
 }
 

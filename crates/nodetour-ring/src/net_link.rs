@@ -35,7 +35,7 @@
 //! notices, which is how the neighbours learn of the abort), and ends typed, never hanging, when
 //! a peer goes: its failure is read by the ring's wait ([`NetLink::failure`]).
 //!
-//! Waiting: the thread spins for [`NetOptions::spin`] (`NODETOUR_SPIN_US`) after its last
+//! Waiting: the thread spins for [`NetOptions::spin`] (`NODETOUR_NET_SPIN_US`) after its last
 //! progress, busy or idle; then, while chunks are in flight, it waits on the connection a chunk
 //! (or else a credit) is expected from, at most a nap (growing up to [`NAP_MAX`]) so that what
 //! the streams store is seen too; with nothing in flight it blocks until a collective is queued
@@ -199,29 +199,23 @@ pub trait Lander: Send {
 /// How the thread waits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NetOptions {
-    /// Spin this long after the last progress before napping (`NODETOUR_SPIN_US`).
+    /// Spin this long after the last progress before napping (`NODETOUR_NET_SPIN_US`).
     pub spin: Duration,
 }
 
 impl Default for NetOptions {
+    /// The declared defaults; no environment read.
     fn default() -> Self {
-        NetOptions {
-            spin: Duration::from_micros(20),
-        }
+        Self::from_config(&nodetour_core::Config::default())
     }
 }
 
 impl NetOptions {
-    /// The defaults, with `NODETOUR_SPIN_US` where set.
-    pub fn from_env() -> NetOptions {
-        let mut o = NetOptions::default();
-        if let Some(us) = std::env::var("NODETOUR_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-        {
-            o.spin = Duration::from_micros(us.min(1_000_000));
+    /// The job's settings (`NODETOUR_NET_SPIN_US`).
+    pub fn from_config(config: &nodetour_core::Config) -> NetOptions {
+        NetOptions {
+            spin: config.net_spin,
         }
-        o
     }
 }
 

@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::{self, GpuStream, enable_peer_access};
+use nodetour_core::knobs::Env;
 use nodetour_core::memory::{DeviceBuffer, HostBuffer};
 use nodetour_core::probe::{
     self, AcsState, Distance, Facts, GpuFacts, NicFacts, PciLevel, Problem, Verdict,
@@ -56,15 +57,12 @@ impl Report {
 }
 
 fn gdr_level() -> Result<PciLevel> {
-    match std::env::var("NODETOUR_GDR_LEVEL") {
-        Ok(v) if !v.trim().is_empty() => PciLevel::parse(&v),
-        _ => Ok(PciLevel::Pxb),
-    }
+    PciLevel::parse(Env::process().choice("NODETOUR_GDR_LEVEL")?)
 }
 
 fn topology() -> Result<Vec<(String, String, PciLevel)>> {
-    match std::env::var("NODETOUR_TOPOLOGY_FILE") {
-        Ok(path) if !path.is_empty() => {
+    match Env::process().get("NODETOUR_TOPOLOGY_FILE") {
+        Some(path) => {
             let text = std::fs::read_to_string(&path).map_err(|source| Error::InvalidConfig {
                 name: "NODETOUR_TOPOLOGY_FILE",
                 value: path.clone(),
@@ -159,7 +157,7 @@ pub fn examine(config: &Config, live: bool) -> Result<Report> {
         system: probe::read_system(root),
         memlock: probe::system::memlock_limit(),
         ipc_lock: probe::system::has_ipc_lock(),
-        job_token: std::env::var_os("NODETOUR_JOB_TOKEN").is_some_and(|t| !t.is_empty()),
+        job_token: Env::process().get("NODETOUR_JOB_TOKEN").is_some(),
         peermem: registration::peermem_state(root),
         verbs: verbs_state,
         acs: acs(gpu_list.as_deref().unwrap_or(&[]), &nic_list),

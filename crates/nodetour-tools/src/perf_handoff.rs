@@ -8,7 +8,7 @@
 //! releases the slot (the credit goes back). **Local** (the reference, same run): the same two
 //! copies with stream B waiting for a word stream A stores directly, no thread and no wire. The
 //! time is GPU time from an event before A's copy to an event after B's, per chunk, median of
-//! the iterations; `added` is network minus local. `NODETOUR_SPIN_US` sets how long the link
+//! the iterations; `added` is network minus local. `NODETOUR_NET_SPIN_US` sets how long the link
 //! threads spin before they nap.
 
 use std::sync::Arc;
@@ -86,7 +86,7 @@ pub fn handoff(
         reason: format!("opening GPU {ordinal}: {e:?}"),
     })?;
     let largest = sizes.iter().copied().max().unwrap_or(8).max(8);
-    let spin = NetOptions::from_env().spin;
+    let spin = NetOptions::from_config(&nodetour_core::Config::from_env()?).spin;
     let (a, b) = (End::new(&context, largest)?, End::new(&context, largest)?);
     let token = JobToken::new(nodetour_core::random::bytes::<16>().to_vec());
     let (ca, cb) = loopback_pair(&token)?;

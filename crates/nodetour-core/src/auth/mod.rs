@@ -52,7 +52,8 @@ impl JobToken {
     /// (`nodetour_net::bootstrap::job_token`): a launcher's job identity, else an error.
     pub fn from_env() -> Self {
         JobToken::new(
-            std::env::var("NODETOUR_JOB_TOKEN")
+            crate::knobs::Env::process()
+                .get("NODETOUR_JOB_TOKEN")
                 .map(String::into_bytes)
                 .unwrap_or_default(),
         )

@@ -30,12 +30,13 @@ pub struct KernelCache {
 /// Where the cache lives by default: `$NODETOUR_CACHE_DIR`, else `$XDG_CACHE_HOME` or
 /// `~/.cache`, then `nodetour/kernels`. `None` when no such place is set (or it is set empty).
 pub fn default_dir() -> Option<PathBuf> {
-    if let Ok(d) = std::env::var("NODETOUR_CACHE_DIR") {
-        return (!d.is_empty()).then(|| PathBuf::from(d));
+    let env = crate::knobs::Env::process();
+    if env.is_set("NODETOUR_CACHE_DIR") {
+        return env.get("NODETOUR_CACHE_DIR").map(PathBuf::from);
     }
-    std::env::var_os("XDG_CACHE_HOME")
+    env.foreign("XDG_CACHE_HOME")
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .or_else(|| env.foreign("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .map(|c| c.join("nodetour").join("kernels"))
 }
 

@@ -226,12 +226,9 @@ pub fn choose(facts: &PairFacts, forced: Option<TransportKind>) -> TransportChoi
     TransportChoice { kind, reason }
 }
 
-/// Parses `NODETOUR_TRANSPORT` (`auto` or unset: choose per pair).
-pub fn forced_from_env() -> Result<Option<TransportKind>> {
-    match std::env::var("NODETOUR_TRANSPORT") {
-        Err(_) => Ok(None),
-        Ok(v) => forced_from_value(&v),
-    }
+/// `NODETOUR_TRANSPORT` of `env` (`auto` or unset: choose per pair).
+pub fn forced(env: &crate::knobs::Env<'_>) -> Result<Option<TransportKind>> {
+    forced_from_value(env.choice("NODETOUR_TRANSPORT")?)
 }
 
 /// Parses a value of `NODETOUR_TRANSPORT` (`auto` or empty: none forced).

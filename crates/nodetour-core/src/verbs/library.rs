@@ -119,7 +119,8 @@ pub struct OptionalEntryPoints {
 }
 
 fn load() -> std::result::Result<VerbsLibrary, String> {
-    load_named(&std::env::var(LIBIBVERBS_ENV).unwrap_or_else(|_| LIBIBVERBS_SONAME.to_owned()))
+    let name = crate::knobs::Env::process().get(LIBIBVERBS_ENV);
+    load_named(name.as_deref().unwrap_or(LIBIBVERBS_SONAME))
 }
 
 /// Loads libibverbs from `name` (a path or a SONAME), uncached.

@@ -48,7 +48,9 @@ impl HostIdentity {
     pub fn current() -> HostIdentity {
         Self::with_override(
             Self::read(Path::new("/")),
-            std::env::var("NODETOUR_HOST_ID").ok().as_deref(),
+            nodetour_core::knobs::Env::process()
+                .get("NODETOUR_HOST_ID")
+                .as_deref(),
         )
     }
 

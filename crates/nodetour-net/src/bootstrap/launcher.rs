@@ -82,7 +82,8 @@ pub struct LaunchInfo {
 impl LaunchInfo {
     /// Reads the process environment.
     pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        let env = nodetour_core::knobs::Env::process();
+        Self::from_lookup(|k| env.any(k))
     }
 
     /// Reads through `lookup`. Precedence: `NODETOUR_RANK`/`NODETOUR_WORLD_SIZE`, torchrun,

@@ -81,8 +81,8 @@ impl UniqueId {
                 source,
             })?
             .port();
-        let host = match std::env::var("NODETOUR_MASTER_ADDR") {
-            Ok(h) if !h.trim().is_empty() => h.trim().to_owned(),
+        let host = match nodetour_core::knobs::Env::process().get("NODETOUR_MASTER_ADDR") {
+            Some(h) => h,
             // A UDP "connect" to a public address picks the default route's interface; no
             // packet is sent.
             _ => host::local_ip_towards("192.0.2.1", 9).to_string(),
@@ -137,17 +137,16 @@ impl UniqueId {
 /// cross; anyone who knows the name can join; a warning here, and `paths()` says so); else an
 /// error that says how to set a token.
 pub fn job_token(info: &LaunchInfo) -> Result<JobToken> {
-    job_token_from(info.job_id.as_deref(), &|k| std::env::var(k).ok())
+    let env = nodetour_core::knobs::Env::process();
+    job_token_from(info.job_id.as_deref(), &|k| env.any(k))
 }
 
 /// [`job_token`] for tools that take their rank from arguments, not a launcher (the two-node
 /// examples): the job is named only by `NODETOUR_JOB_ID`.
 pub fn explicit_job_token() -> Result<JobToken> {
-    let job = std::env::var("NODETOUR_JOB_ID")
-        .ok()
-        .filter(|v| !v.trim().is_empty())
-        .map(|v| format!("nodetour:{}", v.trim()));
-    job_token_from(job.as_deref(), &|k| std::env::var(k).ok())
+    let env = nodetour_core::knobs::Env::process();
+    let job = env.get("NODETOUR_JOB_ID").map(|v| format!("nodetour:{v}"));
+    job_token_from(job.as_deref(), &|k| env.any(k))
 }
 
 /// [`job_token`] for a job named `job_id` (if at all), reading through `lookup`.

@@ -148,7 +148,7 @@ pub struct GpuRingOptions {
     pub shm_read_max: usize,
     /// Direct path: received chunks that are only copied (the all-gather's steps) of at most
     /// this many bytes are copied out of the slot by one kernel that then credits the slot,
-    /// larger ones by the copy engine and a credit kernel (`NODETOUR_COPY_KERNEL_MAX`; 0:
+    /// larger ones by the copy engine and a credit kernel (`NODETOUR_SLOT_COPY_KERNEL_MAX`; 0:
     /// always the copy engine). A rank's own choice: ranks need not agree.
     pub copy_kernel_max: usize,
 }

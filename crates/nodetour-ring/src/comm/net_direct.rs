@@ -23,7 +23,7 @@ use nodetour_core::registration::{self, GdrMode, Probe, Registration, Rung};
 use nodetour_core::transport::read_flush::ReadFlush;
 use nodetour_core::transport::{SlotRegion, TransportKind};
 use nodetour_core::verbs::{Access, LocalSide, MemoryRegion};
-use nodetour_core::visibility::{self, Flush, FlushMethod, FlushOverride};
+use nodetour_core::visibility::{self, Flush, FlushMethod};
 
 use super::gpu_links::NetLanding;
 use crate::error::{Error, Result};
@@ -82,11 +82,14 @@ pub(crate) struct Ladder {
 }
 
 impl Ladder {
-    /// Probes `context`'s GPU and `local`'s RDMA device; reads `NODETOUR_GDR` and
-    /// `NODETOUR_GDR_FLUSH` (a malformed value is an error).
-    pub fn gather(context: &Arc<cudarc::driver::CudaContext>, local: &LocalSide) -> Result<Ladder> {
-        let mode = GdrMode::from_env()?;
-        let over = FlushOverride::from_env()?;
+    /// Probes `context`'s GPU and `local`'s RDMA device, under the job's `NODETOUR_GDR` and
+    /// `NODETOUR_GDR_FLUSH`.
+    pub fn gather(
+        context: &Arc<cudarc::driver::CudaContext>,
+        local: &LocalSide,
+        config: &nodetour_core::Config,
+    ) -> Result<Ladder> {
+        let (mode, over) = (config.gdr, config.gdr_flush);
         let info = nodetour_core::cuda::gpus()
             .map_err(|e| e.to_string())
             .and_then(|g| {

@@ -37,7 +37,6 @@ use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, desc_c
 use crate::net_link::{
     Lander, MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage, receive_depth,
 };
-use nodetour_core::registration::GdrMode;
 use nodetour_core::visibility;
 
 const MODE_IPC: u32 = 1;
@@ -166,8 +165,10 @@ pub(crate) fn form(
     // mailbox per network neighbour (one for both in a ring of two). The slots are GPU memory
     // where the ladder registers it for a verbs link (the direct path), else host memory.
     let mut choice = Vec::new();
-    let mode = GdrMode::from_env()?;
-    let ladder = verbs.map(|l| Ladder::gather(context, l)).transpose()?;
+    let mode = job_config.gdr;
+    let ladder = verbs
+        .map(|l| Ladder::gather(context, l, job_config))
+        .transpose()?;
     let direct = |side: &str,
                   allowed: std::result::Result<(), String>,
                   access: Access|
@@ -531,7 +532,7 @@ pub(crate) fn form(
         out_prev: word(&prev_page),
         desc_cells: cells,
         stop_word: flag::STOPPED,
-        options: NetOptions::from_env(),
+        options: NetOptions::from_config(job_config),
         lander,
     })?;
     let page = |f: &Arc<Flags>| -> Arc<dyn FlagPage> { f.clone() };

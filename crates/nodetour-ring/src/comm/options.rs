@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use nodetour_core::Config;
-use nodetour_core::transport::{TransportKind, forced_from_value};
+use nodetour_core::knobs::Env;
+use nodetour_core::transport::{TransportKind, forced};
 
 use crate::error::{Error, Result};
 
@@ -42,7 +43,7 @@ pub struct Options {
     /// other GPU. `None`: host buffers only (no CUDA at all).
     pub gpu: Option<usize>,
     /// GPUs of one process ([`super::Communicator::from_devices`]): the largest all-gather
-    /// segment copied by a kernel rather than the copy engine (`NODETOUR_KERNEL_COPY_MAX`;
+    /// segment copied by a kernel rather than the copy engine (`NODETOUR_GATHER_KERNEL_MAX`;
     /// default [`super::KERNEL_COPY_MAX`]; 0: always the copy engine).
     pub kernel_copy_max: usize,
     /// GPUs of one process: the largest two-GPU allreduce run in one step
@@ -67,9 +68,11 @@ pub struct Options {
 /// collectives. Formation compares them across every rank and fails on every rank, naming the
 /// setting and both values ([`Error::SettingDiffers`]). Every other setting is a rank's own
 /// choice (local): the timeout and spin, `NODETOUR_RING_BLOCKS`, `NODETOUR_SHM_READ_MAX` and
-/// `NODETOUR_COPY_KERNEL_MAX` (how a receiver consumes its own slot), `NODETOUR_NET_LANDING`
-/// (where a receiver's slots live: each link agrees on it in its setup), and the GPUs of one
-/// process' `NODETOUR_KERNEL_COPY_MAX` and `NODETOUR_ONE_STEP_MAX` (one process: one value).
+/// `NODETOUR_SLOT_COPY_KERNEL_MAX` (how a receiver consumes its own slot),
+/// `NODETOUR_NET_LANDING` (where a receiver's slots live: each link agrees on it in its setup),
+/// and the GPUs of one process' `NODETOUR_GATHER_KERNEL_MAX` and `NODETOUR_ONE_STEP_MAX` (one
+/// process: one value). The knob table's agreement column ([`nodetour_core::knobs`]) and this
+/// list are checked against each other by a test.
 pub const MUST_AGREE: [&str; 14] = [
     "NODETOUR_SLOT_BYTES",
     "NODETOUR_SLOTS",
@@ -108,22 +111,9 @@ pub(crate) fn check_agreement(
 pub const DEFAULT_HOST_GATHER_MAX: usize = 32 << 10;
 
 impl Default for Options {
-    /// The defaults, with no environment read.
+    /// The declared defaults ([`nodetour_core::knobs::KNOBS`]); no environment read.
     fn default() -> Self {
-        Options {
-            config: Config::default(),
-            transport: None,
-            devices: Vec::new(),
-            slot_bytes: DEFAULT_SLOT_BYTES,
-            slots: DEFAULT_SLOTS,
-            piece_bytes: DEFAULT_PIECE_BYTES,
-            gpu: None,
-            kernel_copy_max: crate::gpu::KERNEL_COPY_MAX,
-            one_step_max: crate::gpu::ONE_STEP_MAX,
-            gpu_ring: super::gpu_links::GpuRingOptions::default(),
-            two_rank_exchange: true,
-            host_gather_max: DEFAULT_HOST_GATHER_MAX,
-        }
+        Self::from_knobs(&Env::empty()).expect("the declared defaults parse")
     }
 }
 
@@ -131,115 +121,44 @@ impl Options {
     /// Reads the `NODETOUR_*` settings of the process environment; a malformed value is an
     /// error naming it.
     pub fn from_env() -> Result<Options> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        Self::from_knobs(&Env::process())
     }
 
     /// Reads the settings through `lookup` (a variable name to its value).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Options> {
-        let config = Config::from_lookup(&lookup).map_err(|e| Error::InvalidArgument {
-            reason: e.to_string(),
-        })?;
-        let get = |k: &str| {
-            lookup(k)
-                .map(|v| v.trim().to_owned())
-                .filter(|v| !v.is_empty())
-        };
-        let transport = match get("NODETOUR_TRANSPORT") {
-            None => None,
-            Some(v) => forced_from_value(&v)?,
-        };
-        let devices = get("NODETOUR_IB_DEVICES")
-            .map(|v| {
-                v.split(',')
-                    .map(|d| d.trim().to_owned())
-                    .filter(|d| !d.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default();
-        let number = |k: &'static str, default: usize, min: usize, max: usize| -> Result<usize> {
-            let Some(v) = get(k) else { return Ok(default) };
-            match v.parse::<usize>() {
-                Ok(n) if (min..=max).contains(&n) => Ok(n),
-                _ => Err(Error::InvalidArgument {
-                    reason: format!("{k}={v}: expected a whole number from {min} to {max}"),
-                }),
-            }
-        };
+        Self::from_knobs(&Env::from_lookup(lookup))
+    }
+
+    /// Reads the settings from `env` (each declared in [`nodetour_core::knobs`]: range,
+    /// default, meaning).
+    pub fn from_knobs(env: &Env<'_>) -> Result<Options> {
+        use super::gpu_links::{GpuRingOptions, NetLanding, OneKernelMode};
+        let config = Config::from_knobs(env)?;
+        let size = |k: &str| env.count(k).map(|n| n as usize);
+        let word = |k: &str| env.choice(k);
         Ok(Options {
             config,
-            transport,
-            devices,
-            slot_bytes: number("NODETOUR_SLOT_BYTES", DEFAULT_SLOT_BYTES, 64, 1 << 30)?,
-            slots: number("NODETOUR_SLOTS", DEFAULT_SLOTS as usize, 1, 256)? as u32,
-            piece_bytes: number("NODETOUR_PIECE_BYTES", DEFAULT_PIECE_BYTES, 4096, 1 << 40)?,
+            transport: forced(env)?,
+            devices: env.list("NODETOUR_IB_DEVICES"),
+            slot_bytes: size("NODETOUR_SLOT_BYTES")?,
+            slots: size("NODETOUR_SLOTS")? as u32,
+            piece_bytes: size("NODETOUR_PIECE_BYTES")?,
             gpu: None,
-            kernel_copy_max: number(
-                "NODETOUR_KERNEL_COPY_MAX",
-                crate::gpu::KERNEL_COPY_MAX,
-                0,
-                usize::MAX,
-            )?,
-            one_step_max: number(
-                "NODETOUR_ONE_STEP_MAX",
-                crate::gpu::ONE_STEP_MAX,
-                0,
-                usize::MAX,
-            )?,
-            host_gather_max: number(
-                "NODETOUR_HOST_GATHER_MAX",
-                DEFAULT_HOST_GATHER_MAX,
-                0,
-                1 << 30,
-            )?,
-            gpu_ring: super::gpu_links::GpuRingOptions {
-                net_landing: match get("NODETOUR_NET_LANDING") {
-                    None => super::gpu_links::NetLanding::Auto,
-                    Some(v) => super::gpu_links::NetLanding::parse(&v).ok_or_else(|| {
-                        Error::InvalidArgument {
-                            reason: format!("NODETOUR_NET_LANDING={v}: expected auto, host or gpu"),
-                        }
-                    })?,
-                },
-                one_kernel: match get("NODETOUR_ONE_KERNEL") {
-                    None => super::gpu_links::OneKernelMode::Auto,
-                    Some(v) => super::gpu_links::OneKernelMode::parse(&v).ok_or_else(|| {
-                        Error::InvalidArgument {
-                            reason: format!("NODETOUR_ONE_KERNEL={v}: expected auto, off or force"),
-                        }
-                    })?,
-                },
-                one_kernel_max: number(
-                    "NODETOUR_ONE_KERNEL_MAX",
-                    super::gpu_links::ONE_KERNEL_MAX,
-                    1,
-                    crate::gpu_ring::SLOT_MEMORY_MAX / 2,
-                )?,
-                max_blocks: number("NODETOUR_RING_BLOCKS", 0, 0, 1 << 16)? as u32,
-                ipc_pipeline: number(
-                    "NODETOUR_IPC_PIPELINE",
-                    super::gpu_links::IPC_PIPELINE as usize,
-                    1,
-                    super::gpu_links::PIPELINE_MAX as usize,
-                )? as u32,
-                shm_read_max: number(
-                    "NODETOUR_SHM_READ_MAX",
-                    super::gpu_links::SHM_READ_MAX,
-                    0,
-                    1 << 30,
-                )?,
-                copy_kernel_max: number(
-                    "NODETOUR_COPY_KERNEL_MAX",
-                    super::gpu_links::COPY_KERNEL_MAX,
-                    0,
-                    1 << 30,
-                )?,
-                shm_pipeline: number(
-                    "NODETOUR_SHM_PIPELINE",
-                    super::gpu_links::SHM_PIPELINE as usize,
-                    1,
-                    super::gpu_links::PIPELINE_MAX as usize,
-                )? as u32,
-                ..super::gpu_links::GpuRingOptions::default()
+            kernel_copy_max: size("NODETOUR_GATHER_KERNEL_MAX")?,
+            one_step_max: size("NODETOUR_ONE_STEP_MAX")?,
+            host_gather_max: size("NODETOUR_HOST_GATHER_MAX")?,
+            gpu_ring: GpuRingOptions {
+                net_landing: NetLanding::parse(word("NODETOUR_NET_LANDING")?)
+                    .expect("declared words"),
+                one_kernel: OneKernelMode::parse(word("NODETOUR_ONE_KERNEL")?)
+                    .expect("declared words"),
+                one_kernel_max: size("NODETOUR_ONE_KERNEL_MAX")?,
+                max_blocks: size("NODETOUR_RING_BLOCKS")? as u32,
+                ipc_pipeline: size("NODETOUR_IPC_PIPELINE")? as u32,
+                shm_read_max: size("NODETOUR_SHM_READ_MAX")?,
+                copy_kernel_max: size("NODETOUR_SLOT_COPY_KERNEL_MAX")?,
+                shm_pipeline: size("NODETOUR_SHM_PIPELINE")? as u32,
+                ..GpuRingOptions::default()
             },
             two_rank_exchange: true,
         })
@@ -337,5 +256,48 @@ mod tests {
             let e = Options::from_lookup(lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");
         }
+    }
+
+    #[test]
+    fn the_agreement_column_of_the_knob_table_is_the_agreement_check() {
+        use nodetour_core::knobs::{Agreement, KNOBS};
+        let declared: Vec<&str> = KNOBS
+            .iter()
+            .filter(|k| k.agreement == Agreement::MustAgree)
+            .map(|k| k.name)
+            .collect();
+        let checked: Vec<&str> = MUST_AGREE
+            .iter()
+            .copied()
+            .filter(|n| n.starts_with("NODETOUR_"))
+            .collect();
+        assert_eq!(declared, checked);
+    }
+
+    #[test]
+    fn the_constants_are_the_declared_defaults() {
+        use super::super::gpu_links::GpuRingOptions;
+        let o = Options::default();
+        assert_eq!(o.gpu_ring, GpuRingOptions::default());
+        assert_eq!((o.slot_bytes, o.slots), (DEFAULT_SLOT_BYTES, DEFAULT_SLOTS));
+        assert_eq!(o.piece_bytes, DEFAULT_PIECE_BYTES);
+        assert_eq!(o.host_gather_max, DEFAULT_HOST_GATHER_MAX);
+        assert_eq!(o.kernel_copy_max, crate::gpu::KERNEL_COPY_MAX);
+        assert_eq!(o.one_step_max, crate::gpu::ONE_STEP_MAX);
+        assert_eq!(
+            nodetour_core::knobs::knob_named("NODETOUR_ONE_KERNEL_MAX").kind,
+            nodetour_core::knobs::Kind::Count {
+                min: 1,
+                max: (crate::gpu_ring::SLOT_MEMORY_MAX / 2) as u64
+            }
+        );
+        let pipeline = nodetour_core::knobs::knob_named("NODETOUR_IPC_PIPELINE").kind;
+        assert_eq!(
+            pipeline,
+            nodetour_core::knobs::Kind::Count {
+                min: 1,
+                max: u64::from(super::super::gpu_links::PIPELINE_MAX)
+            }
+        );
     }
 }

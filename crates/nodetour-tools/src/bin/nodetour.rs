@@ -139,7 +139,7 @@ struct GpuArgs {
     gpus: Vec<usize>,
     /// The network link's hand-off alone, on GPU 0 in this process: one chunk from a stream
     /// through the link's threads and tcp loopback to another stream, beside the same copies
-    /// handed over by a stored word (`NODETOUR_SPIN_US` sets the threads' spin).
+    /// handed over by a stored word (`NODETOUR_NET_SPIN_US` sets the threads' spin).
     #[arg(long, conflicts_with_all = ["gpu", "gpus"])]
     handoff: bool,
     /// With --gpu: direct (cuda-ipc), staged (shm), both side by side, or auto.
@@ -398,9 +398,9 @@ fn devices(config: &Config) -> Result<(), Error> {
 }
 
 fn gpus(config: &Config) -> Result<(), Error> {
-    use nodetour_core::registration::{self, GdrMode, Probe};
+    use nodetour_core::registration::{self, Probe};
     let version = nodetour_core::cuda::availability()?;
-    let mode = GdrMode::from_env()?;
+    let mode = config.gdr;
     println!("CUDA driver: {}.{}", version / 1000, (version % 1000) / 10);
     let mut contexts = Vec::new();
     for gpu in nodetour_core::cuda::gpus()? {
@@ -524,7 +524,7 @@ fn perf_gpus(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
 fn perf_handoff(sweep: &SweepArgs) -> anyhow::Result<bool> {
     use nodetour_tools::perf::{human_size, parse_sizes};
     let sizes = parse_sizes(&sweep.sizes, sweep.factor)?;
-    let spin = nodetour::ring::net_link::NetOptions::from_env().spin;
+    let spin = nodetour::Config::from_env()?.net_spin;
     let rows = nodetour_tools::perf_handoff::handoff(0, &sizes, sweep.iters.max(1))?;
     println!(
         "# nodetour perf --handoff: one chunk, stream -> link thread -> tcp loopback -> link \

@@ -1,0 +1,144 @@
+//! The knob table is the one reader of the environment: no `Default` reads it, every declared
+//! variable is documented in the README's table, and the library's sources read the
+//! environment nowhere else.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use nodetour_core::knobs::{Env, KNOBS};
+use nodetour_ring::comm::Options;
+use nodetour_ring::net_link::NetOptions;
+
+fn defaults() -> String {
+    format!(
+        "{:?} | {:?} | {:?}",
+        Options::default(),
+        nodetour_core::Config::default(),
+        NetOptions::default()
+    )
+}
+
+/// Prints the defaults, and whether the environment (read on purpose) is malformed: run again
+/// by `no_default_reads_the_environment` as a child with every variable poisoned.
+#[test]
+fn print_defaults_under_a_poisoned_environment() {
+    println!("DEFAULTS {}", defaults());
+    println!("FROM_ENV_FAILS {}", Options::from_env().is_err());
+}
+
+#[test]
+fn no_default_reads_the_environment() {
+    let mut child = Command::new(std::env::current_exe().unwrap());
+    child.args([
+        "--exact",
+        "print_defaults_under_a_poisoned_environment",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ]);
+    for k in KNOBS {
+        child.env(k.name, "poison!");
+        if let Some(old) = k.old_name {
+            child.env(old, "poison!");
+        }
+    }
+    let out = child.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = |tag: &str| {
+        text.lines()
+            .find_map(|l| l.split_once(tag).map(|(_, rest)| rest))
+            .unwrap_or_else(|| panic!("no {tag} in {text}"))
+            .to_owned()
+    };
+    assert_eq!(
+        line("FROM_ENV_FAILS "),
+        "true",
+        "the child did not see the poison"
+    );
+    assert_eq!(line("DEFAULTS "), defaults());
+}
+
+#[test]
+fn every_declared_variable_is_in_the_readme_table_and_every_row_is_declared() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let rows: Vec<&str> = readme
+        .lines()
+        .filter(|l| l.starts_with("| `NODETOUR_"))
+        .collect();
+    for k in KNOBS {
+        assert!(
+            rows.iter().any(|r| r.contains(&format!("`{}`", k.name))),
+            "{} is declared but not in the README's table",
+            k.name
+        );
+    }
+    for row in rows {
+        let first = row.split('|').nth(1).unwrap();
+        for name in first.split('`').filter(|w| w.starts_with("NODETOUR_")) {
+            assert!(
+                KNOBS
+                    .iter()
+                    .any(|k| k.name == name || k.old_name == Some(name)),
+                "README row {name} is not declared"
+            );
+        }
+    }
+    // The declared default of each variable with one is what Env yields where it is unset.
+    let env = Env::empty();
+    for k in KNOBS.iter().filter(|k| !k.default.is_empty()) {
+        if let nodetour_core::knobs::Kind::Count { .. } = k.kind {
+            assert_eq!(
+                env.count(k.name).unwrap().to_string(),
+                k.default,
+                "{}",
+                k.name
+            );
+        }
+    }
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn the_library_reads_the_environment_only_through_the_knob_table() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    for c in ["nodetour-core", "nodetour-net", "nodetour-ring"] {
+        rust_files(&crates.join(c).join("src"), &mut files);
+    }
+    let mut found = Vec::new();
+    for f in files {
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        if name == "knobs.rs" || name.ends_with("_tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        // Unit tests (at the end of a file) may set up what they read.
+        let code = text.split("#[cfg(test)]").next().unwrap();
+        for (i, line) in code.lines().enumerate() {
+            if line.contains("env::var") && !line.trim_start().starts_with("//") {
+                found.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "environment read outside the knob table:\n{}",
+        found.join("\n")
+    );
+}
