@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use nodetour_core::transport::SlotRegion;
 
 use crate::error::{Error, Result};
-use crate::gpu_ring::flag;
+use crate::flag;
 use crate::net_link::{CELL, NetLink, WordPage};
 use crate::plan::{Plan, Shape};
 use crate::reduce::{DataType, ReduceOp, finish_avg, reduce_into};

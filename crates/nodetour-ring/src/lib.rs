@@ -26,6 +26,7 @@ mod cpu_streams;
 pub mod descriptor;
 pub mod element;
 pub mod error;
+pub(crate) mod flag;
 #[doc(hidden)]
 pub mod fuzzing;
 pub(crate) mod gpu;

@@ -50,11 +50,11 @@ use std::time::{Duration, Instant};
 use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion};
 
 use crate::error::{Error, Result};
-use crate::gpu_ring::flag;
+use crate::flag;
 
 /// The words of a flag page the link reads and writes (the GPU ring's layout).
 pub mod words {
-    pub use crate::gpu_ring::flag::{
+    pub use crate::flag::{
         DESC_BASE, ENDED_BY_NEXT, ENDED_BY_PREV, READY, RELEASED, STOPPED, WORDS,
     };
 }

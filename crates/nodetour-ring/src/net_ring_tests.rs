@@ -17,7 +17,7 @@ use nodetour_core::verbs::{
 use crate::comm::net_direct::Reveal;
 use crate::cpu_streams::{CpuLander, CpuRank, HostPage};
 use crate::error::Error;
-use crate::gpu_ring::flag;
+use crate::flag;
 use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions};
 use crate::plan::{Plan, Shape};
 use crate::reduce::ReduceOp;

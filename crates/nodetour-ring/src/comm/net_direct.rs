@@ -27,7 +27,7 @@ use nodetour_core::visibility::{self, Flush, FlushMethod};
 
 use super::gpu_links::NetLanding;
 use crate::error::{Error, Result};
-use crate::gpu_ring::flag;
+use crate::flag;
 use crate::net_link::{Lander, WordPage};
 
 /// Whether the send side of a network link may try the ladder for GPU send slots, or why not.

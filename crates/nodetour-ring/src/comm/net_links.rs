@@ -33,7 +33,8 @@ use nodetour_core::verbs::{
 use super::gpu_links::{FormedGpuRing, GpuPaths, GpuRingOptions, NetLanding, Seat};
 use super::net_direct::{self, DirectSlots, Ladder};
 use crate::error::{Error, Result};
-use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, desc_cells, flag};
+use crate::flag;
+use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, desc_cells};
 use crate::net_link::{
     Lander, MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions, WordPage, receive_depth,
 };
