@@ -1,0 +1,334 @@
+//! Collectives on host memory: synchronous, through the bounded staging region in pieces;
+//! `Ok` only with the answer in the output, the same bits on every rank.
+
+use super::*;
+
+/// Element ranges of at most `per` elements covering `0..count` (none for an empty buffer).
+pub(super) fn pieces(count: usize, per: usize) -> impl Iterator<Item = Range<usize>> {
+    let per = per.max(1);
+    (0..count.div_ceil(per)).map(move |i| i * per..((i + 1) * per).min(count))
+}
+
+/// Runs an all-gather piece staged by the caller and scatters the result: block `q` of the
+/// ring's buffer (position `q`) goes to rank `order[q]`'s block of `out`, elements `r`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gather_out<T: Element>(
+    comm: &Communicator,
+    ring: &mut HostRing<'_>,
+    what: &Descriptor,
+    l: Layout,
+    out: &mut [T],
+    n: usize,
+    r: Range<usize>,
+    alive: &Alive<'_>,
+) -> Result<()> {
+    let staged = Staged {
+        shape: Shape::AllGather,
+        count: (r.len() * comm.world as usize) as u64,
+        dtype: T::DATA_TYPE,
+        op: ReduceOp::Sum,
+    };
+    let mut outputs: Vec<(usize, &mut [u8])> = out
+        .chunks_mut(n)
+        .enumerate()
+        .map(|(rank, block)| {
+            (
+                l.at(comm.position_of(rank as u32)),
+                bytes_mut(&mut block[r.clone()]),
+            )
+        })
+        .collect();
+    ring.collective(staged, what, &mut outputs, alive)
+}
+
+impl Communicator {
+    /// Sums (or another `op`) `send` over every rank into `recv` on every rank. `send` and
+    /// `recv` have the same length on this rank and on every other.
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        same_len(send.len(), recv.len(), "send", "recv")?;
+        self.all_reduce_bytes(Some(bytes(send)), bytes_mut(recv), T::DATA_TYPE, op)
+    }
+
+    /// [`Self::all_reduce`] with `data` as both input and output.
+    pub fn all_reduce_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_bytes(None, bytes_mut(data), T::DATA_TYPE, op)
+    }
+
+    /// [`Self::all_reduce_in_place`] for runtimes that carry the element type at run time:
+    /// `data` holds whole elements of `dtype` (native byte order).
+    pub fn all_reduce_in_place_bytes(
+        &self,
+        data: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        if data.len() % dtype.size() != 0 {
+            return Err(Error::InvalidArgument {
+                reason: format!("{} bytes are not whole {dtype:?} elements", data.len()),
+            });
+        }
+        self.all_reduce_bytes(None, data, dtype, op)
+    }
+
+    /// The allreduce of `send` (or, without it, of `out` itself) into `out`.
+    pub(super) fn all_reduce_bytes(
+        &self,
+        send: Option<&[u8]>,
+        out: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let n = out.len() / es;
+        let gather_max = {
+            let state = self.usable()?;
+            state.job.as_ref().map_or(0, HostJob::host_gather_max)
+        };
+        if self.world > 1 && n > 0 && out.len() <= gather_max {
+            return self.all_reduce_gathered(send, out, dtype, op);
+        }
+        let what = Descriptor {
+            dtype,
+            ..self.descriptor::<u8>(Collective::AllReduce, n, op, None)
+        };
+        self.run_pieces(&what, n, 1, |ring, r, d, alive| {
+            let b = r.start * es..r.end * es;
+            let staged = Staged {
+                shape: Shape::AllReduce,
+                count: r.len() as u64,
+                dtype,
+                op,
+            };
+            // Reductions read the input where it is; the output is written once it finished.
+            ring.all_reduce_from(staged, d, &send.unwrap_or(&*out)[b.clone()], alive)?;
+            ring.read_out(staged, &mut [(0, &mut out[b])])
+        })
+    }
+
+    /// A small allreduce: every rank's whole input goes to every rank (an all-gather around the
+    /// ring: `world − 1` hops of the buffer, where the ring takes `2 (world − 1)` hops of a
+    /// block), and each rank reduces the `world` inputs itself, in ring order from position 0:
+    /// the same operations in the same order on every rank, so every rank's result is bitwise
+    /// the same. The algorithm is in the descriptor the ranks agree on.
+    pub(super) fn all_reduce_gathered(
+        &self,
+        send: Option<&[u8]>,
+        out: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let n = out.len() / es;
+        let world = self.world as usize;
+        let what = Descriptor {
+            dtype,
+            algorithm: Algorithm::HostGather,
+            ..self.descriptor::<u8>(Collective::AllReduce, n, op, None)
+        };
+        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
+            let b = r.start * es..r.end * es;
+            let len = b.len();
+            // Segment p of the gathered buffer is position p's input.
+            ring.stage_in(ring.rank as usize * len, &send.unwrap_or(&*out)[b.clone()])?;
+            let staged = Staged {
+                shape: Shape::AllGather,
+                count: (r.len() * world) as u64,
+                dtype,
+                op,
+            };
+            let mut all = vec![0u8; len * world];
+            ring.collective(staged, d, &mut [(0, &mut all[..])], alive)?;
+            let result = &mut out[b];
+            result.copy_from_slice(&all[..len]);
+            for input in all[len..].chunks_exact(len) {
+                crate::reduce::reduce_into(dtype, op, result, input)?;
+            }
+            if op == ReduceOp::Avg {
+                crate::reduce::finish_avg(dtype, result, self.world);
+            }
+            Ok(())
+        })
+    }
+
+    /// Reduces `send` (`world` blocks of `recv.len()` elements) over every rank, leaving
+    /// block `rank` of the result in `recv`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.blocks(send.len(), recv.len(), "send", "recv")?;
+        self.reduce_scatter_into(Some(send), recv, recv.len(), 0, op)
+    }
+
+    /// [`Self::reduce_scatter`] in one buffer of `world` blocks: block `rank` ends with this
+    /// rank's result (the other blocks keep their input).
+    pub fn reduce_scatter_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        let n = self.block_of(data.len())?;
+        let at = self.rank as usize * n;
+        self.reduce_scatter_into(None, data, n, at, op)
+    }
+
+    /// The reduce-scatter of `send` (or, without it, of `out` itself: `world` blocks of `n`)
+    /// into the `n` elements of `out` at `out_at`.
+    pub(super) fn reduce_scatter_into<T: Element>(
+        &self,
+        send: Option<&[T]>,
+        out: &mut [T],
+        n: usize,
+        out_at: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let what = self.descriptor::<T>(Collective::ReduceScatter, n, op, None);
+        let me = self.position();
+        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
+            let l = Layout {
+                es: T::DATA_TYPE.size(),
+                len: r.len(),
+            };
+            let input = send.unwrap_or(&*out);
+            for rank in 0..self.world {
+                let block = rank as usize * n;
+                let src = &input[block + r.start..block + r.end];
+                ring.stage_in(l.at(self.position_of(rank)), bytes(src))?;
+            }
+            let staged = Staged {
+                shape: Shape::ReduceScatter,
+                count: (r.len() * self.world as usize) as u64,
+                dtype: T::DATA_TYPE,
+                op,
+            };
+            let dst = &mut out[out_at + r.start..out_at + r.end];
+            ring.collective(staged, d, &mut [(l.at(me), bytes_mut(dst))], alive)
+        })
+    }
+
+    /// Gathers every rank's `send` into `recv` (`world` blocks of `send.len()` elements, block
+    /// `r` from rank `r`) on every rank.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.blocks(recv.len(), send.len(), "recv", "send")?;
+        self.all_gather_into(Some(send), recv, send.len())
+    }
+
+    /// [`Self::all_gather`] in one buffer of `world` blocks, this rank's input in block `rank`.
+    pub fn all_gather_in_place<T: Element>(&self, data: &mut [T]) -> Result<()> {
+        let n = self.block_of(data.len())?;
+        self.all_gather_into(None, data, n)
+    }
+
+    /// The all-gather of `send` (or, without it, of block `rank` of `out`; blocks of `n`) into
+    /// `out`.
+    pub(super) fn all_gather_into<T: Element>(
+        &self,
+        send: Option<&[T]>,
+        out: &mut [T],
+        n: usize,
+    ) -> Result<()> {
+        let what = self.descriptor::<T>(Collective::AllGather, n, ReduceOp::Sum, None);
+        let me = self.position();
+        let mine = if send.is_some() {
+            0
+        } else {
+            self.rank as usize * n
+        };
+        self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
+            let l = Layout {
+                es: T::DATA_TYPE.size(),
+                len: r.len(),
+            };
+            let input = send.unwrap_or(&*out);
+            ring.stage_in(l.at(me), bytes(&input[mine + r.start..mine + r.end]))?;
+            gather_out(self, ring, d, l, out, n, r, alive)
+        })
+    }
+
+    /// Copies `send` of rank `root` into `recv` on every rank. `send` is read on the root only
+    /// (it must have `recv`'s length there; elsewhere pass an empty slice).
+    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: u32) -> Result<()> {
+        self.check_root(root)?;
+        if self.rank == root {
+            same_len(send.len(), recv.len(), "send", "recv")?;
+        }
+        self.broadcast_into(Some(send), recv, root)
+    }
+
+    /// [`Self::broadcast`] of rank `root`'s `data` into `data` on every rank.
+    pub fn broadcast_in_place<T: Element>(&self, data: &mut [T], root: u32) -> Result<()> {
+        self.check_root(root)?;
+        self.broadcast_into(None, data, root)
+    }
+
+    /// The broadcast of the root's `send` (or, without it, of its `out`) into `out`.
+    pub(super) fn broadcast_into<T: Element>(
+        &self,
+        send: Option<&[T]>,
+        out: &mut [T],
+        root: u32,
+    ) -> Result<()> {
+        let n = out.len();
+        let what = self.descriptor::<T>(Collective::Broadcast, n, ReduceOp::Sum, Some(root));
+        let is_root = self.rank == root;
+        self.run_pieces(&what, n, 1, |ring, r, d, alive| {
+            if is_root {
+                ring.stage_in(0, bytes(&send.unwrap_or(&*out)[r.clone()]))?;
+            }
+            let staged = Staged {
+                shape: Shape::Broadcast {
+                    root: self.position_of(root),
+                },
+                count: r.len() as u64,
+                dtype: T::DATA_TYPE,
+                op: ReduceOp::Sum,
+            };
+            // In place, the root's buffer already holds the answer.
+            let mut outputs = if is_root && send.is_none() {
+                vec![]
+            } else {
+                vec![(0, bytes_mut(&mut out[r]))]
+            };
+            ring.collective(staged, d, &mut outputs, alive)
+        })
+    }
+
+    /// Runs `what` (per-rank count `n`) in pieces: each piece covers elements `r` of every
+    /// rank's block (`blocks` blocks share the staging region) and is one ring collective with
+    /// its own sequence number; `body` stages its input, runs it and fills its output. Any
+    /// failure breaks the communicator (ranks were talking); the output then holds the results
+    /// of the pieces that finished and the rest as it was.
+    pub(super) fn run_pieces(
+        &self,
+        what: &Descriptor,
+        n: usize,
+        blocks: u32,
+        mut body: impl FnMut(&mut HostRing<'_>, Range<usize>, &Descriptor, &Alive<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let mut state = self.usable()?;
+        let job = state.job.as_mut().expect("usable");
+        let es = what.dtype.size();
+        let per = job.piece_bytes() / es / blocks as usize;
+        if per == 0 {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "a staging region of {} bytes holds no piece of {blocks} blocks of {:?}: raise NODETOUR_PIECE_BYTES",
+                    job.piece_bytes(),
+                    what.dtype
+                ),
+            });
+        }
+        let aborted = self.aborted.clone();
+        let mut result = Ok(());
+        for r in pieces(n, per) {
+            result = job.run(&aborted, |ring, seq, alive| {
+                body(ring, r, &Descriptor { seq, ..*what }, alive)
+            });
+            if result.is_err() {
+                break;
+            }
+        }
+        if let Err(e) = &result {
+            state.failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+}

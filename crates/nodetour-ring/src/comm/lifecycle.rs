@@ -1,0 +1,275 @@
+//! A communicator's life: forming it (from a launcher, a unique id, or the GPUs of one
+//! process), waiting for its queued work, and closing it (the teardown handshake).
+
+use super::*;
+
+/// Waits (polling, to `deadline`) until `stream` has run everything queued on it so far.
+pub(super) fn stream_done(stream: &GpuStream, deadline: Deadline) -> Result<()> {
+    let started = std::time::Instant::now();
+    let done = nodetour_core::cuda::GpuEvent::marker(stream.context()).map_err(gpu_error)?;
+    stream.record_marker(&done).map_err(gpu_error)?;
+    while !done.is_complete().map_err(gpu_error)? {
+        if deadline.expired() {
+            return Err(Error::Timeout {
+                waiting_for: "the caller's stream".into(),
+                rank: None,
+                after: started.elapsed(),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    Ok(())
+}
+
+/// Ends a job's GPU ring with the teardown handshake: this rank's streams drained and its
+/// mappings of its neighbours' memory closed, then a barrier (or the liveness mesh reporting a
+/// rank gone, which counts as closed) says every rank has done the same, and only then is the
+/// memory this rank exported freed; past `deadline` it is leaked, never freed under a
+/// neighbour's mapping. Without a GPU ring, the barrier alone (every rank is done with every
+/// collective before links close) when `orderly`.
+pub(super) fn teardown(job: &mut HostJob, deadline: Deadline, orderly: bool) -> Result<()> {
+    let Some(ring) = job.gpu_ring.as_mut() else {
+        if orderly && job.world > 1 {
+            return job.job.barrier(deadline).map_err(Error::from);
+        }
+        return Ok(());
+    };
+    let result = gpu_links::teardown(&mut [ring], &job.job, deadline);
+    job.gpu_ring = None;
+    result
+}
+
+impl Drop for Communicator {
+    /// Leaves at once: a collective still queued on a GPU stream is aborted (its neighbours are
+    /// told), and the GPU ring's exported memory waits for the teardown handshake (to
+    /// 10 s, then leaked). Ranks still in a collective with
+    /// this one fail naming it. [`Communicator::close`] is the orderly way.
+    fn drop(&mut self) {
+        let job = self.state.get_mut().ok().and_then(|s| s.job.take());
+        if let Some(mut job) = job {
+            let deadline = Deadline::after(crate::gpu_ring::TEARDOWN_DEADLINE);
+            if let Err(e) = teardown(&mut job, deadline, false) {
+                tracing::warn!(error = %e, "dropping the communicator");
+            }
+        }
+    }
+}
+
+impl Communicator {
+    /// Forms the communicator of this process's job from the launcher's environment: rank,
+    /// world size and rank 0's address from `NODETOUR_RANK`/`NODETOUR_WORLD_SIZE`/
+    /// `NODETOUR_MASTER_ADDR`, torchrun, Open MPI or Slurm; the job token from
+    /// `NODETOUR_JOB_TOKEN`. Without a token the job is unauthenticated, keyed by the
+    /// launcher's job id (Slurm, Open MPI, torchrun's run id, `NODETOUR_JOB_ID`): a warning,
+    /// and [`Self::paths`] says so; with neither, forming fails with an error that says how
+    /// to set a token.
+    pub fn from_env(options: Options) -> Result<Communicator> {
+        let info = LaunchInfo::from_env()?;
+        Self::form(
+            Launch {
+                rank: info.rank,
+                world: info.world_size,
+                rendezvous: info.rendezvous_addr(),
+                token: nodetour_net::bootstrap::job_token(&info)?,
+            },
+            options,
+        )
+    }
+
+    /// Forms the communicator of rank `rank` of `world` from an id that rank 0's process made
+    /// with [`UniqueId::create`] (which binds rank 0's listener at once) and passed to every
+    /// rank through the runtime's own store ([`UniqueId::encode`] / [`UniqueId::decode`]). The
+    /// id carries the job token: publish it only where no one outside the job can read it.
+    pub fn from_unique_id(
+        id: &UniqueId,
+        rank: u32,
+        world: u32,
+        options: Options,
+    ) -> Result<Communicator> {
+        Self::form(
+            Launch {
+                rank,
+                world,
+                rendezvous: id.address.clone(),
+                token: id.job_token(),
+            },
+            options,
+        )
+    }
+
+    pub(super) fn form(launch: Launch, options: Options) -> Result<Communicator> {
+        if launch.world == 0 || launch.rank >= launch.world {
+            return Err(Error::InvalidArgument {
+                reason: format!("rank {} of {}", launch.rank, launch.world),
+            });
+        }
+        let pin = match options.gpu {
+            Some(ordinal) => Some(
+                {
+                    // CUDA is loaded at run time: its absence is a typed error, not a crash.
+                    nodetour_core::cuda::availability()?;
+                    cudarc::driver::CudaContext::new(ordinal)
+                }
+                .map_err(|e| Error::Gpu {
+                    reason: format!("GPU {ordinal}: {e:?}"),
+                })?,
+            ),
+            None => None,
+        };
+        let job = HostJob::form(launch, &options, pin.as_ref())?;
+        Ok(Communicator {
+            rank: job.rank,
+            world: job.world,
+            paths: job.paths.clone(),
+            gpu_abort: job.gpu_ring.as_ref().map(|r| r.abort_handle()),
+            aborted: Arc::new(Mutex::new(None)),
+            state: Mutex::new(State {
+                job: Some(job),
+                failed: None,
+            }),
+            member: None,
+            scratch: Mutex::default(),
+            timeout: options.config.timeout,
+        })
+    }
+
+    /// Forms one communicator per entry of `contexts` (GPUs of this process, in ring order; a
+    /// GPU may appear more than once), as NCCL's `ncclCommInitAll`: communicator `i` is rank
+    /// `i` and runs device collectives on `contexts[i]`'s memory. Each GPU reads its ring
+    /// neighbour's memory directly (peer access between neighbours on distinct GPUs is enabled
+    /// here; a pair without it is [`Error::Unsupported`]); nothing is staged through the host
+    /// and no slot memory is held.
+    ///
+    /// Drive them with one thread per GPU (each calls its communicator's `*_device`
+    /// collective; every call returns once the collective is queued on every GPU's stream) or
+    /// from one thread through a [`Group`] (as `ncclGroupStart`/`ncclGroupEnd`). Host-memory
+    /// collectives are for communicators of processes; here they are
+    /// [`Error::Unsupported`]. `options.config.timeout` bounds how long a call waits for the
+    /// other GPUs' calls.
+    pub fn from_devices(
+        contexts: &[Arc<CudaContext>],
+        options: Options,
+    ) -> Result<Vec<Communicator>> {
+        let set = DeviceSet::new(contexts, &options)?;
+        let n = contexts.len() as u32;
+        let reason = set.path();
+        Ok((0..n)
+            .map(|seat| Communicator {
+                rank: seat,
+                world: n,
+                paths: Paths {
+                    rank: seat,
+                    world: n,
+                    order: (0..n).collect(),
+                    links: Vec::new(),
+                    security: "one process: no network".into(),
+                    device: DevicePath::InProcess {
+                        reason: reason.clone(),
+                    },
+                },
+                aborted: Arc::new(Mutex::new(None)),
+                gpu_abort: None,
+                state: Mutex::new(State {
+                    job: None,
+                    failed: None,
+                }),
+                member: Some(SetMember::new(
+                    set.clone(),
+                    seat as usize,
+                    options.config.timeout,
+                )),
+                scratch: Mutex::default(),
+                timeout: options.config.timeout,
+            })
+            .collect())
+    }
+
+    /// Waits until every collective issued so far has finished on this rank (device
+    /// collectives run on their streams after the calls returned), to `deadline`, and returns
+    /// the first failure if there was one; a failure breaks the communicator. Host collectives
+    /// finish before they return. Replays of CUDA graphs are not calls: after launching one,
+    /// use [`Self::wait_stream`].
+    pub fn wait(&self, deadline: Deadline) -> Result<()> {
+        self.wait_on(None, deadline)
+    }
+
+    /// [`Self::wait`], and first until `stream` has run everything queued on it so far: the
+    /// replays of CUDA graphs that captured this communicator's collectives included, which
+    /// the communicator does not see launched. Their outcome is what the GPU recorded (a wait
+    /// inside the graph that timed out, a one-kernel collective that failed) and every
+    /// neighbour's failure, which fails every replay not yet confirmed by a wait. Waiting on
+    /// the stream in any other way (`cuStreamSynchronize`, an event) runs the replays but
+    /// reports nothing: their results are trustworthy only after this returns `Ok`.
+    pub fn wait_stream(&self, stream: &GpuStream, deadline: Deadline) -> Result<()> {
+        self.wait_on(Some(stream), deadline)
+    }
+
+    /// [`Self::wait`], after `stream` where one is given ([`Self::wait_stream`]).
+    pub(super) fn wait_on(&self, stream: Option<&GpuStream>, deadline: Deadline) -> Result<()> {
+        // Without a GPU ring of processes the stream is waited for here (a GPU ring waits for
+        // it while it watches its neighbours).
+        let ringless = |deadline: Deadline| stream.map_or(Ok(()), |s| stream_done(s, deadline));
+        if let Some(m) = &self.member {
+            ringless(deadline)?;
+            return m.set.wait(deadline.remaining());
+        }
+        let mut state = self.lock()?;
+        if let Some(first) = &state.failed {
+            return Err(Error::Broken {
+                first: Box::new(first.clone()),
+            });
+        }
+        let State { job, failed } = &mut *state;
+        let Some(job) = job.as_mut().filter(|j| j.gpu_ring.is_some()) else {
+            drop(state);
+            return ringless(deadline);
+        };
+        let bootstrap = &job.job;
+        let ring = job.gpu_ring.as_mut().expect("checked above");
+        // The GPU ring names ranks by ring position; its errors name job ranks.
+        let alive = || {
+            bootstrap.check_present().map_err(|e| match e {
+                nodetour_core::Error::RankLost { rank, reason } => nodetour_core::Error::RankLost {
+                    rank: self.position_of(rank),
+                    reason,
+                },
+                e => e,
+            })
+        };
+        let result = match stream {
+            Some(s) => ring.wait_stream(s, deadline.remaining(), &alive),
+            None => ring.wait_alive(deadline.remaining(), &alive),
+        }
+        .map_err(|e| self.job_ranks(e));
+        if let Err(e) = &result {
+            failed.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+
+    /// Closes the communicator: finishes the device collectives in flight (to `deadline`),
+    /// waits until every rank has finished its collectives (a barrier over the bootstrap), then
+    /// tears down links and memory; memory a neighbour maps (the GPU ring's slots) is freed only
+    /// after every neighbour said it unmapped it, and leaked past the deadline rather than
+    /// freed under a mapping. A broken communicator tears down at once and returns its failure.
+    pub fn close(self, deadline: Deadline) -> Result<()> {
+        let finished = self.wait(deadline);
+        let mut state = self.lock()?;
+        let job = state.job.take();
+        let failed = state.failed.clone();
+        drop(state);
+        let Some(mut job) = job else {
+            return finished;
+        };
+        let teardown = teardown(&mut job, deadline, failed.is_none());
+        // Then the links, the regions, the device and the bootstrap (its drop stops the
+        // liveness watcher, with a deadline), in the job's field order.
+        drop(job);
+        match failed {
+            Some(first) => Err(Error::Broken {
+                first: Box::new(first),
+            }),
+            None => finished.and(teardown),
+        }
+    }
+}
