@@ -58,6 +58,8 @@ clippy_core() { cargo clippy -p nodetour-core --all-targets --color never 2>&1 |
 check "nodetour-core: clippy with #![deny(clippy::undocumented_unsafe_blocks)]" clippy_core
 docs_build() { RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --color never 2>&1 | tail -n 3; return "${PIPESTATUS[0]}"; }
 check "cargo doc --workspace without warnings" docs_build
+code_shape() { scripts/code-shape.sh --check | tail -n 4; return "${PIPESTATUS[0]}"; }
+check "no source file over 1,000 lines (scripts/code-shape.sh)" code_shape
 
 step "valgrind: the host tier's unit tests and fuzz corpora, no invalid read or write"
 valgrind_host() { # nodetour-core and nodetour-ring unit tests, corpus replays (raw-pointer code)

@@ -1,0 +1,269 @@
+
+typedef unsigned long long u64;
+struct h16 { unsigned short x; };
+struct b16 { unsigned short x; };
+__device__ __forceinline__ float wide(h16 v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x)); return f; }
+__device__ __forceinline__ h16 narrow_h(float f) { h16 v; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v.x) : "f"(f)); return v; }
+__device__ __forceinline__ float wide(b16 v) { return __uint_as_float(((unsigned)v.x) << 16); }
+__device__ __forceinline__ b16 narrow_b(float f) {
+    unsigned u = __float_as_uint(f); b16 v;
+    if ((u & 0x7fffffffu) > 0x7f800000u) { v.x = (unsigned short)((u >> 16) | 0x40); return v; }
+    u += 0x7fffu + ((u >> 16) & 1u); v.x = (unsigned short)(u >> 16); return v;
+}
+struct Sum { template<class T> __device__ static T f(T a, T b) { return a + b; } };
+struct Prod { template<class T> __device__ static T f(T a, T b) { return a * b; } };
+struct Min { template<class T> __device__ static T f(T a, T b) { return b < a ? b : a; } };
+struct Max { template<class T> __device__ static T f(T a, T b) { return b > a ? b : a; } };
+// Integers wrap: compute in the unsigned type of the same width.
+template<class Op> __device__ int combine(int a, int b) { return (int)Op::f((unsigned)a, (unsigned)b); }
+template<> __device__ int combine<Min>(int a, int b) { return Min::f(a, b); }
+template<> __device__ int combine<Max>(int a, int b) { return Max::f(a, b); }
+template<class Op> __device__ long long combine(long long a, long long b) { return (long long)Op::f((u64)a, (u64)b); }
+template<> __device__ long long combine<Min>(long long a, long long b) { return Min::f(a, b); }
+template<> __device__ long long combine<Max>(long long a, long long b) { return Max::f(a, b); }
+template<class Op> __device__ unsigned char combine(unsigned char a, unsigned char b) { return (unsigned char)Op::f((unsigned)a, (unsigned)b); }
+template<class Op> __device__ float combine(float a, float b) { return Op::f(a, b); }
+template<class Op> __device__ double combine(double a, double b) { return Op::f(a, b); }
+template<class Op> __device__ h16 combine(h16 a, h16 b) { return narrow_h(Op::f(wide(a), wide(b))); }
+template<class Op> __device__ b16 combine(b16 a, b16 b) { return narrow_b(Op::f(wide(a), wide(b))); }
+struct alignas(16) v16 { u64 a, b; };
+template<class T> union Lanes { v16 v; T t[16 / sizeof(T)]; };
+// The grid's threads over `n` elements: 16 bytes per thread and step (`lanes(v)`: the v-th
+// 16 bytes, `16 / sizeof(T)` elements) where `wide` (every pointer 16-byte aligned), then the
+// tail one element at a time (`one(i)`).
+template<class T, class W, class O> __device__ __forceinline__ void over_lanes(u64 n, bool wide, W lanes, O one) {
+    const unsigned per = 16 / sizeof(T);
+    u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
+    if (wide) {
+        for (u64 v = i0; v < n / per; v += stride) lanes(v);
+        done = n / per * per;
+    }
+    for (u64 i = done + i0; i < n; i += stride) one(i);
+}
+__device__ __forceinline__ bool aligned16(const void* a, const void* b) { return (((u64)a | (u64)b) & 15) == 0; }
+template<class T, class Op> __device__ void reduce(T* __restrict__ d, const T* __restrict__ s, u64 n) {
+    over_lanes<T>(n, aligned16(d, s), [=](u64 v) {
+        Lanes<T> a, b;
+        a.v = ((const v16*)d)[v];
+        b.v = ((const v16*)s)[v];
+#pragma unroll
+        for (unsigned k = 0; k < 16 / sizeof(T); k++) a.t[k] = combine<Op>(a.t[k], b.t[k]);
+        ((v16*)d)[v] = a.v;
+    }, [=](u64 i) { d[i] = combine<Op>(d[i], s[i]); });
+}
+__device__ float divide(float x, unsigned n) { return x / (float)n; }
+__device__ double divide(double x, unsigned n) { return x / (double)n; }
+__device__ h16 divide(h16 x, unsigned n) { return narrow_h(wide(x) / (float)n); }
+__device__ b16 divide(b16 x, unsigned n) { return narrow_b(wide(x) / (float)n); }
+__device__ int divide(int x, unsigned n) { return x / (int)n; }
+__device__ long long divide(long long x, unsigned n) { return x / (long long)n; }
+__device__ unsigned char divide(unsigned char x, unsigned n) { return (unsigned char)((unsigned)x / n); }
+template<class T> __device__ void average(T* d, u64 n, unsigned ranks) {
+    over_lanes<T>(n, aligned16(d, d), [=](u64 v) {
+        Lanes<T> x;
+        x.v = ((const v16*)d)[v];
+#pragma unroll
+        for (unsigned k = 0; k < 16 / sizeof(T); k++) x.t[k] = divide(x.t[k], ranks);
+        ((v16*)d)[v] = x.v;
+    }, [=](u64 i) { d[i] = divide(d[i], ranks); });
+}
+// Two ranks in one step: combine both, write the result to both (each rank does one half).
+// `b` is often on the peer GPU: wide loads keep more bytes in flight over the link.
+template<class T, class Op> __device__ T both_one(T x, T y, unsigned avg) {
+    T r = combine<Op>(x, y);
+    return avg ? divide(r, avg) : r;
+}
+template<class T, class Op> __device__ void both(T* __restrict__ a, T* __restrict__ b, u64 n, unsigned avg) {
+    over_lanes<T>(n, aligned16(a, b), [=](u64 v) {
+        Lanes<T> x, y;
+        x.v = ((const v16*)a)[v];
+        y.v = ((const v16*)b)[v];
+#pragma unroll
+        for (unsigned k = 0; k < 16 / sizeof(T); k++) x.t[k] = both_one<T, Op>(x.t[k], y.t[k], avg);
+        ((v16*)a)[v] = x.v;
+        ((v16*)b)[v] = x.v;
+    }, [=](u64 i) {
+        const T r = both_one<T, Op>(a[i], b[i], avg);
+        a[i] = r; b[i] = r;
+    });
+}
+// A test pattern: element i of a buffer whose first element is element `first` of the pattern
+// holds ((first + i) * 7 + seed) mod 13, exact in every type.
+template<class T> __device__ T small(unsigned v) { return (T)v; }
+template<> __device__ h16 small<h16>(unsigned v) { return narrow_h((float)v); }
+template<> __device__ b16 small<b16>(unsigned v) { return narrow_b((float)v); }
+template<class T> __device__ void pattern(T* d, u64 n, u64 first, unsigned seed) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        d[i] = small<T>((unsigned)(((first + i) * 7 + seed) % 13));
+}
+#define KERNELS(T, N) \
+extern "C" __global__ void nt_pattern_##N(T* d, u64 n, u64 first, unsigned seed) { pattern<T>(d, n, first, seed); } \
+extern "C" __global__ void nt_both_##N##_sum(T* a, T* b, u64 n, unsigned avg) { both<T, Sum>(a, b, n, avg); } \
+extern "C" __global__ void nt_both_##N##_prod(T* a, T* b, u64 n, unsigned avg) { both<T, Prod>(a, b, n, avg); } \
+extern "C" __global__ void nt_both_##N##_min(T* a, T* b, u64 n, unsigned avg) { both<T, Min>(a, b, n, avg); } \
+extern "C" __global__ void nt_both_##N##_max(T* a, T* b, u64 n, unsigned avg) { both<T, Max>(a, b, n, avg); } \
+extern "C" __global__ void nt_reduce_##N##_sum(T* d, const T* s, u64 n) { reduce<T, Sum>(d, s, n); } \
+extern "C" __global__ void nt_reduce_##N##_prod(T* d, const T* s, u64 n) { reduce<T, Prod>(d, s, n); } \
+extern "C" __global__ void nt_reduce_##N##_min(T* d, const T* s, u64 n) { reduce<T, Min>(d, s, n); } \
+extern "C" __global__ void nt_reduce_##N##_max(T* d, const T* s, u64 n) { reduce<T, Max>(d, s, n); } \
+extern "C" __global__ void nt_average_##N(T* d, u64 n, unsigned ranks) { average<T>(d, n, ranks); }
+KERNELS(float, f32)
+KERNELS(double, f64)
+KERNELS(h16, f16)
+KERNELS(b16, bf16)
+KERNELS(int, i32)
+KERNELS(long long, i64)
+KERNELS(unsigned char, u8)
+extern "C" __global__ void nt_copy(unsigned char* d, const unsigned char* s, u64 n) {
+    u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
+    if ((((u64)d | (u64)s) & 15) == 0) {
+        done = n / 16 * 16;
+        for (u64 i = i0; i < n / 16; i += stride) ((v16*)d)[i] = ((const v16*)s)[i];
+    }
+    for (u64 i = done + i0; i < n; i += stride) d[i] = s[i];
+}
+// Guarded hand-offs (the GPU ring). `stop` is a word of this rank's host flag page that its host
+// sets to 1, once, when it aborts, and that nothing ever clears (a guarded wait that gives up at
+// its deadline sets it to 2: the host reads why). Each stream runs a one-thread nt_wait before
+// the work of a hand-off: it waits for its flags or for the stop, and writes the stream's
+// `latch` (a word of this GPU's memory): 1 if the flags were reached (the peer's credit, the
+// peer's data: genuine), 0 if the stop ended the wait. The kernels after it on the stream write
+// a peer's memory and store a peer's flags only if the latch is 1. So once the stop is set every
+// wait ends, whatever a peer stores later, and nothing is written into a peer's memory without
+// that peer's credit. Only one-thread kernels wait: a kernel of many blocks that spun could hold
+// every SM while the kernel that it waits for (another rank's, on a shared GPU) needs one.
+//
+// Flag operands (NtFlag) are fixed (a word and a value), or relative to the stream's counters
+// (`base`: two 64-bit words of this GPU's memory that only this stream's kernels use, advanced
+// by nt_advance at the stream's end of each collective): so work captured into a CUDA graph is
+// the next collective at every replay, like work queued again.
+//  - counted (cells == 0): value + the chunk counter rounded up to `align` (every collective
+//    starts at slot 0 of an aligned link, so fixed slot addresses stay right);
+//  - a descriptor cell (cells > 0): word `addr + stride * (collectives mod cells)`, value with
+//    the collective counter's low 16 bits in its high half.
+__device__ __forceinline__ void nt_pause() {
+#if __CUDA_ARCH__ >= 700
+    __nanosleep(200);
+#endif
+}
+__device__ __forceinline__ u64 nt_now() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+struct NtFlag { u64 addr, base; unsigned value, align, cells, stride; };
+__device__ __forceinline__ volatile unsigned* nt_flag(const NtFlag& f, unsigned* v) {
+    u64 a = f.addr;
+    unsigned x = f.value;
+    if (a && f.base) {
+        const volatile u64* c = (const volatile u64*)f.base;
+        if (f.cells) {
+            const u64 n = c[1];
+            a += (u64)f.stride * (n % f.cells);
+            x |= ((unsigned)n & 0xffffu) << 16;
+        } else {
+            const u64 al = f.align ? f.align : 1;
+            x += (unsigned)((c[0] + al - 1) / al * al);
+        }
+    }
+    *v = x;
+    return (volatile unsigned*)a;
+}
+// One thread: until word 1 reaches its value (cyclically: (int)(w - v) >= 0, or == when `eq1`)
+// and then word 2 reaches its (either may be absent), or `*stop` is set, or `timeout_ns` passed
+// (then it sets `*stop` to 2 itself: every later wait of this rank ends at once, and the host
+// reports the timeout); `*latch` := whether the words were reached (with neither, whether the
+// stop is clear). The stop is read before the words: no wait succeeds once it is set, so an
+// aborted rank never passes on data it did not finish.
+__device__ bool nt_wait_word(volatile unsigned* w, unsigned v, bool eq, volatile unsigned* stop, u64 t0, u64 timeout_ns) {
+    for (unsigned i = 0;; i++) {
+        if ((i & 63) == 0) {
+            if (*stop) return false;
+            if (i && nt_now() - t0 > timeout_ns) { *stop = 2; __threadfence_system(); return false; }
+        }
+        const unsigned x = *w;
+        if (eq ? x == v : (int)(x - v) >= 0) return true;
+        if (i > 256) nt_pause();
+    }
+}
+extern "C" __global__ void nt_wait(NtFlag f1, unsigned eq1, NtFlag f2, volatile unsigned* stop,
+                                   volatile unsigned* latch, u64 timeout_ns) {
+    unsigned v1, v2;
+    volatile unsigned* w1 = nt_flag(f1, &v1);
+    volatile unsigned* w2 = nt_flag(f2, &v2);
+    const u64 t0 = nt_now();
+    unsigned ok = *stop == 0;
+    if (ok && w1) ok = nt_wait_word(w1, v1, eq1 != 0, stop, t0, timeout_ns);
+    if (ok && w2) ok = nt_wait_word(w2, v2, false, stop, t0, timeout_ns);
+    __threadfence_system();
+    *latch = ok;
+    __threadfence();
+}
+// `*a = va` (resolved), then `*b = vb` (if given), after system-wide fences.
+__device__ __forceinline__ void nt_store_flags(const NtFlag& fa, const NtFlag& fb) {
+    unsigned va, vb;
+    volatile unsigned* a = nt_flag(fa, &va);
+    volatile unsigned* b = nt_flag(fb, &vb);
+    if (a) {
+        *a = va;
+        if (b) { __threadfence_system(); *b = vb; }
+    }
+}
+// The end of a guarded kernel: once every block has finished, the last one stores flag `a` and
+// then `b` (if given) if the latch is 1, after system-wide fences (whoever sees a value sees
+// every byte written before). `done` is a zeroed word of this GPU's memory that only this
+// stream's kernels use (the last block puts it back to 0).
+__device__ void nt_finish(const volatile unsigned* latch, const NtFlag& a, const NtFlag& b, unsigned* done) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            __threadfence_system();
+            *done = 0;
+            if (*latch) nt_store_flags(a, b);
+        }
+    }
+}
+// A chunk sent (copied into the peer's slot) or received (copied out of this rank's slot, the
+// credit back to the sender being `a`), if the latch is 1, then nt_finish.
+extern "C" __global__ void nt_send(const volatile unsigned* latch, unsigned char* d, const unsigned char* s, u64 n,
+                                   NtFlag a, NtFlag b, unsigned* done) {
+    if (*latch) {
+        u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, k = 0;
+        if ((((u64)d | (u64)s) & 15) == 0) {
+            k = n / 16 * 16;
+            for (u64 i = i0; i < n / 16; i += stride) ((v16*)d)[i] = ((const v16*)s)[i];
+        }
+        for (u64 i = k + i0; i < n; i += stride) d[i] = s[i];
+    }
+    nt_finish(latch, a, b, done);
+}
+// A chunk received: reduced into this rank's buffer if the latch is 1, then nt_finish (the
+// credit back to the sender).
+template<class T, class Op> __device__ void reduce_then(T* d, const T* s, u64 n, const volatile unsigned* latch, const NtFlag& a, unsigned* done) {
+    if (*latch) reduce<T, Op>(d, s, n);
+    const NtFlag none = {0, 0, 0, 0, 0, 0};
+    nt_finish(latch, a, none, done);
+}
+#define THEN(T, N) \
+extern "C" __global__ void nt_reduce_then_##N##_sum(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Sum>(d, s, n, l, a, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_prod(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Prod>(d, s, n, l, a, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_min(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Min>(d, s, n, l, a, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_max(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Max>(d, s, n, l, a, dn); }
+THEN(float, f32)
+THEN(double, f64)
+THEN(h16, f16)
+THEN(b16, bf16)
+THEN(int, i32)
+THEN(long long, i64)
+THEN(unsigned char, u8)
+// One thread: flag `a`, then `b` (if given), if the latch is 1, after system-wide fences.
+extern "C" __global__ void nt_signal(const volatile unsigned* latch, NtFlag a, NtFlag b) {
+    __threadfence_system();
+    if (!*latch) return;
+    nt_store_flags(a, b);
+}
+// One thread, at a stream's end of a collective: the chunk counter rounded up to `align`, plus
+// the chunks the collective moved on this stream; the collective counter plus one.
+extern "C" __global__ void nt_advance(volatile u64* c, unsigned align, unsigned chunks) {
+    const u64 al = align ? align : 1;
+    c[0] = (c[0] + al - 1) / al * al + chunks;
+    c[1] = c[1] + 1;
+    __threadfence();
+}

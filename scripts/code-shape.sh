@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# code-shape.sh: the shape of the code: the largest source files and the longest functions.
+#   scripts/code-shape.sh            print the 15 largest files and the 25 longest functions
+#   scripts/code-shape.sh --check    also fail where a source file is over 1,000 lines
+# Sources: the crates' src/, the root src/ and examples/ (tests and benches are not counted).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python3 - "${1:-}" <<'EOF'
+import os, re, sys
+
+check = sys.argv[1] == "--check"
+roots = ["src", "examples"] + [os.path.join("crates", c, d) for c in sorted(os.listdir("crates"))
+                                for d in ("src", "examples")]
+files = []
+for root in roots:
+    for dirpath, _, names in os.walk(root):
+        files += [os.path.join(dirpath, n) for n in names if n.endswith(".rs")]
+
+sizes, funcs = [], []
+fn_start = re.compile(r"^(\s*)(?:pub(?:\([a-z:]+\))? )?(?:const )?(?:async )?(?:unsafe )?fn (\w+)")
+for f in files:
+    lines = open(f, encoding="utf-8").read().split("\n")
+    sizes.append((len(lines) - 1, f))
+    for i, line in enumerate(lines):
+        m = fn_start.match(line)
+        if not m or line.rstrip().endswith(";"):
+            continue
+        indent = m.group(1)
+        for j in range(i + 1, len(lines)):
+            if lines[j] == indent + "}":
+                funcs.append((j - i + 1, f"{f}:{i + 1}", m.group(2)))
+                break
+
+print("largest files (lines):")
+for n, f in sorted(sizes, reverse=True)[:15]:
+    print(f"  {n:6}  {f}")
+print("longest functions (lines):")
+for n, where, name in sorted(funcs, reverse=True)[:25]:
+    print(f"  {n:6}  {name}  {where}")
+over = [(n, f) for n, f in sizes if n > 1000]
+if check and over:
+    print("over 1,000 lines: " + ", ".join(f"{f} ({n})" for n, f in over))
+    sys.exit(1)
+EOF
