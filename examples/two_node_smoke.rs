@@ -27,13 +27,13 @@ use clap::Parser;
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::{self, GpuInfo};
 use nodetour_core::memory::{DeviceBuffer, HostBuffer, RdmaBuffer};
-use nodetour_core::oob::MessageKind;
 use nodetour_core::registration::{self, GdrMode, Probe, Registration};
 use nodetour_core::verbs::{
     Access, Completion, DmabufSupport, MemoryRegion, Near, QueuePairOptions,
 };
 use nodetour_core::{Config, Deadline, Error};
 use nodetour_tools::link::{LocalSide, PeerLink, Role};
+use nodetour_tools::oob::MessageKind;
 
 #[derive(Parser)]
 #[command(about = "Two-node RDMA WRITE smoke test")]

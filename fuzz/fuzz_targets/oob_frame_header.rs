@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nodetour_core::oob::{HEADER_LEN, MAX_PAYLOAD, decode_header, encode_frame};
+use nodetour_tools::oob::{HEADER_LEN, MAX_PAYLOAD, decode_header, encode_frame};
 
 fuzz_target!(|data: &[u8]| {
     let header = &data[..data.len().min(HEADER_LEN)];

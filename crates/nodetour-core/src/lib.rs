@@ -45,7 +45,6 @@ pub mod knobs;
 pub mod meeting;
 pub mod memory;
 pub mod net;
-pub mod oob;
 pub mod probe;
 pub mod random;
 pub mod registration;

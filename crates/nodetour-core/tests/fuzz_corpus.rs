@@ -5,7 +5,6 @@
 use std::fs;
 use std::path::PathBuf;
 
-use nodetour_core::oob::{HEADER_LEN, MAX_PAYLOAD, decode_header, encode_frame};
 use nodetour_core::verbs::EndpointDescription;
 
 fn corpus(target: &str) -> Vec<(String, Vec<u8>)> {
@@ -39,18 +38,6 @@ fn endpoint_decode_corpus() {
         }
     }
     assert!(accepted >= 1, "the corpus holds valid descriptions too");
-}
-
-#[test]
-fn oob_frame_header_corpus() {
-    for (name, data) in corpus("oob_frame_header") {
-        let header = &data[..data.len().min(HEADER_LEN)];
-        if let Ok((kind, len)) = decode_header(header) {
-            assert!(len <= MAX_PAYLOAD, "{name}");
-            let frame = encode_frame(kind, &vec![0; len as usize]).unwrap();
-            assert_eq!(&frame[..HEADER_LEN], header, "{name}");
-        }
-    }
 }
 
 #[test]

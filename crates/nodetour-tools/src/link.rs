@@ -10,9 +10,9 @@
 
 use std::sync::Arc;
 
+use crate::oob::{MessageKind, OobChannel, OobListener};
 use nodetour_core::auth::JobToken;
 use nodetour_core::memory::{HostBuffer, RdmaBuffer};
-use nodetour_core::oob::{MessageKind, OobChannel, OobListener};
 use nodetour_core::verbs::{
     Access, Endpoint, EndpointDescription, MemoryRegion, Near, PathOptions, QueuePair,
     QueuePairOptions, RemoteRegion,

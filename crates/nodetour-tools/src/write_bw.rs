@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::oob::MessageKind;
 use nodetour_core::auth::JobToken;
-use nodetour_core::oob::MessageKind;
 use nodetour_core::verbs::{Completion, QueuePairOptions};
 use nodetour_core::{Config, Deadline, Error, Result};
 

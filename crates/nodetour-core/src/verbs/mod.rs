@@ -4,7 +4,7 @@
 //! The order a user works in: list [`devices`] (or let [`Context::open_chosen`] pick one),
 //! open a [`Context`], allocate a [`ProtectionDomain`], register memory as a
 //! [`MemoryRegion`], create a [`QueuePair`], exchange [`EndpointDescription`]s with the peer
-//! (see [`crate::oob`]), [`QueuePair::connect`], then post writes and poll completions.
+//! (the tools' out-of-band channel, `nodetour_tools::oob`, is one way), [`QueuePair::connect`], then post writes and poll completions.
 //! Dropping tears down in the safe order on its own.
 
 pub mod async_event;

@@ -5,7 +5,7 @@
 //! at most [`MAX_PAYLOAD`] bytes of payload. Every connect, accept and read has a deadline; a
 //! peer that sends garbage, a truncated frame, or disconnects yields a typed error, never a hang
 //! or a panic. Both ends prove the job token before anything is exchanged (the handshake of
-//! [`crate::auth::handshake`]), and every frame after it carries a session tag (numbered: a
+//! [`nodetour_core::auth::handshake`]), and every frame after it carries a session tag (numbered: a
 //! frame forged, altered, replayed or dropped on the way fails).
 
 use std::io::{self, Read, Write};
@@ -13,10 +13,10 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use crate::auth::{Acceptor, JobToken, SessionKeys, TAG_LEN, handshake};
-use crate::deadline::Deadline;
-use crate::error::{Error, Result};
-use crate::verbs::EndpointDescription;
+use nodetour_core::Deadline;
+use nodetour_core::auth::{Acceptor, JobToken, SessionKeys, TAG_LEN, handshake};
+use nodetour_core::verbs::EndpointDescription;
+use nodetour_core::{Error, Result};
 
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"NDTR";
@@ -180,7 +180,7 @@ impl OobListener {
                 }
             }
             deadline.check(|| "a peer to connect to the out-of-band listener".into())?;
-            crate::net::wait_readable(
+            nodetour_core::net::wait_readable(
                 self.listener.as_raw_fd(),
                 deadline,
                 Duration::from_millis(200),
@@ -200,7 +200,7 @@ impl OobChannel {
     /// Connects to `addr` ("host:port"), retrying while the peer is not listening yet, and
     /// proves `token` both ways, until `deadline`.
     pub fn connect(addr: &str, token: &JobToken, deadline: Deadline) -> Result<Self> {
-        let mut stream = crate::net::connect_retrying(addr, deadline, &|| Ok(()))?;
+        let mut stream = nodetour_core::net::connect_retrying(addr, deadline, &|| Ok(()))?;
         let keys = handshake::dial(&mut stream, addr, 1, 2, token, Acceptor::ANY, deadline)?;
         Self::from_stream(stream, addr.to_owned(), keys)
     }
