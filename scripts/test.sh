@@ -129,6 +129,12 @@ check "nodetour builds under the oldest CUDA bindings it supports (11.7: tests/c
 check "nodetour builds under the newest CUDA bindings of its cudarc (13.4: tests/compat/cuda-range)" \
     compat tests/compat/cuda-range check CUDARC_CUDA_VERSION=13040
 package_workspace() { # every crate packs, and builds from its package alone
+    # cargo unpacks the packages it verifies under $CARGO_HOME/registry/src/<its temporary,
+    # nameless registry>/ and builds them in target/package, and reuses both where it finds
+    # them (a registry crate of one version never changes): a second run from the same checkout
+    # path would verify the first run's sources. Both go first (of the nameless registries only
+    # nodetour's own crates, never a real registry's).
+    rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/nodetour*-[0-9]* "$PWD/target/package"
     CARGO_TARGET_DIR="$PWD/target/package" cargo package --workspace --allow-dirty --color never 2>&1 |
         grep -E '^(error|warning: manifest)|Packaged|Verifying' | tail -n 12
     return "${PIPESTATUS[0]}"
