@@ -9,7 +9,7 @@ pub const READY: u32 = 0;
 pub const RELEASED: u32 = 1;
 /// The transport the previous rank chose for writing to this rank (written once at setup:
 /// 1 = cuda-ipc, 2 = shm).
-pub const MODE: u32 = 2;
+pub(crate) const MODE: u32 = 2;
 /// Host page only: the previous rank ended the ring from collective `value - 1` on
 /// (`0`: it did not), written by that rank's host.
 pub const ENDED_BY_PREV: u32 = 3;
@@ -25,7 +25,7 @@ pub const ENDED_BY_NEXT: u32 = 4;
 pub const DESC_BASE: u32 = 5;
 /// Descriptor cells: two halves (two rings over the same pages), each for at most 127
 /// slots + 2.
-pub const DESC_CELLS: u32 = 258;
+pub(crate) const DESC_CELLS: u32 = 258;
 /// Host page only: this rank's stop words (one per half, see
 /// `StreamLinks::desc_half`), set by this rank's host when it aborts and never
 /// cleared: every wait its streams queued ends, and no guarded write or signal starts
@@ -34,14 +34,14 @@ pub const STOPPED: u32 = DESC_BASE + DESC_CELLS;
 /// Host page only: the previous rank closed its mappings of this rank's memory (stored by
 /// its host at teardown, after its streams drained): this rank may free what it exported
 /// to it.
-pub const CLOSED_BY_PREV: u32 = STOPPED + 2;
+pub(crate) const CLOSED_BY_PREV: u32 = STOPPED + 2;
 /// Host page only: the same from the next rank.
-pub const CLOSED_BY_NEXT: u32 = STOPPED + 3;
+pub(crate) const CLOSED_BY_NEXT: u32 = STOPPED + 3;
 /// Host page only: why the previous rank ended the ring ([`crate::RootCause`]'s word:
 /// the rank at fault, in ring positions, and what happened there), stored before
 /// [`ENDED_BY_PREV`].
-pub const CAUSE_BY_PREV: u32 = STOPPED + 4;
+pub(crate) const CAUSE_BY_PREV: u32 = STOPPED + 4;
 /// Host page only: the same from the next rank.
-pub const CAUSE_BY_NEXT: u32 = STOPPED + 5;
+pub(crate) const CAUSE_BY_NEXT: u32 = STOPPED + 5;
 /// Words in the page.
 pub const WORDS: u32 = STOPPED + 6;

@@ -61,7 +61,7 @@ struct Member {
 /// A ring of ranks on the GPUs of this process.
 ///
 /// Private: the communicators of [`crate::comm::Communicator::from_devices`] share one.
-pub struct GpuGroup {
+pub(crate) struct GpuGroup {
     members: Vec<Member>,
     path: String,
     kernel_copy_max: usize,
@@ -73,7 +73,7 @@ pub struct GpuGroup {
 
 /// Ends a [`GpuGroup`] from any thread. Cheap to clone.
 #[derive(Clone, Default)]
-pub struct GroupAbort {
+pub(crate) struct GroupAbort {
     failed: Arc<Mutex<Option<Error>>>,
 }
 
@@ -81,14 +81,14 @@ impl GroupAbort {
     /// Ends the group: its next call and [`GpuGroup::wait`] return [`Error::Aborted`] with
     /// `reason` (work already queued on the streams still finishes: it waits on nothing outside
     /// this process).
-    pub fn abort(&self, reason: &str) {
+    pub(crate) fn abort(&self, reason: &str) {
         self.fail(Error::Aborted {
             reason: reason.to_owned(),
         });
     }
 
     /// The error the group ended with, if it did.
-    pub fn error(&self) -> Option<Error> {
+    pub(crate) fn error(&self) -> Option<Error> {
         self.failed.lock().ok().and_then(|f| f.clone())
     }
 
@@ -101,9 +101,9 @@ impl GroupAbort {
 
 /// A broadcast moves in up to this many chunks, pipelined along the ring (chunks of at least
 /// [`BROADCAST_CHUNK_MIN`] bytes).
-pub const BROADCAST_CHUNKS: usize = 16;
+pub(crate) const BROADCAST_CHUNKS: usize = 16;
 /// The smallest broadcast chunk.
-pub const BROADCAST_CHUNK_MIN: usize = 1 << 20;
+pub(crate) const BROADCAST_CHUNK_MIN: usize = 1 << 20;
 
 /// Two-rank collectives up to this many bytes run in one step: each GPU combines one half of
 /// both buffers and writes the result into both (one kernel and two cross-GPU waits per rank,
@@ -130,7 +130,7 @@ impl GpuGroup {
     /// neighbours; a pair without peer access is [`Error::Unsupported`] with the reason (the
     /// staged path across processes serves such machines). Loads (or compiles, once, and
     /// caches on disk) the reduction kernels of each GPU.
-    pub fn new(contexts: &[Arc<CudaContext>]) -> Result<GpuGroup> {
+    pub(crate) fn new(contexts: &[Arc<CudaContext>]) -> Result<GpuGroup> {
         let n = contexts.len();
         if n == 0 {
             return Err(Error::InvalidArgument {
@@ -214,25 +214,25 @@ impl GpuGroup {
 
     /// Sets the largest all-gather segment copied by a kernel rather than the copy engine
     /// (default [`KERNEL_COPY_MAX`]; 0: always the copy engine).
-    pub fn set_kernel_copy_max(&mut self, bytes: usize) {
+    pub(crate) fn set_kernel_copy_max(&mut self, bytes: usize) {
         self.kernel_copy_max = bytes;
     }
 
     /// Sets the largest two-rank collective run in one step (default [`ONE_STEP_MAX`]; 0:
     /// always the ring).
-    pub fn set_one_step_max(&mut self, bytes: usize) {
+    pub(crate) fn set_one_step_max(&mut self, bytes: usize) {
         self.one_step_max = bytes;
     }
 
     /// Which path the group takes, and why.
-    pub fn path(&self) -> &str {
+    pub(crate) fn path(&self) -> &str {
         &self.path
     }
 
     /// Queues an in-place allreduce of `count` elements of `dtype` at the start of each rank's
     /// buffer, rank `r` on `streams[r]` (a stream of rank `r`'s GPU). Returns once queued; each
     /// stream sees the result in order. Everything is checked before anything is queued.
-    pub fn all_reduce(
+    pub(crate) fn all_reduce(
         &mut self,
         buffers: &[&DeviceBuffer],
         streams: &[&GpuStream],
@@ -257,7 +257,7 @@ impl GpuGroup {
     }
 
     /// A handle that ends the group from another thread (see [`GroupAbort`]).
-    pub fn abort_handle(&self) -> GroupAbort {
+    pub(crate) fn abort_handle(&self) -> GroupAbort {
         self.abort.clone()
     }
 
@@ -265,7 +265,7 @@ impl GpuGroup {
     /// `timeout` (spins briefly, then sleeps in growing steps up to 1 ms); polls only this
     /// group's end markers, never the whole device. An aborted group returns its error once
     /// its work has finished; past the deadline the group is aborted and the error says so.
-    pub fn wait(&self, timeout: Duration) -> Result<()> {
+    pub(crate) fn wait(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let spin_until = Instant::now() + Duration::from_micros(50);
         let mut nap = Duration::from_micros(10);
@@ -349,7 +349,7 @@ impl GpuGroup {
     /// `n × recv_count` elements (rank `i`'s contribution to block `i` at `i × recv_count`);
     /// afterwards block `r` of rank `r` holds the reduction of every rank's block `r` (the
     /// other blocks hold partial results).
-    pub fn reduce_scatter(
+    pub(crate) fn reduce_scatter(
         &mut self,
         buffers: &[&DeviceBuffer],
         streams: &[&GpuStream],
@@ -376,7 +376,7 @@ impl GpuGroup {
     /// Queues an in-place all-gather in NCCL's in-place layout: each buffer holds
     /// `n × count` elements, rank `r` contributing block `r`; afterwards every buffer holds
     /// every rank's block.
-    pub fn all_gather(
+    pub(crate) fn all_gather(
         &mut self,
         buffers: &[&DeviceBuffer],
         streams: &[&GpuStream],
@@ -401,7 +401,7 @@ impl GpuGroup {
     /// other rank's buffer: chunks flow along the ring from the root, each rank copying a chunk
     /// from its previous rank once that rank has it (a pipeline, so every link carries data at
     /// once).
-    pub fn broadcast(
+    pub(crate) fn broadcast(
         &mut self,
         buffers: &[&DeviceBuffer],
         streams: &[&GpuStream],

@@ -29,7 +29,7 @@ struct Rank {
 ///
 /// A test and benchmark harness of the host ring (no sockets, no NICs); runtimes use
 /// [`crate::comm::Communicator`].
-pub struct LocalRing {
+pub(crate) struct LocalRing {
     ranks: Vec<Rank>,
     options: HostRingOptions,
     seq: u64,
@@ -41,7 +41,7 @@ type RankFn<'a> = dyn Fn(usize, &mut HostRing<'_>, u64) -> Result<()> + Sync + '
 impl LocalRing {
     /// A ring of `world` ranks for buffers of up to `max_bytes` (pinned for GPU copies where
     /// CUDA is present, so the staged GPU path runs at pinned speed).
-    pub fn new(world: u32, max_bytes: usize, options: HostRingOptions) -> Result<LocalRing> {
+    pub(crate) fn new(world: u32, max_bytes: usize, options: HostRingOptions) -> Result<LocalRing> {
         Self::with_pinning(world, max_bytes, options, None)
     }
 
@@ -114,13 +114,13 @@ impl LocalRing {
     }
 
     /// Ranks in the ring.
-    pub fn world(&self) -> u32 {
+    pub(crate) fn world(&self) -> u32 {
         self.ranks.len() as u32
     }
 
     /// Allreduces `data[r]` (rank r's elements) in place, all ranks at once: the element type
     /// names the data type (`Vec<f32>`, `Vec<half::bf16>`, ...).
-    pub fn all_reduce_in_place<T: crate::Element>(
+    pub(crate) fn all_reduce_in_place<T: crate::Element>(
         &mut self,
         data: &mut [Vec<T>],
         op: ReduceOp,

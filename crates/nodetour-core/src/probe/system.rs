@@ -272,7 +272,7 @@ pub fn provider_for(device: &str) -> String {
 pub(crate) mod fixture {
     use std::path::Path;
 
-    pub fn write(root: &Path, rel: &str, contents: &str) {
+    pub(crate) fn write(root: &Path, rel: &str, contents: &str) {
         let p = root.join(rel);
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         std::fs::write(p, contents).unwrap();

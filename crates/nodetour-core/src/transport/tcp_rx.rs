@@ -103,7 +103,7 @@ pub(super) struct Receiver {
 impl Receiver {
     /// The receive side of `sock` (a handle of the connection's socket), landing frames in
     /// `granted`'s regions and checking them with `key`.
-    pub fn new(sock: TcpStream, granted: SlotTable, key: SessionKey) -> Receiver {
+    pub(super) fn new(sock: TcpStream, granted: SlotTable, key: SessionKey) -> Receiver {
         Receiver {
             sock,
             parser: Mutex::new(Parser {
@@ -122,7 +122,7 @@ impl Receiver {
     }
 
     /// From now on the owner reads (until a blocked write revokes it, or `false`).
-    pub fn read_inline(&self, on: bool) {
+    pub(super) fn read_inline(&self, on: bool) {
         if on {
             self.inline
                 .store(GATE.epoch.load(Ordering::Acquire) + 1, Ordering::Release);
@@ -132,20 +132,20 @@ impl Receiver {
     }
 
     /// Whether the owner reads now.
-    pub fn inline(&self) -> bool {
+    pub(super) fn inline(&self) -> bool {
         let v = self.inline.load(Ordering::Acquire);
         v != 0 && v == GATE.epoch.load(Ordering::Acquire) + 1
     }
 
     /// The socket, to wait on while reading inline.
-    pub fn fd(&self) -> BorrowedFd<'_> {
+    pub(super) fn fd(&self) -> BorrowedFd<'_> {
         use std::os::fd::AsFd;
         self.sock.as_fd()
     }
 
     /// The receive thread: reads whenever the owner does not, until the connection ends or is
     /// closed; returns why it ended.
-    pub fn run(&self) -> String {
+    pub(super) fn run(&self) -> String {
         loop {
             if self.closing.load(Ordering::Acquire) {
                 return "the connection was closed".into();
@@ -177,7 +177,7 @@ impl Receiver {
 
     /// Lands whatever the socket holds now, without blocking; queues the notifications. `Err`:
     /// the connection ended (recorded: every later call sees it).
-    pub fn pump(&self) -> Result<(), String> {
+    pub(super) fn pump(&self) -> Result<(), String> {
         let mut landed = Vec::new();
         let mut parser = self.parser.lock().unwrap_or_else(|p| p.into_inner());
         let result = match &parser.failed {
@@ -204,7 +204,7 @@ impl Receiver {
     }
 
     /// The queue of landed events and the failure.
-    pub fn events(&self) -> MutexGuard<'_, (VecDeque<Event>, Option<String>)> {
+    pub(super) fn events(&self) -> MutexGuard<'_, (VecDeque<Event>, Option<String>)> {
         self.received
             .events
             .lock()
@@ -212,7 +212,7 @@ impl Receiver {
     }
 
     /// Stops the receive thread (with the socket's shutdown, which the caller does).
-    pub fn close(&self) {
+    pub(super) fn close(&self) {
         self.closing.store(true, Ordering::Release);
         GATE.wake_all();
     }

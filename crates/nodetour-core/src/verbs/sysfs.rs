@@ -139,14 +139,14 @@ pub(crate) mod fixture {
     use std::path::Path;
 
     /// Writes `contents` to `root/rel`, creating directories.
-    pub fn write(root: &Path, rel: &str, contents: &str) {
+    pub(crate) fn write(root: &Path, rel: &str, contents: &str) {
         let p = root.join(rel);
         fs::create_dir_all(p.parent().unwrap()).unwrap();
         fs::write(p, contents).unwrap();
     }
 
     /// A RoCE device `name` with one port and the given (index, gid, type) entries.
-    pub fn roce_device(root: &Path, name: &str, state: &str, gids: &[(u32, &str, &str)]) {
+    pub(crate) fn roce_device(root: &Path, name: &str, state: &str, gids: &[(u32, &str, &str)]) {
         let port = format!("sys/class/infiniband/{name}/ports/1");
         write(root, &format!("{port}/state"), state);
         write(root, &format!("{port}/link_layer"), "Ethernet");

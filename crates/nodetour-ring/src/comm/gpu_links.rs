@@ -158,7 +158,7 @@ pub struct GpuRingOptions {
 /// host slot in the reduce kernel ran 1.19× faster than copying it in first at 64 KiB, 1.10× at
 /// 256 KiB, the same at 1-4 MiB, and 0.88-0.94× at 16-256 MiB (chunks of 8 MiB: the copy
 /// engine reads PCIe faster than the SMs) (`docs/measurements/2026-12-03-pipelines-wide-loads/`).
-pub const SHM_READ_MAX: usize = 1 << 20;
+pub(super) const SHM_READ_MAX: usize = 1 << 20;
 
 /// Default for [`GpuRingOptions::copy_kernel_max`]. On one H200 with two processes under MPS
 /// (bf16 sum, two ranks: the all-gather step copies half the buffer), copying out of the GPU
@@ -168,19 +168,19 @@ pub const SHM_READ_MAX: usize = 1 << 20;
 /// the same kernel reading a host slot over PCIe ran 0.89× of it at 64 KiB and 0.92× at 1 MiB
 /// (`docs/measurements/2026-12-03-copy-kernel/`). Reducing out of a host slot is another
 /// matter ([`SHM_READ_MAX`]): there one kernel replaces three operations.
-pub const COPY_KERNEL_MAX: usize = 1 << 20;
+pub(super) const COPY_KERNEL_MAX: usize = 1 << 20;
 
 /// Default for [`GpuRingOptions::ipc_pipeline`]: whole slots. Each chunk pays a hand-off of
 /// several µs that more, smaller chunks do not hide: on two H200s (host flags) 16 × 4 MiB
 /// slots ran 0.64× and 2 × 32 MiB 1.05× of NCCL at 1 GiB; on one H200 with two processes
 /// under MPS (a substitute: HBM for NVLink), depth 2 ran 0.79-0.83× of whole slots at 1-16 MiB
 /// and depth 4 0.48-0.54× (`docs/measurements/2026-12-03-pipelines-wide-loads/`).
-pub const IPC_PIPELINE: u32 = 1;
+pub(super) const IPC_PIPELINE: u32 = 1;
 /// Default for [`GpuRingOptions::shm_pipeline`]: whole slots. On one H200 under MPS (both
 /// ranks share one PCIe link, so a chunk's copy out cannot overlap the peer's copy in as it
 /// would on two GPUs) depth 4 ran 0.59× of whole slots at 1 MiB and 0.90× at 4 MiB, and no
 /// depth won at any size; the run on two GPUs decides (`onehost-reference.sh OUT pipeline`).
-pub const SHM_PIPELINE: u32 = 1;
+pub(super) const SHM_PIPELINE: u32 = 1;
 
 impl Default for GpuRingOptions {
     fn default() -> Self {
@@ -204,7 +204,7 @@ impl Default for GpuRingOptions {
 }
 
 /// The most chunks a pipeline cuts a segment into.
-pub const PIPELINE_MAX: u32 = 64;
+pub(super) const PIPELINE_MAX: u32 = 64;
 
 impl GpuRingOptions {
     /// How this rank cuts its links: what its neighbours must match.

@@ -96,7 +96,7 @@ fn open_verbs(options: &Options, rank: u32) -> std::result::Result<LocalSide, St
 impl HostJob {
     /// Forms the ring of `launch`'s job. With `pin`, the slot and staging regions are also
     /// registered with CUDA under that context (pinned for the staged GPU path's copies).
-    pub fn form(
+    pub(super) fn form(
         launch: Launch,
         options: &Options,
         pin: Option<&Arc<cudarc::driver::CudaContext>>,
@@ -519,20 +519,20 @@ impl HostJob {
     }
 
     /// Bytes of the staging region (the largest piece).
-    pub fn piece_bytes(&self) -> usize {
+    pub(super) fn piece_bytes(&self) -> usize {
         self.work.len()
     }
 
     /// The largest host allreduce that gathers instead of running the ring
     /// ([`super::Options::host_gather_max`]).
-    pub fn host_gather_max(&self) -> usize {
+    pub(super) fn host_gather_max(&self) -> usize {
         self.host_gather_max
     }
 
     /// Runs one ring collective through `f` (given the ring, the collective's sequence number
     /// and the liveness check, which also reports an abort). Every call consumes a sequence
     /// number on every rank, also on one rank alone.
-    pub fn run(
+    pub(super) fn run(
         &mut self,
         aborted: &AbortFlag,
         f: impl FnOnce(&mut HostRing<'_>, u64, &dyn Fn() -> nodetour_core::Result<()>) -> Result<()>,
@@ -606,7 +606,7 @@ impl HostJob {
 
     /// Runs `f` with the staged GPU path's scratch and kernels on `buffer`'s GPU (made on
     /// first use, kept for the next call) and `stream`.
-    pub fn with_staging<R>(
+    pub(super) fn with_staging<R>(
         &mut self,
         buffer: &DeviceBuffer,
         stream: &GpuStream,

@@ -45,7 +45,7 @@ fn kind_code(k: Option<TransportKind>) -> u8 {
 
 impl Announcement {
     /// This rank's.
-    pub fn ours(
+    pub(crate) fn ours(
         forced: Option<TransportKind>,
         has_verbs: bool,
         gpu: Option<u32>,
@@ -63,7 +63,7 @@ impl Announcement {
 
     /// `'n' | version | forced | flags | gpu (u32, big-endian; 0 without one) | pid (u32) |
     /// settings (count: u8, then each as u64, big-endian)`.
-    pub fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let flags = u8::from(self.has_verbs) * HAS_VERBS + u8::from(self.gpu.is_some()) * HAS_GPU;
         let mut b = vec![MAGIC, self.version, kind_code(self.forced), flags];
         b.extend_from_slice(&self.gpu.unwrap_or(0).to_be_bytes());
@@ -76,7 +76,7 @@ impl Announcement {
     }
 
     /// What rank `rank` announced; another protocol version is [`Error::Version`].
-    pub fn decode(rank: u32, b: &[u8]) -> Result<Announcement> {
+    pub(crate) fn decode(rank: u32, b: &[u8]) -> Result<Announcement> {
         let bad = |reason: String| Error::Protocol {
             rank,
             reason: format!("its bootstrap announcement: {reason}"),

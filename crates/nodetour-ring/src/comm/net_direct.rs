@@ -84,7 +84,7 @@ pub(crate) struct Ladder {
 impl Ladder {
     /// Probes `context`'s GPU and `local`'s RDMA device, under the job's `NODETOUR_GDR` and
     /// `NODETOUR_GDR_FLUSH`.
-    pub fn gather(
+    pub(crate) fn gather(
         context: &Arc<cudarc::driver::CudaContext>,
         local: &LocalSide,
         config: &nodetour_core::Config,

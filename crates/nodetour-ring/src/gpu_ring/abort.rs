@@ -5,7 +5,7 @@ use super::*;
 
 /// Aborts a [`GpuRing`] from any thread. Cheap to clone.
 #[derive(Clone)]
-pub struct AbortHandle {
+pub(crate) struct AbortHandle {
     pub(super) shared: Arc<AbortState>,
 }
 
@@ -59,7 +59,7 @@ impl AbortHandle {
     /// flight hold garbage); the ring then refuses further collectives (the first error,
     /// typed). Neighbours stop at their next poll and pass the notice on. Plain host stores
     /// only: no CUDA call, nothing that waits.
-    pub fn abort(&self, reason: &str) {
+    pub(crate) fn abort(&self, reason: &str) {
         self.abort_with(Error::Aborted {
             reason: reason.to_owned(),
         });
@@ -100,7 +100,7 @@ impl AbortHandle {
     }
 
     /// The error the ring ended with, if it did.
-    pub fn error(&self) -> Option<Error> {
+    pub(crate) fn error(&self) -> Option<Error> {
         self.shared.failed.lock().ok().and_then(|f| f.clone())
     }
 

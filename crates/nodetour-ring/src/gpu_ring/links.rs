@@ -4,7 +4,7 @@
 use super::*;
 
 /// How this rank writes to the next one.
-pub enum Outgoing {
+pub(crate) enum Outgoing {
     /// Into the next rank's GPU slots.
     CudaIpc(CudaIpcSender),
     /// Into host slots shared with the next rank.
@@ -15,7 +15,7 @@ pub enum Outgoing {
 }
 
 /// Where the previous rank's chunks land.
-pub enum Incoming {
+pub(crate) enum Incoming {
     /// This rank's GPU slots.
     CudaIpc(GpuSlot),
     /// Host slots shared with the previous rank, and one chunk of GPU scratch to reduce from.
@@ -46,7 +46,7 @@ pub enum Incoming {
 /// The host flag pages of this rank and its neighbours, through which ranks tell each other
 /// that they ended the ring (host stores and loads only: they work while streams are stuck).
 #[derive(Clone)]
-pub struct EndPages {
+pub(crate) struct EndPages {
     /// This rank's page: its neighbours write [`flag::ENDED_BY_PREV`] / [`flag::ENDED_BY_NEXT`].
     pub mine: Arc<Flags>,
     /// The next rank's page.
@@ -56,7 +56,7 @@ pub struct EndPages {
 }
 
 /// This rank's two links, set up by whoever formed the ring (the bootstrap exchange).
-pub struct StreamLinks {
+pub(crate) struct StreamLinks {
     /// This rank's flag page ([`flag::READY`] and [`flag::RELEASED`] are waited on here).
     pub flags: Arc<dyn FlagPage>,
     /// The next rank's flag page (to set [`flag::READY`]).

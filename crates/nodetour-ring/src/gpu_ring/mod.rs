@@ -72,15 +72,15 @@ pub(crate) use teardown::TEARDOWN_DEADLINE;
 /// chunk's transfer at NVLink speed. Measured on two H200s (two processes, f32 sum, 1 GiB,
 /// against NCCL in the same run): 2 × 32 MiB 1.05x, 4 × 16 MiB 0.98x, 8 × 8 MiB 0.82x,
 /// 16 × 4 MiB 0.64x (host-memory flags).
-pub const IPC_SLOT_BYTES: usize = 32 << 20;
+pub(crate) const IPC_SLOT_BYTES: usize = 32 << 20;
 /// Default slots per cuda-ipc link.
-pub const IPC_SLOTS: u32 = 2;
+pub(crate) const IPC_SLOTS: u32 = 2;
 /// Default slot size for shm (host memory is slower: 8 MiB is ~200 µs of PCIe).
-pub const SHM_SLOT_BYTES: usize = 8 << 20;
+pub(crate) const SHM_SLOT_BYTES: usize = 8 << 20;
 /// Default slots per shm link.
-pub const SLOTS: u32 = 4;
+pub(crate) const SLOTS: u32 = 4;
 /// The bound on slot memory per communicator (GPU and host each), by default.
-pub const SLOT_MEMORY_MAX: usize = 64 << 20;
+pub(crate) const SLOT_MEMORY_MAX: usize = 64 << 20;
 
 fn gpu_error(what: &str, e: nodetour_core::Error) -> Error {
     Error::Gpu {
@@ -93,7 +93,7 @@ fn gpu_error(what: &str, e: nodetour_core::Error) -> Error {
 /// The layer below [`crate::comm::Communicator`] (its device path on one host); runtimes use
 /// the communicator, tools that compare paths side by side form this through
 /// [`crate::comm::gpu_links::form`].
-pub struct GpuRing {
+pub(crate) struct GpuRing {
     // What queued work uses: taken by the teardown, and dropped only once the streams have
     // drained (else leaked: see `shut_down`).
     held: Option<Held>,
@@ -198,7 +198,7 @@ struct Exports {
 impl GpuRing {
     /// This rank (`rank` of `world`) on `context`'s GPU, with its links (`None` only for a
     /// ring of one). Compiles or loads the reduction kernels.
-    pub fn new(
+    pub(crate) fn new(
         context: &Arc<CudaContext>,
         rank: u32,
         world: u32,
@@ -326,7 +326,7 @@ impl GpuRing {
     /// collective timeout): past it the wait sets the stop word itself, every later wait ends,
     /// and the next call or [`Self::wait_alive`] reports the timeout. The deadline that holds
     /// inside CUDA graphs, where no host waits; eager collectives have the host's too.
-    pub fn set_wait_timeout(&mut self, timeout: Duration) {
+    pub(crate) fn set_wait_timeout(&mut self, timeout: Duration) {
         self.wait_timeout = Some(timeout);
         if let Some(guards) = self.held.as_mut().and_then(|h| h.guards.as_mut()) {
             for g in guards {
@@ -337,7 +337,7 @@ impl GpuRing {
 
     /// Caps the blocks of the stream-ordered ring's reduce, copy and send kernels (0: none;
     /// see `ReduceKernels::with_max_blocks`). For collectives queued from now on.
-    pub fn set_max_blocks(&mut self, blocks: u32) {
+    pub(crate) fn set_max_blocks(&mut self, blocks: u32) {
         if let Some(h) = self.held.as_mut() {
             h.kernels = h.kernels.clone().with_max_blocks(blocks);
         }
@@ -345,7 +345,7 @@ impl GpuRing {
 
     /// Two ranks run the allreduce as one exchange step ([`program_exchange_on`], the default)
     /// or, with `false`, as the two-step ring. Every rank must choose the same.
-    pub fn set_two_rank_exchange(&mut self, on: bool) {
+    pub(crate) fn set_two_rank_exchange(&mut self, on: bool) {
         self.exchange = on;
     }
 
@@ -356,13 +356,13 @@ impl GpuRing {
     }
 
     /// The transport of the link to the next rank (`None` for a ring of one).
-    pub fn kind(&self) -> Option<TransportKind> {
+    pub(crate) fn kind(&self) -> Option<TransportKind> {
         let links = self.held.as_ref().and_then(|h| h.links.as_ref());
         links.map(StreamLinks::out_kind)
     }
 
     /// Which path each link takes and why it is shaped so (for the log).
-    pub fn path(&self) -> String {
+    pub(crate) fn path(&self) -> String {
         let algo = match (self.world, self.exchange) {
             (1, _) => "",
             (2, true) => "; two ranks: one exchange step",
@@ -389,7 +389,7 @@ impl GpuRing {
     /// queued on `stream` afterwards sees the result. Every rank must queue the same
     /// collectives in the same order with the same arguments. Keep `buffer` alive until
     /// `stream` has passed the collective.
-    pub fn collective(
+    pub(crate) fn collective(
         &mut self,
         buffer: &DeviceBuffer,
         shape: Shape,
@@ -513,7 +513,7 @@ impl GpuRing {
     }
 
     /// A handle that aborts this ring from another thread (a watchdog, the training loop).
-    pub fn abort_handle(&self) -> AbortHandle {
+    pub(crate) fn abort_handle(&self) -> AbortHandle {
         self.abort.clone()
     }
 }

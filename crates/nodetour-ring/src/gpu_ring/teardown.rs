@@ -6,7 +6,7 @@ use super::*;
 
 /// How long dropping a ring waits for its collectives in flight (after aborting them) before
 /// it leaks its streams and slot memory rather than free what a GPU may still use.
-pub const TEARDOWN_DEADLINE: Duration = Duration::from_secs(10);
+pub(crate) const TEARDOWN_DEADLINE: Duration = Duration::from_secs(10);
 
 impl GpuRing {
     /// Ends the ring: waits for the collectives in flight, at most `timeout` (aborting them
@@ -14,7 +14,7 @@ impl GpuRing {
     /// and kernels. Past the deadline it leaks them (never frees memory a GPU may still use)
     /// and says so; `Drop` does the same with [`TEARDOWN_DEADLINE`] and can only log. The
     /// ring refuses collectives afterwards.
-    pub fn close(&mut self, timeout: Duration) -> Result<()> {
+    pub(crate) fn close(&mut self, timeout: Duration) -> Result<()> {
         self.shut_down(timeout)
     }
 
@@ -29,7 +29,7 @@ impl GpuRing {
     /// exported itself, which a neighbour may still have mapped. Once every rank has done this
     /// (a barrier, or the liveness mesh saying who is gone), [`GpuRing::close`] frees the rest.
     /// The ring refuses collectives afterwards.
-    pub fn close_imports(&mut self, timeout: Duration) -> Result<()> {
+    pub(crate) fn close_imports(&mut self, timeout: Duration) -> Result<()> {
         if self.held.is_none() {
             return Ok(());
         }
@@ -106,7 +106,7 @@ impl GpuRing {
 
     /// Leaks the memory this rank exported (a neighbour that may still map it did not confirm
     /// it closed its mapping before the deadline): never freed, never reused.
-    pub fn leak_exports(&mut self) {
+    pub(crate) fn leak_exports(&mut self) {
         if let Some(mut e) = self.exports.take() {
             // The link's thread owns what it uses: ending it frees nothing a neighbour maps.
             if let Some(mut net) = e.net.take() {

@@ -24,7 +24,7 @@ impl GpuRing {
     /// Waits until every collective queued so far has finished on this rank, at most `timeout`
     /// (spins briefly, then sleeps in growing steps up to 1 ms; on expiry the ring is aborted),
     /// asking `alive` (the job's liveness check, e.g. the bootstrap's `check`) between polls: a lost rank aborts the ring at once and is named in the error.
-    pub fn wait_alive(
+    pub(crate) fn wait_alive(
         &mut self,
         timeout: Duration,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
@@ -37,7 +37,7 @@ impl GpuRing {
     /// launched. Their outcome is what the GPU latched (a guarded wait that timed out, a
     /// one-kernel block that failed: the stop word keeps it) and the neighbours' notices, each
     /// of which taints every replay not yet confirmed by a wait.
-    pub fn wait_stream(
+    pub(crate) fn wait_stream(
         &mut self,
         stream: &GpuStream,
         timeout: Duration,

@@ -57,7 +57,7 @@ mod ending;
 mod ops;
 mod schedule;
 
-pub use ops::GpuStaging;
+pub(crate) use ops::GpuStaging;
 use ops::{Chunk, ChunkOps, GpuOps, HostOps, REDUCE_BLOCK, gpu};
 
 const GRANT_BIT: u32 = 1 << 31;
@@ -73,14 +73,14 @@ const DESCRIPTOR_AT: usize = 0;
 /// Where a rank keeps its own descriptor as the source of that write.
 const DESCRIPTOR_SOURCE_AT: usize = 2 * descriptor::ENCODED_LEN;
 /// The doorbell region holds both.
-pub const BELL_BYTES: usize = 4 * descriptor::ENCODED_LEN;
+pub(crate) const BELL_BYTES: usize = 4 * descriptor::ENCODED_LEN;
 
 /// A notification with the top bit set: `1 | 0 | tag_hi:7 | epoch:7 | tag_lo:8 | slot:8` for a
 /// grant; `1 | 1 | tag_hi:7 | epoch:7 | tag_lo:8 | kind:8` for the others (a release's kind is 4,
 /// a description's 5 with its tag; an end notice's kind is `0x10` + its cause's kind (1-5), and
 /// its tag the rank at fault, [`END_RANKS`] of them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Notice {
+pub(crate) enum Notice {
     /// The sender's descriptor of collective `epoch` was written with this notice (into our
     /// doorbell region); `tag` is its [`Descriptor::tag`].
     Describe {
@@ -116,12 +116,12 @@ pub enum Notice {
 
 /// Ring positions an end notice can name (15 bits); a ring of more ranks names the ones beyond
 /// as [`CauseKind::Failed`] at the sender.
-pub const END_RANKS: u32 = 1 << 15;
+pub(crate) const END_RANKS: u32 = 1 << 15;
 const END_KIND: u32 = 0x10;
 
 impl Notice {
     /// Packs into a notification value.
-    pub fn encode(self) -> u32 {
+    pub(crate) fn encode(self) -> u32 {
         match self {
             Notice::Grant { epoch, slot, tag } => {
                 GRANT_BIT
@@ -155,7 +155,7 @@ impl Notice {
 
     /// Unpacks a notification with the top bit set (`None`: a data immediate, or an end notice
     /// with an unknown cause).
-    pub fn decode(v: u32) -> Option<Notice> {
+    pub(crate) fn decode(v: u32) -> Option<Notice> {
         if v & GRANT_BIT == 0 {
             return None;
         }
@@ -183,7 +183,7 @@ impl Notice {
 
 /// Sizes and limits of the host ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HostRingOptions {
+pub(crate) struct HostRingOptions {
     /// Bytes per slot (one chunk).
     pub slot_bytes: usize,
     /// Slots per receiver.
@@ -201,7 +201,7 @@ pub struct HostRingOptions {
 
 impl HostRingOptions {
     /// The default slots, with the timeout of `config` (`NODETOUR_TIMEOUT_MS`).
-    pub fn from_config(config: &nodetour_core::Config) -> Self {
+    pub(crate) fn from_config(config: &nodetour_core::Config) -> Self {
         HostRingOptions {
             slot_bytes: 1 << 20,
             slots: 4,
@@ -222,7 +222,7 @@ impl Default for HostRingOptions {
 /// What one host collective moves: its shape, the ring buffer's element count (the whole buffer,
 /// every rank's blocks together), type and reduction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Staged {
+pub(crate) struct Staged {
     /// The collective.
     pub shape: Shape,
     /// Elements in the ring's buffer.
@@ -244,7 +244,7 @@ fn whole_elements(len: usize, dtype: DataType) -> Result<()> {
 }
 
 /// The connections of one rank to its ring neighbours.
-pub enum Links<'a> {
+pub(crate) enum Links<'a> {
     /// Two ranks: one connection carries both directions.
     One(&'a mut dyn HostConnection),
     /// Three or more ranks (or two with a connection per direction).
@@ -261,7 +261,7 @@ pub enum Links<'a> {
 /// The executor below [`crate::comm::Communicator`]'s host collectives; runtimes use the
 /// communicator. A ring's collectives are numbered from 0 (the first two find every slot
 /// free); every number is run or given up ([`Self::owe_release`]) on every rank.
-pub struct HostRing<'a> {
+pub(crate) struct HostRing<'a> {
     /// This rank.
     pub rank: u32,
     /// Ranks in the ring.
@@ -362,7 +362,7 @@ impl HostRing<'_> {
     /// collective at once. `data` is written only when the collective finished, with the same
     /// result on every rank.
     #[cfg(test)]
-    pub fn all_reduce(
+    pub(crate) fn all_reduce(
         &mut self,
         data: &mut [u8],
         dtype: DataType,
@@ -392,7 +392,7 @@ impl HostRing<'_> {
 
     /// Copies `bytes` into the work region at byte offset `at`: the input of the next
     /// [`Self::collective`].
-    pub fn stage_in(&mut self, at: usize, bytes: &[u8]) -> Result<()> {
+    pub(crate) fn stage_in(&mut self, at: usize, bytes: &[u8]) -> Result<()> {
         if at
             .checked_add(bytes.len())
             .is_none_or(|end| end > self.work.len())
@@ -415,7 +415,7 @@ impl HostRing<'_> {
     /// average divided by the world size). `what` is the collective as every rank must agree on
     /// it (sequence number `what.seq`, as in [`Self::all_reduce`]). No output is written unless
     /// the collective finished on this rank, with its answer.
-    pub fn collective(
+    pub(crate) fn collective(
         &mut self,
         staged: Staged,
         what: &Descriptor,
@@ -435,7 +435,7 @@ impl HostRing<'_> {
     /// other range is reduced once, from `input` itself into the work region (one copy of the
     /// buffer less). The result stays in the work region until [`Self::read_out`] (which the
     /// caller calls only after this returned `Ok`: nothing of its output is written before).
-    pub fn all_reduce_from(
+    pub(crate) fn all_reduce_from(
         &mut self,
         staged: Staged,
         what: &Descriptor,
@@ -496,7 +496,11 @@ impl HostRing<'_> {
     /// Fills each `(offset, destination)` of `outputs` from the work region at that byte
     /// offset (an average divided by the world size): the result of the collective `staged`
     /// that just finished on this rank.
-    pub fn read_out(&mut self, staged: Staged, outputs: &mut [(usize, &mut [u8])]) -> Result<()> {
+    pub(crate) fn read_out(
+        &mut self,
+        staged: Staged,
+        outputs: &mut [(usize, &mut [u8])],
+    ) -> Result<()> {
         check_outputs(outputs, staged_bytes(staged)?)?;
         let average = staged.op == ReduceOp::Avg
             && matches!(staged.shape, Shape::AllReduce | Shape::ReduceScatter);
@@ -514,7 +518,7 @@ impl HostRing<'_> {
     /// this piece's). Like [`Self::all_reduce_gpu`], but returns with the piece's last copies
     /// and kernels queued on `staging.stream` (the next piece's first copy queues after them;
     /// the caller synchronises that stream once, after the last piece).
-    pub fn all_reduce_gpu_piece(
+    pub(crate) fn all_reduce_gpu_piece(
         &mut self,
         buffer: &DeviceBuffer,
         piece: std::ops::Range<usize>,
@@ -673,7 +677,7 @@ impl HostRing<'_> {
     /// Records that the release of collective `seq`'s half of the slots (for the collective two
     /// later) is owed until it is sent. Callers that consume a sequence number without running
     /// the collective (an abort before it starts, a refused argument) call it too.
-    pub fn owe_release(&mut self, seq: u64) {
+    pub(crate) fn owe_release(&mut self, seq: u64) {
         let later = (seq.wrapping_add(2) & 0x7f) as u8;
         if self.halves() && self.world > 1 && !self.owed.contains(&later) {
             self.owed.push(later);

@@ -78,7 +78,7 @@ impl ChunkOps for HostOps<'_> {
 
 /// What the staged GPU path needs on this rank's GPU: its reduction kernels, a stream, and a
 /// scratch buffer of at least one slot.
-pub struct GpuStaging<'a> {
+pub(crate) struct GpuStaging<'a> {
     /// The kernels of the buffer's GPU.
     pub kernels: &'a ReduceKernels,
     /// A stream of the buffer's GPU (the caller's: the collective runs after its queued work,

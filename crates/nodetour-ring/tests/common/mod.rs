@@ -2,11 +2,11 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 /// A small deterministic generator (xorshift), seeded per case.
-pub struct Rng(pub u64);
+pub(crate) struct Rng(pub u64);
 
 impl Rng {
     /// The next value.
-    pub fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -14,14 +14,14 @@ impl Rng {
     }
 
     /// A value below `n`.
-    pub fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }
 }
 
 /// Every GPU of this machine, or `None` after printing `SKIP <reason>` (a failure instead when
 /// `NODETOUR_REQUIRE_GPU=1`: on the GPU machines a missing GPU must not pass as a skip).
-pub fn gpus() -> Option<Vec<std::sync::Arc<cudarc::driver::CudaContext>>> {
+pub(crate) fn gpus() -> Option<Vec<std::sync::Arc<cudarc::driver::CudaContext>>> {
     match nodetour_core::cuda::gpus() {
         Ok(g) if !g.is_empty() => Some(
             (0..g.len())
@@ -44,7 +44,7 @@ pub fn gpus() -> Option<Vec<std::sync::Arc<cudarc::driver::CudaContext>>> {
 /// `child_test` with `child_env` set, the `NODETOUR_*` launch variables, a job token and
 /// `NODETOUR_TIMEOUT_MS=timeout_ms`; `per_rank` adds to rank `r`'s command), and waits for all,
 /// at most `limit` (then every rank is killed): panics naming a rank that failed.
-pub fn run_rank_processes(
+pub(crate) fn run_rank_processes(
     child_test: &str,
     child_env: &str,
     world: u32,
@@ -96,7 +96,7 @@ pub fn run_rank_processes(
 
 /// What every rank must hold after an allreduce of `op` over `world` ranks whose inputs are
 /// `input(rank)`: the fold in rank order by the host reducer (then divided for `Avg`).
-pub fn fold_inputs(
+pub(crate) fn fold_inputs(
     dtype: nodetour_ring::DataType,
     op: nodetour_ring::ReduceOp,
     world: u32,
@@ -113,7 +113,7 @@ pub fn fold_inputs(
 }
 
 /// Panics naming rank `rank`, `what` and the first byte where `got` differs from `want`.
-pub fn check_bytes(what: &str, rank: u32, got: &[u8], want: &[u8]) {
+pub(crate) fn check_bytes(what: &str, rank: u32, got: &[u8], want: &[u8]) {
     assert_eq!(got.len(), want.len(), "rank {rank}: {what}: lengths");
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
         panic!(
@@ -125,7 +125,7 @@ pub fn check_bytes(what: &str, rank: u32, got: &[u8], want: &[u8]) {
 
 /// Rank `rank`'s input for case `seed`: `count` values of `dtype`, each `value(rng)` (rounded
 /// for the integer types; u8 takes any byte), from a generator seeded by case and rank.
-pub fn typed_input(
+pub(crate) fn typed_input(
     dtype: nodetour_ring::DataType,
     rank: u32,
     count: usize,
