@@ -37,6 +37,49 @@ for n, f in sorted(sizes, reverse=True)[:15]:
 print("longest functions (lines):")
 for n, where, name in sorted(funcs, reverse=True)[:25]:
     print(f"  {n:6}  {name}  {where}")
+# Import circles between folders: a crate's top-level modules (a folder, or a file directly
+# under src/) and the `crate::X` paths each one names outside comments.
+print("import circles between a crate's top-level modules (folders or files):")
+circles = 0
+for crate in sorted(os.listdir("crates")):
+    src = os.path.join("crates", crate, "src")
+    edges = {}
+    for f in files:
+        if not f.startswith(src + os.sep):
+            continue
+        unit = os.path.relpath(f, src).split(os.sep)[0].removesuffix(".rs")
+        for line in open(f, encoding="utf-8"):
+            if line.lstrip().startswith("//"):
+                continue
+            for m in re.finditer(r"crate::(\w+)", line):
+                if m.group(1) != unit:
+                    edges.setdefault(unit, set()).add(m.group(1))
+    # Strongly connected components (Tarjan), those of two or more modules.
+    index, low, stack, on, out = {}, {}, [], set(), []
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v); on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w); low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop(); on.discard(w); comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    for comp in out:
+        circles += 1
+        print(f"  {crate}: " + " <-> ".join(comp))
+if not circles:
+    print("  none")
 over = [(n, f) for n, f in sizes if n > 1000]
 if check and over:
     print("over 1,000 lines: " + ", ".join(f"{f} ({n})" for n, f in over))
