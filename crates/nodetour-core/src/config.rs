@@ -8,10 +8,8 @@
 
 use std::time::Duration;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::knobs::Env;
-use crate::registration::GdrMode;
-use crate::visibility::FlushOverride;
 
 /// Default for `NODETOUR_TIMEOUT_MS`: how long any single wait may block.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -46,6 +44,57 @@ pub struct Config {
     pub gdr: GdrMode,
     /// `NODETOUR_GDR_FLUSH`: how landed chunks are made visible to the GPU.
     pub gdr_flush: FlushOverride,
+}
+
+/// `NODETOUR_GDR`: whether the direct path may, must or must not be used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdrMode {
+    /// Use the direct path when a rung works, else stage (the default).
+    Auto,
+    /// Use the direct path or fail with every rung's reason (never stage silently).
+    Force,
+    /// Always stage.
+    Off,
+}
+
+impl GdrMode {
+    /// `NODETOUR_GDR`'s word (`auto`, `force`, `off`: the knob table checked it).
+    pub(crate) fn parse(word: &str) -> Self {
+        match word {
+            "force" => GdrMode::Force,
+            "off" => GdrMode::Off,
+            _ => GdrMode::Auto,
+        }
+    }
+}
+
+/// `NODETOUR_GDR_FLUSH`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlushOverride {
+    /// Decide from the GPU (the default).
+    #[default]
+    Auto,
+    /// Always an RDMA READ of the landed bytes on a loopback queue pair.
+    Read,
+    /// Always `cuFlushGPUDirectRDMAWrites` from the progress thread.
+    Host,
+    /// Never flush (unsafe on GPUs without owner ordering: chunks may be read stale).
+    Off,
+}
+
+impl FlushOverride {
+    /// Parses `NODETOUR_GDR_FLUSH`'s value (`auto`, `read`, `host`, `off`).
+    pub fn parse(value: &str) -> Result<FlushOverride> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(FlushOverride::Auto),
+            "read" => Ok(FlushOverride::Read),
+            "host" => Ok(FlushOverride::Host),
+            "off" | "0" | "none" => Ok(FlushOverride::Off),
+            other => Err(Error::InvalidArgument {
+                reason: format!("NODETOUR_GDR_FLUSH={other}: expected auto, read, host or off"),
+            }),
+        }
+    }
 }
 
 /// Default for `NODETOUR_RING_SPIN_US`.
@@ -104,7 +153,6 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
     use std::collections::HashMap;
 
     fn config(vars: &[(&str, &str)]) -> Result<Config> {
@@ -169,7 +217,6 @@ mod tests {
         let c = Config::default();
         assert_eq!(c.timeout, DEFAULT_TIMEOUT);
         assert_eq!(c.ring_spin, DEFAULT_RING_SPIN);
-        assert_eq!(c.spin, crate::verbs::DEFAULT_SPIN);
         assert_eq!((c.gdr, c.gdr_flush), (GdrMode::Auto, FlushOverride::Auto));
     }
 

@@ -48,27 +48,7 @@ impl fmt::Display for Rung {
     }
 }
 
-/// `NODETOUR_GDR`: whether the direct path may, must or must not be used.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GdrMode {
-    /// Use the direct path when a rung works, else stage (the default).
-    Auto,
-    /// Use the direct path or fail with every rung's reason (never stage silently).
-    Force,
-    /// Always stage.
-    Off,
-}
-
-impl GdrMode {
-    /// `NODETOUR_GDR`'s word (`auto`, `force`, `off`: the knob table checked it).
-    pub(crate) fn parse(word: &str) -> Self {
-        match word {
-            "force" => GdrMode::Force,
-            "off" => GdrMode::Off,
-            _ => GdrMode::Auto,
-        }
-    }
-}
+pub use crate::config::GdrMode;
 
 /// Whether the nvidia-peermem module (or its predecessor nv_peer_mem) is loaded.
 #[derive(Clone, Debug, PartialEq, Eq)]

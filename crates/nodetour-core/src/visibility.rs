@@ -28,34 +28,7 @@ pub const ORDERING_OWNER: i32 = 100;
 /// Bit of `_FLUSH_WRITES_OPTIONS`: `cuFlushGPUDirectRDMAWrites` is available.
 pub const FLUSH_OPTION_HOST: i32 = 1;
 
-/// `NODETOUR_GDR_FLUSH`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum FlushOverride {
-    /// Decide from the GPU (the default).
-    #[default]
-    Auto,
-    /// Always an RDMA READ of the landed bytes on a loopback queue pair.
-    Read,
-    /// Always `cuFlushGPUDirectRDMAWrites` from the progress thread.
-    Host,
-    /// Never flush (unsafe on GPUs without owner ordering: chunks may be read stale).
-    Off,
-}
-
-impl FlushOverride {
-    /// Parses `NODETOUR_GDR_FLUSH`'s value (`auto`, `read`, `host`, `off`).
-    pub fn parse(value: &str) -> Result<FlushOverride> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(FlushOverride::Auto),
-            "read" => Ok(FlushOverride::Read),
-            "host" => Ok(FlushOverride::Host),
-            "off" | "0" | "none" => Ok(FlushOverride::Off),
-            other => Err(Error::InvalidArgument {
-                reason: format!("NODETOUR_GDR_FLUSH={other}: expected auto, read, host or off"),
-            }),
-        }
-    }
-}
+pub use crate::config::FlushOverride;
 
 /// How the receiver makes a landed chunk visible before its stream reads it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

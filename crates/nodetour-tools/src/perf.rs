@@ -129,7 +129,7 @@ pub fn sweep(
     let mut rows = Vec::new();
     for (k, &size) in sizes.iter().enumerate() {
         if comm.rank() == 0 {
-            crate::perf_gpu::progress(k, sizes.len(), &format!("{size} bytes"));
+            progress(k, sizes.len(), &format!("{size} bytes"));
         }
         let count = size / es;
         let bytes = count * es;
@@ -161,7 +161,7 @@ pub fn sweep(
         });
     }
     if comm.rank() == 0 {
-        crate::perf_gpu::progress(sizes.len(), sizes.len(), "done");
+        progress(sizes.len(), sizes.len(), "done");
     }
     Ok(rows)
 }
@@ -205,6 +205,18 @@ pub fn render(
                 ));
             }
             s
+        }
+    }
+}
+
+/// A one-line progress report on stderr for long sweeps (only when stderr is a terminal; host
+/// and GPU sweeps both use it).
+pub fn progress(done: usize, total: usize, what: &str) {
+    use std::io::IsTerminal as _;
+    if std::io::stderr().is_terminal() {
+        eprint!("\r[{done}/{total}] {what}\x1b[K");
+        if done == total {
+            eprintln!();
         }
     }
 }

@@ -25,7 +25,7 @@ use crate::ceiling::{CEILING_BYTES, Ceilings, measure};
 use crate::compute_load::ComputeLoad;
 use crate::gpu_job::{GpuJob, is_direct};
 use crate::nccl_ref::{self, NcclBuffer};
-use crate::perf::median;
+use crate::perf::{median, progress};
 use crate::plot::Series;
 use nodetour_ring::seeded::{input, verify};
 
@@ -470,18 +470,6 @@ pub fn series(rows: &[GpuRow]) -> Vec<Series> {
         s.points.dedup_by_key(|p| p.0);
     }
     out
-}
-
-/// A one-line progress report on stderr for long sweeps (only when stderr is a terminal; host
-/// and GPU sweeps both use it).
-pub fn progress(done: usize, total: usize, what: &str) {
-    use std::io::IsTerminal as _;
-    if std::io::stderr().is_terminal() {
-        eprint!("\r[{done}/{total}] {what}\x1b[K");
-        if done == total {
-            eprintln!();
-        }
-    }
 }
 
 /// Sweeps a GPU ring of processes (one GPU each): every variant of the job (e.g. the direct

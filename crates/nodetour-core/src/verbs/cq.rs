@@ -210,3 +210,11 @@ impl Drop for CompletionQueue {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_default_spin_is_the_declared_default() {
+        assert_eq!(crate::Config::default().spin, super::DEFAULT_SPIN);
+    }
+}
