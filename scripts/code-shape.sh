@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # code-shape.sh: the shape of the code: the largest source files and the longest functions.
 #   scripts/code-shape.sh            print the 15 largest files and the 25 longest functions
-#   scripts/code-shape.sh --check    also fail where a source file is over 1,000 lines
+#   scripts/code-shape.sh --check    also fail where a source file is over 1,000 lines or a
+#                                    formation step (comm/form/) over 100
 # Sources: the crates' src/, the root src/ and examples/ (tests and benches are not counted).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,6 +38,13 @@ for n, f in sorted(sizes, reverse=True)[:15]:
 print("longest functions (lines):")
 for n, where, name in sorted(funcs, reverse=True)[:25]:
     print(f"  {n:6}  {name}  {where}")
+# Formation's steps (issue 36: none over ~100 lines): the communicator's formation files.
+formation = re.compile(r"crates/nodetour-ring/src/comm/(form/|host_job\.rs)")
+steps = sorted((f for f in funcs if formation.search(f[1])), reverse=True)
+print("longest formation steps (lines; --check fails over 100):")
+for n, where, name in steps[:8]:
+    print(f"  {n:6}  {name}  {where}")
+long_steps = [f for f in steps if f[0] > 100]
 # Import circles between folders: a crate's top-level modules (a folder, or a file directly
 # under src/) and the `crate::X` paths each one names outside comments.
 print("import circles between a crate's top-level modules (folders or files):")
@@ -83,5 +91,8 @@ if not circles:
 over = [(n, f) for n, f in sizes if n > 1000]
 if check and over:
     print("over 1,000 lines: " + ", ".join(f"{f} ({n})" for n, f in over))
+    sys.exit(1)
+if check and long_steps:
+    print("formation steps over 100 lines: " + ", ".join(f"{w} {m} ({n})" for n, w, m in long_steps))
     sys.exit(1)
 EOF

@@ -14,7 +14,7 @@ use nodetour_core::verbs::{
     Access, EndpointDescription, LocalSide, MemoryRegion, Near, PathOptions, QueuePairOptions,
 };
 
-use crate::comm::net_direct::Reveal;
+use crate::comm::form::net_direct::Reveal;
 use crate::cpu_streams::{CpuLander, CpuRank, HostPage};
 use crate::error::Error;
 use crate::flag;

@@ -34,7 +34,7 @@ pub(super) fn teardown(job: &mut HostJob, deadline: Deadline, orderly: bool) -> 
         }
         return Ok(());
     };
-    let result = gpu_links::teardown(&mut [ring], &job.job, deadline);
+    let result = close_gpu_rings(&mut [ring], &job.job, deadline);
     job.gpu_ring = None;
     result
 }
@@ -271,5 +271,46 @@ impl Communicator {
             }),
             None => finished.and(teardown),
         }
+    }
+}
+
+/// Ends GPU rings with the teardown handshake: each ring's streams drained and its mappings of
+/// the neighbours' memory closed, then a barrier over `job` (or the liveness mesh reporting a
+/// rank gone, which counts as closed) says every rank has done the same, and only then is the
+/// memory this rank exported freed; past `deadline` it is leaked, never freed under a
+/// neighbour's mapping. Every rank of the job calls it.
+pub(crate) fn close_gpu_rings(
+    rings: &mut [&mut crate::gpu_ring::GpuRing],
+    job: &nodetour_net::bootstrap::Bootstrap,
+    deadline: Deadline,
+) -> Result<()> {
+    let mut first = None;
+    for ring in rings.iter_mut() {
+        first = first.or(ring.close_imports(deadline.remaining()).err());
+    }
+    let handshake = job.barrier(deadline);
+    // Without the handshake (a rank is lost, or late past the deadline), each ring frees what
+    // it exported only once every neighbour that maps it confirmed its close or is gone (its
+    // mappings went with it); a live neighbour that did not confirm may still map it, or write
+    // it with credit it already holds: leaked, never freed under it.
+    let mut leaked = false;
+    for ring in rings.iter_mut() {
+        if handshake.is_ok() || ring.neighbours_closed(&|r| job.is_absent(r)) {
+            if handshake.is_err() {
+                tracing::info!("teardown: every neighbour confirmed its close or is gone: freed");
+            }
+            first = first.or(ring.close(deadline.remaining()).err());
+        } else {
+            ring.leak_exports();
+            leaked = true;
+        }
+    }
+    match (first, handshake) {
+        (Some(e), _) => Err(e),
+        (None, Err(e)) if leaked => {
+            tracing::error!(error = %e, "the teardown handshake failed: exported slots leaked");
+            Err(Error::from(e))
+        }
+        _ => Ok(()),
     }
 }

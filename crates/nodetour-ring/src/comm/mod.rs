@@ -61,15 +61,13 @@
 mod device_buffers;
 mod device_collectives;
 mod device_set;
-mod gpu_links;
+pub(crate) mod form;
+mod gpu_options;
 mod host_collectives;
 mod host_job;
 mod in_flight;
 mod lifecycle;
 pub(crate) mod links;
-pub(crate) mod net_direct;
-mod net_links;
-pub(crate) mod one_kernel_links;
 mod options;
 mod paths;
 mod scratch;
@@ -78,7 +76,7 @@ pub(crate) mod table;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;
-pub use gpu_links::{GpuPaths, GpuRingOptions, NetLanding, ONE_KERNEL_MAX, OneKernelMode};
+pub use gpu_options::{GpuPaths, GpuRingOptions, NetLanding, ONE_KERNEL_MAX, OneKernelMode};
 use host_collectives::pieces;
 pub use in_flight::{Failed, InFlight};
 pub use nodetour_net::bootstrap::UniqueId;

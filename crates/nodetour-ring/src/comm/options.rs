@@ -51,7 +51,7 @@ pub struct Options {
     pub one_step_max: usize,
     /// GPU rings of processes (one host, one GPU each): slot shapes, where the direct path's
     /// flags live, and which path to build (`Auto`, `Direct` or `Staged`).
-    pub gpu_ring: super::gpu_links::GpuRingOptions,
+    pub gpu_ring: super::gpu_options::GpuRingOptions,
     /// GPU rings of two processes: run the allreduce as one exchange step (the default) rather
     /// than the two-step ring.
     pub two_rank_exchange: bool,
@@ -132,7 +132,7 @@ impl Options {
     /// Reads the settings from `env` (each declared in [`nodetour_core::knobs`]: range,
     /// default, meaning).
     pub fn from_knobs(env: &Env<'_>) -> Result<Options> {
-        use super::gpu_links::{GpuRingOptions, NetLanding, OneKernelMode};
+        use super::gpu_options::{GpuRingOptions, NetLanding, OneKernelMode};
         let config = Config::from_knobs(env)?;
         let size = |k: &str| env.count(k).map(|n| n as usize);
         let word = |k: &str| env.choice(k);
@@ -276,7 +276,7 @@ mod tests {
 
     #[test]
     fn the_constants_are_the_declared_defaults() {
-        use super::super::gpu_links::GpuRingOptions;
+        use super::super::gpu_options::GpuRingOptions;
         let o = Options::default();
         assert_eq!(o.gpu_ring, GpuRingOptions::default());
         assert_eq!((o.slot_bytes, o.slots), (DEFAULT_SLOT_BYTES, DEFAULT_SLOTS));
@@ -296,7 +296,7 @@ mod tests {
             pipeline,
             nodetour_core::knobs::Kind::Count {
                 min: 1,
-                max: u64::from(super::super::gpu_links::PIPELINE_MAX)
+                max: u64::from(super::super::gpu_options::PIPELINE_MAX)
             }
         );
     }

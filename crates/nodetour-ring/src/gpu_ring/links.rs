@@ -80,7 +80,7 @@ pub(crate) struct StreamLinks {
     /// GPU slots: received chunks that are only copied, of at most this many bytes, are
     /// copied out of the slot by one kernel that then credits the slot; larger ones by the
     /// copy engine and a credit kernel (0: always that). Host slots always take the copy
-    /// engine (see [`crate::comm::gpu_links::COPY_KERNEL_MAX`]).
+    /// engine (see [`crate::comm::gpu_options::COPY_KERNEL_MAX`]).
     pub copy_kernel_max: usize,
     /// Where end notices go and come from.
     pub ends: EndPages,

@@ -92,7 +92,7 @@ fn gpu_error(what: &str, e: nodetour_core::Error) -> Error {
 ///
 /// The layer below [`crate::comm::Communicator`] (its device path on one host); runtimes use
 /// the communicator, tools that compare paths side by side form this through
-/// [`crate::comm::gpu_links::form`].
+/// [`crate::comm::form`].
 pub(crate) struct GpuRing {
     // What queued work uses: taken by the teardown, and dropped only once the streams have
     // drained (else leaked: see `shut_down`).

@@ -43,7 +43,7 @@ impl OneKernelLog {
 
 impl GpuRing {
     /// Runs allreduces of at most `max` bytes as one kernel on the caller's stream (formed by
-    /// `comm::one_kernel_links`; every rank must have it on with the same `max`), or, with
+    /// `comm::form::one_kernel`; every rank must have it on with the same `max`), or, with
     /// `None`, on the ring; `why` says which and why (for [`Self::path`]).
     pub(crate) fn set_one_kernel(&mut self, kernel: Option<OneKernel>, max: usize, why: String) {
         if let Some(h) = self.held.as_mut() {

@@ -25,7 +25,7 @@ use nodetour_core::transport::{SlotRegion, TransportKind};
 use nodetour_core::verbs::{Access, LocalSide, MemoryRegion};
 use nodetour_core::visibility::{self, Flush, FlushMethod};
 
-use super::gpu_links::NetLanding;
+use crate::comm::gpu_options::NetLanding;
 use crate::error::{Error, Result};
 use crate::flag;
 use crate::net_link::{Lander, WordPage};
