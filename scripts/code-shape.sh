@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # code-shape.sh: the shape of the code: the largest source files and the longest functions.
 #   scripts/code-shape.sh            print the 15 largest files and the 25 longest functions
-#   scripts/code-shape.sh --check    also fail where a source file is over 1,000 lines or a
-#                                    formation step (comm/form/) over 100
+#   scripts/code-shape.sh --check    also fail where a source file is over 1,000 lines, a
+#                                    formation step (comm/form/) over 100, or a crate's
+#                                    top-level modules import each other in a circle
 # Sources: the crates' src/, the root src/ and examples/ (tests and benches are not counted).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -91,6 +92,9 @@ if not circles:
 over = [(n, f) for n, f in sizes if n > 1000]
 if check and over:
     print("over 1,000 lines: " + ", ".join(f"{f} ({n})" for n, f in over))
+    sys.exit(1)
+if check and circles:
+    print(f"{circles} import circle(s) between top-level modules")
     sys.exit(1)
 if check and long_steps:
     print("formation steps over 100 lines: " + ", ".join(f"{w} {m} ({n})" for n, w, m in long_steps))

@@ -41,16 +41,21 @@ pub mod cuda;
 pub mod deadline;
 pub mod dtype;
 pub mod error;
+pub mod gdr;
 pub mod knobs;
 pub mod meeting;
+pub mod memlock;
 pub mod memory;
 pub mod net;
 pub mod probe;
 pub mod random;
-pub mod registration;
 pub mod transport;
 pub mod verbs;
-pub mod visibility;
+
+/// The registration ladder ([`gdr::registration`], where it was before GPUDirect got its room).
+pub use gdr::registration;
+/// Visibility of landed chunks ([`gdr::visibility`], where it was before).
+pub use gdr::visibility;
 
 pub use config::Config;
 pub use deadline::Deadline;

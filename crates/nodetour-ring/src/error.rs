@@ -69,11 +69,23 @@ pub enum Error {
         /// Why.
         reason: String,
     },
-    /// A CUDA operation of a GPU collective failed.
+    /// A GPU operation failed, described in words (a caller's own CUDA call, a context that
+    /// cannot be made).
     #[error("GPU operation failed: {reason}")]
     Gpu {
         /// The operation and the driver's error.
         reason: String,
+    },
+    /// A CUDA call nodetour made for a GPU collective failed: what it was doing, and the
+    /// call's typed error (the CUDA call and error code: [`nodetour_core::Error::Cuda`]) as
+    /// the source.
+    #[error("GPU operation failed: {what}: {source}")]
+    GpuCall {
+        /// What nodetour was doing.
+        what: String,
+        /// The failed call's error.
+        #[source]
+        source: CoreError,
     },
     /// The collective was aborted.
     #[error("the collective was aborted: {reason}")]
@@ -155,6 +167,14 @@ fn timeout_text(waiting_for: &str, rank: Option<u32>, after: Duration) -> String
 }
 
 impl Error {
+    /// A CUDA call made while doing `what` failed with `e` (kept as the source).
+    pub(crate) fn gpu(what: impl Into<String>, e: nodetour_core::Error) -> Error {
+        Error::GpuCall {
+            what: what.into(),
+            source: CoreError::from(e),
+        }
+    }
+
     /// The rank at fault and what happened there, where the error names one: the same on every
     /// rank that a failure of one rank ended ([`Error::PeerFailed`] carries it from rank to
     /// rank). `None` for errors of this rank alone (an abort here, a refused argument, a local
@@ -282,6 +302,27 @@ impl From<nodetour_core::Error> for CoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_cuda_call_keeps_its_typed_error_as_the_source() {
+        let call = nodetour_core::Error::Cuda {
+            op: "cuLaunchKernel",
+            code: "CUDA_ERROR_LAUNCH_FAILED".into(),
+            hint: "",
+        };
+        let e = Error::gpu("queueing the collective", call);
+        let source = std::error::Error::source(&e).expect("a source");
+        let core = source.downcast_ref::<CoreError>().expect("the core error");
+        assert!(matches!(
+            core.get(),
+            nodetour_core::Error::Cuda {
+                op: "cuLaunchKernel",
+                ..
+            }
+        ));
+        let shown = e.to_string();
+        assert!(shown.contains("queueing the collective") && shown.contains("cuLaunchKernel"));
+    }
 
     #[test]
     fn a_transport_error_keeps_the_core_error_as_its_source() {

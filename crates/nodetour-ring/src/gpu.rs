@@ -118,12 +118,6 @@ pub const ONE_STEP_MAX: usize = 16 << 20;
 /// NCCL's busbw and the copy engine 0.96x; at 256 MiB the copy engine 1.14x, the kernel 1.08x.
 pub const KERNEL_COPY_MAX: usize = 32 << 20;
 
-fn gpu_error(what: &str, e: nodetour_core::Error) -> Error {
-    Error::Gpu {
-        reason: format!("{what}: {e}"),
-    }
-}
-
 impl GpuGroup {
     /// A ring with one rank per entry of `contexts`, in that order (the same GPU may appear
     /// more than once). Enables peer access between every pair of distinct GPUs that are ring
@@ -145,7 +139,7 @@ impl GpuGroup {
             if !Arc::ptr_eq(prev, ctx) && prev.ordinal() != ctx.ordinal() {
                 distinct_pairs += 1;
                 let ok = enable_peer_access(ctx, prev)
-                    .map_err(|e| gpu_error("enabling peer access", e))?;
+                    .map_err(|e| Error::gpu("enabling peer access", e))?;
                 if !ok {
                     return Err(Error::Unsupported {
                         reason: format!(
@@ -159,7 +153,7 @@ impl GpuGroup {
             }
             if !kernels.iter().any(|(c, _)| Arc::ptr_eq(c, ctx)) {
                 let k =
-                    ReduceKernels::load(ctx).map_err(|e| gpu_error("loading the kernels", e))?;
+                    ReduceKernels::load(ctx).map_err(|e| Error::gpu("loading the kernels", e))?;
                 kernels.push((ctx.clone(), Arc::new(k)));
             }
         }
@@ -176,14 +170,14 @@ impl GpuGroup {
                 (0..=steps)
                     .map(|_| GpuEvent::marker(ctx))
                     .collect::<nodetour_core::Result<Vec<_>>>()
-                    .map_err(|e| gpu_error("creating markers", e))
+                    .map_err(|e| Error::gpu("creating markers", e))
             };
             members.push(Member {
                 context: ctx.clone(),
                 kernels: k,
                 markers: markers()?,
                 captured: markers()?,
-                end: GpuEvent::marker(ctx).map_err(|e| gpu_error("creating markers", e))?,
+                end: GpuEvent::marker(ctx).map_err(|e| Error::gpu("creating markers", e))?,
             });
         }
         let path = if n == 1 {
@@ -300,7 +294,7 @@ impl GpuGroup {
             if !m
                 .end
                 .is_complete()
-                .map_err(|e| gpu_error("asking about the collective", e))?
+                .map_err(|e| Error::gpu("asking about the collective", e))?
             {
                 return Ok(false);
             }
@@ -325,7 +319,7 @@ impl GpuGroup {
             }
             for (m, s) in self.members.iter().zip(streams) {
                 s.record_marker(&m.end)
-                    .map_err(|e| gpu_error("queueing the end of the collective", e))?;
+                    .map_err(|e| Error::gpu("queueing the end of the collective", e))?;
             }
             Ok(())
         });
@@ -431,7 +425,7 @@ impl GpuGroup {
         if bytes == 0 || n == 1 {
             return Ok(());
         }
-        let g = |e| gpu_error("queueing the broadcast", e);
+        let g = |e| Error::gpu("queueing the broadcast", e);
         let chunks = (bytes / BROADCAST_CHUNK_MIN).clamp(1, BROADCAST_CHUNKS);
         let chunk = |c: usize| {
             let (a, b) = (c * bytes / chunks, (c + 1) * bytes / chunks);
@@ -460,7 +454,7 @@ impl GpuGroup {
     fn record_start(&self, streams: &[&GpuStream]) -> Result<()> {
         for (r, s) in streams.iter().enumerate() {
             s.record_marker(&self.marks(r)[0])
-                .map_err(|e| gpu_error("queueing the collective", e))?;
+                .map_err(|e| Error::gpu("queueing the collective", e))?;
         }
         Ok(())
     }
@@ -486,7 +480,7 @@ impl GpuGroup {
             let (first, len) = seg(i % n);
             (first * size, len)
         };
-        let g = |e| gpu_error("queueing the collective", e);
+        let g = |e| Error::gpu("queueing the collective", e);
         self.record_start(streams)?;
         let reduce_steps = if reduce.is_some() { n - 1 } else { 0 };
         let steps = reduce_steps + if gather { n - 1 } else { 0 };
@@ -543,7 +537,7 @@ impl GpuGroup {
         } else {
             s.copy(buffers[r], off, buffers[prev], off, len)
         };
-        queued.map_err(|e| gpu_error("queueing a copy from the previous rank", e))
+        queued.map_err(|e| Error::gpu("queueing a copy from the previous rank", e))
     }
 
     /// The next rank read this rank's buffer up to the last step: the collective ends on each
@@ -553,7 +547,7 @@ impl GpuGroup {
         for (r, stream) in streams.iter().enumerate() {
             stream
                 .wait_marker(&self.marks((r + 1) % n)[steps])
-                .map_err(|e| gpu_error("queueing the end of the collective", e))?;
+                .map_err(|e| Error::gpu("queueing the end of the collective", e))?;
         }
         Ok(())
     }
@@ -568,7 +562,7 @@ impl GpuGroup {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        let g = |e| gpu_error("queueing the allreduce", e);
+        let g = |e| Error::gpu("queueing the allreduce", e);
         let halves = [(0, count / 2), (count / 2, count - count / 2)];
         for (r, &(start, len)) in halves.iter().enumerate() {
             let peer = 1 - r;
@@ -653,7 +647,7 @@ fn capture_of(streams: &[&GpuStream]) -> Result<bool> {
     for s in streams {
         ids.push(
             s.capture_id()
-                .map_err(|e| gpu_error("asking about stream capture", e))?,
+                .map_err(|e| Error::gpu("asking about stream capture", e))?,
         );
     }
     match ids.first().copied().flatten() {

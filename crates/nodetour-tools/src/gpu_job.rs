@@ -85,9 +85,7 @@ impl GpuJob {
             });
         }
         let gpu = info.local_rank.unwrap_or(info.rank) as usize % gpus;
-        let context = CudaContext::new(gpu).map_err(|e| Error::Gpu {
-            reason: format!("GPU {gpu}: {e:?}"),
-        })?;
+        let context = nodetour::core::cuda::open_context(gpu)?;
         let options = |s: &VariantSpec| -> Result<Options> {
             let mut o = Options::from_env()?;
             o.gpu = Some(gpu);

@@ -82,9 +82,7 @@ pub fn handoff(
     sizes: &[usize],
     iters: usize,
 ) -> nodetour_ring::Result<Vec<HandoffRow>> {
-    let context = CudaContext::new(ordinal).map_err(|e| nodetour_ring::Error::Gpu {
-        reason: format!("opening GPU {ordinal}: {e:?}"),
-    })?;
+    let context = nodetour_core::cuda::open_context(ordinal)?;
     let largest = sizes.iter().copied().max().unwrap_or(8).max(8);
     let spin = NetOptions::from_config(&nodetour_core::Config::from_env()?).spin;
     let (a, b) = (End::new(&context, largest)?, End::new(&context, largest)?);

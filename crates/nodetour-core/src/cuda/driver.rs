@@ -14,6 +14,13 @@ pub const MIN_DRIVER_VERSION: i32 = 11000;
 
 static AVAILABLE: OnceLock<std::result::Result<i32, String>> = OnceLock::new();
 
+/// GPU `ordinal`'s primary context, after [`availability`] (CUDA is loaded at run time: its
+/// absence is a typed error, not a crash); a failure is [`Error::Cuda`] naming the call.
+pub fn open_context(ordinal: usize) -> Result<std::sync::Arc<cudarc::driver::CudaContext>> {
+    availability()?;
+    cudarc::driver::CudaContext::new(ordinal).map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))
+}
+
 /// Checks once per process that libcuda loads and `cuInit` succeeds; returns the driver's CUDA
 /// version (12080 = 12.8). Every other CUDA call in nodetour comes after this.
 pub fn availability() -> Result<i32> {

@@ -20,7 +20,7 @@ pub(crate) mod result;
 pub mod stream;
 pub mod stream_buffer;
 
-pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus};
+pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus, open_context};
 pub use libs::nccl_loadable;
 pub use stream::{GpuEvent, GpuStream, can_access_peer, enable_peer_access, reap_releases};
 pub use stream_buffer::StreamOrderedBuffer;

@@ -7,11 +7,10 @@ use std::path::PathBuf;
 use super::pci::{AcsState, Distance, PciLevel, classify};
 use super::system::{IommuMode, SystemFacts, provider_for};
 use crate::cuda::GdrAttributes;
-use crate::registration::{PeermemState, Rung};
+use crate::gdr::registration::{PeermemState, Rung};
 use crate::verbs::DmabufSupport;
 
-/// Smallest memlock limit that lets a communicator register its slots (64 MiB host + flags).
-pub const MIN_MEMLOCK: u64 = 64 << 20;
+pub use crate::memlock::MIN_MEMLOCK;
 
 /// One GPU as probed.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -20,7 +20,8 @@
 pub mod gpu;
 mod mem;
 pub mod one_kernel;
-pub mod read_flush;
+/// The flush by read ([`crate::gdr::read_flush`], where it was before GPUDirect got its room).
+pub use crate::gdr::read_flush;
 pub mod setup;
 mod slots;
 pub mod tcp;

@@ -7,7 +7,8 @@
 //! (the tools' out-of-band channel, `nodetour_tools::oob`, is one way), [`QueuePair::connect`], then post writes and poll completions.
 //! Dropping tears down in the safe order on its own.
 
-pub mod async_event;
+/// Asynchronous device events (defined beside the error that carries them).
+pub use crate::error::async_event;
 pub mod completion;
 pub mod context;
 mod cq;

@@ -150,7 +150,7 @@ impl<B: RdmaBuffer> MemoryRegion<B> {
         buffer: B,
         access: Access,
     ) -> Result<Self, (Error, B)> {
-        crate::probe::system::warn_exempt_memlock_once(crate::probe::verdict::MIN_MEMLOCK);
+        crate::memlock::warn_exempt_memlock_once(crate::memlock::MIN_MEMLOCK);
         let addr = buffer.as_mut_ptr();
         let len = buffer.len();
         if let Err(e) = check_registration(addr as usize, len, page_size()) {

@@ -171,7 +171,7 @@ impl QueuePair {
 
     /// Like [`Self::new`], for a queue pair that both initiates and serves RDMA READs: only for
     /// a queue pair connected to itself in a protection domain of its own (the flush by read,
-    /// [`crate::transport::read_flush`]); no queue pair that reaches a peer ever serves reads.
+    /// [`crate::gdr::read_flush`]); no queue pair that reaches a peer ever serves reads.
     pub fn new_reader(
         pd: &Arc<ProtectionDomain>,
         port: u8,

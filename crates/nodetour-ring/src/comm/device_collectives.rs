@@ -318,9 +318,7 @@ impl Communicator {
                     ring.all_reduce_gpu_piece(buffer, r, &d, staging, alive)
                 })?;
             }
-            stream.synchronize().map_err(|e| Error::Gpu {
-                reason: e.to_string(),
-            })
+            stream.synchronize().map_err(gpu_error)
         })
     }
 }

@@ -407,7 +407,7 @@ impl SetMember {
             Box::new(move |k| {
                 stream
                     .copy(recv, seat * block, send, 0, block)
-                    .map_err(|e| gpu("copying the block in", e))?;
+                    .map_err(|e| Error::gpu("copying the block in", e))?;
                 k(recv, stream)
             }),
         )
@@ -463,10 +463,10 @@ impl ScatterThrough {
         let (whole, block, seat) = (self.whole, self.block, self.seat);
         with_scratch(&self.scratch, &self.context, whole, s, |buf| {
             s.copy(buf, 0, inp, 0, whole)
-                .map_err(|e| gpu("copying the input in", e))?;
+                .map_err(|e| Error::gpu("copying the input in", e))?;
             k(buf, s)?;
             s.copy(out, 0, buf, seat * block, block)
-                .map_err(|e| gpu("copying the block out", e))
+                .map_err(|e| Error::gpu("copying the block out", e))
         })
     }
 }
@@ -773,12 +773,6 @@ fn key<T: Element>(collective: Collective, count: usize, op: ReduceOp, root: usi
         dtype: T::DATA_TYPE,
         op,
         root,
-    }
-}
-
-fn gpu(what: &str, e: nodetour_core::Error) -> Error {
-    Error::Gpu {
-        reason: format!("{what}: {e}"),
     }
 }
 

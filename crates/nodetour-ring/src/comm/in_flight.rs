@@ -34,9 +34,9 @@ pub struct Failed {
 impl InFlight<'_> {
     /// Whether the collective has finished on the caller's stream (never blocks).
     pub fn is_done(&self) -> Result<bool> {
-        self.done.is_complete().map_err(|e| Error::Gpu {
-            reason: format!("asking about the collective: {e}"),
-        })
+        self.done
+            .is_complete()
+            .map_err(|e| Error::gpu("asking about the collective", e))
     }
 
     /// Waits for the collective (and every device collective queued before it) to `deadline`,

@@ -105,14 +105,8 @@ impl Communicator {
         }
         let pin = match options.gpu {
             Some(ordinal) => Some(
-                {
-                    // CUDA is loaded at run time: its absence is a typed error, not a crash.
-                    nodetour_core::cuda::availability()?;
-                    cudarc::driver::CudaContext::new(ordinal)
-                }
-                .map_err(|e| Error::Gpu {
-                    reason: format!("GPU {ordinal}: {e:?}"),
-                })?,
+                nodetour_core::cuda::open_context(ordinal)
+                    .map_err(|e| Error::gpu(format!("opening GPU {ordinal}"), e))?,
             ),
             None => None,
         };

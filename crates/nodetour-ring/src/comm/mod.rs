@@ -184,10 +184,9 @@ impl Layout {
     }
 }
 
+/// A CUDA call of a device collective failed (its error kept as the source).
 fn gpu_error(e: nodetour_core::Error) -> Error {
-    Error::Gpu {
-        reason: e.to_string(),
-    }
+    Error::gpu("a device collective's CUDA call", e)
 }
 
 fn poisoned() -> Error {

@@ -38,13 +38,14 @@ impl Scratch {
         if let Some(free) = &self.free {
             stream
                 .wait_marker(free)
-                .map_err(|e| gpu("ordering the scratch buffer", e))?;
+                .map_err(|e| Error::gpu("ordering the scratch buffer", e))?;
         }
         match self.buffer.take() {
             Some(b) if b.len() >= len => Ok(b),
             smaller => {
                 self.retired.extend(smaller);
-                DeviceBuffer::new(context, len.max(1)).map_err(|e| gpu("allocating scratch", e))
+                DeviceBuffer::new(context, len.max(1))
+                    .map_err(|e| Error::gpu("allocating scratch", e))
             }
         }
     }
@@ -52,11 +53,12 @@ impl Scratch {
     pub(crate) fn put_back(&mut self, buffer: DeviceBuffer, stream: &GpuStream) -> Result<()> {
         let free = match self.free.take() {
             Some(f) => f,
-            None => GpuEvent::marker(stream.context()).map_err(|e| gpu("creating a marker", e))?,
+            None => GpuEvent::marker(stream.context())
+                .map_err(|e| Error::gpu("creating a marker", e))?,
         };
         stream
             .record_marker(&free)
-            .map_err(|e| gpu("marking the scratch buffer", e))?;
+            .map_err(|e| Error::gpu("marking the scratch buffer", e))?;
         self.free = Some(free);
         self.buffer = Some(buffer);
         Ok(())
@@ -75,14 +77,14 @@ pub(crate) fn with_scratch<R>(
 ) -> Result<R> {
     if stream
         .is_capturing()
-        .map_err(|e| gpu("asking about stream capture", e))?
+        .map_err(|e| Error::gpu("asking about stream capture", e))?
     {
         let scratch = StreamOrderedBuffer::new(stream, len.max(1))
-            .map_err(|e| gpu("allocating scratch in the graph", e))?;
+            .map_err(|e| Error::gpu("allocating scratch in the graph", e))?;
         let result = f(scratch.buffer());
         let freed = scratch
             .free()
-            .map_err(|e| gpu("freeing scratch in the graph", e));
+            .map_err(|e| Error::gpu("freeing scratch in the graph", e));
         return result.and_then(|r| freed.map(|()| r));
     }
     let mut pool = pool.lock().map_err(|_| super::poisoned())?;
@@ -90,10 +92,4 @@ pub(crate) fn with_scratch<R>(
     let result = f(&buffer);
     pool.put_back(buffer, stream)?;
     result
-}
-
-fn gpu(what: &str, e: nodetour_core::Error) -> Error {
-    Error::Gpu {
-        reason: format!("{what}: {e}"),
-    }
 }

@@ -82,12 +82,6 @@ pub(crate) const SLOTS: u32 = 4;
 /// The bound on slot memory per communicator (GPU and host each), by default.
 pub(crate) const SLOT_MEMORY_MAX: usize = 64 << 20;
 
-fn gpu_error(what: &str, e: nodetour_core::Error) -> Error {
-    Error::Gpu {
-        reason: format!("{what}: {e}"),
-    }
-}
-
 /// One rank of a ring of processes, one GPU each.
 ///
 /// The layer below [`crate::comm::Communicator`] (its device path on one host); runtimes use
@@ -253,7 +247,7 @@ impl GpuRing {
                 });
             }
         }
-        let g = |e| gpu_error("setting up the GPU ring", e);
+        let g = |e| Error::gpu("setting up the GPU ring", e);
         let path = match &links {
             None => "a ring of one: nothing moves".to_owned(),
             Some(l) => l.describe(),

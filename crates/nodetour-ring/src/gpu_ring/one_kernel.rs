@@ -166,7 +166,7 @@ impl GpuRing {
     ) -> Result<()> {
         let seq = self.queued;
         let what = Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq);
-        let g = |e| gpu_error("queueing the collective", e);
+        let g = |e| Error::gpu("queueing the collective", e);
         let held = self.held.as_ref().expect("checked by the caller");
         let kernel = held.one_kernel.as_ref().ok_or_else(|| Error::Unsupported {
             reason: "the one-kernel path is off on this communicator".into(),

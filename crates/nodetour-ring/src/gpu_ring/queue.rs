@@ -46,7 +46,7 @@ impl GpuRing {
         replayable: Replayable,
     ) -> Result<()> {
         let (sends, recvs) = (&prog.sends, &prog.recvs);
-        let g = |e| gpu_error("queueing the collective", e);
+        let g = |e| Error::gpu("queueing the collective", e);
         let context = self.context.clone();
         let marks = if capturing {
             &mut self.capture_marks
@@ -181,7 +181,7 @@ impl GpuRing {
         marks: &Marks,
         (r0, align): (u32, u32),
     ) -> Result<()> {
-        let g = |e| gpu_error("queueing the collective", e);
+        let g = |e| Error::gpu("queueing the collective", e);
         let s = &self.h().recv;
         let kernels = &self.h().kernels;
         let [_, guard] = self

@@ -43,7 +43,7 @@ impl GpuRing {
         timeout: Duration,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
-        let g = |e| gpu_error("marking the caller's stream", e);
+        let g = |e| Error::gpu("marking the caller's stream", e);
         let done = GpuEvent::marker(stream.context()).map_err(g)?;
         stream.record_marker(&done).map_err(g)?;
         self.wait_until(Some(&done), timeout, alive)
@@ -61,7 +61,7 @@ impl GpuRing {
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let g = |e| gpu_error("waiting for the collective", e);
+        let g = |e| Error::gpu("waiting for the collective", e);
         let spin_until = Instant::now() + Duration::from_micros(50);
         let mut nap = Duration::from_micros(10);
         let mut lost = None;
@@ -223,6 +223,6 @@ impl GpuRing {
         }
         stream
             .is_capturing()
-            .map_err(|e| gpu_error("asking about stream capture", e))
+            .map_err(|e| Error::gpu("asking about stream capture", e))
     }
 }

@@ -100,10 +100,9 @@ pub(super) struct GpuOps<'a> {
     pub(super) bounce: Vec<u8>,
 }
 
+/// A CUDA call of the staged GPU path failed (its error kept as the source).
 pub(super) fn gpu(e: nodetour_core::Error) -> Error {
-    Error::Gpu {
-        reason: e.to_string(),
-    }
+    Error::gpu("staging a GPU piece through the host ring", e)
 }
 
 impl ChunkOps for GpuOps<'_> {

@@ -478,6 +478,12 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_stop_values_are_distinct() {
+        // The one-kernel path's stop value and the guarded waits' share the stop word.
+        assert_ne!(crate::cuda::one_kernel::STOP_ONE_KERNEL, STOP_TIMED_OUT);
+    }
+
+    #[test]
     fn ipc_grants_round_trip_and_reject_garbage() {
         let g = IpcGrant {
             handle: [3; 64],

@@ -1,5 +1,5 @@
 //! The flush by RDMA read: on GPUs that do not order a NIC's writes into their memory as their
-//! own work sees them ([`crate::visibility`]), a chunk that landed in GPU slots is read back by
+//! own work sees them ([`crate::gdr::visibility`]), a chunk that landed in GPU slots is read back by
 //! an RDMA READ of a few of its bytes on a loopback queue pair before the receive stream is
 //! released. The read's completion means the writes before it are visible (PCIe ordering: a
 //! read does not pass earlier posted writes to the same device), which is what NCCL does.
@@ -16,8 +16,8 @@ use std::time::Duration;
 use crate::config::Config;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result};
+use crate::gdr::registration::{LadderBuffer, Rung};
 use crate::memory::{HostBuffer, RdmaBuffer};
-use crate::registration::{LadderBuffer, Rung};
 use crate::verbs::{
     Access, Completion, Context, GidChoice, MemoryRegion, PathOptions, PortAttributes,
     ProtectionDomain, QueuePair, QueuePairOptions, RemoteRegion,

@@ -4,8 +4,12 @@
 //! (as [`std::io::Error`]) and, where a user can act on it, a hint that says what to change.
 //! Callers branch on the variant (and on [`Error::errno`]), never on the message text.
 
+pub mod async_event;
+
 use std::io;
 use std::time::Duration;
+
+pub use async_event::AsyncEvent;
 
 /// A `Result` whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -319,7 +323,7 @@ pub enum Error {
         /// The device.
         device: String,
         /// The event.
-        event: crate::verbs::AsyncEvent,
+        event: AsyncEvent,
         /// What it usually means and what to do.
         hint: &'static str,
     },

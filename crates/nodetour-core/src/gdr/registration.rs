@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use crate::cuda::GdrAttributes;
 use crate::error::Error;
+use crate::gdr::read_flush::Alias;
 use crate::memory::{DeviceBuffer, RdmaBuffer};
-use crate::transport::read_flush::Alias;
 use crate::verbs::{Access, DmabufSupport, MemoryRegion, ProtectionDomain};
 
 /// Said with every direct-path outcome until the project's own hardware has run it.
@@ -217,7 +217,7 @@ pub trait LadderBuffer: RdmaBuffer + Sized {
     ) -> Result<MemoryRegion<Self>, (Error, Self)>;
 
     /// Registers the memory of a dma-buf registration a second time, in `pd` (the flush by
-    /// read's own domain, [`crate::transport::read_flush`]). Buffers without a dma-buf of their
+    /// read's own domain, [`crate::gdr::read_flush`]). Buffers without a dma-buf of their
     /// own cannot.
     #[allow(clippy::type_complexity)]
     fn register_dmabuf_again(
