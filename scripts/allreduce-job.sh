@@ -39,7 +39,7 @@ verbs)
     # The largest size's bus bandwidth (GB/s = 1e9 bytes/s).
     busbw=$(awk '$1 == "[rank" && $2 == "0]" && $3 ~ /^[0-9]+$/ && $NF == "ok" { b = $(NF-1) } END { print b }' "$out")
     echo "== reference: ib_write_bw between the same devices, 1 MiB writes (the link's ceiling)"
-    SIZES=1048576 RUNS=1 NODETOUR_BIN=$BIN/nodetour scripts/write-bw-compare.sh | tee -a "$out" ||
+    SIZES=1048576 RUNS=1 NODETOUR_BIN=$BIN/nodetour scripts/compare/write-bw-compare.sh | tee -a "$out" ||
         echo "allreduce-job: the reference (ib_write_bw) gave no figure this run (it fails now and then under emulation)"
     link=$(sed -n 's/.*ib_write_bw_MBps=\([0-9.]*\).*/\1/p' "$out" | tail -1)
     if [[ -n $busbw && -n $link ]]; then

@@ -28,8 +28,8 @@ exe=$(cargo test --release -p nodetour-ring --test ring_capture_gpu --no-run 2>&
 cp "$exe" "$out/ring_capture_tests"
 exe=$(cargo bench --bench allreduce --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp "$exe" "$out/bench_allreduce"
-cp scripts/gpu-common.sh scripts/gpu-tier.sh scripts/gpu-one-kernel.sh scripts/gpu-net.sh scripts/gpu-drills.sh scripts/ab-perf.sh scripts/launch-local.sh \
-    scripts/onehost-reference.sh scripts/onehost_reference.py "$out/"
+cp scripts/tiers/gpu-common.sh scripts/tiers/gpu-tier.sh scripts/tiers/gpu-one-kernel.sh scripts/tiers/gpu-net.sh scripts/drills/gpu-drills.sh scripts/compare/ab-perf.sh scripts/launch-local.sh \
+    scripts/compare/onehost-reference.sh scripts/compare/onehost_reference.py "$out/"
 git describe --always --dirty >"$out/VERSION" 2>/dev/null || echo unknown >"$out/VERSION"
 strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/teardown_probe" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/communicator_devices_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check" "$out/bench_allreduce" "$out/data_parallel" "$out/communicator_gpu_tests" "$out/one_kernel_tests" "$out/ring_capture_tests" "$out/two_node_allreduce"
 du -sh "$out"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # install-deps.sh: install the Debian/Ubuntu packages that nodetour needs to build and to run
-# its soft-RoCE VM tests (scripts/rdma-vm.sh). Idempotent: installs only what is missing, and
+# its soft-RoCE VM tests (scripts/vm/rdma-vm.sh). Idempotent: installs only what is missing, and
 # touches apt (update included) only then.
 #
 # Usage: scripts/install-deps.sh [--build-only]
@@ -19,7 +19,7 @@ build_pkgs=(libibverbs-dev librdmacm-dev libclang-dev pkg-config)
 vm_pkgs=(qemu-system-x86 kmod cpio busybox-static iproute2 rdma-core ibverbs-providers
     ibverbs-utils rdmacm-utils perftest valgrind)
 
-# The test tier's reference for the host paths: Open MPI over tcp (scripts/mpi-compare.sh).
+# The test tier's reference for the host paths: Open MPI over tcp (scripts/compare/mpi-compare.sh).
 test_pkgs=(openmpi-bin libopenmpi-dev)
 
 build_only=0

@@ -23,8 +23,8 @@ elif compgen -G '/sys/class/infiniband/*' >/dev/null; then
     mapfile -t devs < <(ls /sys/class/infiniband)
     scripts/allreduce-job.sh verbs "${devs[0]}" "${devs[1]:-${devs[0]}}"
 else
-    reason=$(scripts/rdma-vm.sh --check) || { echo "run.sh: no GPU, no RDMA device here, and the VM cannot run: $reason"; exit 2; }
+    reason=$(scripts/vm/rdma-vm.sh --check) || { echo "run.sh: no GPU, no RDMA device here, and the VM cannot run: $reason"; exit 2; }
     echo "== no GPU and no RDMA device here: the allreduce runs in a VM with two soft-RoCE devices"
-    scripts/rdma-vm.sh --nodes 2 --timeout 900 -- bash -c \
+    scripts/vm/rdma-vm.sh --nodes 2 --timeout 900 -- bash -c \
         'target/release/nodetour doctor | sed -n "/RDMA devices/,/host memory/p"; scripts/allreduce-job.sh verbs "$NODETOUR_VM_DEV0" "$NODETOUR_VM_DEV1"'
 fi

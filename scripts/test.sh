@@ -5,7 +5,7 @@
 #   host   cargo test --workspace: pure logic, fixtures, fault injection, the out-of-band channel,
 #          fuzz corpora; hardware tests are ignored (counted as skipped) here.
 #   binary the binaries do not link libibverbs/librdmacm (ldd), and start without them.
-#   vm     real verbs in a soft-RoCE VM (scripts/rdma-vm.sh --nodes 2): the hardware tests, the
+#   vm     real verbs in a soft-RoCE VM (scripts/vm/rdma-vm.sh --nodes 2): the hardware tests, the
 #          two-node smoke example between two rxe devices, and our write loop vs ib_write_bw.
 #          Prints "SKIP <reason>" where the VM cannot run.
 # Env: NODETOUR_SKIP_INSTALL=1 (do not touch packages), NODETOUR_SKIP_VM=1, NODETOUR_REQUIRE_VM=1
@@ -188,7 +188,7 @@ tcp_bench() {
 }
 check "tcp large writes against a plain TCP stream (ratio printed, not asserted)" tcp_bench
 mpi_compare() { # issue 16's reference, same run: ratios printed, not asserted (timings are noisy)
-    scripts/mpi-compare.sh --ranks "2 4" --batches 5 --iters 20 2>&1 | grep -E '^(MPI_COMPARE|SKIP|mpi-compare)'
+    scripts/compare/mpi-compare.sh --ranks "2 4" --batches 5 --iters 20 2>&1 | grep -E '^(MPI_COMPARE|SKIP|mpi-compare)'
     return "${PIPESTATUS[0]}"
 }
 if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
@@ -196,9 +196,9 @@ if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
 else
     echo "SKIP mpi-compare: Open MPI is not installed (scripts/install-deps.sh installs it)"; skipped=$((skipped + 1))
 fi
-soak_tcp() { scripts/soak.sh tcp 10000 4; }
+soak_tcp() { scripts/drills/soak.sh tcp 10000 4; }
 drills_tcp() { # 3 kill + 3 abort trials, 4 processes; every Ok result checked (recorded: 20 each)
-    NODETOUR_TIMEOUT_MS=3000 scripts/host-drills.sh tcp 3 4 /tmp/host-drills-ci.log | sed 's/^/  /'
+    NODETOUR_TIMEOUT_MS=3000 scripts/drills/host-drills.sh tcp 3 4 /tmp/host-drills-ci.log | sed 's/^/  /'
     return "${PIPESTATUS[0]}"
 }
 check "drills over tcp: a rank SIGKILLed or aborted mid-allreduce, the others fail in time naming it, no wrong Ok (3 trials each)" drills_tcp
@@ -226,7 +226,7 @@ vm_cannot_run() { # REASON: a skip, or with NODETOUR_REQUIRE_VM=1 a failure nami
 }
 if [[ ${NODETOUR_SKIP_VM:-0} == 1 ]]; then
     vm_cannot_run "NODETOUR_SKIP_VM=1"
-elif ! reason=$(scripts/rdma-vm.sh --check 2>&1); then
+elif ! reason=$(scripts/vm/rdma-vm.sh --check 2>&1); then
     vm_cannot_run "$reason"
 else
     step "vm tier: real verbs between rxe0 and rxe1 in a soft-RoCE VM"
@@ -243,7 +243,7 @@ else
     if [[ ${#exes[@]} == 0 ]]; then
         echo "test.sh: could not find the verbs_rxe test executable"; failed=$((failed + 1))
     else
-        scripts/rdma-vm.sh --nodes 2 --timeout 900 -- scripts/vm-tier.sh "${exes[@]}" 2>&1 | tally "$VM"
+        scripts/vm/rdma-vm.sh --nodes 2 --timeout 900 -- scripts/tiers/vm-tier.sh "${exes[@]}" 2>&1 | tally "$VM"
         vm_rc=${PIPESTATUS[0]}
         if [[ $vm_rc == 0 ]]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
         echo "vm tier exit status: $vm_rc"

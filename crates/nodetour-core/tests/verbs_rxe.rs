@@ -1,4 +1,4 @@
-//! Real verbs, on a real RDMA device: soft-RoCE inside `scripts/rdma-vm.sh` in CI, or any NIC.
+//! Real verbs, on a real RDMA device: soft-RoCE inside `scripts/vm/rdma-vm.sh` in CI, or any NIC.
 //!
 //! These tests are `#[ignore]`d so that a plain `cargo test` on a machine without RDMA counts them
 //! as skipped (never as passed); `scripts/test.sh` runs them with `--include-ignored` inside the

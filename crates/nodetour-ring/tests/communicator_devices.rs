@@ -4,7 +4,7 @@
 //! evenly; driven from one thread through a [`Group`] and from one thread per GPU. Inputs reach
 //! the buffers by copies queued on the callers' streams just before the collective, so a
 //! collective that did not wait for earlier work on its streams would read stale data. Needs a
-//! GPU: `#[ignore]`d elsewhere (counted as skipped); run by `scripts/gpu-tier.sh` on the GPU
+//! GPU: `#[ignore]`d elsewhere (counted as skipped); run by `scripts/tiers/gpu-tier.sh` on the GPU
 //! machines.
 
 #![allow(clippy::needless_range_loop)] // ranks index several parallel vectors

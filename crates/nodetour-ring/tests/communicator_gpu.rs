@@ -6,7 +6,7 @@
 //! links across "hosts") is tested by starting this binary again as ranks
 //! (`device_collectives_on_a_gpu_ring_of_processes`). Every result is checked
 //! against the exact reference and compared bit for bit across ranks. Needs a GPU: `#[ignore]`d elsewhere (counted as skipped); run by
-//! `scripts/gpu-tier.sh` with `--include-ignored` under `NODETOUR_REQUIRE_GPU=1`.
+//! `scripts/tiers/gpu-tier.sh` with `--include-ignored` under `NODETOUR_REQUIRE_GPU=1`.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! The GPU reduction kernels against the host reducer, bit for bit, for every data type and
 //! operation, and the on-disk CUBIN cache. Needs a GPU: `#[ignore]`d elsewhere (counted as
-//! skipped); run by `scripts/gpu-tier.sh` on the GPU machines (`NODETOUR_REQUIRE_GPU=1` makes a
+//! skipped); run by `scripts/tiers/gpu-tier.sh` on the GPU machines (`NODETOUR_REQUIRE_GPU=1` makes a
 //! missing GPU a failure).
 
 use std::time::Instant;

@@ -15,7 +15,7 @@
 //!   stop word, long before the deadline), then the peer's next collective fails too.
 //!
 //! Needs a GPU: `#[ignore]`d elsewhere (counted as skipped); run by
-//! `scripts/gpu-tier.sh` with `--include-ignored` under `NODETOUR_REQUIRE_GPU=1`.
+//! `scripts/tiers/gpu-tier.sh` with `--include-ignored` under `NODETOUR_REQUIRE_GPU=1`.
 
 mod common;
 

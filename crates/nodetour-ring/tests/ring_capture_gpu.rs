@@ -11,7 +11,7 @@
 //! replay that waits for a rank that never replays ends by its deadline on the GPU.
 //!
 //! Needs a GPU: `#[ignore]`d elsewhere (counted as skipped); run by
-//! `scripts/gpu-tier.sh` with `--include-ignored` under `NODETOUR_REQUIRE_GPU=1`.
+//! `scripts/tiers/gpu-tier.sh` with `--include-ignored` under `NODETOUR_REQUIRE_GPU=1`.
 
 mod common;
 

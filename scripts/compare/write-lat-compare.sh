@@ -5,7 +5,7 @@
 # ours both with the default wait (spin 50 µs, then block) and polling like perftest
 # (NODETOUR_SPIN_US=100000).
 #
-# Runs INSIDE the soft-RoCE VM:  scripts/rdma-vm.sh --nodes 2 -- scripts/write-lat-compare.sh
+# Runs INSIDE the soft-RoCE VM:  scripts/vm/rdma-vm.sh --nodes 2 -- scripts/compare/write-lat-compare.sh
 # Env: SIZES (default "8 4096"), RUNS (default 3), ITERS (default 1000), NODETOUR_BIN.
 # Under emulation a round trip costs tens of microseconds of CPU: the ratio checks our
 # notification path against perftest's memory polling, not real NIC latency.

@@ -3,7 +3,7 @@
 # same message size, iteration count and send-queue depth, alternating, several runs each, in
 # one VM boot. Prints every run, the medians, and the ratio ours/perftest per size.
 #
-# Runs INSIDE the soft-RoCE VM:  scripts/rdma-vm.sh --nodes 2 -- scripts/write-bw-compare.sh
+# Runs INSIDE the soft-RoCE VM:  scripts/vm/rdma-vm.sh --nodes 2 -- scripts/compare/write-bw-compare.sh
 # Env: SIZES (default "65536 1048576"), RUNS (default 3), VOLUME (bytes per run, default 64 MiB),
 #      NODETOUR_BIN (default target/release/nodetour).
 # Under software emulation rxe moves 10-30 MB/s: the ratio checks that nothing is grossly wrong

@@ -5,12 +5,12 @@
 # of the timed iterations per batch; per size the median over batches and its spread.
 # Prints one `MPI_COMPARE` line per ranks x size (time ratio nodetour / MPI: < 1 is faster;
 # busbw ratio: > 1 is faster), then `MPI_COMPARE_SUMMARY`. Printed, not asserted.
-#   scripts/mpi-compare.sh [--ranks "2 4"] [--sizes 8:16M] [--factor 8] [--batches 5]
+#   scripts/compare/mpi-compare.sh [--ranks "2 4"] [--sizes 8:16M] [--factor 8] [--batches 5]
 #                          [--iters 30] [--spin-us N]   (NODETOUR_SPIN_US and NODETOUR_RING_SPIN_US
 #                                                        for nodetour's run: busy polling, like MPI)
 # Needs mpicc and mpirun (Debian: openmpi-bin libopenmpi-dev); else prints SKIP and exits 0.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ranks="2 4" sizes=8:16M factor=8 batches=5 iters=30 spin=
 while (($#)); do
     case $1 in
@@ -30,7 +30,7 @@ if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
 fi
 target=${CARGO_TARGET_DIR:-target}
 mkdir -p "$target/mpi"
-mpicc -O2 -o "$target/mpi/allreduce" scripts/mpi/allreduce.c || { echo "mpi-compare: mpicc failed"; exit 1; }
+mpicc -O2 -o "$target/mpi/allreduce" scripts/compare/mpi/allreduce.c || { echo "mpi-compare: mpicc failed"; exit 1; }
 cargo build --release -q -p nodetour-tools --bin nodetour || { echo "mpi-compare: cargo build failed"; exit 1; }
 nodetour=$target/release/nodetour
 # The sizes, as nodetour perf parses them (powers of `factor` from MIN to MAX).

@@ -1,5 +1,5 @@
 #!/bin/sh
-# rdma-vm-guest.sh: the half of scripts/rdma-vm.sh that runs INSIDE the throw-away VM.
+# rdma-vm-guest.sh: the half of scripts/vm/rdma-vm.sh that runs INSIDE the throw-away VM.
 #
 # Not meant to be run by hand. rdma-vm.sh copies this file into its initramfs as /init:
 #   /init          stage 1: PID 1 of the initramfs, under busybox sh. Loads the 9p modules,
@@ -255,7 +255,7 @@ case ${1:-} in
         if [ "$$" = 1 ]; then
             stage1
         else
-            echo "usage: run by scripts/rdma-vm.sh inside its VM, not by hand" >&2
+            echo "usage: run by scripts/vm/rdma-vm.sh inside its VM, not by hand" >&2
             exit 2
         fi
         ;;

@@ -1,5 +1,5 @@
 """PyTorch's allreduces on the GPUs of one host, for issue 17's reference run
-(scripts/onehost-reference.sh runs this under torchrun, one process per GPU, beside nodetour).
+(scripts/compare/onehost-reference.sh runs this under torchrun, one process per GPU, beside nodetour).
 
 Per size, each implementation in turn (interleaved within the size), one batch each:
   torch-nccl          dist.all_reduce (NCCL) on an ordinary tensor, eager

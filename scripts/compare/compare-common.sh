@@ -1,6 +1,6 @@
 # compare-common.sh: sourced by write-bw-compare.sh and write-lat-compare.sh (inside the VM):
 # the VM's topology and the helpers both comparisons use.
-: "${NODETOUR_VM_DEV0:?run inside scripts/rdma-vm.sh}"
+: "${NODETOUR_VM_DEV0:?run inside scripts/vm/rdma-vm.sh}"
 BIN=${NODETOUR_BIN:-target/release/nodetour}
 RUNS=${RUNS:-3}
 GID=${NODETOUR_VM_GID_INDEX:-1}

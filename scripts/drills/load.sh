@@ -4,7 +4,7 @@
 # rank's count, slowest collective and footprint. Passes when every rank ends without an error
 # or timeout (the progress loops must not starve a 2-core machine).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 secs=${1:-300}
 ranks=${2:-8}
 bin=${NODETOUR_EXAMPLES:-target/release/examples}

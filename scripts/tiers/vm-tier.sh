@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # vm-tier.sh: the real-verbs test tier. Runs INSIDE the soft-RoCE VM with two endpoints:
-#   scripts/rdma-vm.sh --nodes 2 -- scripts/vm-tier.sh TEST_EXE...
+#   scripts/vm/rdma-vm.sh --nodes 2 -- scripts/tiers/vm-tier.sh TEST_EXE...
 # 1. the hardware tests (TEST_EXE... --ignored: exactly the tests the host tier counted as
 #    skipped; a missing device fails them), and the GPU ring's network link over verbs
 #    (NODETOUR_VM_RING_TESTS: nodetour-ring's ignored unit tests); the port-down test runs
 #    alone, last (it takes a link down), and is counted there only,
 # 2. two_node_smoke between rxe0 and rxe1 (two processes, verified data),
 # 3. 2, 4 and 8 processes connected pairwise over the verbs transport (transport_check),
-# 4. our write loop against ib_write_bw (scripts/write-bw-compare.sh), our ping-pong against
-#    ib_write_lat (scripts/write-lat-compare.sh), cargo bench's verbs write bench once,
+# 4. our write loop against ib_write_bw (scripts/compare/write-bw-compare.sh), our ping-pong against
+#    ib_write_lat (scripts/compare/write-lat-compare.sh), cargo bench's verbs write bench once,
 # and checks that the kernel's RDMA resource counts return to where they started (no leaked
 # queue pair, completion queue, region or protection domain).
 # Env: NODETOUR_BIN_DIR (default target/release), COMPARE_RUNS (default 5).
 set -uo pipefail
-: "${NODETOUR_VM_DEV1:?run inside scripts/rdma-vm.sh --nodes 2}"
+: "${NODETOUR_VM_DEV1:?run inside scripts/vm/rdma-vm.sh --nodes 2}"
 BIN_DIR=${NODETOUR_BIN_DIR:-target/release}
 failed=0
 say() { echo "vm-tier: $*"; }
@@ -116,7 +116,7 @@ say "nodetour perf over verbs, 2 ranks on $NODETOUR_VM_DEV0 and $NODETOUR_VM_DEV
 scripts/launch-local.sh -n 2 --timeout 300 -- "$BIN_DIR/nodetour" perf --transport verbs \
     --devices "$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" --sizes 4K:4M --factor 8 --iters 3 2>&1 | grep '^\[rank 0\]' || failed=1
 
-if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-bw-compare.sh; then
+if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/compare/write-bw-compare.sh; then
     say "write-bw-compare ... ok"
 else
     say "write-bw-compare ... FAILED"
@@ -124,7 +124,7 @@ else
 fi
 
 say "soak: 1000 allreduces across 4 processes over verbs (rxe0/rxe1), exact, memory and descriptors flat"
-if NODETOUR_EXAMPLES=$BIN_DIR/examples scripts/soak.sh verbs 1000 4; then
+if NODETOUR_EXAMPLES=$BIN_DIR/examples scripts/drills/soak.sh verbs 1000 4; then
     say "soak verbs ... ok"
 else
     say "soak verbs ... FAILED"
@@ -142,20 +142,20 @@ else
 fi
 
 say "abort drills over verbs: a rank aborted mid-allreduce, the others fail at once, no wrong Ok (2 trials)"
-if NODETOUR_EXAMPLES=$BIN_DIR/examples HOST_DRILL_KINDS=abort scripts/host-drills.sh verbs 2 4 /tmp/host-drills-vm.log; then
+if NODETOUR_EXAMPLES=$BIN_DIR/examples HOST_DRILL_KINDS=abort scripts/drills/host-drills.sh verbs 2 4 /tmp/host-drills-vm.log; then
     say "abort drill verbs ... ok"
 else
     say "abort drill verbs ... FAILED"; tail -n 40 /tmp/host-drills-vm.log; failed=1
 fi
 
 say "deterministic drills over verbs: the others held 300 ms before collective 50, rank 2 dies or aborts 5 ms into it (1 trial each)"
-if NODETOUR_EXAMPLES=$BIN_DIR/examples HOST_DRILL_ARGS="--hold-ms 300" scripts/host-drills.sh verbs 1 4 /tmp/host-drills-held-vm.log; then
+if NODETOUR_EXAMPLES=$BIN_DIR/examples HOST_DRILL_ARGS="--hold-ms 300" scripts/drills/host-drills.sh verbs 1 4 /tmp/host-drills-held-vm.log; then
     say "held drills verbs ... ok"
 else
     say "held drills verbs ... FAILED"; tail -n 40 /tmp/host-drills-held-vm.log; failed=1
 fi
 
-if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/write-lat-compare.sh; then
+if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/compare/write-lat-compare.sh; then
     say "write-lat-compare ... ok"
 else
     say "write-lat-compare ... FAILED"

@@ -3,11 +3,11 @@
 # (default 4), every one checked exactly against the float64 reference (the 35 type x op cases
 # round-robin), then each rank's resident memory and open descriptors before and after.
 # Defaults: tcp 10000 collectives; verbs 1000 (inside the soft-RoCE VM:
-#   scripts/rdma-vm.sh --nodes 2 -- scripts/soak.sh verbs).
+#   scripts/vm/rdma-vm.sh --nodes 2 -- scripts/drills/soak.sh verbs).
 # Passes when every rank finishes without an error and its descriptor count is unchanged and
 # its memory grew by less than 4 MiB.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 transport=${1:-tcp}
 case $transport in
     tcp) n=${2:-10000} extra=() ;;

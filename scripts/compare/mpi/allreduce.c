@@ -1,4 +1,4 @@
-/* The reference of scripts/mpi-compare.sh: MPI_Allreduce (f32 sum, in place) timed the way
+/* The reference of scripts/compare/mpi-compare.sh: MPI_Allreduce (f32 sum, in place) timed the way
  * `nodetour perf` times its allreduce: back to back, each collective timed alone on rank 0,
  * the median of the timed iterations after warm-ups. Every result is checked.
  *   allreduce SIZES_BYTES... (each a multiple of 4)   env ITERS (default 50), WARMUP (5) */

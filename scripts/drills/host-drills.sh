@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # host-drills.sh: repeated kill and abort drills of the host ring.
-#   scripts/host-drills.sh TRANSPORT [TRIALS] [RANKS] [LOG]   (tcp or verbs; 20 trials, 4 ranks)
+#   scripts/drills/host-drills.sh TRANSPORT [TRIALS] [RANKS] [LOG]   (tcp or verbs; 20 trials, 4 ranks)
 # Each trial runs RANKS processes of allreduce_check (35 type x op cases round-robin, every
 # result checked against the reference before it counts) and makes rank 2 die (SIGKILL) or abort
 # from a watchdog thread after 50 collectives. A trial passes when every rank that must report
 # does so in time with the right cause, and no rank returned Ok with a wrong result. verbs runs
-# inside the soft-RoCE VM (scripts/rdma-vm.sh --nodes 2), on NODETOUR_VM_DEV0/1.
+# inside the soft-RoCE VM (scripts/vm/rdma-vm.sh --nodes 2), on NODETOUR_VM_DEV0/1.
 # Prints one HOST_DRILL_SUMMARY line per drill; exit status 1 if any trial failed.
 # HOST_DRILL_KINDS picks a subset (default "kill abort"); HOST_DRILL_ARGS adds arguments (e.g.
 # "--hold-ms 300": the deterministic variant, where the failure always lands while the failing
 # rank waits on held peers in the middle of collective 50).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 transport=${1:?usage: $0 tcp|verbs [TRIALS] [RANKS] [LOG]}
 trials=${2:-20} ranks=${3:-4} log=${4:-/tmp/host-drills.log}
 BIN=${NODETOUR_EXAMPLES:-target/release/examples}

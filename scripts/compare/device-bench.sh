@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # device-bench.sh: the GPU benchmark sweeps, with their references from the same runs, as
 # markdown tables, JSON and SVG plots.
-#   scripts/device-bench.sh pack [DIR]   here (with Rust): build and pack into DIR (default .device)
+#   scripts/compare/device-bench.sh pack [DIR]   here (with Rust): build and pack into DIR (default .device)
 #   ./device-bench.sh OUTDIR             on the GPU machine, from the packed DIR
 # Sweeps (f32 sum): the direct ring over the GPUs of one process against NCCL and the copy
 # ceilings; one GPU per process, direct and staged side by side, against NCCL (default) and
 # the ceilings; the same against NCCL's own staged path (NCCL_P2P_DISABLE=1). Needs 2+ GPUs.
 set -uo pipefail
 if [[ ${1:-} == pack ]]; then
-    cd "$(dirname "${BASH_SOURCE[0]}")/.."
-    scripts/gpu-pack.sh "${2:-.device}" && cp scripts/device-bench.sh "${2:-.device}/"
+    cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+    scripts/gpu-pack.sh "${2:-.device}" && cp scripts/compare/device-bench.sh "${2:-.device}/"
     exit
 fi
 cd "$(dirname "${BASH_SOURCE[0]}")"

@@ -2,8 +2,8 @@
 # rdma-vm.sh: run a command inside a throw-away QEMU VM that has soft-RoCE (rdma_rxe)
 # devices, so that nodetour's verbs code can be tested on a machine without RDMA hardware.
 #
-# Usage: scripts/rdma-vm.sh [OPTIONS] [--] COMMAND [ARGS...]
-#        scripts/rdma-vm.sh --check
+# Usage: scripts/vm/rdma-vm.sh [OPTIONS] [--] COMMAND [ARGS...]
+#        scripts/vm/rdma-vm.sh --check
 #
 # Options:
 #   --nodes 1|2        1 (default): one device, rxe0 on vethA (10.99.0.1), used by both

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ab-perf.sh: the cost of a change on the host ring, as interleaved A/B batches.
-#   scripts/ab-perf.sh BIN_A BIN_B [BATCHES] [RANKS] [SIZES...]
+#   scripts/compare/ab-perf.sh BIN_A BIN_B [BATCHES] [RANKS] [SIZES...]
 # BIN_A and BIN_B are two builds of `nodetour` (e.g. before and after a change). Each batch runs
 # `nodetour perf` (2 ranks over tcp loopback by default; f32 sum; each row checked) with A, then
 # with B; BATCHES batches (default 5). Prints per size the median over batches of each build's
@@ -10,6 +10,9 @@
 # this script (as in the directory gpu-pack.sh fills).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# Beside this script in a packed directory (gpu-pack.sh), one level up in the repository.
+launch=$here/launch-local.sh
+[[ -x $launch ]] || launch=$here/../launch-local.sh
 a=${1:?usage: $0 BIN_A BIN_B [BATCHES] [RANKS] [SIZES...]} b=${2:?}
 batches=${3:-5} ranks=${4:-2}
 shift 4 2>/dev/null || shift $#
@@ -23,7 +26,7 @@ for ((i = 1; i <= batches; i++)); do
         bin=$a
         [[ $which == B ]] && bin=$b
         for size in "${sizes[@]}"; do
-            NODETOUR_LOG=warn "$here/launch-local.sh" -n "$ranks" --timeout 300 -- "$bin" perf \
+            NODETOUR_LOG=warn "$launch" -n "$ranks" --timeout 300 -- "$bin" perf \
                 --sizes "$size:$size" "${extra[@]}" --format json 2>/dev/null |
                 sed -n 's/^\[rank 0\] //p' >"$out/run.json"
             python3 -c '
