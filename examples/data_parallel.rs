@@ -20,7 +20,7 @@ use anyhow::{Context as _, bail};
 use clap::Parser;
 use half::bf16;
 use nodetour::core::cuda::GpuStream;
-use nodetour::core::cuda::reduce::{ReduceKernels, pattern_value};
+use nodetour::core::cuda::reduce::{At, ReduceKernels, pattern_value};
 use nodetour::core::memory::with_cudarc_slice_mut;
 use nodetour::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use nodetour::{Communicator, DataType, Deadline, Element, Options, ReduceOp};
@@ -197,14 +197,14 @@ fn on_gpu(
                 Bucket::F32(x) => {
                     let n = x.len();
                     with_cudarc_slice_mut(x, &compute, |v| {
-                        kernels.fill_pattern(&on_compute, DataType::F32, v, 0, n, 0, s)
+                        kernels.fill_pattern(&on_compute, DataType::F32, At::new(v, 0), n, 0, s)
                     })??;
                     comm.all_reduce_device_in_place(x, ReduceOp::Avg, &comms)?;
                 }
                 Bucket::Bf16(x) => {
                     let n = x.len();
                     with_cudarc_slice_mut(x, &compute, |v| {
-                        kernels.fill_pattern(&on_compute, DataType::Bf16, v, 0, n, 0, s)
+                        kernels.fill_pattern(&on_compute, DataType::Bf16, At::new(v, 0), n, 0, s)
                     })??;
                     comm.all_reduce_device_in_place(x, ReduceOp::Avg, &comms)?;
                 }

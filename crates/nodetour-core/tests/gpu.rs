@@ -168,7 +168,9 @@ fn eventually(limit: std::time::Duration, mut cond: impl FnMut() -> bool) -> boo
 fn teardown_waits_for_no_work_but_its_own() {
     use nodetour_core::cuda::GpuStream;
     use nodetour_core::cuda::reduce::ReduceKernels;
-    use nodetour_core::transport::gpu::{FlagValue, Flags, StopWord, StreamGuard, enqueue_wait};
+    use nodetour_core::transport::gpu::{
+        FlagValue, Flags, Guarded, StopWord, StreamGuard, enqueue_wait,
+    };
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
@@ -181,9 +183,11 @@ fn teardown_waits_for_no_work_but_its_own() {
     let guard = StreamGuard::new(&ctx, StopWord::new(page.clone(), 7).unwrap()).unwrap();
     let blocker = GpuStream::new(&ctx).unwrap();
     enqueue_wait(
-        &blocker,
-        &kernels,
-        &guard,
+        Guarded {
+            stream: &blocker,
+            kernels: &kernels,
+            guard: &guard,
+        },
         Some(FlagValue::fixed(&*page, 0, 1)),
         false,
         None,
@@ -238,9 +242,11 @@ fn teardown_waits_for_no_work_but_its_own() {
     let d = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
     let with_c = free_memory(&ctx);
     enqueue_wait(
-        &s2,
-        &kernels,
-        &guard2,
+        Guarded {
+            stream: &s2,
+            kernels: &kernels,
+            guard: &guard2,
+        },
         Some(FlagValue::fixed(&*page, 1, 1)),
         false,
         None,

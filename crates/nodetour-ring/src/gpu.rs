@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::cuda::reduce::{At, ReduceKernels, Reduction};
 use nodetour_core::cuda::{GpuEvent, GpuStream, enable_peer_access};
 use nodetour_core::memory::DeviceBuffer;
 
@@ -498,7 +498,13 @@ impl GpuGroup {
                     Some((op, a)) if k < reduce_steps => {
                         let (off, len) = bytes(r + 2 * n - a - k);
                         kernels
-                            .reduce(s, dtype, op, buffers[r], off, buffers[prev], off, len)
+                            .reduce(
+                                s,
+                                Reduction { dtype, op },
+                                At::new(buffers[r], off),
+                                At::new(buffers[prev], off),
+                                len,
+                            )
                             .map_err(g)?;
                         if k + 1 == reduce_steps && op == ReduceOp::Avg {
                             let (off, len) = bytes(r + n + 2 - a);
@@ -531,9 +537,12 @@ impl GpuGroup {
     ) -> Result<()> {
         let prev = (r + buffers.len() - 1) % buffers.len();
         let queued = if len <= self.kernel_copy_max {
-            self.members[r]
-                .kernels
-                .copy(s, buffers[r], off, buffers[prev], off, len)
+            self.members[r].kernels.copy(
+                s,
+                At::new(buffers[r], off),
+                At::new(buffers[prev], off),
+                len,
+            )
         } else {
             s.copy(buffers[r], off, buffers[prev], off, len)
         };
@@ -571,7 +580,14 @@ impl GpuGroup {
             let off = start * dtype.size();
             self.members[r]
                 .kernels
-                .reduce_both(s, dtype, op, buffers[r], off, buffers[peer], off, len, 2)
+                .reduce_both(
+                    s,
+                    Reduction { dtype, op },
+                    At::new(buffers[r], off),
+                    At::new(buffers[peer], off),
+                    len,
+                    2,
+                )
                 .map_err(g)?;
             s.record_marker(&self.marks(r)[1]).map_err(g)?;
         }

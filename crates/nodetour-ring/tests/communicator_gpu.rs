@@ -16,7 +16,9 @@ use nodetour_core::Deadline;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::transport::TransportKind;
-use nodetour_core::transport::gpu::{FlagValue, Flags, StopWord, StreamGuard, enqueue_wait};
+use nodetour_core::transport::gpu::{
+    FlagValue, Flags, Guarded, StopWord, StreamGuard, enqueue_wait,
+};
 use nodetour_net::bootstrap::UniqueId;
 use nodetour_ring::comm::{Communicator, DevicePath, Options};
 use nodetour_ring::{Error, ReduceOp};
@@ -292,9 +294,11 @@ impl Spinner {
         let guard = StreamGuard::new(&ctx, StopWord::new(flags.clone(), 1).unwrap()).unwrap();
         let stream = GpuStream::new(&ctx).unwrap();
         enqueue_wait(
-            &stream,
-            &kernels,
-            &guard,
+            Guarded {
+                stream: &stream,
+                kernels: &kernels,
+                guard: &guard,
+            },
             Some(FlagValue::fixed(&*flags, 0, 1)),
             false,
             None,

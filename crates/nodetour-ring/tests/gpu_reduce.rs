@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use cudarc::driver::CudaContext;
 use nodetour_core::cuda::GpuStream;
-use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::cuda::reduce::{At, ReduceKernels, Reduction};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_ring::reduce::{finish_avg, reduce_into};
 use nodetour_ring::{DataType, ReduceOp};
@@ -67,7 +67,13 @@ fn the_kernels_match_the_host_reducer_bit_for_bit() {
             da.copy_from_host(0, &a).unwrap();
             db.copy_from_host(0, &b).unwrap();
             kernels
-                .reduce(&stream, dtype, op, &da, 0, &db, 0, count)
+                .reduce(
+                    &stream,
+                    Reduction { dtype, op },
+                    At::new(&da, 0),
+                    At::new(&db, 0),
+                    count,
+                )
                 .unwrap();
             if op == ReduceOp::Avg {
                 kernels.average(&stream, dtype, &da, 0, count, 2).unwrap();
@@ -120,19 +126,46 @@ fn kernel_arguments_are_checked() {
     let d = DeviceBuffer::new(&ctx, 4096).unwrap();
     assert!(
         kernels
-            .reduce(&stream, DataType::F32, ReduceOp::Sum, &d, 0, &d, 0, 100_000)
+            .reduce(
+                &stream,
+                Reduction {
+                    dtype: DataType::F32,
+                    op: ReduceOp::Sum
+                },
+                At::new(&d, 0),
+                At::new(&d, 0),
+                100_000
+            )
             .is_err(),
         "out of bounds"
     );
     assert!(
         kernels
-            .reduce(&stream, DataType::F32, ReduceOp::Sum, &d, 2, &d, 0, 4)
+            .reduce(
+                &stream,
+                Reduction {
+                    dtype: DataType::F32,
+                    op: ReduceOp::Sum
+                },
+                At::new(&d, 2),
+                At::new(&d, 0),
+                4
+            )
             .is_err(),
         "misaligned"
     );
     assert!(
         kernels
-            .reduce(&stream, DataType::F32, ReduceOp::Sum, &d, 0, &d, 2048, 0)
+            .reduce(
+                &stream,
+                Reduction {
+                    dtype: DataType::F32,
+                    op: ReduceOp::Sum
+                },
+                At::new(&d, 0),
+                At::new(&d, 2048),
+                0
+            )
             .is_ok(),
         "zero elements is a no-op"
     );

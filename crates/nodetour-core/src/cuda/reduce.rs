@@ -20,6 +20,49 @@ use super::result::cuda_error;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, Result};
 
+/// Where in a device buffer a kernel reads or writes: the buffer and a byte offset in it.
+#[derive(Clone, Copy)]
+pub struct At<'a> {
+    /// The buffer.
+    pub buffer: &'a DeviceBuffer,
+    /// Bytes from its start.
+    pub offset: usize,
+}
+
+impl<'a> At<'a> {
+    /// `offset` bytes into `buffer`.
+    pub fn new(buffer: &'a DeviceBuffer, offset: usize) -> At<'a> {
+        At { buffer, offset }
+    }
+
+    /// Its device address once `count` elements of `dtype` from it are checked to lie inside
+    /// the buffer (and the offset to be aligned), with `stream` noted as its user.
+    fn checked(&self, stream: &GpuStream, count: usize, dtype: DataType) -> Result<u64> {
+        check(self.buffer, self.offset, count, dtype)?;
+        self.buffer.note_use(stream);
+        Ok(self.buffer.device_ptr() + self.offset as u64)
+    }
+}
+
+/// What a reduction computes: the element type and the operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reduction {
+    /// The element type.
+    pub dtype: DataType,
+    /// The operation.
+    pub op: ReduceOp,
+}
+
+/// A received chunk a guarded kernel consumes: `count` elements (bytes for a copy) from `src`,
+/// an address this GPU reads (GPU memory, or registered host memory mapped into it) that the
+/// caller checked and keeps alive until the stream has passed the kernel, into `dst`.
+#[derive(Clone, Copy)]
+pub(crate) struct Consume<'a> {
+    pub dst: At<'a>,
+    pub src: u64,
+    pub count: usize,
+}
+
 /// The kernels' CUDA C source. Self-contained (no headers), so NVRTC needs no include paths.
 pub const SOURCE: &str = include_str!("reduce.cu");
 
@@ -257,61 +300,50 @@ impl ReduceKernels {
         Ok((loaded, from_cache, cache_path))
     }
 
-    /// Queues on `stream`: `dst[dst_offset..] = op(dst, src[src_offset..])` over `count`
-    /// elements of `dtype` (`Avg` sums; finish with [`Self::average`]). `src` may live on
-    /// another GPU that this one has peer access to.
-    #[allow(clippy::too_many_arguments)]
+    /// Queues on `stream`: `dst = op(dst, src)` over `count` elements of `r.dtype` (`Avg`
+    /// sums; finish with [`Self::average`]). `src` may live on another GPU that this one has
+    /// peer access to.
     pub fn reduce(
         &self,
         stream: &GpuStream,
-        dtype: DataType,
-        op: ReduceOp,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        src: &DeviceBuffer,
-        src_offset: usize,
+        r: Reduction,
+        dst: At<'_>,
+        src: At<'_>,
         count: usize,
     ) -> Result<()> {
-        check(dst, dst_offset, count, dtype)?;
-        check(src, src_offset, count, dtype)?;
-        dst.note_use(stream);
-        src.note_use(stream);
-        let f = pick(&self.k.reduce, dtype, op);
-        let (mut d, mut s, mut n) = (
-            dst.device_ptr() + dst_offset as u64,
-            src.device_ptr() + src_offset as u64,
-            count as u64,
+        let (mut d, mut s) = (
+            dst.checked(stream, count, r.dtype)?,
+            src.checked(stream, count, r.dtype)?,
         );
+        let f = pick(&self.k.reduce, r.dtype, r.op);
+        let mut n = count as u64;
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),
             (&mut s as *mut u64).cast::<c_void>(),
             (&mut n as *mut u64).cast::<c_void>(),
         ];
         // 16 bytes per thread (see SOURCE).
-        self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
+        self.launch(stream, f, &mut params, count.div_ceil(16 / r.dtype.size()))
     }
 
-    /// Queues on `stream`: `a[a_offset..] = b[b_offset..] = op(a, b)` over `count` elements
+    /// Queues on `stream`: `a = b = op(a, b)` over `count` elements
     /// (`Avg`: the result divided by `avg_ranks`). With `a` and `b` on two GPUs and each GPU
     /// doing one half, this is a whole two-rank allreduce in one step. `b` may live on another
     /// GPU that this one has peer access to.
-    #[allow(clippy::too_many_arguments)]
     pub fn reduce_both(
         &self,
         stream: &GpuStream,
-        dtype: DataType,
-        op: ReduceOp,
-        a: &DeviceBuffer,
-        a_offset: usize,
-        b: &DeviceBuffer,
-        b_offset: usize,
+        r: Reduction,
+        a: At<'_>,
+        b: At<'_>,
         count: usize,
         avg_ranks: u32,
     ) -> Result<()> {
-        check(a, a_offset, count, dtype)?;
-        check(b, b_offset, count, dtype)?;
-        a.note_use(stream);
-        b.note_use(stream);
+        let Reduction { dtype, op } = r;
+        let (mut x, mut y) = (
+            a.checked(stream, count, dtype)?,
+            b.checked(stream, count, dtype)?,
+        );
         let (op, mut avg) = if op == ReduceOp::Avg {
             (ReduceOp::Sum, avg_ranks.max(1))
         } else {
@@ -324,11 +356,7 @@ impl ReduceKernels {
             .find(|(k, _)| *k == (dtype, op))
             .map(|(_, f)| *f)
             .expect("every pair is loaded");
-        let (mut x, mut y, mut n) = (
-            a.device_ptr() + a_offset as u64,
-            b.device_ptr() + b_offset as u64,
-            count as u64,
-        );
+        let mut n = count as u64;
         let mut params = [
             (&mut x as *mut u64).cast::<c_void>(),
             (&mut y as *mut u64).cast::<c_void>(),
@@ -339,22 +367,19 @@ impl ReduceKernels {
         self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
     }
 
-    /// Queues on `stream`: fill `count` elements at `offset` of `dst` with a test pattern (what a
+    /// Queues on `stream`: fill `count` elements at `dst` with a test pattern (what a
     /// training step's gradient kernel would produce, for examples and benchmarks): element `i`
     /// holds [`pattern_value`]`(first + i, seed)`, a small integer exact in every type.
-    #[allow(clippy::too_many_arguments)]
     pub fn fill_pattern(
         &self,
         stream: &GpuStream,
         dtype: DataType,
-        dst: &DeviceBuffer,
-        offset: usize,
+        dst: At<'_>,
         count: usize,
         first: u64,
         seed: u32,
     ) -> Result<()> {
-        check(dst, offset, count, dtype)?;
-        dst.note_use(stream);
+        let mut d = dst.checked(stream, count, dtype)?;
         let f = self
             .k
             .pattern
@@ -362,8 +387,7 @@ impl ReduceKernels {
             .find(|(k, _)| *k == dtype)
             .map(|(_, f)| *f)
             .expect("every type is loaded");
-        let (mut d, mut n, mut a, mut sd) =
-            (dst.device_ptr() + offset as u64, count as u64, first, seed);
+        let (mut n, mut a, mut sd) = (count as u64, first, seed);
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),
             (&mut n as *mut u64).cast::<c_void>(),
@@ -402,27 +426,13 @@ impl ReduceKernels {
         self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
     }
 
-    /// Queues on `stream`: copy `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`
-    /// with a kernel (16 bytes per thread where both are aligned). For small copies from a peer
+    /// Queues on `stream`: copy `len` bytes from `src` to `dst` with a kernel (16 bytes per thread where both are aligned). For small copies from a peer
     /// GPU this starts sooner than a copy-engine copy; for large ones the copy engine leaves the
     /// SMs free.
-    #[allow(clippy::too_many_arguments)]
-    pub fn copy(
-        &self,
-        stream: &GpuStream,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        len: usize,
-    ) -> Result<()> {
-        check(dst, dst_offset, len, DataType::U8)?;
-        check(src, src_offset, len, DataType::U8)?;
-        dst.note_use(stream);
-        src.note_use(stream);
+    pub fn copy(&self, stream: &GpuStream, dst: At<'_>, src: At<'_>, len: usize) -> Result<()> {
         let (mut d, mut s, mut n) = (
-            dst.device_ptr() + dst_offset as u64,
-            src.device_ptr() + src_offset as u64,
+            dst.checked(stream, len, DataType::U8)?,
+            src.checked(stream, len, DataType::U8)?,
             len as u64,
         );
         let mut params = [
@@ -496,51 +506,38 @@ impl ReduceKernels {
         self.launch_grid(stream, self.k.advance, &mut params, 1, 1)
     }
 
-    /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes of `src` at
-    /// `src_offset` to `dst` (a checked device address) and, once every byte has landed,
-    /// stores `first` and then `second` (address, value).
-    #[allow(clippy::too_many_arguments)]
+    /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes of `src` to
+    /// `dst` (a checked device address) and, once every byte has landed, stores `signals[0]`
+    /// and then `signals[1]` (address, value).
     pub(crate) fn send_guarded(
         &self,
         stream: &GpuStream,
         g: GuardWords,
         dst: u64,
-        src: &DeviceBuffer,
-        src_offset: usize,
+        src: At<'_>,
         len: usize,
-        first: NtFlag,
-        second: NtFlag,
+        signals: [NtFlag; 2],
     ) -> Result<()> {
-        check(src, src_offset, len, DataType::U8)?;
-        src.note_use(stream);
-        let from = src.device_ptr() + src_offset as u64;
-        self.send_at(stream, g, dst, from, len, first, second)
+        let from = src.checked(stream, len, DataType::U8)?;
+        self.send_at(stream, g, dst, from, len, signals)
     }
 
-    /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes from `src`
-    /// (an address this GPU reads: GPU memory, or registered host memory mapped into it, that
-    /// the caller checked and keeps alive until the stream has passed the kernel) into `dst`
-    /// at `dst_offset` and, once every byte has landed, stores `signal` if the latch is 1: a
+    /// Queues on `stream` one kernel that, if the latch is 1, copies the chunk's `count` bytes
+    /// into its `dst` and, once every byte has landed, stores `signal` if the latch is 1: a
     /// received chunk copied out of its slot and the slot credited, in one launch.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn copy_then_signal_at(
+    pub(crate) fn copy_then_signal(
         &self,
         stream: &GpuStream,
         g: GuardWords,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        src: u64,
-        len: usize,
+        chunk: Consume<'_>,
         signal: NtFlag,
     ) -> Result<()> {
-        check(dst, dst_offset, len, DataType::U8)?;
-        dst.note_use(stream);
-        let to = dst.device_ptr() + dst_offset as u64;
-        self.send_at(stream, g, to, src, len, signal, NtFlag::default())
+        let to = chunk.dst.checked(stream, chunk.count, DataType::U8)?;
+        let signals = [signal, NtFlag::default()];
+        self.send_at(stream, g, to, chunk.src, chunk.count, signals)
     }
 
     /// The guarded copy kernel (`nt_send`) between two addresses the caller checked.
-    #[allow(clippy::too_many_arguments)]
     fn send_at(
         &self,
         stream: &GpuStream,
@@ -548,8 +545,7 @@ impl ReduceKernels {
         dst: u64,
         src: u64,
         len: usize,
-        first: NtFlag,
-        second: NtFlag,
+        [first, second]: [NtFlag; 2],
     ) -> Result<()> {
         let mut l = g.latch;
         let (mut d, mut s, mut n) = (dst, src, len as u64);
@@ -568,48 +564,22 @@ impl ReduceKernels {
         self.launch_grid(stream, self.k.send, &mut params, blocks, 512)
     }
 
-    /// Like [`Self::reduce`], but only if the latch is 1, and then (once every block has
-    /// finished) stores `signal` (address, value) if the latch is 1.
-    #[allow(clippy::too_many_arguments)]
+    /// Like [`Self::reduce`] on a received chunk (`dst = op(dst, src)` over its `count`
+    /// elements), but only if the latch is 1, and then (once every block has finished) stores
+    /// `signal` (address, value) if the latch is 1.
     pub(crate) fn reduce_then_signal(
         &self,
         stream: &GpuStream,
         g: GuardWords,
-        dtype: DataType,
-        op: ReduceOp,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        src: &DeviceBuffer,
-        src_offset: usize,
-        count: usize,
+        r: Reduction,
+        chunk: Consume<'_>,
         signal: NtFlag,
     ) -> Result<()> {
-        check(src, src_offset, count, dtype)?;
-        src.note_use(stream);
-        let from = src.device_ptr() + src_offset as u64;
-        self.reduce_then_signal_at(stream, g, dtype, op, dst, dst_offset, from, count, signal)
-    }
-
-    /// [`Self::reduce_then_signal`] from `count` elements at `src`: an address this GPU reads
-    /// (GPU memory, or registered host memory mapped into it) that the caller checked and keeps
-    /// alive until the stream has passed the kernel.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn reduce_then_signal_at(
-        &self,
-        stream: &GpuStream,
-        g: GuardWords,
-        dtype: DataType,
-        op: ReduceOp,
-        dst: &DeviceBuffer,
-        dst_offset: usize,
-        src: u64,
-        count: usize,
-        signal: NtFlag,
-    ) -> Result<()> {
-        check(dst, dst_offset, count, dtype)?;
-        dst.note_use(stream);
+        let Reduction { dtype, op } = r;
+        let count = chunk.count;
+        let mut d = chunk.dst.checked(stream, count, dtype)?;
         let f = pick(&self.k.reduce_then, dtype, op);
-        let (mut d, mut s, mut n) = (dst.device_ptr() + dst_offset as u64, src, count as u64);
+        let (mut s, mut n) = (chunk.src, count as u64);
         let (mut l, mut a, mut dn) = (g.latch, signal, g.done);
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),

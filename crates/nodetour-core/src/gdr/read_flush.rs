@@ -73,7 +73,6 @@ impl ReadFlush {
     /// (the slots' device: a [`crate::verbs::LocalSide`]'s): a protection domain of its own,
     /// the slots registered there again (readable), and a queue pair connected to itself.
     /// `timeout` bounds each flush.
-    #[allow(clippy::too_many_arguments)]
     pub fn new<B: LadderBuffer>(
         device: &Arc<Context>,
         port: &PortAttributes,

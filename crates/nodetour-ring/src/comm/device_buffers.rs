@@ -26,7 +26,6 @@ impl Communicator {
     /// [`Self::reduce_scatter_device`] on device buffers: `send` holds `world` blocks of
     /// `count` elements of `dtype` (block `r` for rank `r`); the first `count` elements of
     /// `recv` get block `rank` of the reduction; `send` is never written.
-    #[allow(clippy::too_many_arguments)]
     pub fn reduce_scatter_device_buffer(
         &self,
         send: &DeviceBuffer,

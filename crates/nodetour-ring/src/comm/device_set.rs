@@ -290,7 +290,6 @@ impl SetMember {
 
     /// [`Self::reduce_scatter`] on device buffers: `send` holds `n` blocks of `count` elements
     /// of `dtype`, `recv` gets block `seat`'s reduction.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn reduce_scatter_buffer<'a>(
         &self,
         send: &'a DeviceBuffer,

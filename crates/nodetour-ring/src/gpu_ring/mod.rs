@@ -33,13 +33,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::cuda::reduce::{At, ReduceKernels, Reduction};
 use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_core::transport::gpu::{
-    ChunkSource, CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, LinkSlots, ShmSender, ShmSlot,
-    StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_copy_then_signal,
+    ChunkSource, CudaIpcSender, FlagPage, FlagValue, Flags, GpuSlot, Guarded, LinkSlots, ShmSender,
+    ShmSlot, StagedReceive, StagedSend, StopWord, StreamGuard, enqueue_copy_then_signal,
     enqueue_reduce_then_signal, enqueue_signal, enqueue_wait,
 };
 use nodetour_core::transport::one_kernel::{OneKernel, OneKernelFailure};

@@ -80,8 +80,13 @@ impl GpuRing {
         // at the start. Every hand-off is guarded by the stop word (see the module's doc).
         let tell = FlagValue::cell(&*links.ends.next, cells.0, cells.1, desc_value);
         if sends.is_empty() {
-            enqueue_wait(&h.send, kernels, send_guard, None, false, None).map_err(g)?;
-            enqueue_signal(&h.send, kernels, send_guard, tell, None).map_err(g)?;
+            let on = Guarded {
+                stream: &h.send,
+                kernels,
+                guard: send_guard,
+            };
+            enqueue_wait(on, None, false, None).map_err(g)?;
+            enqueue_signal(on, tell, None).map_err(g)?;
         }
         let size = dtype.size();
         let slot_at = |slot: u32| slot as usize * links.slot_bytes;
@@ -113,24 +118,27 @@ impl GpuRing {
                         send_align,
                     )
                 });
-                enqueue_wait(send, kernels, send_guard, credit, false, None).map_err(g)?;
+                let on = Guarded {
+                    stream: send,
+                    kernels,
+                    guard: send_guard,
+                };
+                enqueue_wait(on, credit, false, None).map_err(g)?;
                 let (first, second) = if si == 0 {
                     (tell, Some(ready))
                 } else {
                     (ready, None)
                 };
-                let guard = send_guard;
+                let src = At::new(buffer, off);
                 match &links.outgoing {
-                    Outgoing::CudaIpc(o) => o.enqueue_send(
-                        send, kernels, guard, buffer, off, at as u64, len, first, second,
-                    ),
+                    Outgoing::CudaIpc(o) => o.enqueue_send(on, src, at as u64, len, first, second),
                     staged => {
                         let o: &dyn StagedSend = match staged {
                             Outgoing::Shm(o) => o,
                             Outgoing::Net(o) => o,
                             Outgoing::CudaIpc(_) => unreachable!("matched above"),
                         };
-                        o.enqueue_send(send, kernels, guard, buffer, off, at, len, first, second)
+                        o.enqueue_send(on, src, at, len, first, second)
                     }
                 }
                 .map_err(g)?;
@@ -199,9 +207,14 @@ impl GpuRing {
             r.wait_ready.wrapping_sub(r0),
             align,
         );
+        let on = Guarded {
+            stream: s,
+            kernels,
+            guard,
+        };
         match desc {
-            Some(d) => enqueue_wait(s, kernels, guard, Some(d), true, Some(ready)),
-            None => enqueue_wait(s, kernels, guard, Some(ready), false, None),
+            Some(d) => enqueue_wait(on, Some(d), true, Some(ready)),
+            None => enqueue_wait(on, Some(ready), false, None),
         }
         .map_err(g)?;
         let off = r.elements.start as usize * size;
@@ -215,7 +228,14 @@ impl GpuRing {
             r.released.wrapping_sub(r0),
             align,
         );
-        let release = |s: &GpuStream| enqueue_signal(s, kernels, guard, credit, None).map_err(g);
+        let release = |s: &GpuStream| {
+            let on = Guarded {
+                stream: s,
+                kernels,
+                guard,
+            };
+            enqueue_signal(on, credit, None).map_err(g)
+        };
         // The last reduce-scatter step of an average divides what it reduced.
         let divide = |average: bool| {
             if !average {
@@ -235,14 +255,19 @@ impl GpuRing {
             (Some(src), _, RecvKind::Reduce { average }) => {
                 let src = ChunkSource::Gpu(src, at);
                 enqueue_reduce_then_signal(
-                    s, kernels, guard, dtype, op, buffer, off, src, n, credit,
+                    on,
+                    Reduction { dtype, op },
+                    At::new(buffer, off),
+                    src,
+                    n,
+                    credit,
                 )
                 .map_err(g)?;
                 divide(average)?;
             }
             (Some(src), _, RecvKind::Copy) if n * size <= links.copy_kernel_max => {
                 let src = ChunkSource::Gpu(src, at);
-                enqueue_copy_then_signal(s, kernels, guard, buffer, off, src, n * size, credit)
+                enqueue_copy_then_signal(on, At::new(buffer, off), src, n * size, credit)
                     .map_err(g)?;
             }
             (Some(src), _, RecvKind::Copy) => {
@@ -261,10 +286,9 @@ impl GpuRing {
                     RecvKind::Reduce { average } if n * size <= links.host_read_max => {
                         // One kernel reads the slot over PCIe, reduces, and credits the slot.
                         let src = ChunkSource::Slots(slots, at);
-                        enqueue_reduce_then_signal(
-                            s, kernels, guard, dtype, op, buffer, off, src, n, credit,
-                        )
-                        .map_err(g)?;
+                        let r = Reduction { dtype, op };
+                        enqueue_reduce_then_signal(on, r, At::new(buffer, off), src, n, credit)
+                            .map_err(g)?;
                         divide(average)?;
                     }
                     RecvKind::Reduce { average } => {
@@ -273,7 +297,13 @@ impl GpuRing {
                             .map_err(g)?;
                         release(s)?;
                         kernels
-                            .reduce(s, dtype, op, buffer, off, scratch, 0, n)
+                            .reduce(
+                                s,
+                                Reduction { dtype, op },
+                                At::new(buffer, off),
+                                At::new(scratch, 0),
+                                n,
+                            )
                             .map_err(g)?;
                         divide(average)?;
                     }

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
-use nodetour_core::cuda::reduce::ReduceKernels;
+use nodetour_core::cuda::reduce::{At, ReduceKernels, Reduction};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::{Event, HostConnection, SlotGrant, SlotRegion, wait_any};
 

@@ -115,12 +115,12 @@ impl ChunkOps for GpuOps<'_> {
         st.kernels
             .reduce(
                 st.stream,
-                self.dtype,
-                self.op,
-                self.buffer,
-                self.base + at,
-                st.scratch,
-                0,
+                Reduction {
+                    dtype: self.dtype,
+                    op: self.op,
+                },
+                At::new(self.buffer, self.base + at),
+                At::new(st.scratch, 0),
                 count,
             )
             .map_err(gpu)?;

@@ -3,6 +3,24 @@
 
 use super::*;
 
+/// Where guarded work is queued: the stream, the kernels loaded on its GPU, and the stream's
+/// guard (its latch, stop and counter words). Every `enqueue_*` call takes one.
+#[derive(Clone, Copy)]
+pub struct Guarded<'a> {
+    /// The stream the work is queued on.
+    pub stream: &'a GpuStream,
+    /// The kernels of the stream's GPU.
+    pub kernels: &'a ReduceKernels,
+    /// The stream's guard.
+    pub guard: &'a StreamGuard,
+}
+
+impl Guarded<'_> {
+    fn words(&self) -> Result<GuardWords> {
+        self.guard.words(self.stream)
+    }
+}
+
 /// The kernels' operand for `f`, relative to the counters in `g`; every word it can name is
 /// checked against its page.
 pub(super) fn at(f: FlagValue<'_>, g: &GuardWords) -> Result<NtFlag> {
@@ -59,22 +77,19 @@ pub(super) fn at_opt(f: Option<FlagValue<'_>>, g: &GuardWords) -> Result<NtFlag>
     f.map_or(Ok(NtFlag::default()), |f| at(f, g))
 }
 
-/// The guarded send into `dst`, a device address of `len` bytes the caller checked.
-#[allow(clippy::too_many_arguments)]
+/// The guarded send of `len` bytes of `src` into `dst`, a device address the caller checked.
 pub(super) fn send_to(
-    stream: &GpuStream,
-    kernels: &ReduceKernels,
-    guard: &StreamGuard,
+    on: Guarded<'_>,
     dst: u64,
-    src: &DeviceBuffer,
-    src_offset: usize,
+    src: At<'_>,
     len: usize,
     first: FlagValue<'_>,
     second: Option<FlagValue<'_>>,
 ) -> Result<()> {
-    let g = guard.words(stream)?;
-    let (first, second) = (at(first, &g)?, at_opt(second, &g)?);
-    kernels.send_guarded(stream, g, dst, src, src_offset, len, first, second)
+    let g = on.words()?;
+    let signals = [at(first, &g)?, at_opt(second, &g)?];
+    on.kernels
+        .send_guarded(on.stream, g, dst, src, len, signals)
 }
 
 /// Queues on `stream` a guarded wait (a one-thread kernel of `kernels`): until word `first`
@@ -83,30 +98,28 @@ pub(super) fn send_to(
 /// records whether the stop word is set. The guarded work queued after it on `stream` writes
 /// a peer's memory only if the words were reached.
 pub fn enqueue_wait(
-    stream: &GpuStream,
-    kernels: &ReduceKernels,
-    guard: &StreamGuard,
+    on: Guarded<'_>,
     first: Option<FlagValue<'_>>,
     first_equal: bool,
     second: Option<FlagValue<'_>>,
 ) -> Result<()> {
-    let g = guard.words(stream)?;
+    let g = on.words()?;
     let (first, second) = (at_opt(first, &g)?, at_opt(second, &g)?);
-    kernels.wait_words(stream, first, first_equal, second, g)
+    on.kernels
+        .wait_words(on.stream, first, first_equal, second, g)
 }
 
 /// Queues on `stream` (a one-thread kernel of `kernels`): if the stream's last guarded wait
 /// found its words, `first` := its value, then `second`, each after a system-wide memory fence
 /// (whoever sees a value sees what the stream wrote before).
 pub fn enqueue_signal(
-    stream: &GpuStream,
-    kernels: &ReduceKernels,
-    guard: &StreamGuard,
+    on: Guarded<'_>,
     first: FlagValue<'_>,
     second: Option<FlagValue<'_>>,
 ) -> Result<()> {
-    let g = guard.words(stream)?;
-    kernels.signal(stream, g, at(first, &g)?, at_opt(second, &g)?)
+    let g = on.words()?;
+    on.kernels
+        .signal(on.stream, g, at(first, &g)?, at_opt(second, &g)?)
 }
 
 /// Where a guarded kernel reads a received chunk.
@@ -133,61 +146,63 @@ impl ChunkSource<'_> {
     }
 }
 
-/// Queues on `stream` one kernel of `kernels`: if the stream's last guarded wait found its
-/// words, `dst[dst_offset..] = op(dst, src)` over `count` elements of `dtype` (see
-/// [`ReduceKernels::reduce`]), then, once every element is done, `signal` := its value.
-#[allow(clippy::too_many_arguments)]
+/// Queues one kernel: if the stream's last guarded wait found its words, `dst = op(dst, src)`
+/// over `count` elements of `r.dtype` (see [`ReduceKernels::reduce`]), then, once every
+/// element is done, `signal` := its value.
 pub fn enqueue_reduce_then_signal(
-    stream: &GpuStream,
-    kernels: &ReduceKernels,
-    guard: &StreamGuard,
-    dtype: crate::dtype::DataType,
-    op: crate::dtype::ReduceOp,
-    dst: &DeviceBuffer,
-    dst_offset: usize,
+    on: Guarded<'_>,
+    r: Reduction,
+    dst: At<'_>,
     src: ChunkSource<'_>,
     count: usize,
     signal: FlagValue<'_>,
 ) -> Result<()> {
-    let g = guard.words(stream)?;
+    let (stream, dtype) = (on.stream, r.dtype);
+    let g = on.words()?;
     let signal = at(signal, &g)?;
-    match src {
-        ChunkSource::Gpu(b, offset) => kernels.reduce_then_signal(
-            stream, g, dtype, op, dst, dst_offset, b, offset, count, signal,
-        ),
-        ChunkSource::Slots(..) => {
-            let len = count
-                .checked_mul(dtype.size())
-                .ok_or_else(|| Error::InvalidArgument {
-                    reason: format!("{count} elements of {dtype:?} overflow"),
-                })?;
-            let from = src.address(len)?;
-            kernels
-                .reduce_then_signal_at(stream, g, dtype, op, dst, dst_offset, from, count, signal)
+    let len = count
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::InvalidArgument {
+            reason: format!("{count} elements of {dtype:?} overflow"),
+        })?;
+    if let ChunkSource::Gpu(_, offset) = src {
+        if offset % dtype.size() != 0 {
+            return Err(Error::InvalidArgument {
+                reason: format!("offset {offset} is not aligned to {dtype:?}"),
+            });
         }
     }
+    let chunk = Consume {
+        dst,
+        src: src.address(len)?,
+        count,
+    };
+    if let ChunkSource::Gpu(b, _) = src {
+        b.note_use(stream);
+    }
+    on.kernels.reduce_then_signal(stream, g, r, chunk, signal)
 }
 
-/// Queues on `stream` one kernel of `kernels`: if the stream's last guarded wait found its
-/// words, `len` bytes of `src` are copied to `dst` at `dst_offset`, then, once every byte has
-/// landed, `signal` := its value (a received chunk copied out of its slot and the slot
-/// credited in one launch, where the copy engine takes a copy and a credit kernel).
-#[allow(clippy::too_many_arguments)]
+/// Queues one kernel: if the stream's last guarded wait found its words, `len` bytes of `src`
+/// are copied to `dst`, then, once every byte has landed, `signal` := its value (a received
+/// chunk copied out of its slot and the slot credited in one launch, where the copy engine
+/// takes a copy and a credit kernel).
 pub fn enqueue_copy_then_signal(
-    stream: &GpuStream,
-    kernels: &ReduceKernels,
-    guard: &StreamGuard,
-    dst: &DeviceBuffer,
-    dst_offset: usize,
+    on: Guarded<'_>,
+    dst: At<'_>,
     src: ChunkSource<'_>,
     len: usize,
     signal: FlagValue<'_>,
 ) -> Result<()> {
-    let g = guard.words(stream)?;
+    let g = on.words()?;
     let signal = at(signal, &g)?;
-    let from = src.address(len)?;
+    let chunk = Consume {
+        dst,
+        src: src.address(len)?,
+        count: len,
+    };
     if let ChunkSource::Gpu(b, _) = src {
-        b.note_use(stream);
+        b.note_use(on.stream);
     }
-    kernels.copy_then_signal_at(stream, g, dst, dst_offset, from, len, signal)
+    on.kernels.copy_then_signal(on.stream, g, chunk, signal)
 }

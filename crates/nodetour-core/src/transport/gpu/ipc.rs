@@ -262,28 +262,22 @@ impl CudaIpcSender {
         Ok(())
     }
 
-    /// Queues on `stream` one kernel of `kernels` (this GPU's): if the stream's last guarded
+    /// Queues one kernel on `on`'s stream (this GPU's kernels): if the stream's last guarded
     /// wait ([`enqueue_wait`], for the receiver's credit) found its words, it copies `len` bytes
-    /// of `src` at `src_offset` into the peer's slot at `dst_offset` and, once every byte has
-    /// landed, stores `first` and then `second` (e.g. the descriptor word and the ready flag).
-    #[allow(clippy::too_many_arguments)]
+    /// of `src` into the peer's slot at `dst_offset` and, once every byte has landed, stores
+    /// `first` and then `second` (e.g. the descriptor word and the ready flag).
     pub fn enqueue_send(
         &self,
-        stream: &GpuStream,
-        kernels: &ReduceKernels,
-        guard: &StreamGuard,
-        src: &DeviceBuffer,
-        src_offset: usize,
+        on: Guarded<'_>,
+        src: At<'_>,
         dst_offset: u64,
         len: usize,
         first: FlagValue<'_>,
         second: Option<FlagValue<'_>>,
     ) -> Result<()> {
-        self.check(src, src_offset, dst_offset, len)?;
-        self.mapping.uses.note(stream);
+        self.check(src.buffer, src.offset, dst_offset, len)?;
+        self.mapping.uses.note(on.stream);
         let dst = self.mapping.dst + dst_offset;
-        send_to(
-            stream, kernels, guard, dst, src, src_offset, len, first, second,
-        )
+        send_to(on, dst, src, len, first, second)
     }
 }

@@ -199,24 +199,18 @@ pub trait StagedSend {
     fn host_address(&self, slot_offset: usize, len: usize) -> Result<u64>;
 
     /// Like [`CudaIpcSender::enqueue_send`], into the slots at `slot_offset`.
-    #[allow(clippy::too_many_arguments)]
     fn enqueue_send(
         &self,
-        stream: &GpuStream,
-        kernels: &ReduceKernels,
-        guard: &StreamGuard,
-        src: &DeviceBuffer,
-        src_offset: usize,
+        on: Guarded<'_>,
+        src: At<'_>,
         slot_offset: usize,
         len: usize,
         first: FlagValue<'_>,
         second: Option<FlagValue<'_>>,
     ) -> Result<()> {
-        src.check("GPU write source", src_offset, len)?;
+        src.buffer.check("GPU write source", src.offset, len)?;
         let dst = self.host_address(slot_offset, len)?;
-        send_to(
-            stream, kernels, guard, dst, src, src_offset, len, first, second,
-        )
+        send_to(on, dst, src, len, first, second)
     }
 }
 
