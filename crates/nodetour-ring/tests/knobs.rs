@@ -142,3 +142,67 @@ fn the_library_reads_the_environment_only_through_the_knob_table() {
         found.join("\n")
     );
 }
+
+// What `Options` reads through the public API (moved from the crate's unit tests).
+
+fn lookup<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+    move |k| {
+        vars.iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| (*v).to_owned())
+    }
+}
+
+#[test]
+fn the_environment_sets_every_field_and_bad_values_name_themselves() {
+    let o = Options::from_lookup(lookup(&[
+        ("NODETOUR_TIMEOUT_MS", "2500"),
+        ("NODETOUR_TRANSPORT", "tcp"),
+        ("NODETOUR_IB_DEVICES", "mlx5_0, mlx5_1"),
+        ("NODETOUR_SLOTS", "8"),
+        ("NODETOUR_PIECE_BYTES", "65536"),
+        ("NODETOUR_RING_BLOCKS", "32"),
+        ("NODETOUR_SHM_PIPELINE", "8"),
+    ]))
+    .unwrap();
+    assert_eq!(o.gpu_ring.max_blocks, 32);
+    assert_eq!((o.gpu_ring.shm_pipeline, o.gpu_ring.ipc_pipeline), (8, 1));
+    assert_eq!(o.timeout(), std::time::Duration::from_millis(2500));
+    assert_eq!(
+        o.transport,
+        Some(nodetour_core::transport::TransportKind::Tcp)
+    );
+    assert_eq!(o.devices, ["mlx5_0", "mlx5_1"]);
+    assert_eq!((o.slots, o.piece_bytes), (8, 65536));
+    assert_eq!(Options::from_lookup(|_| None).unwrap(), Options::default());
+    for (k, v) in [
+        ("NODETOUR_TRANSPORT", "carrier-pigeon"),
+        ("NODETOUR_SLOTS", "0"),
+        ("NODETOUR_SLOT_BYTES", "big"),
+        ("NODETOUR_TIMEOUT_MS", "-1"),
+        ("NODETOUR_NET_LANDING", "nic"),
+        ("NODETOUR_ONE_KERNEL", "sometimes"),
+        ("NODETOUR_ONE_KERNEL_MAX", "0"),
+        ("NODETOUR_RING_BLOCKS", "lots"),
+        ("NODETOUR_IPC_PIPELINE", "0"),
+    ] {
+        let e = Options::from_lookup(lookup(&[(k, v)])).unwrap_err();
+        assert!(e.to_string().contains(k), "{e}");
+    }
+}
+
+#[test]
+fn the_agreement_column_of_the_knob_table_is_the_agreement_check() {
+    use nodetour_core::knobs::Agreement;
+    let declared: Vec<&str> = KNOBS
+        .iter()
+        .filter(|k| k.agreement == Agreement::MustAgree)
+        .map(|k| k.name)
+        .collect();
+    let checked: Vec<&str> = nodetour_ring::comm::MUST_AGREE
+        .iter()
+        .copied()
+        .filter(|n| n.starts_with("NODETOUR_"))
+        .collect();
+    assert_eq!(declared, checked);
+}
