@@ -19,6 +19,8 @@
 //! of a job where a rank passes host memory. RDMA writes into GPU slots (verbs, GPUDirect) are
 //! the row to come above the network link.
 
+use std::fmt;
+
 use nodetour_core::transport::TransportKind;
 
 use super::links::Announcement;
@@ -46,12 +48,113 @@ pub(crate) struct Pair<'a> {
     pub why_no_verbs: &'a str,
 }
 
+/// The table's reasons, typed: why a row can or cannot join two ranks, why a host link took
+/// its kind, why the GPU ring forms or not. Displayed as the words `paths()` and the log show.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Why {
+    /// Both ranks pass GPU memory on one host, in different processes.
+    GpusOfOneHost,
+    /// Both ranks pass GPU memory, on different hosts.
+    GpusOnOtherHosts,
+    /// Both ranks opened an RDMA device.
+    BothHaveVerbs,
+    /// tcp joins any two ranks.
+    TcpReachesAll,
+    /// The two ranks are on different hosts.
+    OtherHosts { me: u32, peer: u32 },
+    /// A rank passes host memory only.
+    HostMemoryOnly { rank: u32 },
+    /// The two ranks are threads of one process.
+    OneProcess { me: u32, peer: u32 },
+    /// The two ranks share a host.
+    OneHost { me: u32, peer: u32 },
+    /// The peer has no RDMA device.
+    PeerHasNoVerbs { peer: u32 },
+    /// This rank has no RDMA device, and why.
+    NoVerbsHere(String),
+    /// `NODETOUR_TRANSPORT` chose the kind.
+    Forced(TransportKind),
+    /// The preferred kinds were refused (each with its reason); this one was taken.
+    FellBack {
+        refused: Vec<Why>,
+        taken: TransportKind,
+    },
+    /// Ranks share a process somewhere in the job: no GPU ring.
+    ProcessShared,
+    /// A host kind forced: every link of the GPU ring a network link.
+    ForcedNetwork(TransportKind),
+    /// Every link joins GPUs: in-host kinds within a host, a network link between hosts.
+    GpusWithNetwork {
+        direct: TransportKind,
+        staged: TransportKind,
+        network: TransportKind,
+    },
+    /// Every link joins GPUs of one host.
+    GpusInHost {
+        direct: TransportKind,
+        staged: TransportKind,
+    },
+}
+
+impl fmt::Display for Why {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Why::GpusOfOneHost => {
+                f.write_str("both pass GPU memory on one host, in different processes")
+            }
+            Why::GpusOnOtherHosts => f.write_str("GPUs on different hosts: a network link"),
+            Why::BothHaveVerbs => f.write_str("both ranks have an RDMA device"),
+            Why::TcpReachesAll => f.write_str("tcp reaches every rank"),
+            Why::OtherHosts { me, peer } => {
+                write!(f, "ranks {me} and {peer} are on different hosts")
+            }
+            Why::HostMemoryOnly { rank } => write!(f, "rank {rank} passes host memory only"),
+            Why::OneProcess { me, peer } => write!(
+                f,
+                "ranks {me} and {peer} share a process (cuda-ipc cannot map memory within one \
+                 process; several GPUs of one process: Communicator::from_devices)"
+            ),
+            Why::OneHost { me, peer } => write!(f, "ranks {me} and {peer} share a host"),
+            Why::PeerHasNoVerbs { peer } => write!(f, "rank {peer} has no RDMA device"),
+            Why::NoVerbsHere(why) => write!(f, "this rank has no RDMA device ({why})"),
+            Why::Forced(k) => write!(f, "NODETOUR_TRANSPORT={k}"),
+            Why::FellBack { refused, taken } => {
+                for (i, r) in refused.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "{r}")?;
+                }
+                write!(f, ": {taken}")
+            }
+            Why::ProcessShared => f.write_str(
+                "ranks share a process (one CUDA context: staged through the host ring)",
+            ),
+            Why::ForcedNetwork(k) => write!(f, "NODETOUR_TRANSPORT={k}: every link a network link"),
+            Why::GpusWithNetwork {
+                direct,
+                staged,
+                network,
+            } => write!(
+                f,
+                "every link joins GPUs: {direct} or {staged} within a host, a network link \
+                 ({network}) between hosts"
+            ),
+            Why::GpusInHost { direct, staged } => write!(
+                f,
+                "every link joins GPUs of one host ({direct} where the next GPU's memory maps, \
+                 else {staged})"
+            ),
+        }
+    }
+}
+
 /// One row: a link kind, the memory it carries, and its test.
 struct Row {
     kind: TransportKind,
     memory: Memory,
     /// `Ok(why it can)` or `Err(why it cannot)`.
-    can_connect: fn(&Pair<'_>) -> std::result::Result<String, String>,
+    can_connect: fn(&Pair<'_>) -> std::result::Result<Why, Why>,
 }
 
 /// The table, in order of preference within each kind of memory.
@@ -79,42 +182,41 @@ const TABLE: [Row; 5] = [
     Row {
         kind: TransportKind::Tcp,
         memory: Memory::Host,
-        can_connect: |_| Ok("tcp reaches every rank".into()),
+        can_connect: |_| Ok(Why::TcpReachesAll),
     },
 ];
 
-fn gpus_of_one_host(p: &Pair<'_>) -> std::result::Result<String, String> {
-    let ((ours, me), (theirs, peer)) = (p.ours, p.theirs);
-    if !p.same_host {
-        return Err(format!("ranks {me} and {peer} are on different hosts"));
-    }
-    if let Some(r) = [(ours, me), (theirs, peer)]
+/// The first of the pair that passes host memory only.
+fn host_memory_only(p: &Pair<'_>) -> Option<Why> {
+    [p.ours, p.theirs]
         .iter()
         .find(|(a, _)| a.gpu.is_none())
-    {
-        return Err(format!("rank {} passes host memory only", r.1));
-    }
-    if ours.pid == theirs.pid {
-        return Err(format!(
-            "ranks {me} and {peer} share a process (cuda-ipc cannot map memory within one \
-             process; several GPUs of one process: Communicator::from_devices)"
-        ));
-    }
-    Ok("both pass GPU memory on one host, in different processes".into())
+        .map(|(_, rank)| Why::HostMemoryOnly { rank: *rank })
 }
 
-fn gpus_on_other_hosts(p: &Pair<'_>) -> std::result::Result<String, String> {
+fn gpus_of_one_host(p: &Pair<'_>) -> std::result::Result<Why, Why> {
     let ((ours, me), (theirs, peer)) = (p.ours, p.theirs);
-    if let Some(r) = [(ours, me), (theirs, peer)]
-        .iter()
-        .find(|(a, _)| a.gpu.is_none())
-    {
-        return Err(format!("rank {} passes host memory only", r.1));
+    if !p.same_host {
+        return Err(Why::OtherHosts { me, peer });
+    }
+    if let Some(why) = host_memory_only(p) {
+        return Err(why);
+    }
+    if ours.pid == theirs.pid {
+        return Err(Why::OneProcess { me, peer });
+    }
+    Ok(Why::GpusOfOneHost)
+}
+
+fn gpus_on_other_hosts(p: &Pair<'_>) -> std::result::Result<Why, Why> {
+    let ((_, me), (_, peer)) = (p.ours, p.theirs);
+    if let Some(why) = host_memory_only(p) {
+        return Err(why);
     }
     if p.same_host {
-        return Err(format!("ranks {me} and {peer} share a host"));
+        return Err(Why::OneHost { me, peer });
     }
-    Ok("GPUs on different hosts: a network link".into())
+    Ok(Why::GpusOnOtherHosts)
 }
 
 /// Whether the GPU ring joins `pair` by a network link (rather than cuda-ipc or shm): ranks on
@@ -124,12 +226,12 @@ pub(crate) fn network_link(pair: &Pair<'_>, forced: Option<TransportKind>) -> bo
     forced.is_some_and(is_host) || gpus_on_other_hosts(pair).is_ok()
 }
 
-fn both_have_verbs(p: &Pair<'_>) -> std::result::Result<String, String> {
+fn both_have_verbs(p: &Pair<'_>) -> std::result::Result<Why, Why> {
     let ((ours, _), (theirs, peer)) = (p.ours, p.theirs);
     match (ours.has_verbs, theirs.has_verbs) {
-        (true, true) => Ok("both ranks have an RDMA device".into()),
-        (true, false) => Err(format!("rank {peer} has no RDMA device")),
-        _ => Err(format!("this rank has no RDMA device ({})", p.why_no_verbs)),
+        (true, true) => Ok(Why::BothHaveVerbs),
+        (true, false) => Err(Why::PeerHasNoVerbs { peer }),
+        _ => Err(Why::NoVerbsHere(p.why_no_verbs.to_owned())),
     }
 }
 
@@ -153,7 +255,7 @@ fn same_override(p: &Pair<'_>) -> Result<()> {
 }
 
 /// The host-memory link of `pair`, where its bytes land, and why.
-pub(crate) fn host_link(pair: &Pair<'_>) -> Result<(TransportKind, Landing, String)> {
+pub(crate) fn host_link(pair: &Pair<'_>) -> Result<(TransportKind, Landing, Why)> {
     same_override(pair)?;
     let landing = |k| match k {
         TransportKind::Verbs => Landing::RegisteredHost,
@@ -174,19 +276,12 @@ pub(crate) fn host_link(pair: &Pair<'_>) -> Result<(TransportKind, Landing, Stri
         }
         match (row.can_connect)(pair) {
             Ok(_) if forced == Some(row.kind) => {
-                return Ok((
-                    row.kind,
-                    landing(row.kind),
-                    format!("NODETOUR_TRANSPORT={}", row.kind),
-                ));
+                return Ok((row.kind, landing(row.kind), Why::Forced(row.kind)));
             }
             Ok(why) if refused.is_empty() => return Ok((row.kind, landing(row.kind), why)),
             Ok(_) => {
-                return Ok((
-                    row.kind,
-                    landing(row.kind),
-                    format!("{}: {}", refused.join("; "), row.kind),
-                ));
+                let taken = row.kind;
+                return Ok((taken, landing(taken), Why::FellBack { refused, taken }));
             }
             Err(why) if forced == Some(row.kind) => {
                 return Err(Error::Unsupported {
@@ -196,6 +291,7 @@ pub(crate) fn host_link(pair: &Pair<'_>) -> Result<(TransportKind, Landing, Stri
             Err(why) => refused.push(why),
         }
     }
+    let refused: Vec<String> = refused.iter().map(Why::to_string).collect();
     Err(Error::Unsupported {
         reason: format!("no host link: {}", refused.join("; ")),
     })
@@ -218,7 +314,7 @@ pub(crate) fn device_ring(
     links: &[Pair<'_>],
     forced: Option<TransportKind>,
     pids_distinct: bool,
-) -> std::result::Result<String, String> {
+) -> std::result::Result<Why, Why> {
     let rows: Vec<&Row> = TABLE
         .iter()
         .filter(|r| r.memory == Memory::Device)
@@ -230,24 +326,20 @@ pub(crate) fn device_ring(
             .unwrap_or_else(|| (rows[0].can_connect)(pair))?;
     }
     if !pids_distinct {
-        return Err(
-            "ranks share a process (one CUDA context: staged through the host ring)".into(),
-        );
+        return Err(Why::ProcessShared);
     }
     if let Some(f) = forced.filter(|f| is_host(*f)) {
-        return Ok(format!("NODETOUR_TRANSPORT={f}: every link a network link"));
+        return Ok(Why::ForcedNetwork(f));
     }
-    let network = links.iter().any(|p| network_link(p, forced));
-    Ok(if network {
-        format!(
-            "every link joins GPUs: {} or {} within a host, a network link ({}) between hosts",
-            rows[0].kind, rows[1].kind, rows[2].kind
-        )
+    let (direct, staged) = (rows[0].kind, rows[1].kind);
+    Ok(if links.iter().any(|p| network_link(p, forced)) {
+        Why::GpusWithNetwork {
+            direct,
+            staged,
+            network: rows[2].kind,
+        }
     } else {
-        format!(
-            "every link joins GPUs of one host ({} where the next GPU's memory maps, else {})",
-            rows[0].kind, rows[1].kind
-        )
+        Why::GpusInHost { direct, staged }
     })
 }
 
@@ -319,7 +411,7 @@ mod tests {
             why_no_verbs: "libibverbs is missing",
         })
         .unwrap();
-        assert!(why.contains("libibverbs is missing"), "{why}");
+        assert!(why.to_string().contains("libibverbs is missing"), "{why}");
     }
 
     #[test]
@@ -337,11 +429,11 @@ mod tests {
         assert!(!network_link(&near, None));
         // GPUs on different hosts join through a network link.
         let far = device_ring(&[pair(&x, &y, false)], None, true).unwrap();
-        assert!(far.contains("network link"), "{far}");
+        assert!(far.to_string().contains("network link"), "{far}");
         assert!(network_link(&pair(&x, &y, false), None));
         let host_only = a(None, false, None, 3);
         let why = device_ring(&[pair(&x, &host_only, true)], None, true).unwrap_err();
-        assert!(why.contains("host memory only"), "{why}");
+        assert!(why.to_string().contains("host memory only"), "{why}");
         // Ranks of one process share its CUDA context: staged.
         let same = g(1);
         assert!(device_ring(&[pair(&x, &same, true)], None, true).is_err());
@@ -349,7 +441,10 @@ mod tests {
         // A forced host kind makes every link a network link.
         let tcp = Some(TransportKind::Tcp);
         let forced = device_ring(&[pair(&x, &y, true)], tcp, true).unwrap();
-        assert!(forced.contains("NODETOUR_TRANSPORT=tcp"), "{forced}");
+        assert!(
+            forced.to_string().contains("NODETOUR_TRANSPORT=tcp"),
+            "{forced}"
+        );
         assert!(network_link(&near, tcp));
         // shm forced is a GPU link: the ring forms (and runs staged).
         assert!(device_ring(&[pair(&x, &y, true)], Some(TransportKind::Shm), true).is_ok());

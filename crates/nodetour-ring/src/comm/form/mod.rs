@@ -51,8 +51,8 @@ pub(crate) fn device(
 ) -> Result<(Option<GpuRing>, DevicePath)> {
     let context = match (pin, &plan.device) {
         (Some(c), DevicePlan::InHost | DevicePlan::Network { .. }) => c,
-        (_, DevicePlan::Staged(reason)) => {
-            let reason = reason.clone();
+        (_, DevicePlan::Staged(why)) => {
+            let reason = why.to_string();
             return Ok((None, DevicePath::Staged { reason }));
         }
         _ => return Ok((None, DevicePath::None)),

@@ -11,7 +11,7 @@ use nodetour_net::bootstrap::HostIdentity;
 use super::super::links::Announcement;
 use super::super::options::check_agreement;
 use super::super::paths::{Direction, LinkPath};
-use super::super::table::{self, Pair};
+use super::super::table::{self, Pair, Why};
 use crate::error::{Error, Result};
 use crate::order::{neighbours, ring_order};
 
@@ -41,7 +41,7 @@ pub(crate) enum DevicePlan {
     /// This rank passes no GPU memory.
     None,
     /// Staged through the host ring: the transport table's reason.
-    Staged(String),
+    Staged(Why),
     /// A GPU ring whose links all join GPUs of one host.
     InHost,
     /// A GPU ring with network links: whether each neighbour's link stays in this host.
@@ -134,7 +134,7 @@ impl RingPlan {
         };
         for peer in plan.linked() {
             let pair = plan.pair(facts, me, peer, facts.why_no_verbs);
-            let (transport, landing, reason) = table::host_link(&pair)?;
+            let (transport, landing, why) = table::host_link(&pair)?;
             let direction = match (next == prev, peer == next) {
                 (true, _) => Direction::Both,
                 (false, true) => Direction::Next,
@@ -145,7 +145,7 @@ impl RingPlan {
                 direction,
                 transport,
                 landing,
-                reason,
+                reason: why.to_string(),
             });
         }
         let local_ranks = hosts
@@ -363,17 +363,16 @@ mod tests {
             true,
         )
         .device;
-        assert!(
-            matches!(&staged, DevicePlan::Staged(why) if why.contains("share a process")),
-            "{staged:?}"
-        );
+        assert_eq!(staged, DevicePlan::Staged(Why::OneProcess { me: 0, peer: 1 }));
         // A rank that passes host memory: staged, naming it.
         let mut host_only = gpus.clone();
         host_only[3] = rank(4, false, false);
         let staged = plan(0, &host_only, &two_hosts, true).device;
+        assert_eq!(staged, DevicePlan::Staged(Why::HostMemoryOnly { rank: 3 }));
         assert!(
-            matches!(&staged, DevicePlan::Staged(why) if why.contains("rank 3")),
-            "{staged:?}"
+            Why::HostMemoryOnly { rank: 3 }
+                .to_string()
+                .contains("rank 3 passes host memory only")
         );
     }
 
