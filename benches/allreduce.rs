@@ -131,12 +131,10 @@ impl Drop for Ranks {
 }
 
 fn tcp(gpu: Option<usize>) -> Options {
-    let mut o = Options {
-        transport: Some(TransportKind::Tcp),
-        gpu,
-        ..Options::default()
-    };
-    o.config.timeout = Duration::from_secs(30);
+    let mut o = Options::default()
+        .with_transport(TransportKind::Tcp)
+        .with_timeout(Duration::from_secs(30));
+    o.gpu = gpu;
     o
 }
 

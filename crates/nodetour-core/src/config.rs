@@ -13,6 +13,9 @@ use crate::knobs::Env;
 
 /// Default for `NODETOUR_TIMEOUT_MS`: how long any single wait may block.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default for [`Config::join_timeout`] (`NODETOUR_JOIN_TIMEOUT_MS`): 10 minutes, as
+/// torch's default process-group timeout.
+pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Effective settings of the core: the RDMA device and its packets, the waits, and whether
 /// and how GPU memory is registered for the NIC.
@@ -26,9 +29,13 @@ pub struct Config {
     pub traffic_class: u8,
     /// `NODETOUR_IB_SL`: InfiniBand service level (0-15).
     pub service_level: u8,
-    /// `NODETOUR_TIMEOUT_MS`: the budget of every blocking wait, and the base of the queue
-    /// pairs' retransmission timeout.
+    /// `NODETOUR_TIMEOUT_MS`: the budget of every blocking wait of a collective, and the base
+    /// of the queue pairs' retransmission timeout.
     pub timeout: Duration,
+    /// `NODETOUR_JOIN_TIMEOUT_MS`: forming a communicator (every rank joining the rendezvous,
+    /// every link connecting) must finish within this long (default 10 minutes: the ranks of a
+    /// multi-node job start tens of seconds apart).
+    pub join_timeout: Duration,
     /// `NODETOUR_SPIN_US`: how long a verbs waiter polls before it blocks (default 50 µs).
     /// Longer trades a CPU core for latency; 0 blocks at once.
     pub spin: Duration,
@@ -127,6 +134,7 @@ impl Config {
             traffic_class: env.count("NODETOUR_IB_TC")? as u8,
             service_level: env.count("NODETOUR_IB_SL")? as u8,
             timeout: Duration::from_millis(env.count("NODETOUR_TIMEOUT_MS")?),
+            join_timeout: Duration::from_millis(env.count("NODETOUR_JOIN_TIMEOUT_MS")?),
             spin: micros("NODETOUR_SPIN_US")?,
             net_spin: micros("NODETOUR_NET_SPIN_US")?,
             ring_spin: micros("NODETOUR_RING_SPIN_US")?,
@@ -138,12 +146,13 @@ impl Config {
     /// One line with every effective value, for the startup log.
     pub fn describe(&self) -> String {
         format!(
-            "NODETOUR_IB_DEVICE={} NODETOUR_IB_GID_INDEX={} NODETOUR_IB_TC={} NODETOUR_IB_SL={} NODETOUR_TIMEOUT_MS={} NODETOUR_SPIN_US={} NODETOUR_RING_SPIN_US={}",
+            "NODETOUR_IB_DEVICE={} NODETOUR_IB_GID_INDEX={} NODETOUR_IB_TC={} NODETOUR_IB_SL={} NODETOUR_TIMEOUT_MS={} NODETOUR_JOIN_TIMEOUT_MS={} NODETOUR_SPIN_US={} NODETOUR_RING_SPIN_US={}",
             self.ib_device.as_deref().unwrap_or("auto"),
             self.gid_index.map_or("auto".to_owned(), |i| i.to_string()),
             self.traffic_class,
             self.service_level,
             self.timeout.as_millis(),
+            self.join_timeout.as_millis(),
             self.spin.as_micros(),
             self.ring_spin.as_micros()
         )
@@ -182,6 +191,7 @@ mod tests {
             ("NODETOUR_IB_TC", "106"),
             ("NODETOUR_IB_SL", "5"),
             ("NODETOUR_TIMEOUT_MS", "1500"),
+            ("NODETOUR_JOIN_TIMEOUT_MS", "90000"),
             ("NODETOUR_SPIN_US", "7"),
             ("NODETOUR_RING_SPIN_US", "0"),
         ])
@@ -193,6 +203,7 @@ mod tests {
         assert_eq!(c.traffic_class, 106);
         assert_eq!(c.service_level, 5);
         assert_eq!(c.timeout, Duration::from_millis(1500));
+        assert_eq!(c.join_timeout, Duration::from_secs(90));
     }
 
     #[test]
@@ -203,6 +214,7 @@ mod tests {
             ("NODETOUR_IB_SL", "16"),
             ("NODETOUR_IB_TC", "x"),
             ("NODETOUR_TIMEOUT_MS", "0"),
+            ("NODETOUR_JOIN_TIMEOUT_MS", "soon"),
             ("NODETOUR_RING_SPIN_US", "1000001"),
         ] {
             match config(&[(name, value)]) {
@@ -216,6 +228,7 @@ mod tests {
     fn the_constants_are_the_declared_defaults() {
         let c = Config::default();
         assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(c.join_timeout, DEFAULT_JOIN_TIMEOUT);
         assert_eq!(c.ring_spin, DEFAULT_RING_SPIN);
         assert_eq!((c.gdr, c.gdr_flush), (GdrMode::Auto, FlushOverride::Auto));
     }

@@ -166,7 +166,15 @@ pub const KNOBS: &[Knob] = &[
         "30000",
         Local,
         User,
-        "no progress in a collective for this long fails it; formation must finish within it",
+        "no progress in a collective for this long fails it",
+    ),
+    knob(
+        "NODETOUR_JOIN_TIMEOUT_MS",
+        count(1, 24 * 3600 * 1000),
+        "600000",
+        Local,
+        User,
+        "forming a communicator (every rank joining, every link connecting) must finish within this long",
     ),
     // Paths.
     knob(

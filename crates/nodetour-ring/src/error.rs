@@ -242,6 +242,14 @@ impl Error {
     }
 }
 
+/// A failed cudarc call (`?` on a runtime's own CUDA call): [`Error::GpuCall`], the CUDA
+/// error code kept in the source.
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::gpu("a CUDA call", nodetour_core::Error::from(e))
+    }
+}
+
 impl From<nodetour_core::Error> for Error {
     fn from(e: nodetour_core::Error) -> Self {
         match e {
@@ -302,6 +310,14 @@ impl From<nodetour_core::Error> for CoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cudarc_error_becomes_a_gpu_call_error_with_its_code() {
+        use cudarc::driver::{DriverError, sys::CUresult};
+        let e = Error::from(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(matches!(e, Error::GpuCall { .. }), "{e:?}");
+        assert!(e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"), "{e}");
+    }
 
     #[test]
     fn a_failed_cuda_call_keeps_its_typed_error_as_the_source() {

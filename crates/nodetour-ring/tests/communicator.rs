@@ -14,14 +14,10 @@ use nodetour_ring::{Error, ReduceOp};
 
 /// Small slots and staging memory: every buffer here goes through the ring in several pieces.
 fn options() -> Options {
-    let mut o = Options {
-        transport: Some(TransportKind::Tcp),
-        slot_bytes: 256,
-        slots: 2,
-        piece_bytes: 4096,
-        ..Options::default()
-    };
-    o.config.timeout = Duration::from_secs(20);
+    let mut o = Options::default()
+        .with_transport(TransportKind::Tcp)
+        .with_timeout(Duration::from_secs(20));
+    (o.slot_bytes, o.slots, o.piece_bytes) = (256, 2, 4096);
     o
 }
 
@@ -47,6 +43,8 @@ fn ranks_with<R: Send>(
                     let comm = Communicator::from_unique_id(id, r, world, options)
                         .unwrap_or_else(|e| panic!("rank {r} formation: {e}"));
                     assert_eq!((comm.rank(), comm.world()), (r, world));
+                    // Ranks as threads of one process: one host, local ranks as ranks.
+                    assert_eq!((comm.local_rank(), comm.local_world()), (r, world));
                     body(comm)
                 })
             })
@@ -337,11 +335,8 @@ fn an_abort_ends_the_collective_on_every_rank_with_the_reason() {
 fn small_allreduces_gather_and_are_the_same_bits_on_every_rank() {
     for world in 2..=4u32 {
         for gather_max in [0usize, 64 << 10] {
-            let o = Options {
-                host_gather_max: gather_max,
-                piece_bytes: 64 << 10,
-                ..options()
-            };
+            let mut o = options();
+            (o.host_gather_max, o.piece_bytes) = (gather_max, 64 << 10);
             let got = ranks(world, o, |comm| {
                 let r = comm.rank();
                 let mut results = Vec::new();

@@ -16,16 +16,12 @@ use nodetour_ring::{CauseKind, Error, ReduceOp, RootCause};
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn options(timeout: Duration) -> Options {
-    let mut o = Options {
-        transport: Some(TransportKind::Tcp),
-        slot_bytes: 256,
-        slots: 2,
-        piece_bytes: 4096,
-        // Every allreduce here runs on the ring (no gather).
-        host_gather_max: 0,
-        ..Options::default()
-    };
-    o.config.timeout = timeout;
+    let mut o = Options::default()
+        .with_transport(TransportKind::Tcp)
+        .with_timeout(timeout);
+    (o.slot_bytes, o.slots, o.piece_bytes) = (256, 2, 4096);
+    // Every allreduce here runs on the ring (no gather).
+    o.host_gather_max = 0;
     o
 }
 

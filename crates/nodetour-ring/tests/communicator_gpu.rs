@@ -26,12 +26,10 @@ use nodetour_ring::{Error, ReduceOp};
 mod common;
 
 fn options(transport: Option<TransportKind>) -> Options {
-    let mut o = Options {
-        transport,
-        gpu: Some(0),
-        ..Options::default()
-    };
-    o.config.timeout = Duration::from_secs(20);
+    let mut o = Options::default()
+        .with_gpu(0)
+        .with_timeout(Duration::from_secs(20));
+    o.transport = transport;
     o
 }
 

@@ -17,6 +17,14 @@ pub(crate) fn error_name(e: DriverError) -> String {
     format!("{:?}", e.0)
 }
 
+/// A failed cudarc call (a caller's, or one nodetour makes through cudarc's safe layer):
+/// [`Error::Cuda`] with the CUDA error code.
+impl From<DriverError> for Error {
+    fn from(e: DriverError) -> Error {
+        cuda_error("cudarc call", e)
+    }
+}
+
 /// Builds [`Error::Cuda`] for `op`.
 pub(crate) fn cuda_error(op: &'static str, e: DriverError) -> Error {
     let hint = match e.0 {

@@ -61,6 +61,8 @@ pub(crate) struct HostJob {
     pub rank: u32,
     pub world: u32,
     pub neighbours: (u32, u32),
+    /// This rank's local rank and its host's ranks.
+    pub local: (u32, u32),
     pub order: Vec<u32>,
     pub paths: Paths,
     pub job: Bootstrap,
@@ -117,6 +119,7 @@ impl HostJob {
             rank: plan.me,
             world: plan.world,
             neighbours: (plan.prev, plan.next),
+            local: plan.local,
             order: plan.order,
             paths,
             job: joined.job,

@@ -114,6 +114,7 @@ impl Communicator {
         Ok(Communicator {
             rank: job.rank,
             world: job.world,
+            local: job.local,
             paths: job.paths.clone(),
             gpu_abort: job.gpu_ring.as_ref().map(|r| r.abort_handle()),
             aborted: Arc::new(Mutex::new(None)),
@@ -151,6 +152,7 @@ impl Communicator {
             .map(|seat| Communicator {
                 rank: seat,
                 world: n,
+                local: (seat, n),
                 paths: Paths {
                     rank: seat,
                     world: n,

@@ -5,7 +5,8 @@
 //! 1. **Form** it once per process: [`Communicator::from_env`] reads the launcher's variables
 //!    (torchrun, Slurm, Open MPI, `NODETOUR_*`); [`Communicator::from_unique_id`] serves
 //!    runtimes with their own store. Every rank calls the same constructor; it returns once
-//!    every link is connected, or fails within the options' timeout naming what is missing.
+//!    every link is connected, or fails within the options' joining timeout
+//!    ([`Options::join_timeout`], 10 minutes by default) naming what is missing.
 //! 2. **Read its paths**: [`Communicator::paths`] says, per link, the transport, where the bytes
 //!    land and why that path was chosen (also logged at formation).
 //! 3. **Run collectives**: [`Communicator::all_reduce`], [`Communicator::reduce_scatter`],
@@ -115,6 +116,8 @@ use crate::reduce::{DataType, ReduceOp};
 pub struct Communicator {
     rank: u32,
     world: u32,
+    /// This rank's local rank and its host's ranks.
+    local: (u32, u32),
     paths: Paths,
     aborted: AbortFlag,
     gpu_abort: Option<crate::gpu_ring::AbortHandle>,
@@ -216,6 +219,17 @@ impl Communicator {
     /// Ranks in the communicator.
     pub fn world(&self) -> u32 {
         self.world
+    }
+
+    /// This rank's place among the ranks on its host (0 for the lowest rank there), as a
+    /// runtime picks its GPU by (torchrun's `LOCAL_RANK`).
+    pub fn local_rank(&self) -> u32 {
+        self.local.0
+    }
+
+    /// Ranks on this rank's host (torchrun's `LOCAL_WORLD_SIZE`).
+    pub fn local_world(&self) -> u32 {
+        self.local.1
     }
 
     /// How data travels: per link, the transport, where the bytes land, and why.

@@ -18,8 +18,24 @@ pub const DEFAULT_PIECE_BYTES: usize = 16 << 20;
 
 /// How a communicator forms and runs.
 ///
-/// [`Options::from_env`] reads every `NODETOUR_*` setting; the fields may be changed after.
+/// [`Options::from_env`] reads every `NODETOUR_*` setting ([`Options::default`]: the declared
+/// defaults, no environment read); the `with_*` methods set the settings a runtime usually
+/// sets itself, and every field may be changed after:
+///
+/// ```
+/// use std::time::Duration;
+/// use nodetour_ring::comm::Options;
+/// let o = Options::default()
+///     .with_gpu(0)
+///     .with_join_timeout(Duration::from_secs(900))
+///     .with_timeout(Duration::from_secs(60));
+/// assert_eq!((o.gpu, o.timeout()), (Some(0), Duration::from_secs(60)));
+/// ```
+///
+/// New settings may be added in minor releases (`#[non_exhaustive]`): build one from
+/// [`Options::default`] or [`Options::from_env`], not a struct literal.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Options {
     /// Device, GID, traffic class, and `timeout`: no progress in a collective for this long
     /// fails it, and formation must finish within it (`NODETOUR_TIMEOUT_MS`).
@@ -187,9 +203,47 @@ impl Options {
         ]
     }
 
-    /// The collective and formation timeout.
+    /// The collective timeout: no progress in a collective for this long fails it
+    /// (`NODETOUR_TIMEOUT_MS`).
     pub fn timeout(&self) -> Duration {
         self.config.timeout
+    }
+
+    /// The joining timeout: forming the communicator must finish within this long
+    /// (`NODETOUR_JOIN_TIMEOUT_MS`; default 10 minutes).
+    pub fn join_timeout(&self) -> Duration {
+        self.config.join_timeout
+    }
+
+    /// These options, passing the memory of GPU `ordinal` (see [`Options::gpu`]).
+    pub fn with_gpu(mut self, ordinal: usize) -> Options {
+        self.gpu = Some(ordinal);
+        self
+    }
+
+    /// These options with the collective timeout `timeout` (see [`Options::timeout`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Options {
+        self.config.timeout = timeout;
+        self
+    }
+
+    /// These options with the joining timeout `timeout` (see [`Options::join_timeout`]).
+    pub fn with_join_timeout(mut self, timeout: Duration) -> Options {
+        self.config.join_timeout = timeout;
+        self
+    }
+
+    /// These options with every link of kind `kind` (see [`Options::transport`]).
+    pub fn with_transport(mut self, kind: TransportKind) -> Options {
+        self.transport = Some(kind);
+        self
+    }
+
+    /// These options spreading the ranks of a host over the RDMA devices `devices` (see
+    /// [`Options::devices`]).
+    pub fn with_devices(mut self, devices: impl IntoIterator<Item = String>) -> Options {
+        self.devices = devices.into_iter().collect();
+        self
     }
 
     /// Checks the sizes (what [`Options::from_lookup`] checks for values it reads).

@@ -77,10 +77,7 @@ fn main() -> nodetour::Result<()> {
     match nodetour::core::cuda::availability() {
         Err(e) => println!("SKIP the device allreduce of cudarc 0.17's memory: {e}"),
         Ok(_) => {
-            let options = Options {
-                gpu: Some(0),
-                ..Options::default()
-            };
+            let options = Options::default().with_gpu(0);
             let got = two_ranks(options, device_rank)?;
             for (r, got) in got.into_iter().enumerate() {
                 let bad = (0..N).find(|&i| got[i] != value(0, i) + value(1, i));

@@ -618,7 +618,7 @@ impl TcpEndpoint {
             let accepting =
                 s.spawn(|| self.accept_streams(&higher, world_size, me, alive, deadline));
             let mut out = HashMap::new();
-            let dialled = peers.iter().filter(|p| **p < my_rank).try_for_each(|&p| {
+            let dialled: Result<()> = peers.iter().filter(|p| **p < my_rank).try_for_each(|&p| {
                 let addr = address(p);
                 let to = Acceptor {
                     rank: p,

@@ -53,8 +53,10 @@ fn open_verbs(options: &Options, rank: u32) -> std::result::Result<LocalSide, St
 /// of the ranks it links with only ([`address_book`]).
 pub(crate) fn announce(launch: &Launch, options: &Options) -> Result<Joined> {
     let (me, world) = (launch.rank, launch.world);
+    // Joining has its own, longer budget (ranks of a job start tens of seconds apart); the
+    // endpoint's connections carry collectives, so their I/O waits take the collective's.
     let timeout = options.timeout();
-    let deadline = Deadline::after(timeout);
+    let deadline = Deadline::after(options.join_timeout());
     let verbs = open_verbs(options, me);
     let ours = Announcement::ours(
         options.transport,
@@ -275,7 +277,7 @@ pub(crate) fn connect(
     let mut conns = Conns::new();
     if let Some(l) = &memory.local {
         let prepared = std::mem::take(&mut memory.prepared);
-        let timeout = options.timeout();
+        let timeout = joined.deadline.remaining();
         conns = setups::connect_verbs(prepared, &grants.received, l, &options.config, timeout)?;
     }
     let (prev, next) = (plan.prev, plan.next);

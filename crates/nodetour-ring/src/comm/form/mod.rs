@@ -1,5 +1,6 @@
 //! Forming a communicator, as a pipeline of small typed steps (every rank runs the same steps
-//! in the same order; each fails within the options' timeout naming what is missing):
+//! in the same order; each fails within the options' joining timeout,
+//! `NODETOUR_JOIN_TIMEOUT_MS`, naming what is missing):
 //!
 //! 1. **announce** ([`host::announce`]): the bootstrap; every rank hears every rank's host and
 //!    announcement (link abilities, GPU, process, the must-agree settings).

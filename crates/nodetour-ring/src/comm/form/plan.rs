@@ -68,6 +68,9 @@ pub(crate) struct RingPlan {
     pub next: u32,
     /// One host link per neighbour (none for one rank; one for two ranks).
     pub links: Vec<LinkPath>,
+    /// This rank's place among the ranks of its host (the local rank: how many ranks below it
+    /// share its host), and how many ranks its host has.
+    pub local: (u32, u32),
     /// Ranks on this host and this process's CPUs, where the ranks outnumber the CPUs: the
     /// ring then yields its CPU while it spins.
     pub oversubscribed: Option<(usize, usize)>,
@@ -129,6 +132,7 @@ impl RingPlan {
             prev,
             next,
             links: Vec::new(),
+            local: (0, 1),
             oversubscribed: None,
             device: DevicePlan::None,
         };
@@ -148,10 +152,10 @@ impl RingPlan {
                 reason: why.to_string(),
             });
         }
-        let local_ranks = hosts
-            .iter()
-            .filter(|h| h.same_host(hosts[me as usize]))
-            .count();
+        let here = |h: &&&HostIdentity| h.same_host(hosts[me as usize]);
+        let local_ranks = hosts.iter().filter(here).count();
+        let below = hosts[..me as usize].iter().filter(here).count();
+        plan.local = (below as u32, local_ranks as u32);
         plan.oversubscribed = (local_ranks > facts.cpus).then_some((local_ranks, facts.cpus));
         plan.device = plan.device_plan(facts);
         Ok(plan)
@@ -292,6 +296,7 @@ mod tests {
         let ranks: Vec<Announcement> = (0..4).map(|r| rank(r + 10, r != 3, false)).collect();
         let p = plan(2, &ranks, &hosts, false);
         assert_eq!(p.order, [0, 2, 1, 3]);
+        assert_eq!(p.local, (1, 2), "rank 2 is the second of host a's two");
         assert_eq!((p.prev, p.next), (0, 1));
         assert_eq!(p.position(), 1);
         assert_eq!(p.linked(), [1, 0]);
@@ -363,7 +368,10 @@ mod tests {
             true,
         )
         .device;
-        assert_eq!(staged, DevicePlan::Staged(Why::OneProcess { me: 0, peer: 1 }));
+        assert_eq!(
+            staged,
+            DevicePlan::Staged(Why::OneProcess { me: 0, peer: 1 })
+        );
         // A rank that passes host memory: staged, naming it.
         let mut host_only = gpus.clone();
         host_only[3] = rank(4, false, false);
