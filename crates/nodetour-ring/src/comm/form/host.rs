@@ -277,7 +277,9 @@ pub(crate) fn connect(
     let mut conns = Conns::new();
     if let Some(l) = &memory.local {
         let prepared = std::mem::take(&mut memory.prepared);
-        let timeout = joined.deadline.remaining();
+        // The connection's own waits (and so every wait of a collective on it) take this:
+        // the collective's timeout, not the joining one.
+        let timeout = options.timeout();
         conns = setups::connect_verbs(prepared, &grants.received, l, &options.config, timeout)?;
     }
     let (prev, next) = (plan.prev, plan.next);

@@ -584,7 +584,8 @@ fn connect_network(
     let mut conns = setups::connect_tcp(seat.job, seat.endpoint, &tcp, &grants_for, seat.deadline)?;
     let prepared = std::mem::take(&mut memory.prepared);
     if let Some(l) = verbs {
-        let timeout = seat.deadline.remaining();
+        // The connection's waits are the collective's (not the joining deadline's remainder).
+        let timeout = seat.timeout;
         conns.extend(setups::connect_verbs(
             prepared, received, l, config, timeout,
         )?);

@@ -100,7 +100,8 @@ pub(crate) fn at_least(grant: SlotGrant, rank: u32, what: &str, len: usize) -> R
     Ok(grant)
 }
 
-/// Connects each queue pair in `prepared` to the endpoint its neighbour sent.
+/// Connects each queue pair in `prepared` to the endpoint its neighbour sent; `timeout` bounds
+/// every later wait on the connection (the collective's timeout).
 pub(crate) fn connect_verbs(
     prepared: Prepared,
     received: &Received,
