@@ -21,7 +21,7 @@ use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
 use nodetour_net::bootstrap::UniqueId;
-use nodetour_ring::comm::{Communicator, Group, Options};
+use nodetour_ring::comm::{Communicator, Elements, Group, Host, Options};
 use nodetour_ring::{DataType, ReduceOp};
 
 const HOST_SIZES: [usize; 2] = [256 << 10, 4 << 20];
@@ -145,7 +145,7 @@ fn host(c: &mut Criterion) {
             static DATA: std::cell::RefCell<Vec<f32>> =
                 std::cell::RefCell::new(vec![1.0; HOST_SIZES[1] / 4]);
         }
-        DATA.with_borrow_mut(|d| comm.all_reduce_in_place(&mut d[..bytes / 4], ReduceOp::Sum))
+        DATA.with_borrow_mut(|d| comm.all_reduce_in_place(&mut d[..bytes / 4], ReduceOp::Sum, Host))
     };
     let ranks = Ranks::new(4, tcp(None), each);
     for bytes in HOST_SIZES {
@@ -200,7 +200,11 @@ fn gpu(c: &mut Criterion) {
                     GpuStream::new(&ctx).expect("stream"),
                 )
             });
-            comm.all_reduce_device_buffer(buf, bytes / 4, DataType::F32, ReduceOp::Sum, stream)
+            comm.all_reduce_in_place(
+                &mut Elements::new(buf, bytes / 4, DataType::F32)?,
+                ReduceOp::Sum,
+                stream,
+            )
         })
     };
     let mut o = tcp(Some(0));
@@ -217,14 +221,10 @@ fn gpu(c: &mut Criterion) {
                     let mut group = Group::new();
                     for ((comm, buf), st) in comms.iter().zip(&buffers).zip(&streams) {
                         group
-                            .all_reduce_device_buffer(
-                                comm,
-                                buf,
-                                count,
-                                DataType::F32,
-                                ReduceOp::Sum,
-                                st,
-                            )
+                            .add(comm, move |c| {
+                                let mut e = Elements::new(buf, count, DataType::F32)?;
+                                c.all_reduce_in_place(&mut e, ReduceOp::Sum, st)
+                            })
                             .expect("direct");
                     }
                     group.end().expect("direct");

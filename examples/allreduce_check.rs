@@ -6,7 +6,7 @@
 //! # inside the soft-RoCE VM:
 //! scripts/launch-local.sh -n 4 -- target/release/examples/allreduce_check --transport verbs --devices rxe0,rxe1
 //! ```
-//! With `--gpu` the buffers are GPU memory (`Communicator::all_reduce_device_buffer`), on the
+//! With `--gpu` the buffers are GPU memory (`Communicator::all_reduce_in_place` on `Elements`), on the
 //! GPU ring: its links are network links over the chosen transport (a forced host transport
 //! makes every link one):
 //! `NCCL_NVLS_ENABLE=0 scripts/launch-local.sh -n 2 -- target/release/examples/allreduce_check --gpu --all`.
@@ -22,7 +22,7 @@ use clap::Parser;
 use nodetour::core::memory::DeviceBuffer;
 use nodetour::core::transport::TransportKind;
 use nodetour::ring::seeded::{input, verify};
-use nodetour::{Communicator, DataType, Deadline, Options, ReduceOp};
+use nodetour::{Communicator, DataType, Deadline, Elements, Host, HostBytes, Options, ReduceOp};
 use nodetour_tools::perf::cases;
 
 #[derive(Parser)]
@@ -163,11 +163,17 @@ fn run() -> anyhow::Result<()> {
         // collective's data fails the check.
         let mut data = input(dtype, op, comm.rank(), args.count, k as u64);
         match &gpu {
-            None => comm.all_reduce_in_place_bytes(&mut data, dtype, op)?,
+            None => {
+                comm.all_reduce_in_place(&mut HostBytes::new_mut(&mut data, dtype)?, op, Host)?
+            }
             Some((ctx, stream)) => {
                 let buffer = DeviceBuffer::new(ctx, data.len().max(1))?;
                 buffer.copy_from_host(0, &data)?;
-                comm.all_reduce_device_buffer(&buffer, args.count, dtype, op, stream)?;
+                comm.all_reduce_in_place(
+                    &mut Elements::new(&buffer, args.count, dtype)?,
+                    op,
+                    stream,
+                )?;
                 // The collective is queued on `stream`; the copy out runs on a stream of its
                 // own, so wait for this one (only) first.
                 stream.synchronize()?;
@@ -260,7 +266,7 @@ fn run() -> anyhow::Result<()> {
             // every 64 collectives with one more (a max of everyone's "time is up").
             if let Some(u) = until.filter(|_| k % 64 == 0) {
                 let mut up = vec![u8::from(t.elapsed() >= u)];
-                comm.all_reduce_in_place(&mut up, ReduceOp::Max)?;
+                comm.all_reduce_in_place(&mut up, ReduceOp::Max, Host)?;
                 stop = up[0] == 1;
             }
         }

@@ -23,7 +23,7 @@ use nodetour::core::cuda::GpuStream;
 use nodetour::core::cuda::reduce::{At, ReduceKernels, pattern_value};
 use nodetour::core::memory::with_cudarc_slice_mut;
 use nodetour::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use nodetour::{Communicator, DataType, Deadline, Element, Options, ReduceOp};
+use nodetour::{Communicator, DataType, Deadline, Element, Host, Options, ReduceOp};
 
 #[derive(Parser)]
 #[command(about = "DDP-shaped gradient averaging through nodetour's communicator, checked")]
@@ -135,7 +135,7 @@ fn run() -> anyhow::Result<()> {
     // Every rank holds the same bits: gather every rank's hashes and compare.
     let hashes: Vec<i64> = hashes.iter().map(|h| *h as i64).collect();
     let mut all = vec![0i64; hashes.len() * comm.world() as usize];
-    comm.all_gather(&hashes, &mut all)?;
+    comm.all_gather(&hashes, &mut all, Host)?;
     if let Some(r) = all.chunks(hashes.len()).position(|h| h != &hashes[..]) {
         bail!("rank {r}'s buckets differ from rank {}'s", comm.rank());
     }
@@ -199,14 +199,14 @@ fn on_gpu(
                     with_cudarc_slice_mut(x, &compute, |v| {
                         kernels.fill_pattern(&on_compute, DataType::F32, At::new(v, 0), n, 0, s)
                     })??;
-                    comm.all_reduce_device_in_place(x, ReduceOp::Avg, &comms)?;
+                    comm.all_reduce_in_place(x, ReduceOp::Avg, &comms)?;
                 }
                 Bucket::Bf16(x) => {
                     let n = x.len();
                     with_cudarc_slice_mut(x, &compute, |v| {
                         kernels.fill_pattern(&on_compute, DataType::Bf16, At::new(v, 0), n, 0, s)
                     })??;
-                    comm.all_reduce_device_in_place(x, ReduceOp::Avg, &comms)?;
+                    comm.all_reduce_in_place(x, ReduceOp::Avg, &comms)?;
                 }
             }
         }
@@ -271,11 +271,11 @@ fn on_host(comm: &Communicator, args: &Args, bytes: usize) -> anyhow::Result<(Ve
             if b % 2 == 0 {
                 let v = &mut f32s[b / 2];
                 fill(v, s, |x| x as f32);
-                comm.all_reduce_in_place(v, ReduceOp::Avg)?;
+                comm.all_reduce_in_place(v, ReduceOp::Avg, Host)?;
             } else {
                 let v = &mut bf16s[b / 2];
                 fill(v, s, |x| bf16::from_f32(x as f32));
-                comm.all_reduce_in_place(v, ReduceOp::Avg)?;
+                comm.all_reduce_in_place(v, ReduceOp::Avg, Host)?;
             }
         }
     }

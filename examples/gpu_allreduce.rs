@@ -75,11 +75,11 @@ fn run(args: &Args, gpus: usize) -> anyhow::Result<()> {
         .collect::<Result<Vec<CudaSlice<f32>>, _>>()?;
     // 4. Queue the allreduce from this thread as a group (returns at once), then wait on each
     //    stream. (With one thread per GPU, each thread calls its communicator's
-    //    `all_reduce_device_in_place` instead.)
+    //    `all_reduce_in_place` instead.)
     let t = std::time::Instant::now();
     let mut group = Group::new();
     for ((comm, g), s) in comms.iter().zip(grads.iter_mut()).zip(&streams) {
-        group.all_reduce_device_in_place(comm, g, ReduceOp::Sum, s)?;
+        group.add(comm, move |c| c.all_reduce_in_place(g, ReduceOp::Sum, s))?;
     }
     group.end()?;
     for s in &streams {

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::Parser;
-use nodetour::ring::comm::GpuRingOptions;
+use nodetour::ring::comm::{Elements, GpuRingOptions};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::{Config, Deadline};
@@ -208,7 +208,7 @@ fn run() -> anyhow::Result<()> {
     for &(dtype, op) in &cases {
         for &count in &counts {
             buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed))?;
-            comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
+            comm.all_reduce_in_place(&mut Elements::new(&buf, count, dtype)?, op, &stream)?;
             comm.wait(Deadline::after(TIMEOUT))?;
             stream.synchronize()?;
             let mut got = vec![0u8; count * dtype.size()];
@@ -223,7 +223,13 @@ fn run() -> anyhow::Result<()> {
     let count = 5_000_011;
     buf.copy_from_host(0, &input(DataType::F32, ReduceOp::Sum, g.rank, count, seed))?;
     let handle = comm
-        .start_all_reduce_device_buffer(buf, count, DataType::F32, ReduceOp::Sum, &stream)
+        .start(buf, &stream, |comm, b, s| {
+            comm.all_reduce_in_place(
+                &mut Elements::new(b, count, DataType::F32)?,
+                ReduceOp::Sum,
+                s,
+            )
+        })
         .map_err(|f| f.error)?;
     let buf = handle.wait(Deadline::after(TIMEOUT)).map_err(|f| f.error)?;
     stream.synchronize()?;
@@ -348,10 +354,8 @@ fn late_drill(g: &GpuJob, late: u32, args: &Args, config: &Config) -> anyhow::Re
         }
         let result = (0..n)
             .try_for_each(|j| {
-                comm.all_reduce_device_buffer(
-                    &bufs[j as usize],
-                    count,
-                    DataType::F32,
+                comm.all_reduce_in_place(
+                    &mut Elements::new(&bufs[j as usize], count, DataType::F32)?,
                     ReduceOp::Sum,
                     &stream,
                 )
@@ -411,7 +415,11 @@ fn disagree_drill(g: &GpuJob, odd: u32, bytes: usize, config: &Config) -> anyhow
     let me = g.rank;
     // One agreed collective first, checked: the communicator works.
     buf.copy_from_host(0, &input(DataType::F32, ReduceOp::Sum, me, count, 0))?;
-    comm.all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
+    comm.all_reduce_in_place(
+        &mut Elements::new(&buf, count, DataType::F32)?,
+        ReduceOp::Sum,
+        &stream,
+    )?;
     comm.wait(Deadline::after(config.timeout))?;
     stream.synchronize()?;
     let mut got = vec![0u8; count * 4];
@@ -424,7 +432,11 @@ fn disagree_drill(g: &GpuJob, odd: u32, bytes: usize, config: &Config) -> anyhow
     let mine = if me == odd { count / 2 } else { count };
     let t = std::time::Instant::now();
     let result = comm
-        .all_reduce_device_buffer(&buf, mine, DataType::F32, ReduceOp::Sum, &stream)
+        .all_reduce_in_place(
+            &mut Elements::new(&buf, mine, DataType::F32)?,
+            ReduceOp::Sum,
+            &stream,
+        )
         .and_then(|()| comm.wait(Deadline::after(config.timeout)));
     let ms = t.elapsed().as_millis();
     println!("GPU_RING_DISAGREE rank={me} count={mine} failed_in_ms={ms} result={result:?}");
@@ -451,7 +463,11 @@ fn close_drill(g: GpuJob, victim: u32, config: &Config) -> anyhow::Result<()> {
     g.barrier()?;
     let comm = &g.variants[0].comm;
     if me == victim {
-        comm.all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
+        comm.all_reduce_in_place(
+            &mut Elements::new(&buf, count, DataType::F32)?,
+            ReduceOp::Sum,
+            &stream,
+        )?;
         let t = std::time::Instant::now();
         comm.abort_handle().abort("the close drill's victim leaves");
         let closed = g.close(Deadline::after(Duration::from_secs(3)));
@@ -468,7 +484,11 @@ fn close_drill(g: GpuJob, victim: u32, config: &Config) -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(500));
         let t = std::time::Instant::now();
         let result = comm
-            .all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)
+            .all_reduce_in_place(
+                &mut Elements::new(&buf, count, DataType::F32)?,
+                ReduceOp::Sum,
+                &stream,
+            )
             .and_then(|()| comm.wait(Deadline::after(config.timeout)));
         println!(
             "GPU_RING_CLOSE rank={me} failed_in_ms={} result={result:?}",
@@ -532,7 +552,11 @@ fn drill(g: GpuJob, args: &Args, config: &Config) -> anyhow::Result<()> {
         )?;
         let t = std::time::Instant::now();
         let result = comm
-            .all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)
+            .all_reduce_in_place(
+                &mut Elements::new(&buf, count, DataType::F32)?,
+                ReduceOp::Sum,
+                &stream,
+            )
             .and_then(|()| comm.wait(Deadline::after(config.timeout)));
         if let Err(e) = result {
             lost_at = Some((k, t.elapsed(), e));

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::Parser;
-use nodetour::ring::comm::{Communicator, GpuRingOptions, Options};
+use nodetour::ring::comm::{Communicator, Elements, GpuRingOptions, Options};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::{Config, Deadline};
@@ -85,7 +85,11 @@ fn run() -> anyhow::Result<()> {
     let stream = GpuStream::new(&g.context)?;
     let buf = DeviceBuffer::new(&g.context, count * 4)?;
     buf.copy_from_host(0, &input(DataType::F32, ReduceOp::Sum, g.rank, count, 0))?;
-    comm.all_reduce_device_buffer(&buf, count, DataType::F32, ReduceOp::Sum, &stream)?;
+    comm.all_reduce_in_place(
+        &mut Elements::new(&buf, count, DataType::F32)?,
+        ReduceOp::Sum,
+        &stream,
+    )?;
     comm.wait(Deadline::after(config.timeout))?;
     stream.synchronize()?;
     let mut got = vec![0u8; count * 4];

@@ -8,25 +8,31 @@
 //!    runtime's own store. [`Options::from_env`] reads every `NODETOUR_*` setting.
 //! 2. **Read the paths**: [`Communicator::paths`], per link the transport, where the bytes land
 //!    and why that link was chosen.
-//! 3. **Run collectives** on its own buffers, typed by their element ([`Element`]: `f32`,
-//!    `f64`, `half::f16`, `half::bf16`, `i32`, `i64`, `u8`): allreduce, reduce-scatter,
-//!    all-gather, broadcast, in place or out of place, any size.
+//! 3. **Run collectives**, one verb each ([`Communicator::all_reduce`], `reduce_scatter`,
+//!    `all_gather`, `broadcast`, and their `_in_place` forms), on device memory queued on the
+//!    caller's stream (cudarc slices and views; [`Elements`] for a type known at run time) or
+//!    on host slices ([`Host`]), typed by their element ([`Element`]: `f32`, `f64`,
+//!    `half::f16`, `half::bf16`, `i32`, `i64`, `u8`).
 //! 4. **Handle errors**: one typed [`Error`] naming the rank at fault.
 //! 5. **Abort** from another thread ([`Communicator::abort_handle`]) and **close**.
 //!
 //! ```no_run
 //! use nodetour::{Communicator, Deadline, Error, Options, ReduceOp};
+//! use nodetour::cudarc::driver::CudaContext;
 //!
-//! fn main() -> nodetour::Result<()> {
-//!     let comm = Communicator::from_env(Options::from_env()?)?;
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let comm = Communicator::from_env(Options::from_env()?.with_gpu(0))?;
 //!     println!("{}", comm.paths());
-//!     let mut grads = vec![0.5f32; 25 << 18]; // a 25 MiB bucket
-//!     match comm.all_reduce_in_place(&mut grads, ReduceOp::Avg) {
+//!     let stream = CudaContext::new(0)?.new_stream()?;
+//!     let mut grads = stream.alloc_zeros::<f32>(25 << 18)?; // a 25 MiB bucket
+//!     match comm.all_reduce_in_place(&mut grads, ReduceOp::Avg, &stream) {
 //!         Ok(()) => {}
 //!         Err(Error::PeerLost { rank }) => eprintln!("rank {rank} is gone"),
-//!         Err(e) => return Err(e),
+//!         Err(e) => return Err(e.into()),
 //!     }
-//!     comm.close(Deadline::after(std::time::Duration::from_secs(30)))
+//!     comm.wait(Deadline::after(std::time::Duration::from_secs(30)))?;
+//!     comm.close(Deadline::after(std::time::Duration::from_secs(30)))?;
+//!     Ok(())
 //! }
 //! ```
 //!
@@ -41,5 +47,8 @@ pub use nodetour_core as core;
 pub use nodetour_core::{Config, Deadline};
 pub use nodetour_net as net;
 pub use nodetour_ring as ring;
-pub use nodetour_ring::comm::{AbortHandle, Communicator, Group, Options, Paths, UniqueId};
+pub use nodetour_ring::comm::{
+    AbortHandle, Communicator, Elements, Failed, Group, Host, HostBytes, InFlight, Input, Options,
+    Output, Paths, Queue, UniqueId,
+};
 pub use nodetour_ring::{DataType, Element, Error, ReduceOp, Result};

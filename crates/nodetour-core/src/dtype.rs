@@ -3,6 +3,7 @@
 
 /// Element types.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DataType {
     /// 32-bit float.
     F32,
@@ -58,6 +59,7 @@ impl DataType {
 
 /// Reduction operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ReduceOp {
     /// Sum (integers wrap).
     Sum,

@@ -13,6 +13,12 @@
 //! Waiting blocks on a condition variable (no spinning), to a deadline. A seat that times out
 //! breaks the meeting (the other seats leave at once with the reason, and every later meeting
 //! fails the same way): the collective it was part of can never be whole.
+//!
+//! A seat that cannot take part in a meeting (its call was refused before it could lend
+//! anything) **cancels** it ([`Meeting::cancel`]) instead: every seat's call of that meeting
+//! fails with the reason ([`MeetError::Cancelled`]), those waiting at once, those still to come
+//! when they arrive; nothing runs, and the next meeting is whole again. A cancellation no other
+//! seat has seen can be taken back ([`Meeting::settle`]).
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -31,6 +37,21 @@ pub enum MeetError {
     /// The seat does not exist, or is taken by a call still in the meeting.
     #[error("{0}")]
     Seat(String),
+    /// Seat `seat` cancelled this meeting ([`Meeting::cancel`]): nothing ran.
+    #[error("seat {seat} cancelled the meeting: {reason}")]
+    Cancelled {
+        /// The seat that cancelled.
+        seat: usize,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A cancelled meeting: who cancelled, why, and which seats have passed it.
+struct Cancel {
+    seat: usize,
+    reason: String,
+    passed: Vec<bool>,
 }
 
 /// One seat's loan: its references as raw pointers (valid while its thread waits in `meet`),
@@ -51,6 +72,8 @@ struct State<A, B, K, R> {
     /// The last run's result, for the seats that waited for it.
     outcome: Option<(u64, R)>,
     broken: Option<String>,
+    /// The current meeting was cancelled (see [`Meeting::cancel`]).
+    cancel: Option<Cancel>,
 }
 
 /// `n` seats that meet to run one function over every seat's borrowed `&A` and `&B`. See the
@@ -102,6 +125,7 @@ impl<A, B, K, R: Clone> Meeting<A, B, K, R> {
                 running: false,
                 outcome: None,
                 broken: None,
+                cancel: None,
             }),
             changed: Condvar::new(),
         }
@@ -129,6 +153,79 @@ impl<A, B, K, R: Clone> Meeting<A, B, K, R> {
     /// Why the meeting is broken, if it is.
     pub fn broken(&self) -> Option<String> {
         self.lock().broken.clone()
+    }
+
+    /// Seat `seat` cannot take part in the current meeting (it has not arrived, and will not):
+    /// every seat's call of this meeting fails with [`MeetError::Cancelled`] (the waiting ones
+    /// at once), nothing runs, and once every seat has passed it the next meeting begins. A
+    /// seat that already passed a cancelled meeting, or a broken meeting, changes nothing.
+    pub fn cancel(&self, seat: usize, reason: &str) {
+        if seat >= self.n {
+            return;
+        }
+        let mut s = self.lock();
+        if s.broken.is_some() || s.running || s.seats[seat].is_some() {
+            return;
+        }
+        match &mut s.cancel {
+            Some(c) => c.passed[seat] = true,
+            None => {
+                let mut passed = vec![false; self.n];
+                passed[seat] = true;
+                s.cancel = Some(Cancel {
+                    seat,
+                    reason: reason.to_owned(),
+                    passed,
+                });
+            }
+        }
+        Self::advance_if_all_passed(&mut s);
+        self.changed.notify_all();
+    }
+
+    /// Takes back a cancellation that no seat but its own has passed (nobody's call failed
+    /// from it: the meeting goes on as if it never happened). A cancellation that some seats
+    /// passed and others did not is returned as an error: the seats' calls no longer pair up,
+    /// so the meeting is broken.
+    pub fn settle(&self) -> Result<(), String> {
+        let mut s = self.lock();
+        let Some(c) = &s.cancel else {
+            return Ok(());
+        };
+        if c.passed.iter().filter(|p| **p).count() == 1 {
+            s.cancel = None;
+            return Ok(());
+        }
+        let reason = format!(
+            "the seats issued different numbers of calls (seat {} cancelled one: {})",
+            c.seat, c.reason
+        );
+        s.broken.get_or_insert_with(|| reason.clone());
+        self.changed.notify_all();
+        Err(reason)
+    }
+
+    /// Ends a cancelled meeting once every seat has passed it.
+    fn advance_if_all_passed(s: &mut State<A, B, K, R>) {
+        if s.cancel
+            .as_ref()
+            .is_some_and(|c| c.passed.iter().all(|p| *p))
+        {
+            s.cancel = None;
+            s.generation += 1;
+        }
+    }
+
+    /// This seat passes the cancelled meeting (its call fails with the cancellation).
+    fn pass(s: &mut State<A, B, K, R>, seat: usize) -> MeetError {
+        let c = s.cancel.as_mut().expect("a cancelled meeting");
+        c.passed[seat] = true;
+        let e = MeetError::Cancelled {
+            seat: c.seat,
+            reason: c.reason.clone(),
+        };
+        Self::advance_if_all_passed(s);
+        e
     }
 
     /// Takes seat `seat` with the loans `a` and `b` and the seat's `key`, and waits (to
@@ -160,6 +257,30 @@ impl<A, B, K, R: Clone> Meeting<A, B, K, R> {
             return Err(MeetError::Seat(format!(
                 "seat {seat} is already in the meeting (one call at a time per seat)"
             )));
+        }
+        // A cancelled meeting: fail this call with it, or (passed already) wait for the others
+        // to pass it before joining the next.
+        while let Some(c) = &s.cancel {
+            if !c.passed[seat] {
+                let e = Self::pass(&mut s, seat);
+                self.changed.notify_all();
+                return Err(e);
+            }
+            if let Some(reason) = &s.broken {
+                return Err(MeetError::Broken(reason.clone()));
+            }
+            if deadline.expired() {
+                s.broken.get_or_insert_with(|| {
+                    format!("seat {seat} timed out waiting for the others to pass a cancelled call")
+                });
+                self.changed.notify_all();
+                return Err(MeetError::Timeout);
+            }
+            s = self
+                .changed
+                .wait_timeout(s, deadline.remaining())
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         s.seats[seat] = Some(Loan {
             a: a as *const A,
@@ -217,6 +338,13 @@ impl<A, B, K, R: Clone> Meeting<A, B, K, R> {
                 };
             }
             if !s.running {
+                if s.cancel.is_some() {
+                    s.seats[seat] = None;
+                    s.arrived -= 1;
+                    let e = Self::pass(&mut s, seat);
+                    self.changed.notify_all();
+                    return Err(e);
+                }
                 if let Some(reason) = &s.broken {
                     let reason = reason.clone();
                     s.seats[seat] = None;
@@ -345,6 +473,73 @@ mod tests {
             std::thread::spawn(move || m3.meet(1, &1, &1, (), soon(), |_, _, _| panic!("boom")));
         assert!(runner.join().is_err());
         assert!(matches!(waiter.join().unwrap(), Err(MeetError::Broken(_))));
+    }
+
+    #[test]
+    fn a_cancelled_meeting_fails_every_seat_and_the_next_one_is_whole() {
+        let m = Arc::new(Meeting::<u8, u8, u32, u32>::new(3));
+        let m2 = m.clone();
+        // Seat 1 waits; seat 0 cancels; seat 2 comes later.
+        let waiter = std::thread::spawn(move || m2.meet(1, &1, &1, 1, soon(), |_, _, _| 7));
+        std::thread::sleep(Duration::from_millis(50));
+        m.cancel(0, "refused: too small");
+        let cancelled = MeetError::Cancelled {
+            seat: 0,
+            reason: "refused: too small".into(),
+        };
+        assert_eq!(waiter.join().unwrap(), Err(cancelled.clone()));
+        assert_eq!(m.meet(2, &2, &2, 2, soon(), |_, _, _| 7), Err(cancelled));
+        // The next meeting runs, with seat 0 back in it.
+        let hs: Vec<_> = (0..3usize)
+            .map(|seat| {
+                let m = m.clone();
+                std::thread::spawn(move || {
+                    m.meet(seat, &0, &0, seat as u32, soon(), |_, _, k| k.iter().sum())
+                })
+            })
+            .collect();
+        for h in hs {
+            assert_eq!(h.join().unwrap(), Ok(3));
+        }
+        assert_eq!(m.broken(), None);
+    }
+
+    #[test]
+    fn a_seat_that_passed_a_cancellation_waits_for_the_others_to_pass_it() {
+        let m = Arc::new(Meeting::<u8, u8, (), u8>::new(2));
+        m.cancel(0, "no");
+        let m2 = m.clone();
+        // Seat 0 calls again at once: it must not pair with seat 1's cancelled call.
+        let again = std::thread::spawn(move || m2.meet(0, &0, &0, (), soon(), |_, _, _| 5));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(matches!(
+            m.meet(1, &1, &1, (), soon(), |_, _, _| 5),
+            Err(MeetError::Cancelled { seat: 0, .. })
+        ));
+        assert_eq!(m.meet(1, &1, &1, (), soon(), |_, _, _| 5), Ok(5));
+        assert_eq!(again.join().unwrap(), Ok(5));
+    }
+
+    #[test]
+    fn settling_takes_back_an_unseen_cancellation_and_breaks_a_half_seen_one() {
+        let m = Meeting::<u8, u8, (), u8>::new(3);
+        m.cancel(1, "nobody saw this");
+        assert_eq!(m.settle(), Ok(()));
+        // The meeting is as it was: seat 1's next call joins the current meeting.
+        let m = Arc::new(m);
+        let hs: Vec<_> = (0..3usize)
+            .map(|seat| {
+                let m = m.clone();
+                std::thread::spawn(move || m.meet(seat, &0, &0, (), soon(), |_, _, _| 1))
+            })
+            .collect();
+        for h in hs {
+            assert_eq!(h.join().unwrap(), Ok(1));
+        }
+        m.cancel(0, "half seen");
+        assert!(m.meet(2, &0, &0, (), soon(), |_, _, _| 1).is_err());
+        assert!(m.settle().is_err());
+        assert!(m.broken().is_some());
     }
 
     #[test]

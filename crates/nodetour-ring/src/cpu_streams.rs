@@ -257,7 +257,8 @@ impl CpuRank {
                             RecvKind::Reduce { average } => {
                                 let _ = reduce_into(DataType::F32, rop, &mut buf[a..b], &chunk);
                                 if average {
-                                    finish_avg(DataType::F32, &mut buf[a..b], this.world);
+                                    finish_avg(DataType::F32, &mut buf[a..b], this.world)
+                                        .expect("f32 is reduced");
                                 }
                             }
                             RecvKind::Copy => buf[a..b].copy_from_slice(&chunk),

@@ -36,43 +36,6 @@ elements!(
     u8 => U8,
 );
 
-/// Runs `$body` with `$T` naming the Rust type of the run-time `$dtype` (a [`DataType`]).
-macro_rules! typed {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            $crate::reduce::DataType::F32 => {
-                type $T = f32;
-                $body
-            }
-            $crate::reduce::DataType::F64 => {
-                type $T = f64;
-                $body
-            }
-            $crate::reduce::DataType::F16 => {
-                type $T = half::f16;
-                $body
-            }
-            $crate::reduce::DataType::Bf16 => {
-                type $T = half::bf16;
-                $body
-            }
-            $crate::reduce::DataType::I32 => {
-                type $T = i32;
-                $body
-            }
-            $crate::reduce::DataType::I64 => {
-                type $T = i64;
-                $body
-            }
-            $crate::reduce::DataType::U8 => {
-                type $T = u8;
-                $body
-            }
-        }
-    };
-}
-pub(crate) use typed;
-
 /// The bytes of `data`.
 pub fn bytes<T: Element>(data: &[T]) -> &[u8] {
     bytemuck::cast_slice(data)

@@ -22,6 +22,7 @@ macro_rules! apply {
                 ReduceOp::Prod => typed(a, b, $prod),
                 ReduceOp::Min => typed(a, b, |x: $t, y: $t| if y < x { y } else { x }),
                 ReduceOp::Max => typed(a, b, |x: $t, y: $t| if y > x { y } else { x }),
+                other => return Err(not_reduced(other)),
             }
         } else {
             const N: usize = std::mem::size_of::<$t>();
@@ -45,6 +46,7 @@ macro_rules! apply {
                             x
                         }
                     }
+                    other => return Err(not_reduced(other)),
                 };
                 a.copy_from_slice(&$to(r));
             }
@@ -142,12 +144,21 @@ pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) 
             u8::wrapping_add,
             u8::wrapping_mul
         ),
+        other => return Err(not_reduced(other)),
     }
     Ok(())
 }
 
+/// A type or operation this build does not reduce (`DataType` and `ReduceOp` are
+/// `#[non_exhaustive]`: a newer core may name more).
+pub(crate) fn not_reduced(what: impl std::fmt::Debug) -> Error {
+    Error::Unsupported {
+        reason: format!("{what:?} is not reduced on the host by this build"),
+    }
+}
+
 /// Divides every element by `world` (the end of an `Avg`).
-pub fn finish_avg(dtype: DataType, data: &mut [u8], world: u32) {
+pub fn finish_avg(dtype: DataType, data: &mut [u8], world: u32) -> Result<()> {
     let n = world.max(1);
     macro_rules! div {
         ($t:ty, $from:expr, $to:expr, $div:expr) => {{
@@ -179,7 +190,9 @@ pub fn finish_avg(dtype: DataType, data: &mut [u8], world: u32) {
             u8::to_ne_bytes,
             |x: u8| (u32::from(x) / n) as u8
         ),
+        other => return Err(not_reduced(other)),
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -241,12 +254,12 @@ mod tests {
             &bytes(&[bf16::from_f32(7.0)], bf16::to_ne_bytes),
         )
         .unwrap();
-        finish_avg(DataType::Bf16, &mut acc, 2);
+        finish_avg(DataType::Bf16, &mut acc, 2).unwrap();
         assert_eq!(acc, bytes(&[bf16::from_f32(3.5)], bf16::to_ne_bytes));
         let mut acc = vec![250u8, 3];
         reduce_into(DataType::U8, ReduceOp::Sum, &mut acc, &[10, 4]).unwrap();
         assert_eq!(acc, [4, 7]);
-        finish_avg(DataType::U8, &mut acc, 2);
+        finish_avg(DataType::U8, &mut acc, 2).unwrap();
         assert_eq!(acc, [2, 3]);
         assert!(reduce_into(DataType::I32, ReduceOp::Sum, &mut [0u8; 4], &[0u8; 8]).is_err());
         assert!(reduce_into(DataType::I32, ReduceOp::Sum, &mut [0u8; 3], &[0u8; 3]).is_err());

@@ -9,7 +9,7 @@ use std::time::Duration;
 use nodetour_core::Deadline;
 use nodetour_core::transport::TransportKind;
 use nodetour_net::bootstrap::UniqueId;
-use nodetour_ring::comm::{Communicator, Options};
+use nodetour_ring::comm::{Communicator, Host, Options};
 use nodetour_ring::{Error, ReduceOp};
 
 /// Small slots and staging memory: every buffer here goes through the ring in several pieces.
@@ -75,26 +75,27 @@ fn every_collective_in_and_out_of_place_gives_the_exact_answer_on_every_rank() {
             let whole: Vec<i64> = (0..world).flat_map(|q| input(q + 10 * r, n)).collect();
             let mut out: Results = Default::default();
             out[0] = vec![0; n];
-            comm.all_reduce(&mine, &mut out[0], ReduceOp::Sum).unwrap();
+            comm.all_reduce(&mine, &mut out[0], ReduceOp::Sum, Host)
+                .unwrap();
             out[1] = mine.clone();
-            comm.all_reduce_in_place(&mut out[1], ReduceOp::Sum)
+            comm.all_reduce_in_place(&mut out[1], ReduceOp::Sum, Host)
                 .unwrap();
             out[2] = vec![0; n];
-            comm.reduce_scatter(&whole, &mut out[2], ReduceOp::Sum)
+            comm.reduce_scatter(&whole, &mut out[2], ReduceOp::Sum, Host)
                 .unwrap();
             out[3] = whole.clone();
-            comm.reduce_scatter_in_place(&mut out[3], ReduceOp::Sum)
+            comm.reduce_scatter_in_place(&mut out[3], ReduceOp::Sum, Host)
                 .unwrap();
             out[4] = vec![0; n * world as usize];
-            comm.all_gather(&mine, &mut out[4]).unwrap();
+            comm.all_gather(&mine, &mut out[4], Host).unwrap();
             out[5] = vec![-1; n * world as usize];
             out[5][r as usize * n..(r as usize + 1) * n].copy_from_slice(&mine);
-            comm.all_gather_in_place(&mut out[5]).unwrap();
+            comm.all_gather_in_place(&mut out[5], Host).unwrap();
             out[6] = vec![0; n];
             let send = if r == root { mine.clone() } else { vec![] };
-            comm.broadcast(&send, &mut out[6], root).unwrap();
+            comm.broadcast(&send, &mut out[6], root, Host).unwrap();
             out[7] = if r == root { mine.clone() } else { vec![7; n] };
-            comm.broadcast_in_place(&mut out[7], root).unwrap();
+            comm.broadcast_in_place(&mut out[7], root, Host).unwrap();
             comm.close(Deadline::after(Duration::from_secs(10)))
                 .unwrap();
             out
@@ -173,11 +174,13 @@ fn floating_point_results_are_the_same_bits_on_every_rank() {
     let got = ranks(world, options(), |comm| {
         let r = comm.rank() as f32;
         let mut a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + r).sin() * 1e3).collect();
-        comm.all_reduce_in_place(&mut a, ReduceOp::Avg).unwrap();
+        comm.all_reduce_in_place(&mut a, ReduceOp::Avg, Host)
+            .unwrap();
         let mut b: Vec<half::bf16> = (0..n)
             .map(|i| half::bf16::from_f32(i as f32 * 0.01 - r))
             .collect();
-        comm.all_reduce_in_place(&mut b, ReduceOp::Sum).unwrap();
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, Host)
+            .unwrap();
         comm.close(Deadline::after(Duration::from_secs(10)))
             .unwrap();
         (a, b)
@@ -205,10 +208,10 @@ fn ranks_that_disagree_fail_with_a_disagreement_write_nothing_and_break() {
         let mut data = input(r, 100 + r as usize);
         let before = data.clone();
         let e = comm
-            .all_reduce_in_place(&mut data, ReduceOp::Sum)
+            .all_reduce_in_place(&mut data, ReduceOp::Sum, Host)
             .unwrap_err();
         let next = comm
-            .all_reduce_in_place(&mut data, ReduceOp::Sum)
+            .all_reduce_in_place(&mut data, ReduceOp::Sum, Host)
             .unwrap_err();
         (e, data == before, next)
     });
@@ -234,18 +237,19 @@ fn arguments_that_cannot_make_a_collective_fail_here_and_break_nothing() {
     ranks(2, options(), |comm| {
         let mut out = vec![0i64; 3];
         let e = comm
-            .all_reduce(&[1i64, 2], &mut out, ReduceOp::Sum)
+            .all_reduce(&[1i64, 2], &mut out, ReduceOp::Sum, Host)
             .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
         let e = comm
-            .reduce_scatter(&[1i64; 5], &mut out, ReduceOp::Sum)
+            .reduce_scatter(&[1i64; 5], &mut out, ReduceOp::Sum, Host)
             .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
-        let e = comm.broadcast_in_place(&mut out, 2).unwrap_err();
+        let e = comm.broadcast_in_place(&mut out, 2, Host).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
         // Nothing was sent: the next collective runs.
         let mut ok = vec![comm.rank() as i64; 10];
-        comm.all_reduce_in_place(&mut ok, ReduceOp::Sum).unwrap();
+        comm.all_reduce_in_place(&mut ok, ReduceOp::Sum, Host)
+            .unwrap();
         assert_eq!(ok, vec![1i64; 10]);
         assert!(comm.error().is_none());
         comm.wait(Deadline::after(Duration::from_secs(1))).unwrap();
@@ -267,7 +271,7 @@ fn a_lost_rank_fails_every_survivor_naming_it() {
         let before = data.clone();
         let t = std::time::Instant::now();
         let e = comm
-            .all_reduce_in_place(&mut data, ReduceOp::Sum)
+            .all_reduce_in_place(&mut data, ReduceOp::Sum, Host)
             .unwrap_err();
         Some((e, data[..512] == before[..512], t.elapsed()))
     });
@@ -302,13 +306,13 @@ fn an_abort_ends_the_collective_on_every_rank_with_the_reason() {
             });
             // Rank 1 never joins this collective: only the abort ends it.
             let e = comm
-                .all_reduce_in_place(&mut data, ReduceOp::Sum)
+                .all_reduce_in_place(&mut data, ReduceOp::Sum, Host)
                 .unwrap_err();
             t.join().unwrap();
             e
         } else {
             std::thread::sleep(Duration::from_millis(600));
-            comm.all_reduce_in_place(&mut data, ReduceOp::Sum)
+            comm.all_reduce_in_place(&mut data, ReduceOp::Sum, Host)
                 .unwrap_err()
         };
         both_done.wait();
@@ -342,15 +346,15 @@ fn small_allreduces_gather_and_are_the_same_bits_on_every_rank() {
                 let mut results = Vec::new();
                 for op in ReduceOp::ALL {
                     let mut ints = input(r, 700);
-                    comm.all_reduce_in_place(&mut ints, op).unwrap();
+                    comm.all_reduce_in_place(&mut ints, op, Host).unwrap();
                     let mut floats: Vec<f32> = (0..1000)
                         .map(|i| (i as f32 * 0.37 + r as f32).sin() * 1e3)
                         .collect();
-                    comm.all_reduce_in_place(&mut floats, op).unwrap();
+                    comm.all_reduce_in_place(&mut floats, op, Host).unwrap();
                     let mut halves: Vec<half::bf16> = (0..333)
                         .map(|i| half::bf16::from_f32(i as f32 * 0.01 - r as f32))
                         .collect();
-                    comm.all_reduce_in_place(&mut halves, op).unwrap();
+                    comm.all_reduce_in_place(&mut halves, op, Host).unwrap();
                     results.push((
                         op,
                         ints,
@@ -377,6 +381,7 @@ fn small_allreduces_gather_and_are_the_same_bits_on_every_rank() {
                         ReduceOp::Prod => all.fold(1i64, i64::wrapping_mul),
                         ReduceOp::Min => all.min().unwrap(),
                         ReduceOp::Max => all.max().unwrap(),
+                        other => panic!("no reference for {other:?}"),
                     };
                     assert_eq!(*got, want, "world {world} {op:?} element {i}");
                 }
@@ -421,7 +426,7 @@ fn a_rank_with_another_chunk_shape_fails_formation_on_every_rank() {
                                 for k in 0..4u64 {
                                     let mut x: Vec<i64> =
                                         input(r, n).into_iter().map(|v| v + k as i64).collect();
-                                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+                                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)?;
                                     for (i, got) in x.iter().enumerate() {
                                         let want: i64 =
                                             (0..world).map(|q| input(q, n)[i] + k as i64).sum();
@@ -465,7 +470,8 @@ fn close_after_the_peers_have_gone_fails_at_once() {
                 s.spawn(move || {
                     let comm = Communicator::from_unique_id(id, r, world, options()).unwrap();
                     let mut x = input(r, 100);
-                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+                        .unwrap();
                     let started = std::time::Instant::now();
                     let closed = if r == 0 {
                         // The others are gone (dropped) by the time rank 0 closes.

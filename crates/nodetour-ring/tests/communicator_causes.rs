@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use nodetour_core::transport::TransportKind;
 use nodetour_net::bootstrap::UniqueId;
-use nodetour_ring::comm::{Communicator, Options};
+use nodetour_ring::comm::{Communicator, Host, Options};
 use nodetour_ring::{CauseKind, Error, ReduceOp, RootCause};
 
 /// The tests here time out ranks on purpose (1.5 s): run one at a time, so that another test's
@@ -76,14 +76,17 @@ fn a_frozen_rank_is_named_by_every_rank_even_two_hops_away() {
             // Mid-stream: collectives ran (each checked) before the freeze.
             for k in 0..3 {
                 let mut x = input(r, k, n);
-                comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+                    .unwrap();
                 assert_eq!(x, sum(world, k, n), "rank {r} collective {k}");
             }
             if r == 1 {
                 std::thread::sleep(Duration::from_millis(4500));
             }
             let mut x = input(r, 3, n);
-            let e = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err();
+            let e = comm
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+                .unwrap_err();
             // Nobody leaves before every rank has its error (a departure is another cause).
             all_done.wait();
             e
@@ -121,11 +124,14 @@ fn a_rank_that_disagreed_and_left_is_reported_as_a_disagreement() {
         |comm| {
             let r = comm.rank();
             let mut x = input(r, 0, 3000);
-            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+                .unwrap();
             assert_eq!(x, sum(world, 0, 3000), "rank {r}: the collective before");
             // Rank 2 passes one element more.
             let mut x = input(r, 1, 3000 + usize::from(r == 2));
-            let e = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err();
+            let e = comm
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+                .unwrap_err();
             // Each rank leaves as soon as it has its error (a process that exits).
             drop(comm);
             e
@@ -160,7 +166,8 @@ fn an_abort_is_named_by_every_rank() {
         |comm| {
             let r = comm.rank();
             let mut x = input(r, 0, 3000);
-            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+                .unwrap();
             assert_eq!(x, sum(world, 0, 3000), "rank {r}: the collective before");
             let aborter = (r == 2).then(|| {
                 let handle = comm.abort_handle();
@@ -174,7 +181,9 @@ fn an_abort_is_named_by_every_rank() {
                 std::thread::sleep(Duration::from_millis(1000));
             }
             let mut x = input(r, 1, 3000);
-            let e = comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err();
+            let e = comm
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+                .unwrap_err();
             if let Some(t) = aborter {
                 t.join().unwrap();
             }

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZero
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_ring::comm::{Communicator, DevicePath, Group, Options};
+use nodetour_ring::comm::{Communicator, DevicePath, Elements, Group, Host, Options};
 use nodetour_ring::reduce::{finish_avg, reduce_into};
 use nodetour_ring::{DataType, Element, Error, ReduceOp};
 
@@ -41,6 +41,7 @@ fn values(dtype: DataType, seed: u64, count: usize) -> Vec<u8> {
             DataType::I32 => out.extend_from_slice(&((x >> 11) as i32).to_ne_bytes()),
             DataType::I64 => out.extend_from_slice(&((x >> 3) as i64).to_ne_bytes()),
             DataType::U8 => out.push((x >> 29) as u8),
+            other => panic!("no test inputs for {other:?}"),
         }
     }
     out
@@ -88,7 +89,7 @@ fn reduced(dtype: DataType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
         reduce_into(dtype, op, &mut want, input).unwrap();
     }
     if op == ReduceOp::Avg {
-        finish_avg(dtype, &mut want, inputs.len() as u32);
+        finish_avg(dtype, &mut want, inputs.len() as u32).unwrap();
     }
     want
 }
@@ -162,14 +163,14 @@ fn allreduce_in_a_group_matches_the_host_reducer() {
                     let mut g = Group::new();
                     for r in 0..ranks {
                         streams[r].copy(&bufs[r], 0, &staging[r], 0, bytes).unwrap();
-                        g.all_reduce_device_buffer(
-                            &comms[r],
-                            &bufs[r],
-                            count,
-                            dtype,
-                            op,
-                            &streams[r],
-                        )
+                        let (buf, stream) = (&bufs[r], &streams[r]);
+                        g.add(&comms[r], move |c| {
+                            c.all_reduce_in_place(
+                                &mut Elements::new(buf, count, dtype)?,
+                                op,
+                                stream,
+                            )
+                        })
                         .unwrap();
                     }
                     g.end().unwrap();
@@ -220,17 +221,14 @@ fn download<T: Element + DeviceRepr>(stream: &Arc<CudaStream>, slice: &CudaSlice
 }
 
 type Each<'f, T> = dyn Fn(&Communicator, &mut Rank<T>) -> Result<(), Error> + Sync + 'f;
-type Grouped<'f, T> =
-    dyn for<'a> Fn(&mut Group<'a>, &'a Communicator, &'a mut Rank<T>) -> Result<(), Error> + 'f;
 
-/// Runs `each(comm, rank)` for every rank on its own thread, or `grouped` for every rank into
-/// one group.
+/// Runs `each(comm, rank)` for every rank on its own thread, or as every rank's call in one
+/// group.
 fn drive<T: DeviceRepr>(
     comms: &[Communicator],
     threads: bool,
     rs: &mut [Rank<T>],
     each: &Each<'_, T>,
-    grouped: &Grouped<'_, T>,
 ) {
     if threads {
         std::thread::scope(|s| {
@@ -246,7 +244,7 @@ fn drive<T: DeviceRepr>(
     } else {
         let mut g = Group::new();
         for (c, r) in comms.iter().zip(rs.iter_mut()) {
-            grouped(&mut g, c, r).unwrap();
+            g.add(c, move |c| each(c, r)).unwrap();
         }
         g.end().unwrap();
     }
@@ -283,9 +281,7 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
             })
             .collect()
     };
-    let drive = |rs: &mut Vec<Rank<T>>, each: &Each<'_, T>, grouped: &Grouped<'_, T>| {
-        drive(comms, threads, rs, each, grouped)
-    };
+    let drive = |rs: &mut Vec<Rank<T>>, each: &Each<'_, T>| drive(comms, threads, rs, each);
     let mode = if threads { "threads" } else { "group" };
     for op in ReduceOp::ALL {
         // Reduce-scatter: `send` (every block) into the first `block` elements of `recv`.
@@ -293,11 +289,9 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
         for r in rs.iter_mut() {
             r.recv = r.stream.alloc_zeros(block).unwrap();
         }
-        drive(
-            &mut rs,
-            &|c, r| c.reduce_scatter_device(&r.send, &mut r.recv, op, &r.stream),
-            &|g, c, r| g.reduce_scatter_device(c, &r.send, &mut r.recv, op, &r.stream),
-        );
+        drive(&mut rs, &|c, r| {
+            c.reduce_scatter(&r.send, &mut r.recv, op, &r.stream)
+        });
         let want = reduced(dtype, op, &inputs);
         for (i, r) in rs.iter().enumerate() {
             let got = download(&r.stream, &r.recv);
@@ -321,11 +315,9 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
         }
         // Allreduce out of place.
         let mut rs = fresh();
-        drive(
-            &mut rs,
-            &|c, r| c.all_reduce_device(&r.send, &mut r.recv, op, &r.stream),
-            &|g, c, r| g.all_reduce_device(c, &r.send, &mut r.recv, op, &r.stream),
-        );
+        drive(&mut rs, &|c, r| {
+            c.all_reduce(&r.send, &mut r.recv, op, &r.stream)
+        });
         for (i, r) in rs.iter().enumerate() {
             if first_difference(dtype, op, ranks, &download(&r.stream, &r.recv), &want).is_some() {
                 failures.push(format!(
@@ -339,11 +331,9 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
     for (r, input) in rs.iter_mut().zip(&inputs) {
         r.send = upload(&r.stream, &input[..block * size]);
     }
-    drive(
-        &mut rs,
-        &|c, r| c.all_gather_device(&r.send, &mut r.recv, &r.stream),
-        &|g, c, r| g.all_gather_device(c, &r.send, &mut r.recv, &r.stream),
-    );
+    drive(&mut rs, &|c, r| {
+        c.all_gather(&r.send, &mut r.recv, &r.stream)
+    });
     let want: Vec<u8> = inputs
         .iter()
         .flat_map(|i| i[..block * size].to_vec())
@@ -358,11 +348,9 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
     // Broadcast from every root.
     for root in 0..ranks {
         let mut rs = fresh();
-        drive(
-            &mut rs,
-            &|c, r| c.broadcast_device_in_place(&mut r.send, root as u32, &r.stream),
-            &|g, c, r| g.broadcast_device_in_place(c, &mut r.send, root as u32, &r.stream),
-        );
+        drive(&mut rs, &|c, r| {
+            c.broadcast_in_place(&mut r.send, root as u32, &r.stream)
+        });
         for (i, r) in rs.iter().enumerate() {
             if download(&r.stream, &r.send) != inputs[root] {
                 failures.push(format!(
@@ -419,8 +407,13 @@ fn bad_arguments_are_typed_errors_before_anything_is_queued() {
     let invalid = |r: Result<(), Error>| matches!(r, Err(Error::InvalidArgument { .. }));
     let group = |x: &DeviceBuffer, y: &DeviceBuffer, count| {
         let mut g = Group::new();
-        g.all_reduce_device_buffer(&comms[0], x, count, f32s, sum, &s0)?;
-        g.all_reduce_device_buffer(&comms[1], y, count, f32s, sum, &s1)?;
+        let (s0, s1) = (&s0, &s1);
+        g.add(&comms[0], move |c| {
+            c.all_reduce_in_place(&mut Elements::new(x, count, f32s)?, sum, s0)
+        })?;
+        g.add(&comms[1], move |c| {
+            c.all_reduce_in_place(&mut Elements::new(y, count, f32s)?, sum, s1)
+        })?;
         g.end()
     };
     // Too small, the same buffer twice, an overflowing count.
@@ -429,13 +422,15 @@ fn bad_arguments_are_typed_errors_before_anything_is_queued() {
     assert!(invalid(group(&a, &b, usize::MAX)));
     // A call missing for one GPU.
     let mut g = Group::new();
-    g.all_reduce_device_buffer(&comms[0], &a, 16, f32s, sum, &s0)
-        .unwrap();
+    g.add(&comms[0], |c| {
+        c.all_reduce_in_place(&mut Elements::new(&a, 16, f32s)?, sum, &s0)
+    })
+    .unwrap();
     assert!(invalid(g.end()));
     // Host memory is for communicators of processes.
     let mut host = vec![1.0f32; 4];
     assert!(matches!(
-        comms[0].all_reduce_in_place(&mut host, sum),
+        comms[0].all_reduce_in_place(&mut host, sum, Host),
         Err(Error::Unsupported { .. })
     ));
     assert!(Communicator::from_devices(&[], options()).is_err());
@@ -475,7 +470,7 @@ fn disagreement_and_a_missing_thread_fail_every_member_and_write_nothing() {
             .enumerate()
             .map(|(i, ((c, d), st))| {
                 let op = if i == 0 { ReduceOp::Sum } else { ReduceOp::Max };
-                s.spawn(move || c.all_reduce_device_in_place(d, op, st))
+                s.spawn(move || c.all_reduce_in_place(d, op, st))
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -505,7 +500,7 @@ fn disagreement_and_a_missing_thread_fail_every_member_and_write_nothing() {
     o.config.timeout = Duration::from_millis(300);
     let comms = Communicator::from_devices(&[ctx.clone(), ctx.clone()], o).unwrap();
     let t0 = std::time::Instant::now();
-    let alone = comms[0].all_reduce_device_in_place(&mut data[0], ReduceOp::Sum, &streams[0]);
+    let alone = comms[0].all_reduce_in_place(&mut data[0], ReduceOp::Sum, &streams[0]);
     assert!(t0.elapsed() < Duration::from_secs(10));
     match alone {
         Err(Error::Timeout { waiting_for, .. }) => {
@@ -533,10 +528,16 @@ fn an_abort_ends_every_member_and_refused_calls_write_nothing() {
     {
         let mut g = Group::new();
         let (d0, d1) = data.split_at_mut(1);
-        g.all_reduce_device_in_place(&comms[0], &mut d0[0], ReduceOp::Sum, &streams[0])
-            .unwrap();
-        g.all_reduce_device_in_place(&comms[1], &mut d1[0], ReduceOp::Sum, &streams[1])
-            .unwrap();
+        let (x, y) = (&mut d0[0], &mut d1[0]);
+        let (s0, s1) = (&streams[0], &streams[1]);
+        g.add(&comms[0], move |c| {
+            c.all_reduce_in_place(x, ReduceOp::Sum, s0)
+        })
+        .unwrap();
+        g.add(&comms[1], move |c| {
+            c.all_reduce_in_place(y, ReduceOp::Sum, s1)
+        })
+        .unwrap();
         g.end().unwrap();
     }
     comms[0]
@@ -547,7 +548,7 @@ fn an_abort_ends_every_member_and_refused_calls_write_nothing() {
     let waiting = std::thread::scope(|s| {
         let c0 = &comms[0];
         let (d, st) = (&mut data[0], &streams[0]);
-        let h = s.spawn(move || c0.all_reduce_device_in_place(d, ReduceOp::Sum, st));
+        let h = s.spawn(move || c0.all_reduce_in_place(d, ReduceOp::Sum, st));
         std::thread::sleep(Duration::from_millis(100));
         handle.abort("the test's watchdog");
         h.join().unwrap()
@@ -555,7 +556,7 @@ fn an_abort_ends_every_member_and_refused_calls_write_nothing() {
     assert!(matches!(waiting, Err(Error::Broken { .. })), "{waiting:?}");
     let waited = comms[0].wait(Deadline::after(Duration::from_secs(30)));
     assert!(matches!(waited, Err(Error::Aborted { .. })), "{waited:?}");
-    let refused = comms[1].all_reduce_device_in_place(&mut data[1], ReduceOp::Sum, &streams[1]);
+    let refused = comms[1].all_reduce_in_place(&mut data[1], ReduceOp::Sum, &streams[1]);
     assert!(matches!(refused, Err(Error::Broken { .. })), "{refused:?}");
     // The first collective's result (2.0 everywhere) and nothing after it.
     for (d, s) in data.iter().zip(&streams) {
@@ -636,14 +637,25 @@ impl Captured {
         let mut g = Group::new();
         for (r, c) in comms.iter().enumerate() {
             let (send, recv, s) = (&self.send[r], self.recv[r].as_ref(), &streams[r]);
-            match self.what {
-                "allreduce" => g.all_reduce_device_buffer(c, send, n, t, op, s),
-                "reduce-scatter" => {
-                    g.reduce_scatter_device_buffer(c, send, recv.unwrap(), n, t, op, s)
+            let (what, root, world) = (self.what, self.root as u32, comms.len());
+            g.add(c, move |c| {
+                let elements = |b, count| Elements::new(b, count, t);
+                match what {
+                    "allreduce" => c.all_reduce_in_place(&mut elements(send, n)?, op, s),
+                    "reduce-scatter" => c.reduce_scatter(
+                        &elements(send, n * world)?,
+                        &mut elements(recv.unwrap(), n)?,
+                        op,
+                        s,
+                    ),
+                    "all-gather" => c.all_gather(
+                        &elements(send, n)?,
+                        &mut elements(recv.unwrap(), n * world)?,
+                        s,
+                    ),
+                    _ => c.broadcast_in_place(&mut elements(send, n)?, root, s),
                 }
-                "all-gather" => g.all_gather_device_buffer(c, send, recv.unwrap(), n, t, s),
-                _ => g.broadcast_device_buffer(c, send, n, t, self.root as u32, s),
-            }?;
+            })?;
         }
         g.end()
     }

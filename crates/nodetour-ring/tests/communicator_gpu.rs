@@ -20,7 +20,7 @@ use nodetour_core::transport::gpu::{
     FlagValue, Flags, Guarded, StopWord, StreamGuard, enqueue_wait,
 };
 use nodetour_net::bootstrap::UniqueId;
-use nodetour_ring::comm::{Communicator, DevicePath, Options};
+use nodetour_ring::comm::{Communicator, DevicePath, Elements, Options};
 use nodetour_ring::{Error, ReduceOp};
 
 mod common;
@@ -68,14 +68,14 @@ fn run(world: u32, transport: Option<TransportKind>, n: usize) {
         let host: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
         let send = stream.clone_htod(&host).unwrap();
         let mut sum = stream.alloc_zeros::<f32>(n).unwrap();
-        comm.all_reduce_device(&send, &mut sum, ReduceOp::Sum, &stream)
+        comm.all_reduce(&send, &mut sum, ReduceOp::Sum, &stream)
             .unwrap();
         let mut avg = stream.clone_htod(&host).unwrap();
-        comm.all_reduce_device_in_place(&mut avg, ReduceOp::Avg, &stream)
+        comm.all_reduce_in_place(&mut avg, ReduceOp::Avg, &stream)
             .unwrap();
         let hb: Vec<bf16> = host.iter().map(|x| bf16::from_f32(*x)).collect();
         let mut b = stream.clone_htod(&hb).unwrap();
-        comm.all_reduce_device_in_place(&mut b, ReduceOp::Sum, &stream)
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream)
             .unwrap();
         comm.wait(Deadline::after(Duration::from_secs(20))).unwrap();
         let out = (
@@ -149,22 +149,21 @@ fn shapes_on(comm: &Communicator, n: usize, stream: &Arc<cudarc::driver::CudaStr
     let send = stream.clone_htod(&whole).unwrap();
     let mut rs = stream.alloc_zeros::<i32>(n).unwrap();
     step("reduce_scatter_device");
-    comm.reduce_scatter_device(&send, &mut rs, ReduceOp::Sum, stream)
+    comm.reduce_scatter(&send, &mut rs, ReduceOp::Sum, stream)
         .unwrap();
     step("all_gather_device");
     let mine: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
     let mine_d = stream.clone_htod(&mine).unwrap();
     let mut ag = stream.alloc_zeros::<f32>(n * world as usize).unwrap();
-    comm.all_gather_device(&mine_d, &mut ag, stream).unwrap();
+    comm.all_gather(&mine_d, &mut ag, stream).unwrap();
     step("broadcast_device_in_place");
     let mut b = stream
         .clone_htod(&vec![bf16::from_f32(r as f32); n])
         .unwrap();
-    comm.broadcast_device_in_place(&mut b, 1 % world, stream)
-        .unwrap();
+    comm.broadcast_in_place(&mut b, 1 % world, stream).unwrap();
     let mut avg = stream.alloc_zeros::<f32>(n).unwrap();
-    step("all_reduce_device");
-    comm.all_reduce_device(&mine_d, &mut avg, ReduceOp::Avg, stream)
+    step("all_reduce on device");
+    comm.all_reduce(&mine_d, &mut avg, ReduceOp::Avg, stream)
         .unwrap();
     step("copies out");
     (
@@ -392,7 +391,7 @@ fn gpu_ring_rank() {
     stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
-    let refused = comm.all_reduce_device_in_place(&mut x, ReduceOp::Sum, &stream);
+    let refused = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &stream);
     let graph = stream
         .end_capture(sys::CUgraphInstantiate_flags(0))
         .unwrap();
@@ -401,7 +400,7 @@ fn gpu_ring_rank() {
         matches!(&refused, Err(Error::Unsupported { reason }) if reason.contains("graph")),
         "rank {r}: {refused:?}"
     );
-    comm.all_reduce_device_in_place(&mut x, ReduceOp::Sum, &stream)
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &stream)
         .unwrap();
     let sum = stream.clone_dtoh(&x).unwrap();
     assert!(
@@ -425,12 +424,12 @@ fn device_arguments_that_cannot_make_a_collective_fail_before_anything_is_queued
         let a = stream.alloc_zeros::<f32>(10).unwrap();
         let mut b = stream.alloc_zeros::<f32>(11).unwrap();
         let e = comm
-            .all_reduce_device(&a, &mut b, ReduceOp::Sum, &stream)
+            .all_reduce(&a, &mut b, ReduceOp::Sum, &stream)
             .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
         // The communicator is still usable.
         let mut c = stream.clone_htod(&[comm.rank() as f32; 4]).unwrap();
-        comm.all_reduce_device_in_place(&mut c, ReduceOp::Sum, &stream)
+        comm.all_reduce_in_place(&mut c, ReduceOp::Sum, &stream)
             .unwrap();
         comm.wait(Deadline::after(Duration::from_secs(30))).unwrap();
         assert_eq!(stream.clone_dtoh(&c).unwrap(), vec![1.0f32; 4]);
@@ -462,11 +461,13 @@ fn staged_device_collectives_refuse_graph_capture() {
         let out = nodetour_core::memory::DeviceBuffer::new(&ctx, n * 4 * world).unwrap();
         cu.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .unwrap();
+        let whole = |b| Elements::new(b, n * world, t).unwrap();
+        let block = |b| Elements::new(b, n, t).unwrap();
         let refused = [
-            comm.all_reduce_device_buffer(&buf, n, t, ReduceOp::Sum, &stream),
-            comm.reduce_scatter_device_buffer(&buf, &out, n, t, ReduceOp::Max, &stream),
-            comm.all_gather_device_buffer(&buf, &out, n, t, &stream),
-            comm.broadcast_device_buffer(&buf, n, t, 0, &stream),
+            comm.all_reduce_in_place(&mut block(&buf), ReduceOp::Sum, &stream),
+            comm.reduce_scatter(&whole(&buf), &mut block(&out), ReduceOp::Max, &stream),
+            comm.all_gather(&block(&buf), &mut whole(&out), &stream),
+            comm.broadcast_in_place(&mut block(&buf), 0, &stream),
         ];
         drop(cu.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap());
         for r in &refused {
@@ -477,7 +478,7 @@ fn staged_device_collectives_refuse_graph_capture() {
         }
         // Eagerly, the same calls work.
         buf.copy_from_host(0, &vec![1u8; n * 4 * world]).unwrap();
-        comm.all_gather_device_buffer(&buf, &out, n, t, &stream)
+        comm.all_gather(&block(&buf), &mut whole(&out), &stream)
             .unwrap();
         let mut got = vec![0u8; n * 4 * world];
         out.copy_to_host(0, &mut got).unwrap();

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_ring::comm::{Communicator, OneKernelMode, Options};
+use nodetour_ring::comm::{Communicator, Elements, Host, OneKernelMode, Options};
 use nodetour_ring::{DataType, ReduceOp};
 
 const CHILD: &str = "NODETOUR_ONE_KERNEL_TEST_CHILD";
@@ -115,8 +115,12 @@ fn one_kernel_rank() {
                 let buf = DeviceBuffer::new(&ctx, count * dtype.size()).unwrap();
                 buf.copy_from_host(0, &input(dtype, r, count, seed))
                     .unwrap();
-                comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)
-                    .unwrap();
+                comm.all_reduce_in_place(
+                    &mut Elements::new(&buf, count, dtype).unwrap(),
+                    op,
+                    &stream,
+                )
+                .unwrap();
                 wait().unwrap();
                 stream.synchronize().unwrap();
                 let mut got = vec![0u8; count * dtype.size()];
@@ -144,14 +148,18 @@ fn one_kernel_rank() {
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
     for ((t, op, n), b) in shapes.iter().zip(&bufs) {
-        comm.all_reduce_device_buffer(b, *n, *t, *op, &stream)
+        comm.all_reduce_in_place(&mut Elements::new(b, *n, *t).unwrap(), *op, &stream)
             .unwrap();
     }
     // Too large for the path: the stream-ordered ring, captured into the same graph.
     let big = DeviceBuffer::new(&ctx, 2 * max + 64).unwrap();
     let big_n = (2 * max + 64) / 4;
-    comm.all_reduce_device_buffer(&big, big_n, DataType::I32, ReduceOp::Max, &stream)
-        .unwrap();
+    comm.all_reduce_in_place(
+        &mut Elements::new(&big, big_n, DataType::I32).unwrap(),
+        ReduceOp::Max,
+        &stream,
+    )
+    .unwrap();
     let graph = cu_stream
         .end_capture(sys::CUgraphInstantiate_flags(0))
         .unwrap()
@@ -188,7 +196,8 @@ fn one_kernel_rank() {
         };
         let b = if n * t.size() > max { &big } else { &bufs[1] };
         b.copy_from_host(0, &input(t, r, n, 2000 + replay)).unwrap();
-        comm.all_reduce_device_buffer(b, n, t, op, &stream).unwrap();
+        comm.all_reduce_in_place(&mut Elements::new(b, n, t).unwrap(), op, &stream)
+            .unwrap();
         wait().unwrap();
         stream.synchronize().unwrap();
         let mut got = vec![0u8; n * t.size()];
@@ -315,7 +324,11 @@ fn one_kernel_rank() {
         let b = &bufs[2];
         let t = Instant::now();
         let e = comm
-            .all_reduce_device_buffer(b, 17, DataType::I64, ReduceOp::Max, &stream)
+            .all_reduce_in_place(
+                &mut Elements::new(b, 17, DataType::I64).unwrap(),
+                ReduceOp::Max,
+                &stream,
+            )
             .and_then(|()| wait())
             .expect_err("a collective returned Ok although rank 0 had aborted and never joined");
         println!(
@@ -331,6 +344,7 @@ fn one_kernel_rank() {
 /// Every rank here before any goes on (a host allreduce: the communicator's host path).
 fn share_barrier(comm: &Communicator) {
     let mut x = [1i32];
-    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+        .unwrap();
     assert_eq!(x[0], comm.world() as i32);
 }

@@ -20,7 +20,7 @@ use std::time::Duration;
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_ring::comm::{Communicator, Options};
+use nodetour_ring::comm::{Communicator, Elements, Host, Options};
 use nodetour_ring::{DataType, ReduceOp};
 
 const CHILD: &str = "NODETOUR_RING_CAPTURE_TEST_CHILD";
@@ -100,8 +100,12 @@ fn ring_replay_drill_rank() {
     cu_stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
-    comm.all_reduce_device_buffer(&buf, n, t, ReduceOp::Sum, &stream)
-        .unwrap();
+    comm.all_reduce_in_place(
+        &mut Elements::new(&buf, n, t).unwrap(),
+        ReduceOp::Sum,
+        &stream,
+    )
+    .unwrap();
     let graph = cu_stream
         .end_capture(sys::CUgraphInstantiate_flags(0))
         .unwrap()
@@ -120,7 +124,8 @@ fn ring_replay_drill_rank() {
         &expected(t, ReduceOp::Sum, world, n, 1),
     );
     let mut x = [1i32];
-    comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+        .unwrap();
     let abort = std::env::var("RING_REPLAY_DRILL").as_deref() == Ok("abort");
     if r == 0 {
         if abort {
@@ -155,7 +160,11 @@ fn ring_replay_drill_rank() {
         std::thread::sleep(Duration::from_secs(9));
         let started = std::time::Instant::now();
         let e = comm
-            .all_reduce_device_buffer(&buf, n, t, ReduceOp::Sum, &stream)
+            .all_reduce_in_place(
+                &mut Elements::new(&buf, n, t).unwrap(),
+                ReduceOp::Sum,
+                &stream,
+            )
             .and_then(|()| wait())
             .expect_err("a collective returned Ok although rank 0's replay had failed");
         println!(
@@ -251,8 +260,12 @@ fn ring_capture_rank() {
     let warm = DeviceBuffer::new(&ctx, 4 << 20).unwrap();
     let (wn, wt) = (1_000_003usize, DataType::F32);
     warm.copy_from_host(0, &input(wt, r, wn, 1)).unwrap();
-    comm.all_reduce_device_buffer(&warm, wn, wt, ReduceOp::Sum, &stream)
-        .unwrap();
+    comm.all_reduce_in_place(
+        &mut Elements::new(&warm, wn, wt).unwrap(),
+        ReduceOp::Sum,
+        &stream,
+    )
+    .unwrap();
     wait().unwrap();
 
     use cudarc::driver::sys;
@@ -288,7 +301,7 @@ fn ring_capture_rank() {
         {
             let seed = 10_000 + 10 * replay + e as u64;
             warm.copy_from_host(0, &input(t, r, n, seed)).unwrap();
-            comm.all_reduce_device_buffer(&warm, n, t, op, &stream)
+            comm.all_reduce_in_place(&mut Elements::new(&warm, n, t).unwrap(), op, &stream)
                 .unwrap();
             wait().unwrap();
             let mut got = vec![0u8; n * t.size()];
@@ -387,14 +400,22 @@ impl Case {
     fn queue(&self, comm: &Communicator, stream: &GpuStream) -> nodetour_ring::Result<()> {
         let (t, n, out) = (self.dtype, self.count, self.recv.as_ref());
         match self.shape {
-            Shape::AllReduce => comm.all_reduce_device_buffer(&self.send, n, t, self.op, stream),
+            Shape::AllReduce => {
+                comm.all_reduce_in_place(&mut Elements::new(&self.send, n, t)?, self.op, stream)
+            }
             Shape::ReduceScatter => {
-                comm.reduce_scatter_device_buffer(&self.send, out.unwrap(), n, t, self.op, stream)
+                let send = Elements::new(&self.send, n * comm.world() as usize, t)?;
+                let mut recv = Elements::new(out.unwrap(), n, t)?;
+                comm.reduce_scatter(&send, &mut recv, self.op, stream)
             }
             Shape::AllGather => {
-                comm.all_gather_device_buffer(&self.send, out.unwrap(), n, t, stream)
+                let send = Elements::new(&self.send, n, t)?;
+                let mut recv = Elements::new(out.unwrap(), n * comm.world() as usize, t)?;
+                comm.all_gather(&send, &mut recv, stream)
             }
-            Shape::Broadcast(root) => comm.broadcast_device_buffer(&self.send, n, t, root, stream),
+            Shape::Broadcast(root) => {
+                comm.broadcast_in_place(&mut Elements::new(&self.send, n, t)?, root, stream)
+            }
         }
     }
 
@@ -481,8 +502,12 @@ fn ring_replay_outcome_rank() {
     cu_stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
-    comm.all_reduce_device_buffer(&buf, n, t, ReduceOp::Sum, &stream)
-        .unwrap();
+    comm.all_reduce_in_place(
+        &mut Elements::new(&buf, n, t).unwrap(),
+        ReduceOp::Sum,
+        &stream,
+    )
+    .unwrap();
     let graph = cu_stream
         .end_capture(sys::CUgraphInstantiate_flags(0))
         .unwrap()

@@ -12,7 +12,7 @@ use nodetour::core::transport::TransportKind;
 use nodetour::net::bootstrap::{LaunchInfo, UniqueId};
 use nodetour::ring::comm::{DevicePath, Options};
 use nodetour::ring::comm::{GpuPaths, GpuRingOptions};
-use nodetour::{Communicator, Error, ReduceOp, Result};
+use nodetour::{Communicator, Error, Host, ReduceOp, Result};
 
 /// One formed variant.
 pub struct Variant {
@@ -151,13 +151,13 @@ impl GpuJob {
             } else {
                 [0u8; 128]
             };
-            first.broadcast_in_place(&mut id, 0)?;
+            first.broadcast_in_place(&mut id, 0, Host)?;
             Some(id)
         } else {
             None
         };
         let mut ordinals = vec![0i64; world as usize];
-        first.all_gather(&[gpu as i64], &mut ordinals)?;
+        first.all_gather(&[gpu as i64], &mut ordinals, Host)?;
         let next_gpu = (world > 1).then(|| ordinals[((rank + 1) % world) as usize] as usize);
         Ok(GpuJob {
             variants,
@@ -174,7 +174,7 @@ impl GpuJob {
         let mut b = [0u8];
         self.variants[0]
             .comm
-            .all_reduce_in_place(&mut b, ReduceOp::Max)?;
+            .all_reduce_in_place(&mut b, ReduceOp::Max, Host)?;
         Ok(())
     }
 
@@ -212,10 +212,10 @@ pub fn ring_path(comm: &Communicator) -> String {
 /// Rank 0's `text` on every rank (its length first, then its bytes).
 fn share(comm: &Communicator, text: String) -> Result<String> {
     let mut len = [text.len() as i64];
-    comm.broadcast_in_place(&mut len, 0)?;
+    comm.broadcast_in_place(&mut len, 0, Host)?;
     let mut bytes = text.into_bytes();
     bytes.resize(len[0] as usize, 0);
-    comm.broadcast_in_place(&mut bytes, 0)?;
+    comm.broadcast_in_place(&mut bytes, 0, Host)?;
     String::from_utf8(bytes).map_err(|e| Error::InvalidArgument {
         reason: format!("rank 0 shared a text that is not UTF-8: {e}"),
     })

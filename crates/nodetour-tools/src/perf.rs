@@ -10,7 +10,7 @@ use anyhow::bail;
 use nodetour_ring::{DataType, ReduceOp};
 use serde_json::json;
 
-use nodetour_ring::comm::Communicator;
+use nodetour_ring::comm::{Communicator, Host, HostBytes};
 use nodetour_ring::seeded::{input, verify};
 
 /// One measured size.
@@ -143,7 +143,7 @@ pub fn sweep(
         for i in 0..=last {
             data.copy_from_slice(&inputs[usize::from(i == last)]);
             let t = Instant::now();
-            comm.all_reduce_in_place_bytes(&mut data, dtype, op)?;
+            comm.all_reduce_in_place(&mut HostBytes::new_mut(&mut data, dtype)?, op, Host)?;
             if i >= warmup {
                 times.push(t.elapsed().as_secs_f64());
             }

@@ -17,7 +17,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
-use nodetour_ring::comm::{Communicator, DevicePath, Group, Options};
+use nodetour_ring::comm::{Communicator, DevicePath, Elements, Group, Options};
 use nodetour_ring::{DataType, ReduceOp};
 use serde_json::json;
 
@@ -564,7 +564,7 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
             let comm = &v.comm;
             let seed = seed0 + 1 + 2 * vi as u64;
             buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed))?;
-            comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
+            comm.all_reduce_in_place(&mut Elements::new(&buf, count, dtype)?, op, &stream)?;
             comm.wait(deadline())?;
             let mut ok = false;
             check(&mut ok, seed)?;
@@ -578,7 +578,7 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 let mark = load.as_ref().map(ComputeLoad::mark);
                 let start = stream.record()?;
                 for _ in 0..reps {
-                    comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)?;
+                    comm.all_reduce_in_place(&mut Elements::new(&buf, count, dtype)?, op, &stream)?;
                 }
                 let end = stream.record()?;
                 comm.wait(deadline())?;
@@ -614,10 +614,10 @@ pub fn ring_sweep(g: &GpuJob, spec: &SweepSpec, timeout: Duration) -> anyhow::Re
                 // once (one collective), its time per collective over `iters` captured ones.
                 let reps = iters.max(1);
                 let check_graph = capture(&cu_stream, 1, || {
-                    comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)
+                    comm.all_reduce_in_place(&mut Elements::new(&buf, count, dtype)?, op, &stream)
                 })?;
                 let timed = capture(&cu_stream, reps, || {
-                    comm.all_reduce_device_buffer(&buf, count, dtype, op, &stream)
+                    comm.all_reduce_in_place(&mut Elements::new(&buf, count, dtype)?, op, &stream)
                 })?;
                 buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed + 1))?;
                 check_graph.launch()?;
@@ -707,7 +707,9 @@ fn all_reduce(
 ) -> nodetour_ring::Result<()> {
     let mut group = Group::new();
     for ((comm, buf), stream) in comms.iter().zip(&ranks.buffers).zip(&ranks.streams) {
-        group.all_reduce_device_buffer(comm, buf, count, dtype, op, stream)?;
+        group.add(comm, move |c| {
+            c.all_reduce_in_place(&mut Elements::new(buf, count, dtype)?, op, stream)
+        })?;
     }
     group.end()
 }

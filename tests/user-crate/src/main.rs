@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use nodetour::{Communicator, Deadline, Error, Options, ReduceOp};
+use nodetour::{Communicator, Deadline, Error, Host, Options, ReduceOp};
 
 /// One bucket of gradients on the runtime's stream.
 fn average_bucket(
@@ -14,25 +14,25 @@ fn average_bucket(
     grads: &mut CudaSlice<bf16>,
     stream: &Arc<CudaStream>,
 ) -> nodetour::Result<()> {
-    comm.all_reduce_device_in_place(grads, ReduceOp::Avg, stream)
+    comm.all_reduce_in_place(grads, ReduceOp::Avg, stream)
 }
 
 fn main() -> Result<(), Error> {
-    let mut options = Options::from_env()?;
-    options.gpu = Some(0);
-    let comm = Communicator::from_env(options)?;
+    let comm = Communicator::from_env(Options::from_env()?.with_gpu(0))?;
     println!("{}", comm.paths());
-    let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| Error::Gpu {
-        reason: format!("{e:?}"),
-    })?;
-    let stream = ctx.new_stream().map_err(|e| Error::Gpu {
-        reason: format!("{e:?}"),
-    })?;
-    let mut grads = stream.alloc_zeros::<bf16>(1 << 20).map_err(|e| Error::Gpu {
-        reason: format!("{e:?}"),
-    })?;
+    // cudarc's errors convert (`From<DriverError>`), keeping the CUDA result code.
+    let stream = cudarc::driver::CudaContext::new(0)?.new_stream()?;
+    let mut grads = stream.alloc_zeros::<bf16>(1 << 20)?;
     average_bucket(&comm, &mut grads, &stream)?;
+    // The owning non-blocking form: the handle holds the buffer until the collective is done.
+    let pending = comm
+        .start(grads, &stream, |c, g, s| c.all_reduce_in_place(g, ReduceOp::Sum, s))?;
+    let _grads = pending.wait(Deadline::after(std::time::Duration::from_secs(30)))?;
     let mut host = vec![1.0f32; 1024];
-    comm.all_reduce_in_place(&mut host, ReduceOp::Sum)?;
+    comm.all_reduce_in_place(&mut host, ReduceOp::Sum, Host)?;
+    match comm.all_reduce_in_place(&mut host, ReduceOp::Sum, Host) {
+        Err(Error::Disagreement { rank, .. }) => eprintln!("rank {rank} ran another collective"),
+        other => other?,
+    }
     comm.close(Deadline::after(std::time::Duration::from_secs(30)))
 }

@@ -297,6 +297,55 @@ impl DeviceBuffer {
         }
     }
 
+    /// A view of `len` bytes of device memory at the raw address `ptr`, for runtimes on
+    /// another cudarc version or foreign bindings: the driver is asked what it can check (that
+    /// `ptr` is device memory, of which GPU and context, and that `[ptr, ptr + len)` lies in
+    /// one allocation), and the view is of that GPU's primary context (memory of another
+    /// context is `Unsupported`). Never freed here.
+    ///
+    /// # Safety
+    ///
+    /// As [`Self::borrowed`] (the contracts of every raw handle are listed together in
+    /// [`crate::cuda`]'s docs): the memory stays allocated while the view lives and until the
+    /// work queued on it has run.
+    pub unsafe fn from_raw(ptr: u64, len: usize) -> Result<DeviceBuffer> {
+        crate::cuda::driver::availability()?;
+        // SAFETY: the driver is initialised; querying an address has no other precondition
+        // (an address the driver does not know is an error it returns).
+        let facts = unsafe { super::result::pointer_facts(ptr) }?;
+        if !facts.device_memory || facts.context.is_null() || facts.ordinal < 0 {
+            return Err(Error::InvalidArgument {
+                reason: format!("{ptr:#x} is not device memory of a CUDA context"),
+            });
+        }
+        let context = crate::cuda::open_context(facts.ordinal as usize)?;
+        if context.cu_ctx() != facts.context {
+            return Err(Error::Unsupported {
+                what: "raw device memory",
+                reason: format!(
+                    "{ptr:#x} belongs to a CUDA context other than GPU {}'s primary context \
+                     (nodetour queues its work in the primary context)",
+                    facts.ordinal
+                ),
+            });
+        }
+        context
+            .bind_to_thread()
+            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        // SAFETY: the context that owns `ptr` is current.
+        let (base, size) = unsafe { super::result::address_range(ptr) }?;
+        let end = ptr.checked_add(len as u64);
+        if end.is_none_or(|e| e > base + size as u64) {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "{len} bytes at {ptr:#x} run past their allocation ({size} bytes at {base:#x})"
+                ),
+            });
+        }
+        // SAFETY: checked above as far as the driver can; the rest is the caller's contract.
+        Ok(unsafe { DeviceBuffer::borrowed(&context, ptr, len) })
+    }
+
     /// Whether this is a view of memory nodetour does not own ([`Self::borrowed`]).
     pub fn is_borrowed(&self) -> bool {
         !self.owned

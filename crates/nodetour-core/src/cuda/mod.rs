@@ -6,6 +6,24 @@
 //! answers before any other call, and turns absence into [`crate::Error::Unsupported`]. Entry
 //! points newer than CUDA 11.0 are resolved with `cuGetProcAddress`, so an old driver is a typed
 //! error, not a panic.
+//!
+//! # Raw handles: the contracts in one place
+//!
+//! Runtimes that hold their memory and streams as raw CUDA handles lend them through four
+//! `unsafe` constructors. Each checks what the driver can check and states the rest here:
+//!
+//! | constructor | checked by nodetour | the caller promises |
+//! |---|---|---|
+//! | [`device_buffer::DeviceBuffer::borrowed`]`(ctx, ptr, len)` | nothing (the fast path) | `[ptr, ptr+len)` is live device memory of `ctx` |
+//! | [`device_buffer::DeviceBuffer::from_raw`]`(ptr, len)` | device memory; its GPU; the GPU's primary context; `[ptr, ptr+len)` inside one allocation | the allocation stays live |
+//! | [`GpuStream::borrowed`]`(ctx, raw)` | the stream's context is `ctx` | the handle stays valid |
+//! | [`GpuStream::from_raw`]`(raw)` | the stream's context, its GPU, that it is the primary context | the handle stays valid |
+//!
+//! For every one: the memory stays allocated, and the stream undestroyed, while the value (or
+//! anything that noted it: a buffer that queued work on the stream, a communicator) lives
+//! **and** until every piece of work queued through it has run; free memory only in the order
+//! of the streams that work was queued on. Memory from cudarc's `upgrade_device_ptr` (whose
+//! owner frees on drop) is not a borrowed view.
 
 pub mod busy;
 pub(crate) mod copy;

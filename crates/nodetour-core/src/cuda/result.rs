@@ -152,6 +152,64 @@ pub(crate) unsafe fn address_range(
     Ok((base, size))
 }
 
+/// `cuPointerGetAttribute` for an attribute held in a `T` (a context handle, an ordinal, a
+/// memory type).
+unsafe fn pointer_attribute<T: Default>(
+    ptr: sys::CUdeviceptr,
+    attribute: sys::CUpointer_attribute,
+) -> Result<T, Error> {
+    let mut value = T::default();
+    // SAFETY: `value` is a valid out-pointer of the attribute's type (the callers below pass
+    // the type the driver documents for each attribute).
+    unsafe { sys::cuPointerGetAttribute((&mut value as *mut T).cast(), attribute, ptr) }
+        .result()
+        .map_err(|e| cuda_error("cuPointerGetAttribute", e))?;
+    Ok(value)
+}
+
+/// What the driver knows of a device address: its context, its GPU's ordinal, and whether it
+/// is device memory (`CU_MEMORYTYPE_DEVICE`).
+pub(crate) struct PointerFacts {
+    pub(crate) context: sys::CUcontext,
+    pub(crate) ordinal: i32,
+    pub(crate) device_memory: bool,
+}
+
+/// `cuPointerGetAttribute` (context, device ordinal, memory type) of `ptr`.
+pub(crate) unsafe fn pointer_facts(ptr: sys::CUdeviceptr) -> Result<PointerFacts, Error> {
+    use sys::CUpointer_attribute as A;
+    // SAFETY: each attribute is read into its documented type: CUcontext, int, unsigned int
+    // (a CUmemorytype value).
+    let context: usize = unsafe { pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_CONTEXT) }?;
+    // SAFETY: as above.
+    let ordinal: i32 = unsafe { pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) }?;
+    // SAFETY: as above.
+    let kind: u32 = unsafe { pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE) }?;
+    Ok(PointerFacts {
+        context: context as sys::CUcontext,
+        ordinal,
+        device_memory: kind == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32,
+    })
+}
+
+/// The GPU of context `ctx` (`cuCtxPushCurrent`, `cuCtxGetDevice`, `cuCtxPopCurrent`: the
+/// thread's current context is as it was afterwards).
+pub(crate) unsafe fn context_device(ctx: sys::CUcontext) -> Result<sys::CUdevice, Error> {
+    // SAFETY: `ctx` is a live context (the caller's contract).
+    unsafe { sys::cuCtxPushCurrent_v2(ctx) }
+        .result()
+        .map_err(|e| cuda_error("cuCtxPushCurrent", e))?;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: a context is current; `dev` is a valid out-pointer.
+    let got = unsafe { sys::cuCtxGetDevice(&mut dev) }.result();
+    let mut popped: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: pops the context pushed above.
+    let pop = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }.result();
+    got.map_err(|e| cuda_error("cuCtxGetDevice", e))?;
+    pop.map_err(|e| cuda_error("cuCtxPopCurrent", e))?;
+    Ok(dev)
+}
+
 // --- copies, memsets and frees queued on a stream ---
 
 /// `cuMemcpyHtoDAsync`: `len` bytes from host `src` to device `dst` on `stream`.

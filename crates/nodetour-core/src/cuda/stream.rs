@@ -292,6 +292,34 @@ impl GpuStream {
         })
     }
 
+    /// A raw stream handle of the caller's without a cudarc context (runtimes on another cudarc
+    /// version, foreign bindings): its context is asked of the driver (`cuStreamGetCtx`), and
+    /// must be its GPU's primary context (another is `Unsupported`). The default-stream
+    /// handles name the calling thread's current context.
+    ///
+    /// # Safety
+    ///
+    /// As [`Self::borrowed`] (the contracts of every raw handle are listed together in
+    /// [`crate::cuda`]'s docs).
+    pub unsafe fn from_raw(raw: sys::CUstream) -> Result<GpuStream> {
+        crate::cuda::driver::availability()?;
+        // SAFETY: `raw` is a valid stream handle (the caller's contract).
+        let ctx = unsafe { super::result::stream_context(raw) }?;
+        // SAFETY: a live context (the stream's).
+        let dev = unsafe { super::result::context_device(ctx) }?;
+        let context = crate::cuda::open_context(dev as usize)?;
+        if context.cu_ctx() != ctx {
+            return Err(Error::Unsupported {
+                what: "raw stream",
+                reason: format!(
+                    "the stream belongs to a CUDA context other than GPU {dev}'s primary context"
+                ),
+            });
+        }
+        // SAFETY: forwarded contract.
+        unsafe { Self::borrowed(&context, raw) }
+    }
+
     /// Whether this is a stream of the caller's ([`Self::of_cudarc`], [`Self::borrowed`]).
     pub fn is_borrowed(&self) -> bool {
         self.inner.borrowed.is_some() || self.inner.foreign

@@ -1,199 +1,52 @@
 //! Collectives on device memory, queued on the caller's stream: the GPU ring where the ranks
 //! share one host, else staged through host memory.
 
+use super::device_buffers::holds;
+use super::device_set::element_bytes;
+use super::verbs::Verb;
 use super::*;
 
 impl Communicator {
-    /// [`Self::all_reduce_device_in_place`] on the first `count` elements of nodetour's own
-    /// device buffer and stream (lower level: what the tools and examples that allocate with
-    /// nodetour use).
-    pub fn all_reduce_device_buffer(
+    /// Runs verb `v` on device memory of this process's communicator: `n` elements of `dtype`
+    /// per block (of the buffer, for allreduce and broadcast); without `send`, in place in
+    /// `out`.
+    pub(super) fn device_verb(
         &self,
-        buffer: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        v: Verb,
+        send: Option<&DeviceBuffer>,
+        out: &DeviceBuffer,
         stream: &GpuStream,
+        n: usize,
+        dtype: DataType,
     ) -> Result<()> {
-        if let Some(m) = &self.member {
-            return m
-                .all_reduce_buffer(buffer, count, dtype, op, stream)?
-                .run_alone(m.timeout());
+        let block = element_bytes(n, 1, dtype)?;
+        let mine = self.rank as usize * block;
+        match v {
+            Verb::AllReduce(op) => {
+                if let Some(src) = send {
+                    holds(src, block, stream, "send")?;
+                    holds(out, block, stream, "recv")?;
+                    stream.copy(out, 0, src, 0, block).map_err(gpu_error)?;
+                }
+                self.device_all_reduce(out, n, dtype, op, stream)
+            }
+            Verb::ReduceScatter(op) => match send {
+                Some(src) => self.device_reduce_scatter(src, out, 0, n, dtype, op, stream),
+                None => self.device_reduce_scatter(out, out, mine, n, dtype, op, stream),
+            },
+            Verb::AllGather => match send {
+                Some(src) => self.device_all_gather(src, 0, out, n, dtype, stream),
+                None => self.device_all_gather(out, mine, out, n, dtype, stream),
+            },
+            Verb::Broadcast(root) => {
+                if let Some(src) = send.filter(|_| self.rank == root) {
+                    holds(src, block, stream, "send")?;
+                    holds(out, block, stream, "recv")?;
+                    stream.copy(out, 0, src, 0, block).map_err(gpu_error)?;
+                }
+                self.device_broadcast(out, n, dtype, root, stream)
+            }
         }
-        self.device_all_reduce(buffer, count, dtype, op, stream)
-    }
-
-    /// The owning non-blocking form of [`Self::all_reduce_device_buffer`]: queues the allreduce
-    /// and returns a handle that owns `buffer` until [`InFlight::wait`] gives it back (the
-    /// buffer cannot be read, reused or freed meanwhile). A collective that cannot be queued
-    /// gives the buffer back with the error.
-    #[allow(clippy::result_large_err)]
-    pub fn start_all_reduce_device_buffer(
-        &self,
-        buffer: DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &GpuStream,
-    ) -> std::result::Result<InFlight<'_>, Failed> {
-        let queued = self
-            .all_reduce_device_buffer(&buffer, count, dtype, op, stream)
-            .and_then(|()| {
-                let done =
-                    nodetour_core::cuda::GpuEvent::marker(stream.context()).map_err(gpu_error)?;
-                stream.record_marker(&done).map_err(gpu_error)?;
-                Ok(done)
-            });
-        match queued {
-            Ok(done) => Ok(InFlight {
-                comm: self,
-                buffer: Some(buffer),
-                done,
-            }),
-            Err(error) => Err(Failed { error, buffer }),
-        }
-    }
-
-    /// Allreduces `send` into `recv` on every rank: device memory of this rank's GPU
-    /// ([`Options::gpu`]), as cudarc slices or views, queued on `stream` (the caller's stream of
-    /// that GPU). On a GPU ring ([`DevicePath::GpuRing`]) the call queues the collective after
-    /// the work already on `stream` and returns: no host wait, no device-wide synchronisation;
-    /// work queued on `stream` afterwards sees the result, and a failure after the call returned
-    /// is reported by [`Self::wait`], [`Self::error`] or the next call. Staged through host
-    /// memory ([`DevicePath::Staged`]) it waits for `stream` before returning. cudarc's own
-    /// ordering of the slices (its read and write events) is kept.
-    pub fn all_reduce_device<T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
-        op: ReduceOp,
-        stream: &Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        if let Some(m) = &self.member {
-            return m
-                .all_reduce_from(send, recv, op, stream)?
-                .run_alone(m.timeout());
-        }
-        same_len(send.len(), recv.len(), "send", "recv")?;
-        let (n, bytes) = (recv.len(), recv.num_bytes());
-        let s = GpuStream::of_cudarc(stream);
-        with_cudarc_slice_mut(recv, stream, |out| {
-            with_cudarc_slice(send, stream, |inp| s.copy(out, 0, inp, 0, bytes))??;
-            self.device_all_reduce(out, n, T::DATA_TYPE, op, &s)
-        })?
-    }
-
-    /// [`Self::all_reduce_device`] with `data` as both input and output.
-    pub fn all_reduce_device_in_place<T, R>(
-        &self,
-        data: &mut R,
-        op: ReduceOp,
-        stream: &Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element,
-        R: DevicePtrMut<T>,
-    {
-        if let Some(m) = &self.member {
-            return m.all_reduce(data, op, stream)?.run_alone(m.timeout());
-        }
-        let n = data.len();
-        let s = GpuStream::of_cudarc(stream);
-        with_cudarc_slice_mut(data, stream, |buf| {
-            self.device_all_reduce(buf, n, T::DATA_TYPE, op, &s)
-        })?
-    }
-
-    /// [`Self::reduce_scatter`] on device memory (cudarc slices of [`Options::gpu`]'s GPU):
-    /// `send` holds `world` blocks of `recv.len()` elements; `recv` gets block `rank` of the
-    /// reduction; `send` is never written. On a GPU ring it is queued on `stream` like
-    /// [`Self::all_reduce_device`] (`send` is copied into the communicator's scratch buffer,
-    /// reduced there, and this rank's block copied out; under CUDA graph capture the scratch
-    /// is the graph's own); staged, it is copied out on `stream`, reduced by the host ring and
-    /// copied back: synchronous, waiting for `stream` only. On nodetour's buffers or a
-    /// runtime's own memory with the type at run time:
-    /// [`Self::reduce_scatter_device_buffer`].
-    pub fn reduce_scatter_device<T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
-        op: ReduceOp,
-        stream: &Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element + DeviceRepr,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        if let Some(m) = &self.member {
-            return m
-                .reduce_scatter(send, recv, op, stream)?
-                .run_alone(m.timeout());
-        }
-        self.blocks(send.len(), recv.len(), "send", "recv")?;
-        let s = GpuStream::of_cudarc(stream);
-        let count = recv.len();
-        with_cudarc_slice_mut(recv, stream, |out| {
-            with_cudarc_slice(send, stream, |inp| {
-                self.reduce_scatter_device_buffer(inp, out, count, T::DATA_TYPE, op, &s)
-            })?
-        })?
-    }
-
-    /// [`Self::all_gather`] on device memory: `recv` holds `world` blocks of `send.len()`
-    /// elements. Queued on a GPU ring, staged elsewhere (as [`Self::reduce_scatter_device`]).
-    pub fn all_gather_device<T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
-        stream: &Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element + DeviceRepr,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        if let Some(m) = &self.member {
-            return m.all_gather(send, recv, stream)?.run_alone(m.timeout());
-        }
-        self.blocks(recv.len(), send.len(), "recv", "send")?;
-        let s = GpuStream::of_cudarc(stream);
-        let count = send.len();
-        with_cudarc_slice_mut(recv, stream, |out| {
-            with_cudarc_slice(send, stream, |inp| {
-                self.all_gather_device_buffer(inp, out, count, T::DATA_TYPE, &s)
-            })?
-        })?
-    }
-
-    /// [`Self::broadcast`] on device memory: rank `root`'s `data` into `data` everywhere.
-    /// Queued on a GPU ring, staged elsewhere (as [`Self::reduce_scatter_device`]).
-    pub fn broadcast_device_in_place<T, R>(
-        &self,
-        data: &mut R,
-        root: u32,
-        stream: &Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element + DeviceRepr,
-        R: DevicePtr<T> + DevicePtrMut<T>,
-    {
-        self.check_root(root)?;
-        if let Some(m) = &self.member {
-            return m
-                .broadcast(data, root as usize, stream)?
-                .run_alone(m.timeout());
-        }
-        let s = GpuStream::of_cudarc(stream);
-        let count = data.len();
-        with_cudarc_slice_mut(data, stream, |buf| {
-            self.broadcast_device_buffer(buf, count, T::DATA_TYPE, root, &s)
-        })?
     }
 
     /// The device allreduce of the first `count` elements of `buffer`, on `stream`: through the

@@ -8,10 +8,11 @@
 //!   (a [`Meeting`]: each lends its view of the caller's buffer and stream, the last to arrive
 //!   queues the collective on every stream), and every call returns once it is queued. A
 //!   thread waits only for the other threads' calls, to the options' timeout.
-//! - **one thread for all**: a [`Group`] collects one call per member and queues them all at
-//!   [`Group::end`] (as `ncclGroupStart` / `ncclGroupEnd`). Calling the members one after the
-//!   other from one thread without a group would wait for calls that never come: that times
-//!   out with an error saying to use a group.
+//! - **one thread for all**: a [`Group`] collects each member's calls (closures) and runs them
+//!   at [`Group::end`], each member's on a scoped thread of its own (as `ncclGroupStart` /
+//!   `ncclGroupEnd` from the caller's view). Calling the members one after the other from one
+//!   thread without a group would wait for calls that never come: that times out with an
+//!   error saying to use a group.
 //!
 //! Every member must call the same collectives in the same order with the same arguments
 //! (count, type, operation, root); members that disagree all fail with
@@ -20,19 +21,22 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::CudaContext;
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::meeting::{MeetError, Meeting};
-use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
+use nodetour_core::memory::DeviceBuffer;
 
 use super::Communicator;
 use super::scratch::{Scratch, with_scratch};
+use super::verbs::Verb;
 use crate::descriptor::Collective;
-use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::gpu::{GpuGroup, GroupAbort};
 use crate::reduce::{DataType, ReduceOp};
+
+/// How a member's call that another member refused begins its reason.
+const REFUSED_ON: &str = "the collective was refused on GPU";
 
 /// What every member must agree on for one collective.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,7 +54,7 @@ pub(crate) struct Key {
 pub(crate) struct DeviceSet {
     group: Mutex<GpuGroup>,
     abort: GroupAbort,
-    meeting: Meeting<DeviceBuffer, GpuStream, Key, Result<()>>,
+    pub(super) meeting: Meeting<DeviceBuffer, GpuStream, Key, Result<()>>,
     contexts: Vec<Arc<CudaContext>>,
 }
 
@@ -142,8 +146,7 @@ fn poisoned() -> Error {
 pub(crate) type Lend<'a> =
     Box<dyn FnMut(&mut dyn FnMut(&DeviceBuffer, &GpuStream) -> Result<()>) -> Result<()> + 'a>;
 
-/// One member's share of one collective, ready to run alone (meeting the other threads) or
-/// in a [`Group`].
+/// One member's share of one collective, ready to run (meeting the other members' threads).
 pub(crate) struct Call<'a> {
     set: Arc<DeviceSet>,
     seat: usize,
@@ -192,51 +195,59 @@ impl SetMember {
         })
     }
 
-    /// The in-place allreduce of `data`.
-    pub(crate) fn all_reduce<'a, T, R>(
+    /// Runs verb `v` (see `Communicator::device_verb`) as this member's share, meeting the
+    /// other members' calls.
+    pub(crate) fn verb(
         &self,
-        data: &'a mut R,
-        op: ReduceOp,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<Call<'a>>
-    where
-        T: Element,
-        R: DevicePtrMut<T>,
-    {
-        let key = key::<T>(Collective::AllReduce, data.len(), op, 0);
-        let s = GpuStream::of_cudarc(stream);
-        self.call(
-            key,
-            Box::new(move |k| with_cudarc_slice_mut(&mut *data, stream, |v| k(v, &s))?),
-        )
+        v: Verb,
+        send: Option<&DeviceBuffer>,
+        out: &DeviceBuffer,
+        stream: &GpuStream,
+        n: usize,
+        dtype: DataType,
+    ) -> Result<()> {
+        // A call refused here cancels the meeting: the other members' calls fail with the
+        // reason at once instead of waiting for this one, and the set stays usable.
+        self.share(v, send, out, stream, n, dtype)
+            .inspect_err(|e| self.set.meeting.cancel(self.seat, &e.to_string()))?
+            .run_alone(self.timeout)
     }
 
-    /// The allreduce of `send` into `recv` (copied in on `stream` first).
-    pub(crate) fn all_reduce_from<'a, T, S, R>(
+    /// This member's share of verb `v`, checked and ready to meet the others.
+    fn share<'a>(
         &self,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<Call<'a>>
-    where
-        T: Element,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        same_len(send.len(), recv.len())?;
-        let key = key::<T>(Collective::AllReduce, recv.len(), op, 0);
-        let s = GpuStream::of_cudarc(stream);
-        let bytes = recv.num_bytes();
-        self.call(
-            key,
-            Box::new(move |k| {
-                with_cudarc_slice_mut(&mut *recv, stream, |out| {
-                    with_cudarc_slice(send, stream, |inp| s.copy(out, 0, inp, 0, bytes))??;
-                    k(out, &s)
-                })?
-            }),
-        )
+        v: Verb,
+        send: Option<&'a DeviceBuffer>,
+        out: &'a DeviceBuffer,
+        stream: &'a GpuStream,
+        n: usize,
+        dtype: DataType,
+    ) -> Result<Call<'a>> {
+        let block = element_bytes(n, 1, dtype)?;
+        let copy_in = |src: &DeviceBuffer| {
+            stream
+                .copy(out, 0, src, 0, block)
+                .map_err(|e| Error::gpu("copying the input in", e))
+        };
+        match v {
+            Verb::AllReduce(op) => {
+                if let Some(src) = send {
+                    copy_in(src)?;
+                }
+                self.all_reduce_buffer(out, n, dtype, op, stream)
+            }
+            Verb::ReduceScatter(op) => {
+                let (src, at) = send.map_or((out, self.seat * block), |s| (s, 0));
+                self.reduce_scatter_buffer(src, out, at, n, dtype, op, stream)
+            }
+            Verb::AllGather => self.all_gather_buffer(send, out, n, dtype, stream),
+            Verb::Broadcast(root) => {
+                if let Some(src) = send.filter(|_| self.seat == root as usize) {
+                    copy_in(src)?;
+                }
+                self.broadcast_buffer(out, n, dtype, root as usize, stream)
+            }
+        }
     }
 
     /// The allreduce of nodetour's own buffer (the first `count` elements).
@@ -258,42 +269,15 @@ impl SetMember {
         self.call(key, Box::new(move |k| k(buffer, stream)))
     }
 
-    /// The reduce-scatter of `send` (`world` blocks of `recv.len()`) into `recv`: `send` is
-    /// copied into the member's scratch buffer, reduced there in place, and block `seat` copied
-    /// out (the input is never written).
-    pub(crate) fn reduce_scatter<'a, T, S, R>(
-        &self,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<Call<'a>>
-    where
-        T: Element,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        let n = self.set.contexts.len();
-        blocks(send.len(), recv.len(), n)?;
-        let key = key::<T>(Collective::ReduceScatter, recv.len(), op, 0);
-        let s = GpuStream::of_cudarc(stream);
-        let through = self.scatter_through(send.num_bytes(), recv.num_bytes());
-        self.call(
-            key,
-            Box::new(move |k| {
-                with_cudarc_slice_mut(&mut *recv, stream, |out| {
-                    with_cudarc_slice(send, stream, |inp| through.run(inp, out, &s, k))?
-                })?
-            }),
-        )
-    }
-
-    /// [`Self::reduce_scatter`] on device buffers: `send` holds `n` blocks of `count` elements
-    /// of `dtype`, `recv` gets block `seat`'s reduction.
+    /// The reduce-scatter of device buffers: `send` holds `n` blocks of `count` elements of
+    /// `dtype`, `recv` at byte `out_at` gets block `seat`'s reduction (`send` is copied into
+    /// the member's scratch and reduced there, so it is never written).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn reduce_scatter_buffer<'a>(
         &self,
         send: &'a DeviceBuffer,
         recv: &'a DeviceBuffer,
+        out_at: usize,
         count: usize,
         dtype: DataType,
         op: ReduceOp,
@@ -309,83 +293,27 @@ impl SetMember {
             op,
             root: 0,
         };
-        let through = self.scatter_through(whole, block);
+        let through = self.scatter_through(whole, block, out_at);
         self.call(key, Box::new(move |k| through.run(send, recv, stream, k)))
     }
 
-    fn scatter_through(&self, whole: usize, block: usize) -> ScatterThrough {
+    fn scatter_through(&self, whole: usize, block: usize, out_at: usize) -> ScatterThrough {
         ScatterThrough {
             scratch: self.scratch.clone(),
             context: self.context().clone(),
             seat: self.seat,
             whole,
             block,
+            out_at,
         }
     }
 
-    /// The all-gather of `send` into `recv` (`world` blocks of `send.len()`): `send` is copied
-    /// into block `seat` of `recv`, then gathered there in place.
-    pub(crate) fn all_gather<'a, T, S, R>(
-        &self,
-        send: &'a S,
-        recv: &'a mut R,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<Call<'a>>
-    where
-        T: Element,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        let n = self.set.contexts.len();
-        blocks(recv.len(), send.len(), n)?;
-        let key = key::<T>(Collective::AllGather, send.len(), ReduceOp::Sum, 0);
-        let s = GpuStream::of_cudarc(stream);
-        let (block, seat) = (send.num_bytes(), self.seat);
-        self.call(
-            key,
-            Box::new(move |k| {
-                with_cudarc_slice_mut(&mut *recv, stream, |out| {
-                    with_cudarc_slice(send, stream, |inp| {
-                        s.copy(out, seat * block, inp, 0, block)
-                    })??;
-                    k(out, &s)
-                })?
-            }),
-        )
-    }
-
-    /// The broadcast of member `root`'s `data` into every member's `data`.
-    pub(crate) fn broadcast<'a, T, R>(
-        &self,
-        data: &'a mut R,
-        root: usize,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<Call<'a>>
-    where
-        T: Element,
-        R: DevicePtrMut<T>,
-    {
-        let n = self.set.contexts.len();
-        if root >= n {
-            return Err(Error::InvalidArgument {
-                reason: format!("root {root} of a set of {n} GPUs"),
-            });
-        }
-        let key = key::<T>(Collective::Broadcast, data.len(), ReduceOp::Sum, root);
-        let s = GpuStream::of_cudarc(stream);
-        self.call(
-            key,
-            Box::new(move |k| with_cudarc_slice_mut(&mut *data, stream, |v| k(v, &s))?),
-        )
-    }
-}
-
-impl SetMember {
-    /// [`Self::all_gather`] on device buffers: `send`'s first `count` elements of `dtype` go
-    /// to block `seat` of `recv` (`n` blocks), then gathered there in place.
+    /// The all-gather of device buffers: `send`'s first `count` elements of `dtype` go to
+    /// block `seat` of `recv` (`n` blocks; without `send` they are there already), then
+    /// gathered there in place.
     pub(crate) fn all_gather_buffer<'a>(
         &self,
-        send: &'a DeviceBuffer,
+        send: Option<&'a DeviceBuffer>,
         recv: &'a DeviceBuffer,
         count: usize,
         dtype: DataType,
@@ -404,15 +332,17 @@ impl SetMember {
         self.call(
             key,
             Box::new(move |k| {
-                stream
-                    .copy(recv, seat * block, send, 0, block)
-                    .map_err(|e| Error::gpu("copying the block in", e))?;
+                if let Some(send) = send {
+                    stream
+                        .copy(recv, seat * block, send, 0, block)
+                        .map_err(|e| Error::gpu("copying the block in", e))?;
+                }
                 k(recv, stream)
             }),
         )
     }
 
-    /// [`Self::broadcast`] on a device buffer: the first `count` elements of `dtype`.
+    /// The broadcast of member `root`'s first `count` elements of `dtype` of `data`.
     pub(crate) fn broadcast_buffer<'a>(
         &self,
         data: &'a DeviceBuffer,
@@ -439,9 +369,9 @@ impl SetMember {
     }
 }
 
-/// A member's reduce-scatter out of place: the whole input copied into scratch (the pool's,
-/// or under capture the graph's own), reduced there in place, block `seat` copied out, so the
-/// input is never written.
+/// A member's reduce-scatter: the whole input copied into scratch (the pool's, or under
+/// capture the graph's own), reduced there in place, block `seat` copied out, so the input is
+/// never written (in place, only block `seat` is).
 struct ScatterThrough {
     scratch: Arc<Mutex<Scratch>>,
     context: Arc<CudaContext>,
@@ -449,6 +379,8 @@ struct ScatterThrough {
     /// Bytes of the whole input, and of one block.
     whole: usize,
     block: usize,
+    /// Where the block goes in the output.
+    out_at: usize,
 }
 
 impl ScatterThrough {
@@ -464,7 +396,7 @@ impl ScatterThrough {
             s.copy(buf, 0, inp, 0, whole)
                 .map_err(|e| Error::gpu("copying the input in", e))?;
             k(buf, s)?;
-            s.copy(out, 0, buf, seat * block, block)
+            s.copy(out, self.out_at, buf, seat * block, block)
                 .map_err(|e| Error::gpu("copying the block out", e))
         })
     }
@@ -502,28 +434,47 @@ impl Call<'_> {
                     first: Box::new(set.error().unwrap_or(Error::Aborted { reason })),
                 }),
                 Err(MeetError::Seat(reason)) => Err(Error::InvalidArgument { reason }),
+                Err(MeetError::Cancelled { seat, reason }) => Err(Error::InvalidArgument {
+                    reason: format!("{REFUSED_ON} {seat}, so nothing was queued: {reason}"),
+                }),
             }
         })
     }
 }
 
-impl SetMember {
-    /// The member's timeout (from its options).
-    pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
-    }
-}
+/// The calls of one member in a [`Group`], run in the order they were added.
+type Calls<'a> = Vec<Box<dyn FnOnce(&Communicator) -> Result<()> + Send + 'a>>;
 
-/// Collectives of several members queued together from one thread, as NCCL's
-/// `ncclGroupStart` / `ncclGroupEnd`: each `add` names one member's call (its buffers stay
-/// borrowed until [`Group::end`]); `end` queues every collective on every member's stream and
-/// returns. Each member's `k`-th call of the group makes the `k`-th collective, so every
-/// member must have the same number of calls.
+/// Collectives of several members of one [`super::Communicator::from_devices`] set, driven
+/// from one thread (as NCCL's `ncclGroupStart` / `ncclGroupEnd`): [`Group::add`] collects a
+/// call of one member (a closure that calls the member's collective verbs, as a thread per GPU
+/// would); [`Group::end`] runs every member's calls, each member's on a thread of its own, and
+/// returns once every collective is queued. The `k`-th collective of every member makes the
+/// `k`-th collective of the set, so every member's calls issue the same collectives.
 ///
-/// Built from the communicators of one [`super::Communicator::from_devices`] call.
+/// A call refused before it was queued (a wrong length, a buffer of another GPU) fails that
+/// collective on every member, nothing of it is queued, and the set stays usable; a failure
+/// once the collective is queued breaks the set, as outside a group.
+///
+/// ```no_run
+/// # fn demo(
+/// #     comms: &[nodetour_ring::comm::Communicator],
+/// #     grads: &mut [cudarc::driver::CudaSlice<f32>],
+/// #     streams: &[std::sync::Arc<cudarc::driver::CudaStream>],
+/// # ) -> nodetour_ring::Result<()> {
+/// use nodetour_ring::comm::Group;
+/// use nodetour_ring::ReduceOp;
+/// let mut group = Group::new();
+/// for ((comm, grad), stream) in comms.iter().zip(grads.iter_mut()).zip(streams) {
+///     group.add(comm, move |c| c.all_reduce_in_place(grad, ReduceOp::Sum, stream))?;
+/// }
+/// group.end()?;
+/// # Ok(()) }
+/// ```
 #[derive(Default)]
 pub struct Group<'a> {
-    calls: Vec<Call<'a>>,
+    /// Per member seat: its communicator and calls.
+    calls: Vec<(&'a Communicator, Calls<'a>)>,
 }
 
 impl<'a> Group<'a> {
@@ -532,228 +483,91 @@ impl<'a> Group<'a> {
         Group { calls: Vec::new() }
     }
 
-    /// Adds `comm`'s [`Communicator::all_reduce_device_in_place`] to the group.
-    pub fn all_reduce_device_in_place<T, R>(
+    /// Adds a call of `comm` (a member of a `from_devices` set): `call` runs at
+    /// [`Self::end`] with `comm`, and issues that member's collectives.
+    pub fn add(
         &mut self,
-        comm: &Communicator,
-        data: &'a mut R,
-        op: ReduceOp,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element,
-        R: DevicePtrMut<T>,
-    {
-        let call = member(comm)?.all_reduce(data, op, stream)?;
-        self.push(call)
-    }
-
-    /// Adds `comm`'s [`Communicator::all_reduce_device`] to the group.
-    pub fn all_reduce_device<T, S, R>(
-        &mut self,
-        comm: &Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        let call = member(comm)?.all_reduce_from(send, recv, op, stream)?;
-        self.push(call)
-    }
-
-    /// Adds `comm`'s [`Communicator::all_reduce_device_buffer`] to the group.
-    pub fn all_reduce_device_buffer(
-        &mut self,
-        comm: &Communicator,
-        buffer: &'a DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &'a GpuStream,
+        comm: &'a Communicator,
+        call: impl FnOnce(&Communicator) -> Result<()> + Send + 'a,
     ) -> Result<()> {
-        let call = member(comm)?.all_reduce_buffer(buffer, count, dtype, op, stream)?;
-        self.push(call)
-    }
-
-    /// Adds `comm`'s [`Communicator::reduce_scatter_device`] to the group.
-    pub fn reduce_scatter_device<T, S, R>(
-        &mut self,
-        comm: &Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        op: ReduceOp,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        let call = member(comm)?.reduce_scatter(send, recv, op, stream)?;
-        self.push(call)
-    }
-
-    /// Adds `comm`'s [`Communicator::all_gather_device`] to the group.
-    pub fn all_gather_device<T, S, R>(
-        &mut self,
-        comm: &Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element,
-        S: DevicePtr<T>,
-        R: DevicePtrMut<T>,
-    {
-        let call = member(comm)?.all_gather(send, recv, stream)?;
-        self.push(call)
-    }
-
-    /// Adds `comm`'s [`Communicator::broadcast_device_in_place`] to the group.
-    pub fn broadcast_device_in_place<T, R>(
-        &mut self,
-        comm: &Communicator,
-        data: &'a mut R,
-        root: u32,
-        stream: &'a Arc<CudaStream>,
-    ) -> Result<()>
-    where
-        T: Element,
-        R: DevicePtrMut<T>,
-    {
-        let call = member(comm)?.broadcast(data, root as usize, stream)?;
-        self.push(call)
-    }
-
-    /// Adds `comm`'s [`Communicator::reduce_scatter_device_buffer`] to the group.
-    #[allow(clippy::too_many_arguments)]
-    pub fn reduce_scatter_device_buffer(
-        &mut self,
-        comm: &Communicator,
-        send: &'a DeviceBuffer,
-        recv: &'a DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &'a GpuStream,
-    ) -> Result<()> {
-        let call = member(comm)?.reduce_scatter_buffer(send, recv, count, dtype, op, stream)?;
-        self.push(call)
-    }
-
-    /// Adds `comm`'s [`Communicator::all_gather_device_buffer`] to the group.
-    pub fn all_gather_device_buffer(
-        &mut self,
-        comm: &Communicator,
-        send: &'a DeviceBuffer,
-        recv: &'a DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        stream: &'a GpuStream,
-    ) -> Result<()> {
-        let call = member(comm)?.all_gather_buffer(send, recv, count, dtype, stream)?;
-        self.push(call)
-    }
-
-    /// Adds `comm`'s [`Communicator::broadcast_device_buffer`] to the group.
-    pub fn broadcast_device_buffer(
-        &mut self,
-        comm: &Communicator,
-        data: &'a DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        root: u32,
-        stream: &'a GpuStream,
-    ) -> Result<()> {
-        let call = member(comm)?.broadcast_buffer(data, count, dtype, root as usize, stream)?;
-        self.push(call)
-    }
-
-    fn push(&mut self, call: Call<'a>) -> Result<()> {
-        if let Some(first) = self.calls.first()
-            && !Arc::ptr_eq(&first.set, &call.set)
+        let m = member(comm)?;
+        if let Some((first, _)) = self.calls.first()
+            && !Arc::ptr_eq(&member(first)?.set, &m.set)
         {
             return Err(Error::InvalidArgument {
                 reason: "a group holds calls of the communicators of one from_devices set".into(),
             });
         }
-        self.calls.push(call);
+        match self.calls.iter_mut().find(|(c, _)| std::ptr::eq(*c, comm)) {
+            Some((_, calls)) => calls.push(Box::new(call)),
+            None => self.calls.push((comm, vec![Box::new(call)])),
+        }
         Ok(())
     }
 
-    /// Queues every collective of the group, in order, on every member's stream, and returns.
-    /// A call missing for some member, or members that disagree, fail the whole group before
-    /// anything of that collective is queued.
+    /// Runs every member's calls (each member's on a thread of its own) and returns once all
+    /// are queued, or with the first failure. A member without a call fails the group before
+    /// anything runs.
     pub fn end(self) -> Result<()> {
-        let Some(set) = self.calls.first().map(|c| c.set.clone()) else {
+        let Some((first, _)) = self.calls.first() else {
             return Ok(());
         };
+        let set = member(first)?.set.clone();
         let n = set.contexts.len();
-        // The common case, one collective with the calls in seat order, as it comes.
-        if self.calls.len() == n && self.calls.iter().enumerate().all(|(i, c)| c.seat == i) {
-            return run_round(&set, self.calls);
-        }
-        let mut per_seat: Vec<Vec<Call<'a>>> = (0..n).map(|_| Vec::new()).collect();
-        for c in self.calls {
-            per_seat[c.seat].push(c);
-        }
-        let rounds = per_seat[0].len();
-        if let Some((seat, calls)) = per_seat.iter().enumerate().find(|(_, c)| c.len() != rounds) {
+        if self.calls.len() != n {
             return Err(Error::InvalidArgument {
                 reason: format!(
-                    "a group with {rounds} calls of GPU 0 and {} of GPU {seat}: every GPU of \
-                     the set takes part in every collective",
-                    calls.len()
+                    "a group with calls of {} of the set's {n} GPUs: every GPU of the set takes \
+                     part in every collective",
+                    self.calls.len()
                 ),
             });
         }
-        let mut iters: Vec<_> = per_seat.into_iter().map(|c| c.into_iter()).collect();
-        for _ in 0..rounds {
-            let round: Vec<Call<'a>> = iters
-                .iter_mut()
-                .map(|it| it.next().expect("counted"))
+        let results: Vec<Result<()>> = std::thread::scope(|scope| {
+            let threads: Vec<_> = self
+                .calls
+                .into_iter()
+                .map(|(comm, calls)| {
+                    let set = set.clone();
+                    let seat = member(comm).map(|m| m.seat);
+                    scope.spawn(move || {
+                        let seat = seat?;
+                        for call in calls {
+                            if let Err(e) = call(comm) {
+                                // The other members may be waiting for this one's share of
+                                // its next collective: cancel it (settled below).
+                                set.meeting.cancel(seat, &e.to_string());
+                                return Err(e);
+                            }
+                        }
+                        Ok(())
+                    })
+                })
                 .collect();
-            run_round(&set, round)?;
+            threads
+                .into_iter()
+                .map(|t| t.join().unwrap_or_else(|_| Err(poisoned())))
+                .collect()
+        });
+        // A cancellation only its member saw is taken back; one that some members' calls
+        // met and others' never did means the members issued different collectives.
+        if let Err(reason) = set.meeting.settle() {
+            let e = Error::InvalidArgument {
+                reason: format!("a group whose GPUs issued different collectives: {reason}"),
+            };
+            set.abort.fail(e.clone());
+            return Err(e);
         }
-        Ok(())
-    }
-}
-
-/// Queues one collective: every member's call, in seat order.
-fn run_round(set: &DeviceSet, mut round: Vec<Call<'_>>) -> Result<()> {
-    if let Some(e) = set.error() {
-        return Err(Error::Broken { first: Box::new(e) });
-    }
-    let keys: Vec<Key> = round.iter().map(|c| c.key).collect();
-    let mut lends: Vec<&mut Lend<'_>> = round.iter_mut().map(|c| &mut c.lend).collect();
-    nest(&mut lends, Vec::with_capacity(keys.len()), &mut |views| {
-        let (v, s): (Vec<&DeviceBuffer>, Vec<&GpuStream>) = views.iter().copied().unzip();
-        set.run(&v, &s, &keys)
-    })
-}
-
-/// Takes the views of every lend in turn, then runs `run` with all of them (each lend's copies
-/// in are queued before, its copies out after).
-#[allow(clippy::type_complexity)]
-fn nest<'v>(
-    lends: &mut [&mut Lend<'_>],
-    views: Vec<(&'v DeviceBuffer, &'v GpuStream)>,
-    run: &mut dyn FnMut(&[(&DeviceBuffer, &GpuStream)]) -> Result<()>,
-) -> Result<()> {
-    match lends.split_first_mut() {
-        None => run(&views),
-        Some((first, rest)) => first(&mut |v, s| {
-            let mut more: Vec<(&DeviceBuffer, &GpuStream)> = Vec::with_capacity(views.len() + 1);
-            more.extend_from_slice(&views);
-            more.push((v, s));
-            nest(rest, more, run)
-        }),
+        // The cause first: a member's own failure rather than the others' `Broken` or
+        // cancelled calls.
+        let failures: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
+        let echo = |e: &Error| match e {
+            Error::Broken { .. } => true,
+            Error::InvalidArgument { reason } => reason.starts_with(REFUSED_ON),
+            _ => false,
+        };
+        let cause = failures.iter().position(|e| !echo(e)).unwrap_or(0);
+        failures.into_iter().nth(cause).map_or(Ok(()), Err)
     }
 }
 
@@ -763,34 +577,6 @@ fn member(comm: &Communicator) -> Result<&SetMember> {
                  processes runs its device collectives directly)"
             .into(),
     })
-}
-
-fn key<T: Element>(collective: Collective, count: usize, op: ReduceOp, root: usize) -> Key {
-    Key {
-        collective,
-        count,
-        dtype: T::DATA_TYPE,
-        op,
-        root,
-    }
-}
-
-fn same_len(a: usize, b: usize) -> Result<()> {
-    if a != b {
-        return Err(Error::InvalidArgument {
-            reason: format!("send has {a} elements, recv {b}: they must match"),
-        });
-    }
-    Ok(())
-}
-
-fn blocks(whole: usize, block: usize, n: usize) -> Result<()> {
-    if (block as u128) * (n as u128) != whole as u128 {
-        return Err(Error::InvalidArgument {
-            reason: format!("{whole} elements are not {n} blocks of {block}"),
-        });
-    }
-    Ok(())
 }
 
 /// Bytes of `blocks` blocks of `count` elements of `dtype`, overflow-checked.

@@ -12,12 +12,12 @@ pub(super) fn pieces(count: usize, per: usize) -> impl Iterator<Item = Range<usi
 /// Runs an all-gather piece staged by the caller and scatters the result: block `q` of the
 /// ring's buffer (position `q`) goes to rank `order[q]`'s block of `out`, elements `r`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn gather_out<T: Element>(
+pub(super) fn gather_out(
     comm: &Communicator,
     ring: &mut HostRing<'_>,
     what: &Descriptor,
     l: Layout,
-    out: &mut [T],
+    out: &mut [u8],
     n: usize,
     r: Range<usize>,
     alive: &Alive<'_>,
@@ -25,16 +25,17 @@ pub(super) fn gather_out<T: Element>(
     let staged = Staged {
         shape: Shape::AllGather,
         count: (r.len() * comm.world as usize) as u64,
-        dtype: T::DATA_TYPE,
+        dtype: what.dtype,
         op: ReduceOp::Sum,
     };
+    let es = l.es;
     let mut outputs: Vec<(usize, &mut [u8])> = out
-        .chunks_mut(n)
+        .chunks_mut(n * es)
         .enumerate()
         .map(|(rank, block)| {
             (
                 l.at(comm.position_of(rank as u32)),
-                bytes_mut(&mut block[r.clone()]),
+                &mut block[r.start * es..r.end * es],
             )
         })
         .collect();
@@ -42,34 +43,6 @@ pub(super) fn gather_out<T: Element>(
 }
 
 impl Communicator {
-    /// Sums (or another `op`) `send` over every rank into `recv` on every rank. `send` and
-    /// `recv` have the same length on this rank and on every other.
-    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        same_len(send.len(), recv.len(), "send", "recv")?;
-        self.all_reduce_bytes(Some(bytes(send)), bytes_mut(recv), T::DATA_TYPE, op)
-    }
-
-    /// [`Self::all_reduce`] with `data` as both input and output.
-    pub fn all_reduce_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_bytes(None, bytes_mut(data), T::DATA_TYPE, op)
-    }
-
-    /// [`Self::all_reduce_in_place`] for runtimes that carry the element type at run time:
-    /// `data` holds whole elements of `dtype` (native byte order).
-    pub fn all_reduce_in_place_bytes(
-        &self,
-        data: &mut [u8],
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        if data.len() % dtype.size() != 0 {
-            return Err(Error::InvalidArgument {
-                reason: format!("{} bytes are not whole {dtype:?} elements", data.len()),
-            });
-        }
-        self.all_reduce_bytes(None, data, dtype, op)
-    }
-
     /// The allreduce of `send` (or, without it, of `out` itself) into `out`.
     pub(super) fn all_reduce_bytes(
         &self,
@@ -87,10 +60,7 @@ impl Communicator {
         if self.world > 1 && n > 0 && out.len() <= gather_max {
             return self.all_reduce_gathered(send, out, dtype, op);
         }
-        let what = Descriptor {
-            dtype,
-            ..self.descriptor::<u8>(Collective::AllReduce, n, op, None)
-        };
+        let what = self.descriptor(Collective::AllReduce, n, dtype, op, None);
         self.run_pieces(&what, n, 1, |ring, r, d, alive| {
             let b = r.start * es..r.end * es;
             let staged = Staged {
@@ -121,9 +91,8 @@ impl Communicator {
         let n = out.len() / es;
         let world = self.world as usize;
         let what = Descriptor {
-            dtype,
             algorithm: Algorithm::HostGather,
-            ..self.descriptor::<u8>(Collective::AllReduce, n, op, None)
+            ..self.descriptor(Collective::AllReduce, n, dtype, op, None)
         };
         self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
             let b = r.start * es..r.end * es;
@@ -144,148 +113,100 @@ impl Communicator {
                 crate::reduce::reduce_into(dtype, op, result, input)?;
             }
             if op == ReduceOp::Avg {
-                crate::reduce::finish_avg(dtype, result, self.world);
+                crate::reduce::finish_avg(dtype, result, self.world)?;
             }
             Ok(())
         })
     }
 
-    /// Reduces `send` (`world` blocks of `recv.len()` elements) over every rank, leaving
-    /// block `rank` of the result in `recv`.
-    pub fn reduce_scatter<T: Element>(
+    /// The reduce-scatter of `send` (or, without it, of `out` itself: `world` blocks of `n`
+    /// elements of `dtype`) into the `n` elements of `out` at element `out_at`.
+    pub(super) fn reduce_scatter_into(
         &self,
-        send: &[T],
-        recv: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.blocks(send.len(), recv.len(), "send", "recv")?;
-        self.reduce_scatter_into(Some(send), recv, recv.len(), 0, op)
-    }
-
-    /// [`Self::reduce_scatter`] in one buffer of `world` blocks: block `rank` ends with this
-    /// rank's result (the other blocks keep their input).
-    pub fn reduce_scatter_in_place<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
-        let n = self.block_of(data.len())?;
-        let at = self.rank as usize * n;
-        self.reduce_scatter_into(None, data, n, at, op)
-    }
-
-    /// The reduce-scatter of `send` (or, without it, of `out` itself: `world` blocks of `n`)
-    /// into the `n` elements of `out` at `out_at`.
-    pub(super) fn reduce_scatter_into<T: Element>(
-        &self,
-        send: Option<&[T]>,
-        out: &mut [T],
+        send: Option<&[u8]>,
+        out: &mut [u8],
         n: usize,
         out_at: usize,
+        dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        let what = self.descriptor::<T>(Collective::ReduceScatter, n, op, None);
+        let what = self.descriptor(Collective::ReduceScatter, n, dtype, op, None);
         let me = self.position();
+        let es = dtype.size();
         self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
-            let l = Layout {
-                es: T::DATA_TYPE.size(),
-                len: r.len(),
-            };
+            let l = Layout { es, len: r.len() };
             let input = send.unwrap_or(&*out);
             for rank in 0..self.world {
                 let block = rank as usize * n;
-                let src = &input[block + r.start..block + r.end];
-                ring.stage_in(l.at(self.position_of(rank)), bytes(src))?;
+                let src = &input[(block + r.start) * es..(block + r.end) * es];
+                ring.stage_in(l.at(self.position_of(rank)), src)?;
             }
             let staged = Staged {
                 shape: Shape::ReduceScatter,
                 count: (r.len() * self.world as usize) as u64,
-                dtype: T::DATA_TYPE,
+                dtype,
                 op,
             };
-            let dst = &mut out[out_at + r.start..out_at + r.end];
-            ring.collective(staged, d, &mut [(l.at(me), bytes_mut(dst))], alive)
+            let dst = &mut out[(out_at + r.start) * es..(out_at + r.end) * es];
+            ring.collective(staged, d, &mut [(l.at(me), dst)], alive)
         })
     }
 
-    /// Gathers every rank's `send` into `recv` (`world` blocks of `send.len()` elements, block
-    /// `r` from rank `r`) on every rank.
-    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.blocks(recv.len(), send.len(), "recv", "send")?;
-        self.all_gather_into(Some(send), recv, send.len())
-    }
-
-    /// [`Self::all_gather`] in one buffer of `world` blocks, this rank's input in block `rank`.
-    pub fn all_gather_in_place<T: Element>(&self, data: &mut [T]) -> Result<()> {
-        let n = self.block_of(data.len())?;
-        self.all_gather_into(None, data, n)
-    }
-
-    /// The all-gather of `send` (or, without it, of block `rank` of `out`; blocks of `n`) into
-    /// `out`.
-    pub(super) fn all_gather_into<T: Element>(
+    /// The all-gather of `send` (or, without it, of block `rank` of `out`; blocks of `n`
+    /// elements of `dtype`) into `out`.
+    pub(super) fn all_gather_into(
         &self,
-        send: Option<&[T]>,
-        out: &mut [T],
+        send: Option<&[u8]>,
+        out: &mut [u8],
         n: usize,
+        dtype: DataType,
     ) -> Result<()> {
-        let what = self.descriptor::<T>(Collective::AllGather, n, ReduceOp::Sum, None);
+        let what = self.descriptor(Collective::AllGather, n, dtype, ReduceOp::Sum, None);
         let me = self.position();
+        let es = dtype.size();
         let mine = if send.is_some() {
             0
         } else {
             self.rank as usize * n
         };
         self.run_pieces(&what, n, self.world, |ring, r, d, alive| {
-            let l = Layout {
-                es: T::DATA_TYPE.size(),
-                len: r.len(),
-            };
+            let l = Layout { es, len: r.len() };
             let input = send.unwrap_or(&*out);
-            ring.stage_in(l.at(me), bytes(&input[mine + r.start..mine + r.end]))?;
+            ring.stage_in(l.at(me), &input[(mine + r.start) * es..(mine + r.end) * es])?;
             gather_out(self, ring, d, l, out, n, r, alive)
         })
     }
 
-    /// Copies `send` of rank `root` into `recv` on every rank. `send` is read on the root only
-    /// (it must have `recv`'s length there; elsewhere pass an empty slice).
-    pub fn broadcast<T: Element>(&self, send: &[T], recv: &mut [T], root: u32) -> Result<()> {
-        self.check_root(root)?;
-        if self.rank == root {
-            same_len(send.len(), recv.len(), "send", "recv")?;
-        }
-        self.broadcast_into(Some(send), recv, root)
-    }
-
-    /// [`Self::broadcast`] of rank `root`'s `data` into `data` on every rank.
-    pub fn broadcast_in_place<T: Element>(&self, data: &mut [T], root: u32) -> Result<()> {
-        self.check_root(root)?;
-        self.broadcast_into(None, data, root)
-    }
-
     /// The broadcast of the root's `send` (or, without it, of its `out`) into `out`.
-    pub(super) fn broadcast_into<T: Element>(
+    pub(super) fn broadcast_into(
         &self,
-        send: Option<&[T]>,
-        out: &mut [T],
+        send: Option<&[u8]>,
+        out: &mut [u8],
         root: u32,
+        dtype: DataType,
     ) -> Result<()> {
-        let n = out.len();
-        let what = self.descriptor::<T>(Collective::Broadcast, n, ReduceOp::Sum, Some(root));
+        let es = dtype.size();
+        let n = out.len() / es;
+        let what = self.descriptor(Collective::Broadcast, n, dtype, ReduceOp::Sum, Some(root));
         let is_root = self.rank == root;
         self.run_pieces(&what, n, 1, |ring, r, d, alive| {
+            let b = r.start * es..r.end * es;
             if is_root {
-                ring.stage_in(0, bytes(&send.unwrap_or(&*out)[r.clone()]))?;
+                ring.stage_in(0, &send.unwrap_or(&*out)[b.clone()])?;
             }
             let staged = Staged {
                 shape: Shape::Broadcast {
                     root: self.position_of(root),
                 },
                 count: r.len() as u64,
-                dtype: T::DATA_TYPE,
+                dtype,
                 op: ReduceOp::Sum,
             };
             // In place, the root's buffer already holds the answer.
             let mut outputs = if is_root && send.is_none() {
                 vec![]
             } else {
-                vec![(0, bytes_mut(&mut out[r]))]
+                vec![(0, &mut out[b])]
             };
             ring.collective(staged, d, &mut outputs, alive)
         })

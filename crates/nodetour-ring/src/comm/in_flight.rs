@@ -1,37 +1,118 @@
-//! The owning non-blocking form of a device collective: the handle owns the buffer until the
-//! collective has finished, so nothing of the caller's can read, reuse or free it meanwhile.
+//! The owning non-blocking form of every device collective: [`Communicator::start`] hands the
+//! buffers to a handle that owns them until the collective has finished, so nothing of the
+//! caller's can read, reuse or free them meanwhile.
 
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuEvent;
-use nodetour_core::memory::DeviceBuffer;
 
-use super::Communicator;
+use super::operand::{Queue, sealed};
+use super::{Communicator, gpu_error};
 use crate::error::{Error, Result};
 
-/// A device collective queued by [`Communicator::start_all_reduce_device_buffer`]; it owns the
-/// buffer until [`InFlight::wait`] gives it back.
+/// A device collective queued by [`Communicator::start`]; it owns the buffers `B` until
+/// [`InFlight::wait`] gives them back.
 ///
 /// Dropping the handle waits for the collective (to the communicator's timeout; past it the
-/// communicator is broken) before the buffer is freed (in stream order); forgetting it leaks
-/// the buffer rather than freeing memory a collective may still use.
+/// communicator is broken) before the buffers are dropped (cudarc and nodetour free in stream
+/// order); forgetting it leaks them rather than freeing memory a collective may still use.
 #[must_use = "dropping the handle waits for the collective"]
-pub struct InFlight<'c> {
-    pub(super) comm: &'c Communicator,
-    pub(super) buffer: Option<DeviceBuffer>,
+pub struct InFlight<'c, B> {
+    comm: &'c Communicator,
+    buffers: Option<B>,
     /// Recorded on the caller's stream after the collective.
-    pub(super) done: GpuEvent,
+    done: GpuEvent,
 }
 
-/// A collective that failed, and the buffer it owned (its contents are undefined).
-#[derive(Debug)]
-pub struct Failed {
+/// A collective that failed, and the buffers it owned (their contents are undefined).
+pub struct Failed<B> {
     /// Why.
     pub error: Error,
-    /// The buffer, given back.
-    pub buffer: DeviceBuffer,
+    /// The buffers, given back.
+    pub buffers: B,
 }
 
-impl InFlight<'_> {
+impl<B> std::fmt::Debug for Failed<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Failed")
+            .field("error", &self.error)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> std::fmt::Display for Failed<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl<B> std::error::Error for Failed<B> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+/// The error, the buffers dropped (after the collective: a failed one was waited for or never
+/// queued).
+impl<B> From<Failed<B>> for Error {
+    fn from(f: Failed<B>) -> Error {
+        f.error
+    }
+}
+
+impl Communicator {
+    /// Starts a device collective that owns its buffers: `call` issues it on `buffers` (one
+    /// buffer, or a tuple of send and receive buffers) and `queue`, then the returned handle
+    /// owns them until [`InFlight::wait`] gives them back. A collective that cannot be queued
+    /// gives them back with the error.
+    ///
+    /// ```no_run
+    /// # fn demo(
+    /// #     comm: &nodetour_ring::comm::Communicator,
+    /// #     grads: cudarc::driver::CudaSlice<f32>,
+    /// #     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    /// # ) -> nodetour_ring::Result<()> {
+    /// use nodetour_ring::ReduceOp;
+    /// let pending = comm.start(grads, stream, |c, g, s| c.all_reduce_in_place(g, ReduceOp::Avg, s))?;
+    /// // ... the backward pass goes on ...
+    /// let grads = pending.wait(nodetour_core::Deadline::after(std::time::Duration::from_secs(60)))?;
+    /// # Ok(()) }
+    /// ```
+    #[allow(clippy::result_large_err)]
+    pub fn start<B, Q>(
+        &self,
+        mut buffers: B,
+        queue: Q,
+        call: impl FnOnce(&Communicator, &mut B, Q) -> Result<()>,
+    ) -> std::result::Result<InFlight<'_, B>, Failed<B>>
+    where
+        Q: Queue,
+    {
+        let Some(stream) = sealed::Queue::stream(&queue) else {
+            return Err(Failed {
+                error: Error::InvalidArgument {
+                    reason: "start is for device collectives (host collectives return when done)"
+                        .into(),
+                },
+                buffers,
+            });
+        };
+        let queued = call(self, &mut buffers, queue).and_then(|()| {
+            let done = GpuEvent::marker(stream.context()).map_err(gpu_error)?;
+            stream.record_marker(&done).map_err(gpu_error)?;
+            Ok(done)
+        });
+        match queued {
+            Ok(done) => Ok(InFlight {
+                comm: self,
+                buffers: Some(buffers),
+                done,
+            }),
+            Err(error) => Err(Failed { error, buffers }),
+        }
+    }
+}
+
+impl<B> InFlight<'_, B> {
     /// Whether the collective has finished on the caller's stream (never blocks).
     pub fn is_done(&self) -> Result<bool> {
         self.done
@@ -40,20 +121,20 @@ impl InFlight<'_> {
     }
 
     /// Waits for the collective (and every device collective queued before it) to `deadline`,
-    /// and gives the buffer back; on failure the buffer comes back with the error.
+    /// and gives the buffers back; on failure they come back with the error.
     #[allow(clippy::result_large_err)]
-    pub fn wait(mut self, deadline: Deadline) -> std::result::Result<DeviceBuffer, Failed> {
-        let buffer = self.buffer.take().expect("taken only here or in drop");
+    pub fn wait(mut self, deadline: Deadline) -> std::result::Result<B, Failed<B>> {
+        let buffers = self.buffers.take().expect("taken only here or in drop");
         match self.comm.wait(deadline) {
-            Ok(()) => Ok(buffer),
-            Err(error) => Err(Failed { error, buffer }),
+            Ok(()) => Ok(buffers),
+            Err(error) => Err(Failed { error, buffers }),
         }
     }
 }
 
-impl Drop for InFlight<'_> {
+impl<B> Drop for InFlight<'_, B> {
     fn drop(&mut self) {
-        if self.buffer.is_some()
+        if self.buffers.is_some()
             && let Err(e) = self.comm.wait(Deadline::after(self.comm.timeout))
         {
             tracing::warn!(error = %e, "a dropped device collective failed");

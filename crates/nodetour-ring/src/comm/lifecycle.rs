@@ -135,7 +135,7 @@ impl Communicator {
     /// here; a pair without it is [`Error::Unsupported`]); nothing is staged through the host
     /// and no slot memory is held.
     ///
-    /// Drive them with one thread per GPU (each calls its communicator's `*_device`
+    /// Drive them with one thread per GPU (each calls its communicator's device
     /// collective; every call returns once the collective is queued on every GPU's stream) or
     /// from one thread through a [`Group`] (as `ncclGroupStart`/`ncclGroupEnd`). Host-memory
     /// collectives are for communicators of processes; here they are

@@ -9,16 +9,20 @@
 //!    ([`Options::join_timeout`], 10 minutes by default) naming what is missing.
 //! 2. **Read its paths**: [`Communicator::paths`] says, per link, the transport, where the bytes
 //!    land and why that path was chosen (also logged at formation).
-//! 3. **Run collectives**: [`Communicator::all_reduce`], [`Communicator::reduce_scatter`],
-//!    [`Communicator::all_gather`], [`Communicator::broadcast`], out of place or `*_in_place`,
-//!    on any size of buffer (it goes through the communicator's bounded staging memory in
-//!    pieces). On host memory the call is synchronous: it returns `Ok` only with the answer in
-//!    the output, the same bits on every rank. On device memory ([`Options::gpu`]; cudarc
-//!    slices on the caller's stream): [`Communicator::all_reduce_device`] (and `_in_place`),
-//!    [`Communicator::reduce_scatter_device`], [`Communicator::all_gather_device`] and
-//!    [`Communicator::broadcast_device_in_place`] queue on the stream and return where the
-//!    ranks share one host (a GPU ring), and are staged through host memory, synchronous on
-//!    the stream, across hosts. [`Communicator::paths`] says which ([`DevicePath`]).
+//! 3. **Run collectives**: one verb each, [`Communicator::all_reduce`],
+//!    [`Communicator::reduce_scatter`], [`Communicator::all_gather`],
+//!    [`Communicator::broadcast`], and their `*_in_place` forms, on any memory the [`Input`]
+//!    and [`Output`] traits accept, with the queue it is ordered on as the last argument:
+//!    cudarc slices and views with the caller's `&Arc<CudaStream>`; [`Elements`] (nodetour's
+//!    device buffers, views of a runtime's own memory, raw pointers; the type at run time)
+//!    with a `&GpuStream`; host slices, arrays, vectors and [`HostBytes`] with [`Host`]. On
+//!    device memory the call queues the collective on the stream and returns where the ranks
+//!    share one host (a GPU ring), and is staged through host memory, synchronous on the
+//!    stream, across hosts: [`Communicator::paths`] says which ([`DevicePath`]).
+//!    [`Communicator::start`] is the owning non-blocking form of any device collective. On
+//!    host memory the call is synchronous: it returns `Ok` only with the answer in the output,
+//!    the same bits on every rank. Any size of buffer goes through the communicator's bounded
+//!    staging memory in pieces.
 //! 4. **Handle errors**: every failure is a typed [`Error`] naming the rank at fault where one
 //!    is ([`Error::PeerLost`], [`Error::Disagreement`], [`Error::Timeout`], ...). After a
 //!    failure that happened while ranks were talking, the communicator is broken: later calls
@@ -32,13 +36,13 @@
 //!    [`Communicator::close`], which waits (to a deadline) until every rank is done.
 //!
 //! ```no_run
-//! use nodetour_ring::comm::{Communicator, Options};
+//! use nodetour_ring::comm::{Communicator, Host, Options};
 //! use nodetour_ring::ReduceOp;
 //! # fn main() -> nodetour_ring::Result<()> {
 //! let comm = Communicator::from_env(Options::from_env()?)?;
 //! println!("{}", comm.paths());
 //! let mut grads = vec![1.0f32; 1 << 20];
-//! comm.all_reduce_in_place(&mut grads, ReduceOp::Avg)?;
+//! comm.all_reduce_in_place(&mut grads, ReduceOp::Avg, Host)?;
 //! comm.close(nodetour_core::Deadline::after(std::time::Duration::from_secs(30)))?;
 //! # Ok(()) }
 //! ```
@@ -51,8 +55,8 @@
 //!
 //! **Several GPUs of one process**: [`Communicator::from_devices`] makes one communicator per
 //! GPU (as `ncclCommInitAll`); drive them with one thread per GPU, or from one thread through
-//! a [`Group`] (as `ncclGroupStart`/`ncclGroupEnd`). Each GPU reads its neighbour's memory
-//! directly; the calls queue on the callers' streams and return.
+//! a [`Group`] that collects each GPU's calls (as `ncclGroupStart`/`ncclGroupEnd`). Each GPU
+//! reads its neighbour's memory directly; the calls queue on the callers' streams and return.
 //!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all;
 //! host and device collectives interleaved on one
@@ -69,11 +73,13 @@ mod host_job;
 mod in_flight;
 mod lifecycle;
 pub(crate) mod links;
+mod operand;
 mod options;
 mod paths;
 mod scratch;
 mod symmetric;
 pub(crate) mod table;
+mod verbs;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
 pub use device_set::Group;
@@ -81,6 +87,7 @@ pub use gpu_options::{GpuPaths, GpuRingOptions, NetLanding, ONE_KERNEL_MAX, OneK
 use host_collectives::pieces;
 pub use in_flight::{Failed, InFlight};
 pub use nodetour_net::bootstrap::UniqueId;
+pub use operand::{Elements, Host, HostBytes, Input, Output, Queue};
 pub use options::{
     DEFAULT_HOST_GATHER_MAX, DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, MUST_AGREE,
     Options,
@@ -91,16 +98,15 @@ pub use symmetric::SymmetricBuffer;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::CudaContext;
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
-use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
+use nodetour_core::memory::DeviceBuffer;
 use nodetour_net::bootstrap::LaunchInfo;
 
 use self::device_set::{DeviceSet, SetMember};
 use self::host_job::{AbortFlag, HostJob, Launch};
 use crate::descriptor::{Algorithm, Collective, Descriptor};
-use crate::element::{Element, bytes, bytes_mut};
 use crate::error::{Error, Result};
 use crate::host::{HostRing, Staged};
 use crate::plan::Shape;
@@ -315,17 +321,18 @@ impl Communicator {
             .unwrap_or(0) as u32
     }
 
-    fn descriptor<T: Element>(
+    fn descriptor(
         &self,
         collective: Collective,
         count: usize,
+        dtype: DataType,
         op: ReduceOp,
         root: Option<u32>,
     ) -> Descriptor {
         Descriptor {
             collective,
             count: count as u64,
-            dtype: T::DATA_TYPE,
+            dtype,
             op,
             root,
             algorithm: Algorithm::HostRing,

@@ -11,7 +11,7 @@
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::gpu::IpcGrant;
 
-use super::Communicator;
+use super::{Communicator, Host};
 use crate::error::{Error, Result};
 use crate::reduce::{DataType, ReduceOp};
 use nodetour_core::cuda::GpuStream;
@@ -140,7 +140,7 @@ impl Communicator {
                 }
             }
         };
-        if let Err(e) = self.all_gather(&mine, &mut all) {
+        if let Err(e) = self.all_gather(&mine, &mut all, Host) {
             release();
             return Err(e);
         }
@@ -195,7 +195,7 @@ impl Communicator {
             }
         };
         let mut verdicts = vec![0u8; self.world as usize];
-        self.all_gather(&[u8::from(mapped.is_ok())], &mut verdicts)?;
+        self.all_gather(&[u8::from(mapped.is_ok())], &mut verdicts, Host)?;
         mapped?;
         if let Some(r) = verdicts.iter().position(|v| *v != 1) {
             return Err(Error::Unsupported {

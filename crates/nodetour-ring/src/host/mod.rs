@@ -507,7 +507,7 @@ impl HostRing<'_> {
         for (at, b) in outputs.iter_mut() {
             self.work.read_at(*at, b)?;
             if average {
-                finish_avg(staged.dtype, b, self.world);
+                finish_avg(staged.dtype, b, self.world)?;
             }
         }
         Ok(())

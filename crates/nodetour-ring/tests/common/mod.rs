@@ -107,7 +107,7 @@ pub(crate) fn fold_inputs(
         nodetour_ring::reduce::reduce_into(dtype, op, &mut acc, &input(r)).unwrap();
     }
     if op == nodetour_ring::ReduceOp::Avg {
-        nodetour_ring::reduce::finish_avg(dtype, &mut acc, world);
+        nodetour_ring::reduce::finish_avg(dtype, &mut acc, world).unwrap();
     }
     acc
 }
@@ -146,6 +146,7 @@ pub(crate) fn typed_input(
             DataType::I32 => out.extend_from_slice(&(v.round() as i32).to_le_bytes()),
             DataType::I64 => out.extend_from_slice(&(v.round() as i64).to_le_bytes()),
             DataType::U8 => out.push(rng.below(256) as u8),
+            other => panic!("no test inputs for {other:?}"),
         }
     }
     out

@@ -1,16 +1,13 @@
 // A runtime on cudarc 0.17 hands its device memory and stream to nodetour as raw handles:
-// `DeviceBuffer::borrowed` (pointer, bytes) and `GpuStream::borrowed` (a `CUstream`), both
-// under nodetour's handle of the same primary context (cudarc 0.19, re-exported as
-// `nodetour::cudarc`). Two ranks (threads over tcp on loopback) allreduce host memory anywhere,
-// then, where a GPU answers, device memory of cudarc 0.17's.
-
-use std::sync::Arc;
+// `DeviceBuffer::from_raw` (pointer, bytes: the driver names its GPU and context, and checks
+// the range) and `GpuStream::from_raw` (a `CUstream`: its context asked of the driver), with no
+// cudarc 0.19 object of its own. Two ranks (threads over tcp on loopback) allreduce host
+// memory anywhere, then, where a GPU answers, device memory of cudarc 0.17's.
 
 use cudarc017::driver::{CudaContext as OldContext, DevicePtr as _};
 use nodetour::core::cuda::GpuStream;
 use nodetour::core::memory::DeviceBuffer;
-use nodetour::cudarc::driver::CudaContext;
-use nodetour::{Communicator, DataType, Options, ReduceOp, UniqueId};
+use nodetour::{Communicator, DataType, Elements, Host, Options, ReduceOp, UniqueId};
 
 const N: usize = 100_003;
 
@@ -31,7 +28,9 @@ fn two_ranks<R: Send>(
                 s.spawn(move || body(r, Communicator::from_unique_id(id, r, 2, options)?))
             })
             .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
     })
 }
 
@@ -44,30 +43,43 @@ fn device_rank(rank: u32, comm: Communicator) -> nodetour::Result<Vec<f32>> {
     let old = OldContext::new(0).map_err(|e| gpu_err("context", e))?;
     let old_stream = old.new_stream().map_err(|e| gpu_err("stream", e))?;
     let host: Vec<f32> = (0..N).map(|i| value(rank, i)).collect();
-    let slice = old_stream.memcpy_stod(&host).map_err(|e| gpu_err("copy in", e))?;
-    // nodetour's handle of the same (primary) context, and the raw handles.
-    let context: Arc<CudaContext> =
-        CudaContext::new(0).map_err(|e| nodetour::Error::Unsupported {
-            reason: format!("cudarc 0.19: context: {e:?}"),
-        })?;
+    let slice = old_stream
+        .memcpy_stod(&host)
+        .map_err(|e| gpu_err("copy in", e))?;
+    // The raw handles: nodetour asks the driver what they are.
     let (ptr, _record) = slice.device_ptr(&old_stream);
     // SAFETY: `old_stream` outlives `stream` and everything queued through it (both are dropped
     // at the end of this function after the stream is synchronised).
-    let stream = unsafe { GpuStream::borrowed(&context, old_stream.cu_stream() as _) }?;
+    let stream = unsafe { GpuStream::from_raw(old_stream.cu_stream() as _) }?;
     // SAFETY: `slice` holds N f32 on GPU 0 and is freed only after the synchronise below.
-    let buffer = unsafe { DeviceBuffer::borrowed(&context, ptr, N * 4) };
-    comm.all_reduce_device_buffer(&buffer, N, DataType::F32, ReduceOp::Sum, &stream)?;
+    let buffer = unsafe { DeviceBuffer::from_raw(ptr, N * 4) }?;
+    // What the driver can check, it does: a range past the allocation, and host memory.
+    // SAFETY: refused before any use (the calls only ask the driver).
+    let past = unsafe { DeviceBuffer::from_raw(ptr, N * 4 + (1 << 30)) };
+    assert!(past.is_err(), "a range past the allocation was taken");
+    // SAFETY: as above.
+    let on_host = unsafe { DeviceBuffer::from_raw(host.as_ptr() as u64, 4) };
+    assert!(on_host.is_err(), "host memory was taken for device memory");
+    comm.all_reduce_in_place(
+        &mut Elements::new(&buffer, N, DataType::F32)?,
+        ReduceOp::Sum,
+        &stream,
+    )?;
     stream.synchronize()?;
     drop(buffer);
     drop(stream);
-    comm.close(nodetour::Deadline::after(std::time::Duration::from_secs(10)))?;
-    old_stream.memcpy_dtov(&slice).map_err(|e| gpu_err("copy out", e))
+    comm.close(nodetour::Deadline::after(std::time::Duration::from_secs(
+        10,
+    )))?;
+    old_stream
+        .memcpy_dtov(&slice)
+        .map_err(|e| gpu_err("copy out", e))
 }
 
 fn main() -> nodetour::Result<()> {
     let sums = two_ranks(Options::default(), |r, comm| {
         let mut x: Vec<i64> = (0..1000).map(|i| i * (i64::from(r) + 1)).collect();
-        comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)?;
         Ok(x)
     })?;
     for (r, got) in sums.into_iter().enumerate() {
@@ -83,7 +95,9 @@ fn main() -> nodetour::Result<()> {
                 let bad = (0..N).find(|&i| got[i] != value(0, i) + value(1, i));
                 assert_eq!(bad, None, "rank {r}: device allreduce, first wrong element");
             }
-            println!("device allreduce of cudarc 0.17's memory through raw handles: {N} f32 x 2 ranks checked");
+            println!(
+                "device allreduce of cudarc 0.17's memory through raw handles: {N} f32 x 2 ranks checked"
+            );
         }
     }
     println!("COMPAT OK {}", env!("CARGO_PKG_NAME"));

@@ -1,7 +1,7 @@
 // A host-memory allreduce of two ranks (threads over tcp on loopback) through nodetour, in a
 // graph whose cudarc has another crate's features: it builds, and it runs where CUDA is absent.
 
-use nodetour::{Communicator, Options, ReduceOp, UniqueId};
+use nodetour::{Communicator, Host, Options, ReduceOp, UniqueId};
 
 fn main() -> nodetour::Result<()> {
     let id = UniqueId::create().map_err(nodetour::Error::from)?;
@@ -12,12 +12,14 @@ fn main() -> nodetour::Result<()> {
                 s.spawn(move || {
                     let comm = Communicator::from_unique_id(id, r, 2, Options::default())?;
                     let mut x: Vec<i64> = (0..1000).map(|i| i * (i64::from(r) + 1)).collect();
-                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)?;
                     Ok(x)
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
     });
     for (r, got) in sums.into_iter().enumerate() {
         let got = got?;
