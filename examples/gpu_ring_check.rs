@@ -111,6 +111,11 @@ struct Args {
     /// communicator, formed from a unique id).
     #[arg(long)]
     also_ring: bool,
+    /// The device from the caller: a communicator formed without a GPU runs host and device
+    /// collectives interleaved (every `Ok` checked), its first device collective forming the
+    /// GPU path on its stream's GPU, which `paths()` must then show (`FROM_STREAM OK ...`).
+    #[arg(long)]
+    from_stream: bool,
     /// Bytes per collective of the drills (default: 64 MiB for the kill and abort drills,
     /// 4 MiB for the agreement drill); at most `NODETOUR_ONE_KERNEL_MAX` drills the one-kernel
     /// path where it is on.
@@ -147,6 +152,9 @@ fn run() -> anyhow::Result<()> {
     if let Some(b) = args.slot_bytes {
         options.ipc_slot_bytes = b;
         options.shm_slot_bytes = b;
+    }
+    if args.from_stream {
+        return from_stream_check();
     }
     let launch = nodetour_net::bootstrap::LaunchInfo::from_env()?;
     let world = launch.world_size;
@@ -282,6 +290,68 @@ fn run() -> anyhow::Result<()> {
         }
     }
     Ok(g.close(deadline())?)
+}
+
+/// `--from-stream`: formed with no GPU named, host and device collectives interleaved in the
+/// same order on every rank, each checked against its own seeded input; the device path must
+/// be a GPU ring after the first device collective, and none before.
+fn from_stream_check() -> anyhow::Result<()> {
+    use nodetour::{Communicator, Host, Options};
+    use nodetour_ring::comm::DevicePath;
+    let comm = Communicator::from_env(Options::from_env()?)?;
+    if !matches!(comm.paths().device, DevicePath::None) {
+        bail!(
+            "a device path before any device collective: {}",
+            comm.paths()
+        );
+    }
+    let gpus = nodetour_core::cuda::gpus()?.len().max(1);
+    let ctx = cudarc::driver::CudaContext::new(comm.local_rank() as usize % gpus)?;
+    let stream = ctx.new_stream()?;
+    let (r, world) = (comm.rank(), comm.world());
+    let count = 1 << 20;
+    for i in 0..6u64 {
+        // Host metadata, then device gradients: the same order on every rank.
+        let (host_op, dev_op) = (ReduceOp::Max, ReduceOp::Sum);
+        let mut meta: Vec<i64> =
+            bytemuck::cast_slice(&input(DataType::I64, host_op, r, 64, 2 * i)).to_vec();
+        comm.all_reduce_in_place(&mut meta, host_op, Host)?;
+        if let Err(e) = verify(
+            DataType::I64,
+            host_op,
+            world,
+            bytemuck::cast_slice(&meta),
+            2 * i,
+        ) {
+            bail!("host allreduce {i}: {e}");
+        }
+        let seed = 2 * i + 1;
+        let host: Vec<f32> =
+            bytemuck::cast_slice(&input(DataType::F32, dev_op, r, count, seed)).to_vec();
+        let mut grads = stream.clone_htod(&host)?;
+        comm.all_reduce_in_place(&mut grads, dev_op, &stream)?;
+        comm.wait(Deadline::after(TIMEOUT))?;
+        let got: Vec<f32> = stream.clone_dtoh(&grads)?;
+        if let Err(e) = verify(
+            DataType::F32,
+            dev_op,
+            world,
+            bytemuck::cast_slice(&got),
+            seed,
+        ) {
+            bail!("device allreduce {i}: {e}");
+        }
+    }
+    let paths = comm.paths();
+    if !matches!(paths.device, DevicePath::GpuRing { .. }) {
+        bail!("no GPU ring after the first device collective: {paths}");
+    }
+    println!(
+        "FROM_STREAM OK rank={r} world={world} collectives=12 path=\"{}\"",
+        ring_path(&comm)
+    );
+    comm.close(Deadline::after(TIMEOUT))?;
+    Ok(())
 }
 
 /// Queues on `stream` the busy kernel for about `ms` on this GPU (one block, calibrated here);

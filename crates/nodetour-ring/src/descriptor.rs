@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::reduce::{DataType, ReduceOp};
 
 /// The wire version of the ring protocols (grants, notifications, descriptors).
-pub const PROTOCOL_VERSION: u8 = 4;
+pub const PROTOCOL_VERSION: u8 = 5;
 
 /// The collective operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +46,9 @@ pub enum Algorithm {
     TwoShot,
     /// The two-shot kernel in place on a symmetric buffer (every rank's part read directly).
     TwoShotSymmetric,
+    /// The broadcast of the device job's id that forms a communicator's device side on the
+    /// GPU of its first device collective's stream (never a caller's collective).
+    DeviceFormation,
 }
 
 /// One collective as one rank sees it.
@@ -80,7 +83,7 @@ const COLLECTIVES: [Collective; 4] = [
     Collective::AllGather,
     Collective::Broadcast,
 ];
-const ALGORITHMS: [Algorithm; 8] = [
+const ALGORITHMS: [Algorithm; 9] = [
     Algorithm::HostRing,
     Algorithm::HostRingGpuStaged,
     Algorithm::StreamRing,
@@ -89,6 +92,7 @@ const ALGORITHMS: [Algorithm; 8] = [
     Algorithm::OneShot,
     Algorithm::TwoShot,
     Algorithm::TwoShotSymmetric,
+    Algorithm::DeviceFormation,
 ];
 
 impl Descriptor {
@@ -277,7 +281,7 @@ mod tests {
             (1, 9),
             (2, 99),
             (3, 5),
-            (4, 8),
+            (4, 9),
             (5, 2),
             (6, 1),
             (31, 1),

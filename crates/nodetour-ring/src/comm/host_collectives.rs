@@ -185,9 +185,26 @@ impl Communicator {
         root: u32,
         dtype: DataType,
     ) -> Result<()> {
-        let es = dtype.size();
-        let n = out.len() / es;
+        let n = out.len() / dtype.size();
         let what = self.descriptor(Collective::Broadcast, n, dtype, ReduceOp::Sum, Some(root));
+        self.broadcast_with(what, send, out, root)
+    }
+
+    /// The broadcast of rank `root`'s bytes in `out`, as the collective `what` (the device
+    /// side's formation runs it under an algorithm of its own).
+    pub(super) fn broadcast_as(&self, what: Descriptor, out: &mut [u8], root: u32) -> Result<()> {
+        self.broadcast_with(what, None, out, root)
+    }
+
+    fn broadcast_with(
+        &self,
+        what: Descriptor,
+        send: Option<&[u8]>,
+        out: &mut [u8],
+        root: u32,
+    ) -> Result<()> {
+        let (dtype, n) = (what.dtype, what.count as usize);
+        let es = dtype.size();
         let is_root = self.rank == root;
         self.run_pieces(&what, n, 1, |ring, r, d, alive| {
             let b = r.start * es..r.end * es;

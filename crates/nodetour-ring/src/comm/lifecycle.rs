@@ -45,6 +45,8 @@ impl Drop for Communicator {
     /// 10 s, then leaked). Ranks still in a collective with
     /// this one fail naming it. [`Communicator::close`] is the orderly way.
     fn drop(&mut self) {
+        // The device side formed from a stream first (its own teardown, in its drop).
+        drop(self.device.comm.take());
         let job = self.state.get_mut().ok().and_then(|s| s.job.take());
         if let Some(mut job) = job {
             let deadline = Deadline::after(crate::gpu_ring::TEARDOWN_DEADLINE);
@@ -110,6 +112,7 @@ impl Communicator {
             ),
             None => None,
         };
+        let formed_with = device_from_stream::FormedWith::new(&options, &launch.rendezvous);
         let job = HostJob::form(launch, &options, pin.as_ref())?;
         Ok(Communicator {
             rank: job.rank,
@@ -125,6 +128,8 @@ impl Communicator {
             member: None,
             scratch: Mutex::default(),
             timeout: options.config.timeout,
+            formed_with: Some(formed_with),
+            device: Default::default(),
         })
     }
 
@@ -176,6 +181,8 @@ impl Communicator {
                 )),
                 scratch: Mutex::default(),
                 timeout: options.config.timeout,
+                formed_with: None,
+                device: Default::default(),
             })
             .collect())
     }
@@ -202,6 +209,9 @@ impl Communicator {
 
     /// [`Self::wait`], after `stream` where one is given ([`Self::wait_stream`]).
     pub(super) fn wait_on(&self, stream: Option<&GpuStream>, deadline: Deadline) -> Result<()> {
+        if let Some(d) = self.device.comm.get() {
+            d.wait_on(stream, deadline)?;
+        }
         // Without a GPU ring of processes the stream is waited for here (a GPU ring waits for
         // it while it watches its neighbours).
         let ringless = |deadline: Deadline| stream.map_or(Ok(()), |s| stream_done(s, deadline));
@@ -248,8 +258,10 @@ impl Communicator {
     /// tears down links and memory; memory a neighbour maps (the GPU ring's slots) is freed only
     /// after every neighbour said it unmapped it, and leaked past the deadline rather than
     /// freed under a mapping. A broken communicator tears down at once and returns its failure.
-    pub fn close(self, deadline: Deadline) -> Result<()> {
-        let finished = self.wait(deadline);
+    pub fn close(mut self, deadline: Deadline) -> Result<()> {
+        // The device side formed from a stream closes first (every rank has one, or none).
+        let device = self.device.comm.take().map(|d| d.close(deadline));
+        let finished = self.wait(deadline).and(device.unwrap_or(Ok(())));
         let mut state = self.lock()?;
         let job = state.job.take();
         let failed = state.failed.clone();

@@ -65,6 +65,7 @@
 
 mod device_buffers;
 mod device_collectives;
+mod device_from_stream;
 mod device_set;
 pub(crate) mod form;
 mod gpu_options;
@@ -134,6 +135,10 @@ pub struct Communicator {
     scratch: Mutex<scratch::Scratch>,
     /// The options' timeout (what a dropped [`InFlight`] waits at most).
     timeout: std::time::Duration,
+    /// A communicator of processes: what formed it (to form its device side later).
+    formed_with: Option<device_from_stream::FormedWith>,
+    /// Formed without a GPU: the device side its first device collective formed.
+    device: device_from_stream::DeviceSide,
 }
 
 struct State {
@@ -150,6 +155,8 @@ pub struct AbortHandle {
     flag: AbortFlag,
     gpu: Option<crate::gpu_ring::AbortHandle>,
     set: Option<Arc<DeviceSet>>,
+    /// The device side's, once formed from a stream.
+    device: Arc<std::sync::OnceLock<AbortHandle>>,
 }
 
 impl AbortHandle {
@@ -165,6 +172,9 @@ impl AbortHandle {
         }
         if let Some(s) = &self.set {
             s.abort(reason);
+        }
+        if let Some(d) = self.device.get() {
+            d.abort(reason);
         }
     }
 }
@@ -238,9 +248,15 @@ impl Communicator {
         self.local.1
     }
 
-    /// How data travels: per link, the transport, where the bytes land, and why.
-    pub fn paths(&self) -> &Paths {
-        &self.paths
+    /// How data travels: per link, the transport, where the bytes land, and why; for device
+    /// memory, the path of the GPU given ([`Options::gpu`]) or, formed without one, of the
+    /// GPU of the first device collective's stream (none before it).
+    pub fn paths(&self) -> Paths {
+        let mut paths = self.paths.clone();
+        if let Some(d) = self.device.comm.get() {
+            paths.device = d.paths.device.clone();
+        }
+        paths
     }
 
     /// A handle that aborts this communicator's collectives from any thread.
@@ -249,6 +265,7 @@ impl Communicator {
             flag: self.aborted.clone(),
             gpu: self.gpu_abort.clone(),
             set: self.member.as_ref().map(|m| m.set.clone()),
+            device: self.device.abort.clone(),
         }
     }
 
@@ -259,7 +276,9 @@ impl Communicator {
             return m.set.error();
         }
         let failed = self.lock().ok().and_then(|s| s.failed.clone());
-        failed.or_else(|| self.gpu_abort.as_ref().and_then(|a| a.error()))
+        failed
+            .or_else(|| self.gpu_abort.as_ref().and_then(|a| a.error()))
+            .or_else(|| self.device.comm.get().and_then(|d| d.error()))
     }
 
     // --- the machinery every collective shares ---

@@ -44,7 +44,8 @@ pub struct LinkPath {
 /// How collectives on GPU memory run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DevicePath {
-    /// No GPU was given ([`crate::comm::Options::gpu`]): host memory only.
+    /// No GPU was given ([`crate::comm::Options::gpu`]) and no device collective has run yet:
+    /// the first one forms the device path on its stream's GPU.
     None,
     /// A GPU ring (all ranks on one host, one GPU each): queued on the caller's stream, no host
     /// wait. `transport` is cuda-ipc (direct) or shm (staged through shared host memory).
@@ -139,7 +140,11 @@ impl fmt::Display for Paths {
         }
         write!(f, "; {}", self.security)?;
         match &self.device {
-            DevicePath::None | DevicePath::InProcess { .. } => Ok(()),
+            DevicePath::None => write!(
+                f,
+                "; GPU buffers: formed on the first device collective's stream (none yet)"
+            ),
+            DevicePath::InProcess { .. } => Ok(()),
             DevicePath::GpuRing { transport, reason } => {
                 let kind = transport.map_or("one rank".to_owned(), |t| t.to_string());
                 write!(

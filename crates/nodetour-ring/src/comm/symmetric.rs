@@ -105,6 +105,10 @@ impl Communicator {
     /// rank. Needs the one-kernel path (ranks of one host, a GPU each); otherwise
     /// `Unsupported`, saying why. A rank that cannot allocate or map fails every rank's call.
     pub fn symmetric_buffer(&self, bytes: usize) -> Result<SymmetricBuffer<'_>> {
+        // Formed without a GPU: the device side's, once a device collective formed it.
+        if let Some(d) = self.device.comm.get() {
+            return d.symmetric_buffer(bytes);
+        }
         // 1. This rank's part (or why not), then every rank's grant.
         let created = {
             let mut state = self.usable()?;
@@ -222,6 +226,14 @@ impl Communicator {
         op: ReduceOp,
         stream: &GpuStream,
     ) -> Result<()> {
+        if let Some(d) = self
+            .device
+            .comm
+            .get()
+            .filter(|d| std::ptr::eq(buffer.comm, &***d))
+        {
+            return d.all_reduce_symmetric(buffer, count, dtype, op, stream);
+        }
         if !std::ptr::eq(buffer.comm, self) {
             return Err(Error::InvalidArgument {
                 reason: "a symmetric buffer of another communicator".into(),

@@ -219,7 +219,9 @@ impl Communicator {
                         reached.set(true);
                         m.verb(v, send, out, stream, n, dtype)
                     }
-                    None => self.device_verb(v, send, out, stream, n, dtype),
+                    None => self
+                        .on_device(stream)?
+                        .device_verb(v, send, out, stream, n, dtype),
                 }
             }
         }
