@@ -116,6 +116,11 @@ struct Args {
     /// GPU path on its stream's GPU, which `paths()` must then show (`FROM_STREAM OK ...`).
     #[arg(long)]
     from_stream: bool,
+    /// With `--from-stream`: after the checked collectives, this rank runs a device collective
+    /// then a host one while the others run them the other way round; every rank must fail
+    /// typed within the timeout, none `Ok` (prints `FROM_STREAM_DIFFER rank=..`).
+    #[arg(long)]
+    interleave_differ: Option<u32>,
     /// Bytes per collective of the drills (default: 64 MiB for the kill and abort drills,
     /// 4 MiB for the agreement drill); at most `NODETOUR_ONE_KERNEL_MAX` drills the one-kernel
     /// path where it is on.
@@ -154,7 +159,7 @@ fn run() -> anyhow::Result<()> {
         options.shm_slot_bytes = b;
     }
     if args.from_stream {
-        return from_stream_check();
+        return from_stream_check(args.interleave_differ);
     }
     let launch = nodetour_net::bootstrap::LaunchInfo::from_env()?;
     let world = launch.world_size;
@@ -295,7 +300,7 @@ fn run() -> anyhow::Result<()> {
 /// `--from-stream`: formed with no GPU named, host and device collectives interleaved in the
 /// same order on every rank, each checked against its own seeded input; the device path must
 /// be a GPU ring after the first device collective, and none before.
-fn from_stream_check() -> anyhow::Result<()> {
+fn from_stream_check(differ: Option<u32>) -> anyhow::Result<()> {
     use nodetour::{Communicator, Host, Options};
     use nodetour_ring::comm::DevicePath;
     let comm = Communicator::from_env(Options::from_env()?)?;
@@ -350,6 +355,29 @@ fn from_stream_check() -> anyhow::Result<()> {
         "FROM_STREAM OK rank={r} world={world} collectives=12 path=\"{}\"",
         ring_path(&comm)
     );
+    if let Some(odd) = differ {
+        let t = std::time::Instant::now();
+        let mut meta = [1i64; 64];
+        let mut grads = stream.alloc_zeros::<f32>(count)?;
+        let mut device = || comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, &stream);
+        let result = if r == odd {
+            device().and_then(|()| comm.all_reduce_in_place(&mut meta, ReduceOp::Sum, Host))
+        } else {
+            comm.all_reduce_in_place(&mut meta, ReduceOp::Sum, Host)
+                .and_then(|()| device())
+        }
+        .and_then(|()| comm.wait(Deadline::after(TIMEOUT)));
+        match result {
+            Ok(()) => bail!("rank {r}: Ok from collectives interleaved differently"),
+            Err(e) => println!(
+                "FROM_STREAM_DIFFER rank={r} after_ms={} error=\"{e}\"",
+                t.elapsed().as_millis()
+            ),
+        }
+        // Broken now: close tears down (its failure is the one above).
+        let _ = comm.close(Deadline::after(Duration::from_secs(20)));
+        return Ok(());
+    }
     comm.close(Deadline::after(TIMEOUT))?;
     Ok(())
 }

@@ -66,8 +66,12 @@ pub struct Descriptor {
     pub root: Option<u32>,
     /// The algorithm.
     pub algorithm: Algorithm,
-    /// The collective's sequence number on this communicator.
+    /// The collective's sequence number on its ring.
     pub seq: u64,
+    /// The collective's place among every collective of its communicator, host and device
+    /// alike (wrapping): rings that run side by side (the host ring, the GPU ring) each see
+    /// it, so ranks that interleave host and device collectives differently disagree.
+    pub call: u32,
 }
 
 /// Encoded size.
@@ -112,11 +116,12 @@ impl Descriptor {
             root: None,
             algorithm,
             seq,
+            call: 0,
         }
     }
 
     /// `version | collective | dtype | op | algorithm | has_root | 0 0 | count u64 | seq u64 |
-    /// root u32 | 0 u32`, big-endian.
+    /// root u32 | call u32`, big-endian.
     pub fn encode(&self) -> [u8; ENCODED_LEN] {
         let mut b = [0u8; ENCODED_LEN];
         b[0] = PROTOCOL_VERSION;
@@ -128,6 +133,7 @@ impl Descriptor {
         b[8..16].copy_from_slice(&self.count.to_be_bytes());
         b[16..24].copy_from_slice(&self.seq.to_be_bytes());
         b[24..28].copy_from_slice(&self.root.unwrap_or(0).to_be_bytes());
+        b[28..32].copy_from_slice(&self.call.to_be_bytes());
         b
     }
 
@@ -155,7 +161,7 @@ impl Descriptor {
                 Err(bad(format!("{what} code {v}")))
             }
         };
-        if b[6..8] != [0, 0] || b[28..32] != [0; 4] || b[5] > 1 {
+        if b[6..8] != [0, 0] || b[5] > 1 {
             return Err(bad("reserved bytes are not zero".into()));
         }
         let root = u32::from_be_bytes(b[24..28].try_into().expect("4 bytes"));
@@ -170,6 +176,7 @@ impl Descriptor {
             root: (b[5] == 1).then_some(root),
             count: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
             seq: u64::from_be_bytes(b[16..24].try_into().expect("8 bytes")),
+            call: u32::from_be_bytes(b[28..32].try_into().expect("4 bytes")),
         })
     }
 
@@ -211,7 +218,7 @@ impl fmt::Display for Descriptor {
         if let Some(r) = self.root {
             write!(f, ", root {r}")?;
         }
-        Ok(())
+        write!(f, ", collective {} of the communicator", self.call)
     }
 }
 
@@ -228,6 +235,7 @@ mod tests {
             root: None,
             algorithm: Algorithm::HostRing,
             seq: 7,
+            call: 41,
         }
     }
 
@@ -264,6 +272,7 @@ mod tests {
                 ..a
             },
             Descriptor { root: Some(0), ..a },
+            Descriptor { call: 42, ..a },
         ] {
             assert_ne!(other.tag(), a.tag(), "{other}");
             assert!(other.tag() < 1 << 15);
@@ -284,7 +293,6 @@ mod tests {
             (4, 9),
             (5, 2),
             (6, 1),
-            (31, 1),
         ] {
             let mut b = good;
             b[i] = v;

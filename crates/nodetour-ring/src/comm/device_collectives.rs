@@ -110,6 +110,7 @@ impl Communicator {
         let ring = job.gpu_ring.as_mut().ok_or_else(|| Error::Unsupported {
             reason: "this communicator has no GPU ring".into(),
         })?;
+        ring.number_next(self.next_call());
         let result = match ring.collective(buffer, shape, count, dtype, op, stream) {
             Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => return Err(e),
             other => other.map_err(|e| self.job_ranks(e)),
@@ -162,6 +163,7 @@ impl Communicator {
             root: None,
             algorithm: Algorithm::HostRingGpuStaged,
             seq: 0,
+            call: self.next_call(),
         };
         let per = job.piece_bytes() / dtype.size();
         job.with_staging(buffer, stream, |job, staging| {

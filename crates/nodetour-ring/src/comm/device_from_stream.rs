@@ -8,8 +8,10 @@
 //! (authenticated; a rank doing anything else there fails with `Disagreement`, on every rank),
 //! then every rank forms a communicator of the same ranks with that id and its stream's GPU,
 //! through the whole formation (GPU ring, one-kernel path, or staged with the reason, logged
-//! and in [`Communicator::paths`]). Device collectives run on it from then on; host
-//! collectives stay on the first. It cannot be captured into a CUDA graph (forming waits for
+//! and in [`Communicator::paths`]). With a GPU ring, device collectives queue on it from then
+//! on; staged (ranks on several hosts), they run on the first communicator's host ring, in one
+//! order with the host collectives (its host memory is not registered with that GPU, as it is
+//! under `Options::with_gpu`: copies through pageable memory, slower at large sizes). It cannot be captured into a CUDA graph (forming waits for
 //! peers): under capture it is refused, typed, before anything is sent.
 
 use std::sync::OnceLock;
@@ -29,7 +31,13 @@ pub(super) struct FormedWith {
 /// The device side formed from a stream ([`Communicator::on_device`]).
 #[derive(Default)]
 pub(super) struct DeviceSide {
+    /// Its communicator, where it has a GPU ring (device collectives queue there).
     pub(super) comm: OnceLock<Box<Communicator>>,
+    /// Where its formation chose to stage (ranks on several hosts): that GPU and the path with
+    /// its reason. Device collectives then run staged on the first communicator's own host
+    /// ring, beside its host collectives, so the two kinds share one order and one agreement
+    /// check; the device side's communicator was closed.
+    pub(super) staged: OnceLock<(usize, DevicePath)>,
     /// Serialises the formation (two threads' first device collectives).
     pub(super) forming: Mutex<()>,
     /// Its abort handle, shared with every [`AbortHandle`] of the first communicator.
@@ -70,14 +78,25 @@ impl Communicator {
             Some(g) if g != gpu => Err(other_gpu(g, "its first device collective's stream")),
             _ => Ok(()),
         };
-        if let Some(d) = self.device.comm.get() {
-            formed(d)?;
-            return Ok(d);
+        let ready = || -> Result<Option<&Communicator>> {
+            if let Some(d) = self.device.comm.get() {
+                formed(d)?;
+                return Ok(Some(d));
+            }
+            match self.device.staged.get() {
+                Some((g, _)) if *g != gpu => {
+                    Err(other_gpu(*g, "its first device collective's stream"))
+                }
+                Some(_) => Ok(Some(self)),
+                None => Ok(None),
+            }
+        };
+        if let Some(c) = ready()? {
+            return Ok(c);
         }
         let _one = self.device.forming.lock().map_err(|_| poisoned())?;
-        if let Some(d) = self.device.comm.get() {
-            formed(d)?;
-            return Ok(d);
+        if let Some(c) = ready()? {
+            return Ok(c);
         }
         if stream.is_capturing().map_err(gpu_error)? {
             return Err(Error::Unsupported {
@@ -90,6 +109,12 @@ impl Communicator {
             });
         }
         let device = self.form_device(formed_with, gpu)?;
+        if !matches!(device.paths.device, DevicePath::GpuRing { .. }) {
+            // Staged (the same choice on every rank): on this communicator's host ring.
+            let _ = self.device.staged.set((gpu, device.paths.device.clone()));
+            device.close(Deadline::after(formed_with.options.join_timeout()))?;
+            return Ok(self);
+        }
         let _ = self.device.abort.set(device.abort_handle());
         let _ = self.device.comm.set(Box::new(device));
         Ok(self.device.comm.get().expect("just set"))
@@ -132,7 +157,10 @@ impl Communicator {
         })?;
         let id = UniqueId::decode(text)?;
         let options = formed_with.options.clone().with_gpu(gpu);
-        let device = Communicator::from_unique_id(&id, self.rank, self.world, options)?;
+        let mut device = Communicator::from_unique_id(&id, self.rank, self.world, options)?;
+        // One count of collectives for both: host and device collectives interleaved
+        // differently on two ranks carry different numbers, and disagree.
+        device.calls = self.calls.clone();
         tracing::info!(
             gpu,
             paths = %device.paths,
@@ -150,47 +178,30 @@ mod tests {
 
     use super::*;
 
-    /// A rank forming its device side while another runs a host broadcast of the same shape
-    /// (256 bytes from rank 0): the formation's own algorithm makes them differ, so every rank
-    /// fails typed (the disagreement, or the notice of it) at once, and none takes the other's
-    /// bytes for a job id or for its broadcast.
-    #[test]
-    fn a_formation_beside_a_host_collective_is_a_disagreement_on_every_rank() {
+    /// `body(rank, communicator)` on two ranks (threads over tcp); what each returned.
+    fn two_ranks<R: Send>(body: impl Fn(u32, &Communicator) -> R + Sync) -> Vec<R> {
         let id = UniqueId::create().unwrap();
         let options = Options::default()
             .with_transport(TransportKind::Tcp)
             .with_timeout(Duration::from_secs(20));
-        let got: Vec<Result<()>> = std::thread::scope(|s| {
+        std::thread::scope(|s| {
             let hs: Vec<_> = (0..2u32)
                 .map(|r| {
-                    let (id, options) = (&id, options.clone());
+                    let (id, options, body) = (&id, options.clone(), &body);
                     s.spawn(move || {
                         let comm = Communicator::from_unique_id(id, r, 2, options).unwrap();
-                        let mut bytes = [7u8; ID_BYTES];
                         let t = std::time::Instant::now();
-                        let result = if r == 0 {
-                            let what = Descriptor {
-                                algorithm: Algorithm::DeviceFormation,
-                                ..comm.descriptor(
-                                    Collective::Broadcast,
-                                    ID_BYTES,
-                                    DataType::U8,
-                                    ReduceOp::Sum,
-                                    Some(0),
-                                )
-                            };
-                            comm.broadcast_as(what, &mut bytes, 0)
-                        } else {
-                            comm.broadcast_in_place(&mut bytes, 0, Host)
-                        };
-                        assert!(t.elapsed() < Duration::from_secs(15), "it waited: {result:?}");
-                        assert!(r == 0 || bytes == [7u8; ID_BYTES], "rank 1 took bytes");
-                        result
+                        let got = body(r, &comm);
+                        assert!(t.elapsed() < Duration::from_secs(15), "rank {r} waited");
+                        got
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        })
+    }
+
+    fn typed_on_every_rank(got: &[Result<()>]) {
         for (r, result) in got.iter().enumerate() {
             assert!(
                 matches!(
@@ -201,8 +212,65 @@ mod tests {
             );
         }
         assert!(
-            got.iter().any(|r| matches!(r, Err(Error::Disagreement { .. }))),
+            got.iter()
+                .any(|r| matches!(r, Err(Error::Disagreement { .. }))),
             "{got:?}"
         );
+    }
+
+    /// A rank forming its device side while another runs a host broadcast of the same shape
+    /// (256 bytes from rank 0): the formation's own algorithm makes them differ, so every rank
+    /// fails typed (the disagreement, or the notice of it) at once, and none takes the other's
+    /// bytes for a job id or for its broadcast.
+    #[test]
+    fn a_formation_beside_a_host_collective_is_a_disagreement_on_every_rank() {
+        let got = two_ranks(|r, comm| {
+            let mut bytes = [7u8; ID_BYTES];
+            let result = if r == 0 {
+                let what = Descriptor {
+                    algorithm: Algorithm::DeviceFormation,
+                    ..comm.descriptor(
+                        Collective::Broadcast,
+                        ID_BYTES,
+                        DataType::U8,
+                        ReduceOp::Sum,
+                        Some(0),
+                    )
+                };
+                comm.broadcast_as(what, &mut bytes, 0)
+            } else {
+                comm.broadcast_in_place(&mut bytes, 0, Host)
+            };
+            assert!(r == 0 || bytes == [7u8; ID_BYTES], "rank 1 took bytes");
+            result
+        });
+        typed_on_every_rank(&got);
+    }
+
+    /// Host and device collectives interleaved differently: rank 1 ran a device collective
+    /// (queued on its GPU ring, which takes the communicator's next number, modelled here by
+    /// taking it) before the host allreduce that rank 0 runs first. The host allreduces carry
+    /// different numbers: a disagreement on every rank, not a wait, and no `Ok`. In the same
+    /// order, every collective is right.
+    #[test]
+    fn host_and_device_collectives_interleaved_differently_disagree_on_every_rank() {
+        let got = two_ranks(|r, comm| {
+            if r == 1 {
+                comm.next_call();
+            }
+            let mut x = [1i64 + i64::from(r); 64];
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
+        });
+        typed_on_every_rank(&got);
+        let got = two_ranks(|_, comm| -> Result<()> {
+            for i in 0..4i64 {
+                comm.next_call(); // a device collective, on every rank alike
+                let mut x = [i; 64];
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)?;
+                assert_eq!(x, [2 * i; 64]);
+            }
+            Ok(())
+        });
+        assert!(got.iter().all(Result::is_ok), "{got:?}");
     }
 }

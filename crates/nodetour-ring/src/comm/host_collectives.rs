@@ -255,10 +255,11 @@ impl Communicator {
             });
         }
         let aborted = self.aborted.clone();
+        let call = self.next_call();
         let mut result = Ok(());
         for r in pieces(n, per) {
             result = job.run(&aborted, |ring, seq, alive| {
-                body(ring, r, &Descriptor { seq, ..*what }, alive)
+                body(ring, r, &Descriptor { seq, call, ..*what }, alive)
             });
             if result.is_err() {
                 break;

@@ -130,6 +130,7 @@ impl Communicator {
             timeout: options.config.timeout,
             formed_with: Some(formed_with),
             device: Default::default(),
+            calls: Arc::default(),
         })
     }
 
@@ -183,6 +184,7 @@ impl Communicator {
                 timeout: options.config.timeout,
                 formed_with: None,
                 device: Default::default(),
+                calls: Arc::default(),
             })
             .collect())
     }

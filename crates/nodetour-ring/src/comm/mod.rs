@@ -58,10 +58,14 @@
 //! a [`Group`] that collects each GPU's calls (as `ncclGroupStart`/`ncclGroupEnd`). Each GPU
 //! reads its neighbour's memory directly; the calls queue on the callers' streams and return.
 //!
-//! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all;
-//! host and device collectives interleaved on one
-//! communicator run on separate rings, so every rank must interleave them the same way (a rank
-//! that does not times out rather than disagreeing).
+//! **Host and device collectives** may be interleaved in any order the ranks agree on. Every
+//! collective carries its place among all of the communicator's collectives, so ranks that
+//! interleave them differently fail with [`Error::Disagreement`] on the ring where the two
+//! orders meet. One case still ends in [`Error::Timeout`] instead: with a GPU ring, a rank
+//! waiting for its queued device collectives ([`Communicator::wait`]) while the peer waits in
+//! a host collective that rank has not reached (neither ring then sees the other's call).
+//!
+//! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
 
 mod device_buffers;
 mod device_collectives;
@@ -139,6 +143,9 @@ pub struct Communicator {
     formed_with: Option<device_from_stream::FormedWith>,
     /// Formed without a GPU: the device side its first device collective formed.
     device: device_from_stream::DeviceSide,
+    /// Counts the collectives run so far, host and device alike (shared with the device
+    /// side): each carries its number in its descriptor (`Descriptor::call`).
+    calls: Arc<std::sync::atomic::AtomicU32>,
 }
 
 struct State {
@@ -255,6 +262,8 @@ impl Communicator {
         let mut paths = self.paths.clone();
         if let Some(d) = self.device.comm.get() {
             paths.device = d.paths.device.clone();
+        } else if let Some((_, staged)) = self.device.staged.get() {
+            paths.device = staged.clone();
         }
         paths
     }
@@ -356,7 +365,15 @@ impl Communicator {
             root,
             algorithm: Algorithm::HostRing,
             seq: 0,
+            call: 0,
         }
+    }
+
+    /// The next collective's number (`Descriptor::call`); taken under the state lock, once
+    /// per collective, by the path that runs it.
+    fn next_call(&self) -> u32 {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     fn check_root(&self, root: u32) -> Result<()> {

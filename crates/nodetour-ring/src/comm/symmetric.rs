@@ -247,6 +247,7 @@ impl Communicator {
             .ok_or_else(|| Error::Unsupported {
                 reason: "this communicator has no GPU ring".into(),
             })?;
+        ring.number_next(self.next_call());
         let result = match ring.symmetric_all_reduce(buffer.id, count, dtype, op, stream) {
             Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => return Err(e),
             other => other,

@@ -105,6 +105,9 @@ pub(crate) struct GpuRing {
     abort: AbortHandle,
     /// Collectives queued so far (the next one's sequence number).
     queued: u64,
+    /// The next collective's number among every collective of its communicator
+    /// ([`Descriptor::call`]), given by the communicator ([`GpuRing::number_next`]).
+    call: u32,
     /// Ring collectives queued eagerly so far: while no ring collective was captured, the
     /// collective counter of the streams' guards (which names the descriptor cells).
     ring_queued: u64,
@@ -298,6 +301,7 @@ impl GpuRing {
                 }),
             },
             queued: 0,
+            call: 0,
             ring_queued: 0,
             ring_captured: false,
             wait_timeout: None,
@@ -383,6 +387,13 @@ impl GpuRing {
     /// queued on `stream` afterwards sees the result. Every rank must queue the same
     /// collectives in the same order with the same arguments. Keep `buffer` alive until
     /// `stream` has passed the collective.
+    /// Numbers the next collective queued here among every collective of the communicator
+    /// (its descriptor carries it, so ranks that interleave host and device collectives
+    /// differently disagree here).
+    pub(crate) fn number_next(&mut self, call: u32) {
+        self.call = call;
+    }
+
     pub(crate) fn collective(
         &mut self,
         buffer: &DeviceBuffer,
@@ -448,6 +459,7 @@ impl GpuRing {
         let what = Descriptor {
             collective,
             root,
+            call: self.call,
             op: if reduces { op } else { ReduceOp::Sum },
             ..Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq)
         };

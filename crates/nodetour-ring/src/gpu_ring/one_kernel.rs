@@ -165,7 +165,10 @@ impl GpuRing {
         enqueue: &dyn Fn(&OneKernel, &ReduceKernels, u32) -> nodetour_core::Result<()>,
     ) -> Result<()> {
         let seq = self.queued;
-        let what = Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq);
+        let what = Descriptor {
+            call: self.call,
+            ..Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq)
+        };
         let g = |e| Error::gpu("queueing the collective", e);
         let held = self.held.as_ref().expect("checked by the caller");
         let kernel = held.one_kernel.as_ref().ok_or_else(|| Error::Unsupported {
