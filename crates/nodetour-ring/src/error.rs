@@ -69,13 +69,6 @@ pub enum Error {
         /// Why.
         reason: String,
     },
-    /// A GPU operation failed, described in words (a caller's own CUDA call, a context that
-    /// cannot be made).
-    #[error("GPU operation failed: {reason}")]
-    Gpu {
-        /// The operation and the driver's error.
-        reason: String,
-    },
     /// A CUDA call nodetour made for a GPU collective failed: what it was doing, and the
     /// call's typed error (the CUDA call and error code: [`nodetour_core::Error::Cuda`]) as
     /// the source.

@@ -228,8 +228,8 @@ fn one_kernel_rank() {
                 sym.with_device_buffer(|d| d.copy_from_host(0, &inp))
                     .unwrap()
                     .unwrap();
-                comm.all_reduce_symmetric(&sym, count, dtype, op, &stream)
-                    .unwrap();
+                let mut e = sym.elements(count, dtype).unwrap();
+                comm.all_reduce_in_place(&mut e, op, &stream).unwrap();
                 wait().unwrap();
                 stream.synchronize().unwrap();
                 let mut got = vec![0u8; count * dtype.size()];
@@ -260,7 +260,8 @@ fn one_kernel_rank() {
     cu_stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
-    comm.all_reduce_symmetric(&sym, n, DataType::Bf16, ReduceOp::Sum, &stream)
+    let mut e = sym.elements(n, DataType::Bf16).unwrap();
+    comm.all_reduce_in_place(&mut e, ReduceOp::Sum, &stream)
         .unwrap();
     let sym_graph = cu_stream
         .end_capture(sys::CUgraphInstantiate_flags(0))

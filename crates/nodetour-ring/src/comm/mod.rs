@@ -98,7 +98,7 @@ pub use options::{
     Options,
 };
 pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
-pub use symmetric::SymmetricBuffer;
+pub use symmetric::{SymmetricBuffer, SymmetricElements};
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};

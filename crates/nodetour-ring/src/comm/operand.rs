@@ -17,6 +17,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
 
+use super::symmetric::{SymmetricBuffer, SymmetricElements};
 use crate::element::{Element, bytes, bytes_mut};
 use crate::error::{Error, Result};
 use crate::reduce::DataType;
@@ -39,6 +40,7 @@ pub trait Queue: sealed::Queue {}
 /// | host, type at run time | [`HostBytes`] | [`Host`] |
 /// | device, cudarc | `CudaSlice<T>`, `CudaView<T>`, `CudaViewMut<T>` | `&Arc<CudaStream>` |
 /// | device, type at run time | [`Elements`] over a [`DeviceBuffer`] (nodetour's, or a view of the caller's) | `&GpuStream` |
+/// | device, every rank's part mapped | [`SymmetricElements`] (in-place allreduce only) | `&GpuStream` |
 ///
 /// The raw form (a pointer, a count, a [`DataType`], a raw stream: runtimes on another cudarc
 /// version, foreign bindings) is an [`Elements`] over [`DeviceBuffer::from_raw`] with a
@@ -133,6 +135,8 @@ pub enum Lent<'v> {
 pub enum LentMut<'v> {
     Host(&'v mut [u8]),
     Device(&'v DeviceBuffer, &'v GpuStream),
+    /// A symmetric buffer (reduced in place by the one-kernel path).
+    Symmetric(&'v SymmetricBuffer<'v>, &'v GpuStream),
 }
 
 pub(crate) mod sealed {
@@ -340,3 +344,30 @@ impl sealed::Output<&GpuStream> for Elements<'_> {
 }
 impl Input<&GpuStream> for Elements<'_> {}
 impl Output<&GpuStream> for Elements<'_> {}
+
+// --- symmetric buffers (the in-place allreduce only) ---
+
+impl sealed::Input<&GpuStream> for SymmetricElements<'_> {
+    fn count(&self) -> usize {
+        self.count
+    }
+    fn dtype(&self) -> DataType {
+        self.dtype
+    }
+    fn lend<R>(&self, _: &GpuStream, _: impl FnOnce(Lent<'_>) -> Result<R>) -> Result<R> {
+        Err(Error::Unsupported {
+            reason: "a symmetric buffer is reduced in place: all_reduce_in_place".into(),
+        })
+    }
+}
+impl sealed::Output<&GpuStream> for SymmetricElements<'_> {
+    fn lend_mut<R>(
+        &mut self,
+        stream: &GpuStream,
+        f: impl FnOnce(LentMut<'_>) -> Result<R>,
+    ) -> Result<R> {
+        f(LentMut::Symmetric(self.buffer, stream))
+    }
+}
+impl Input<&GpuStream> for SymmetricElements<'_> {}
+impl Output<&GpuStream> for SymmetricElements<'_> {}

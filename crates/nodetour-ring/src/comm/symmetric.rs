@@ -29,6 +29,48 @@ impl std::fmt::Debug for SymmetricBuffer<'_> {
     }
 }
 
+/// The first `count` elements of `dtype` of a [`SymmetricBuffer`]: what
+/// [`Communicator::all_reduce_in_place`] takes, with a `&GpuStream` of this rank's GPU, to
+/// allreduce it in place on every rank in one kernel that reads every rank's part directly and
+/// meets the peers again before it ends (so the buffer may be written again in stream order).
+/// Like the other device collectives it returns once queued (failures: [`Communicator::wait`]),
+/// and it can be captured into a CUDA graph. Only the in-place allreduce takes it.
+///
+/// ```no_run
+/// # fn demo(comm: &nodetour_ring::comm::Communicator, stream: &nodetour_core::cuda::GpuStream)
+/// # -> nodetour_ring::Result<()> {
+/// use nodetour_ring::{DataType, ReduceOp};
+/// let sym = comm.symmetric_buffer(4 << 20)?;
+/// // ... fill it on `stream` (SymmetricBuffer::with_device_buffer) ...
+/// comm.all_reduce_in_place(&mut sym.elements(1 << 20, DataType::F32)?, ReduceOp::Sum, stream)?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct SymmetricElements<'a> {
+    pub(super) buffer: &'a SymmetricBuffer<'a>,
+    pub(super) count: usize,
+    pub(super) dtype: DataType,
+}
+
+impl<'c> SymmetricBuffer<'c> {
+    /// Its first `count` elements of `dtype` (`InvalidArgument` unless it holds them).
+    pub fn elements(&'c self, count: usize, dtype: DataType) -> Result<SymmetricElements<'c>> {
+        match count.checked_mul(dtype.size()) {
+            Some(b) if b <= self.bytes => Ok(SymmetricElements {
+                buffer: self,
+                count,
+                dtype,
+            }),
+            _ => Err(Error::InvalidArgument {
+                reason: format!(
+                    "{count} elements of {dtype:?} in a symmetric buffer of {} bytes",
+                    self.bytes
+                ),
+            }),
+        }
+    }
+}
+
 impl SymmetricBuffer<'_> {
     /// Bytes of this rank's part (as asked for).
     pub fn len(&self) -> usize {
@@ -213,12 +255,9 @@ impl Communicator {
         })
     }
 
-    /// Allreduces the first `count` elements of `buffer` in place, on every rank, queued on
-    /// `stream` (this rank's GPU): one kernel that reads every rank's part directly and meets
-    /// the peers again before it ends (so the buffer may be written again in stream order).
-    /// Like the other device collectives it returns once queued (failures: [`Self::wait`]),
-    /// and it can be captured into a CUDA graph.
-    pub fn all_reduce_symmetric(
+    /// The allreduce in place of `count` elements of `dtype` of `buffer`, on every rank,
+    /// queued on `stream` (see [`SymmetricElements`]).
+    pub(super) fn all_reduce_symmetric(
         &self,
         buffer: &SymmetricBuffer<'_>,
         count: usize,

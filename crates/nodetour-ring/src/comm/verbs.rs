@@ -207,6 +207,14 @@ impl Communicator {
                 };
                 self.host_verb(v, send, out, n, dtype)
             }
+            LentMut::Symmetric(buffer, stream) => match (v, send) {
+                (Verb::AllReduce(op), None) => {
+                    self.all_reduce_symmetric(buffer, n, dtype, op, stream)
+                }
+                _ => Err(Error::Unsupported {
+                    reason: "a symmetric buffer takes the in-place allreduce only".into(),
+                }),
+            },
             LentMut::Device(out, stream) => {
                 let send = match send {
                     None => None,
