@@ -19,8 +19,10 @@ build_pkgs=(libibverbs-dev librdmacm-dev libclang-dev pkg-config)
 vm_pkgs=(qemu-system-x86 kmod cpio busybox-static iproute2 rdma-core ibverbs-providers
     ibverbs-utils rdmacm-utils perftest valgrind)
 
-# The test tier's reference for the host paths: Open MPI over tcp (scripts/compare/mpi-compare.sh).
-test_pkgs=(openmpi-bin libopenmpi-dev)
+# The test tier's reference for the host paths: Open MPI over tcp (scripts/compare/mpi-compare.sh);
+# and the real launchers the launcher tier starts jobs with (scripts/tiers/launchers.sh):
+# Open MPI's mpirun and a one-machine Slurm.
+test_pkgs=(openmpi-bin libopenmpi-dev slurmctld slurmd slurm-client munge)
 
 build_only=0
 case ${1:-} in

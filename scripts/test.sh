@@ -9,7 +9,8 @@
 #          two-node smoke example between two rxe devices, and our write loop vs ib_write_bw.
 #          Prints "SKIP <reason>" where the VM cannot run.
 # Env: NODETOUR_SKIP_INSTALL=1 (do not touch packages), NODETOUR_SKIP_VM=1, NODETOUR_REQUIRE_VM=1
-# (a VM tier that cannot run is a failure naming why, not a skip: .ci/run sets it).
+# (a VM tier that cannot run is a failure naming why, not a skip: .ci/run sets it),
+# NODETOUR_REQUIRE_LAUNCHERS=1 (mpirun and srun must run: .ci/run sets it).
 # Every tier prints its seconds; the last line counts each test once, where it ran.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -187,6 +188,18 @@ tcp_bench() {
     scripts/launch-local.sh -n 2 --timeout 120 -- target/release/examples/transport_check --bench 268435456 2>&1 | grep TCP_BENCH
 }
 check "tcp large writes against a plain TCP stream (ratio printed, not asserted)" tcp_bench
+# Real launchers (a launcher this machine lacks is a SKIP, counted; never a pass).
+launchers_out=$(scripts/tiers/launchers.sh target/release/examples/allreduce_check 2>&1)
+launchers_rc=$?
+grep -vE '^20[0-9-]+T' <<<"$launchers_out"
+launcher_skips=$(grep -c '^SKIP' <<<"$launchers_out")
+skipped=$((skipped + launcher_skips))
+if [[ $launchers_rc != 0 ]]; then
+    echo "check real launchers (mpirun -n 4, srun -n 4) ... FAILED"; failed=$((failed + 1))
+elif [[ $launcher_skips == 0 ]]; then
+    echo "check real launchers: mpirun -n 4 and srun -n 4 (a one-machine Slurm) form the communicator from their own variables and allreduce; two Slurm steps side by side ... ok"
+    passed=$((passed + 1))
+fi
 mpi_compare() { # issue 16's reference, same run: ratios printed, not asserted (timings are noisy)
     scripts/compare/mpi-compare.sh --ranks "2 4" --batches 5 --iters 20 2>&1 | grep -E '^(MPI_COMPARE|SKIP|mpi-compare)'
     return "${PIPESTATUS[0]}"

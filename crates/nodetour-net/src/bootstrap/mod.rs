@@ -19,6 +19,7 @@
 
 pub mod host;
 pub mod launcher;
+pub mod nodelist;
 mod rendezvous;
 pub mod wire;
 
