@@ -52,3 +52,8 @@ pub use nodetour_ring::comm::{
     Output, Paths, Queue, UniqueId,
 };
 pub use nodetour_ring::{DataType, Element, Error, ReduceOp, Result};
+
+/// Every Rust block of the README compiles (and the runnable ones run) as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -3,7 +3,7 @@
 //! ([`KNOBS`]) is the one place a setting is defined; [`Env`] is the one place the process
 //! environment is read. `nodetour_ring::Options` and [`crate::Config`] turn an [`Env`] into
 //! typed settings (their `Default`s are the table's defaults, with no environment read); the
-//! README's settings table is checked against this one by a test.
+//! docs/knobs.md's table (and the README's, for a user's settings) is checked against this one by a test.
 //!
 //! A value is trimmed; an empty value counts as unset. A malformed or out-of-range value is
 //! [`Error::InvalidConfig`] naming the variable and what it accepts.
@@ -25,7 +25,7 @@ pub enum Agreement {
 /// Who sets it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Audience {
-    /// A user's setting (the README's table).
+    /// A user's setting (the README's table, and docs/knobs.md's).
     User,
     /// A tuning knob: the defaults are measured; change one to compare (docs/).
     Tuning,
@@ -101,7 +101,7 @@ const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// Every variable nodetour reads, in the order the README lists them.
+/// Every variable nodetour reads, in the order docs/knobs.md lists them.
 pub const KNOBS: &[Knob] = &[
     // Launching and joining.
     knob(

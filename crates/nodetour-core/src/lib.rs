@@ -47,6 +47,7 @@ pub mod meeting;
 pub mod memlock;
 pub mod memory;
 pub mod net;
+pub mod notice;
 pub mod probe;
 pub mod random;
 pub mod transport;

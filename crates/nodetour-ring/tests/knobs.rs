@@ -1,6 +1,6 @@
 //! The knob table is the one reader of the environment: no `Default` reads it, every declared
-//! variable is documented in the README's table, and the library's sources read the
-//! environment nowhere else.
+//! variable is documented in docs/knobs.md's table (a user's settings also in the README's),
+//! and the library's sources read the environment nowhere else.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -63,21 +63,19 @@ fn no_default_reads_the_environment() {
     assert_eq!(line("DEFAULTS "), defaults());
 }
 
-#[test]
-fn every_declared_variable_is_in_the_readme_table_and_every_row_is_declared() {
+/// The `| `NODETOUR_...` | ... |` rows of the table in `path` (from the repository's root).
+fn table_rows(path: &str) -> Vec<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let rows: Vec<&str> = readme
+    std::fs::read_to_string(root.join(path))
+        .unwrap()
         .lines()
         .filter(|l| l.starts_with("| `NODETOUR_"))
-        .collect();
-    for k in KNOBS {
-        assert!(
-            rows.iter().any(|r| r.contains(&format!("`{}`", k.name))),
-            "{} is declared but not in the README's table",
-            k.name
-        );
-    }
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every `NODETOUR_` name of a row's first cell is declared.
+fn rows_are_declared(rows: &[String], path: &str) {
     for row in rows {
         let first = row.split('|').nth(1).unwrap();
         for name in first.split('`').filter(|w| w.starts_with("NODETOUR_")) {
@@ -85,10 +83,33 @@ fn every_declared_variable_is_in_the_readme_table_and_every_row_is_declared() {
                 KNOBS
                     .iter()
                     .any(|k| k.name == name || k.old_name == Some(name)),
-                "README row {name} is not declared"
+                "{path} row {name} is not declared"
             );
         }
     }
+}
+
+#[test]
+fn every_declared_variable_is_in_the_settings_tables_and_every_row_is_declared() {
+    let (all, readme) = (table_rows("docs/knobs.md"), table_rows("README.md"));
+    let listed =
+        |rows: &[String], name: &str| rows.iter().any(|r| r.contains(&format!("`{name}`")));
+    for k in KNOBS {
+        assert!(
+            listed(&all, k.name),
+            "{} is declared but not in docs/knobs.md",
+            k.name
+        );
+        if k.audience == nodetour_core::knobs::Audience::User {
+            assert!(
+                listed(&readme, k.name),
+                "{} is a user's setting not in the README",
+                k.name
+            );
+        }
+    }
+    rows_are_declared(&all, "docs/knobs.md");
+    rows_are_declared(&readme, "README.md");
     // The declared default of each variable with one is what Env yields where it is unset.
     let env = Env::empty();
     for k in KNOBS.iter().filter(|k| !k.default.is_empty()) {

@@ -9,7 +9,7 @@
 //! path; a failure turns the verdict to staged with the reason).
 //!
 //! Exit status: 0 when every GPU has the direct path, 3 when some GPU stages, 2 when there is no
-//! usable GPU. `--json` prints the same as one JSON document (schema in the README).
+//! usable GPU. `--json` prints the same as one JSON document (schema in docs/doctor.md).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -482,7 +482,7 @@ pub fn render_text(r: &Report) -> String {
     out
 }
 
-/// The report as a JSON document (`schema` 1; see the README).
+/// The report as a JSON document (`schema` 1; see docs/doctor.md).
 pub fn render_json(r: &Report) -> Value {
     let f = &r.facts;
     let s = &f.system;

@@ -10,7 +10,7 @@
 //! Not verified on hardware here: no machine of this project has an RDMA NIC that reaches GPU
 //! memory. Soft-RoCE refuses dma-buf (tested), and the GPU machines have no RDMA device
 //! (tested). To check the direct path on your NICs, run `two_node_smoke --gpu` between two nodes
-//! beside `ib_write_bw --use_cuda_dmabuf` (see the README).
+//! beside `ib_write_bw --use_cuda_dmabuf` (see docs/internals.md).
 
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};

@@ -231,7 +231,7 @@ impl LaunchInfo {
 fn one_host(launcher: Launcher, get: &dyn Fn(&str) -> Option<String>, world: u32) -> bool {
     let local = |var: &str| get(var).and_then(|v| v.parse::<u32>().ok());
     match launcher {
-        Launcher::Explicit => local("NODETOUR_LOCAL_WORLD_SIZE") == Some(world),
+        Launcher::Explicit => false,
         Launcher::Torchrun => local("LOCAL_WORLD_SIZE") == Some(world),
         Launcher::OpenMpi => local("OMPI_COMM_WORLD_LOCAL_SIZE") == Some(world),
         Launcher::Pmi => local("MPI_LOCALNRANKS") == Some(world),

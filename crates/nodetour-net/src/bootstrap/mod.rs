@@ -160,10 +160,9 @@ pub fn job_token_from(
     }
     match job_id {
         Some(job) => {
-            tracing::warn!(
-                job = %job,
-                "NODETOUR_JOB_TOKEN is not set: this job is unauthenticated (keyed by the launcher's job id: jobs stay apart, but anyone who knows the id and reaches the ports can join)"
-            );
+            nodetour_core::notice::warn(format_args!(
+                "NODETOUR_JOB_TOKEN is not set: job {job} is unauthenticated (keyed by the launcher's job id: jobs stay apart, but anyone who knows the id and reaches the ports can join)"
+            ));
             Ok(JobToken::unauthenticated(job))
         }
         None => Err(Error::InvalidConfig {

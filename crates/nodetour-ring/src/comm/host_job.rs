@@ -100,6 +100,12 @@ impl HostJob {
             device,
         };
         tracing::info!(%paths, "communicator formed");
+        if let (super::paths::DevicePath::Staged { reason }, 0) = (&paths.device, plan.local.0) {
+            // Once per host: device memory takes the host, not the direct path.
+            nodetour_core::notice::warn(format_args!(
+                "device collectives are staged through host memory: {reason}"
+            ));
+        }
         Ok(HostJob {
             conns,
             recv: memory.recv,
