@@ -161,6 +161,15 @@ for n in 2 3 8; do
     }
     check "ring allreduce of host buffers, $n processes over tcp, 35 type x op cases against float64" allreduce_ok "$n"
 done
+train_ok() { # N: the training example on CPUs, every rank's weights against one process's
+    local out
+    out=$(scripts/launch-local.sh -n "$1" --timeout 200 -- target/release/examples/train_mlp --device cpu 2>&1)
+    grep -E 'TRAIN_MLP OK|error' <<<"$out" | cut -c1-160
+    [[ $(grep -c 'TRAIN_MLP OK' <<<"$out") == "$1" ]]
+}
+for n in 2 4; do
+    check "examples/train_mlp: data-parallel MLP training, $n processes on CPUs, weights equal one process's" train_ok "$n"
+done
 settings_differ() { # N: one rank with twice the slot bytes: a formation error on every rank
     local out
     out=$(timeout 120 scripts/launch-local.sh -n "$1" --timeout 100 -- target/release/examples/allreduce_check --differ-rank 1 2>&1)

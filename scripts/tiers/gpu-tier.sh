@@ -82,6 +82,8 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     NODETOUR_TRANSPORT=shm ranks_report 4 'GPU_RING OK' ./launch-local.sh -n 4 --timeout 300 -- ./gpu_ring_check || failed=1
     echo "== the device from the caller: formed without a GPU, host and device collectives interleaved"
     ranks_report 2 'FROM_STREAM OK' ./launch-local.sh -n 2 --timeout 200 -- ./gpu_ring_check --from-stream || failed=1
+    echo "== the training example on the GPU (cuBLAS, NVRTC; buckets on a communication stream), 2 processes"
+    ranks_report 2 'TRAIN_MLP OK' ./launch-local.sh -n 2 --timeout 200 -- ./train_mlp --device gpu || failed=1
     echo "== host and device collectives interleaved differently: typed on every rank, never Ok"
     ranks_report 2 'FROM_STREAM_DIFFER' ./launch-local.sh -n 2 --timeout 200 -- ./gpu_ring_check --from-stream --interleave-differ 1 || failed=1
     echo "== gpu_ring_check with the ring's kernels capped at 3 blocks (NODETOUR_RING_BLOCKS: same results)"
