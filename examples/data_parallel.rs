@@ -1,4 +1,6 @@
-//! The shape of data-parallel training (PyTorch's DDP) on nodetour: every step a kernel on the
+//! The main job's benchmark (`scripts/run.sh`), in the shape of data-parallel training
+//! (PyTorch's DDP); it fills its buckets with nodetour's own test kernels, so it is not the
+//! example to copy: that is `examples/train_mlp/` (published crates only). Every step a kernel on the
 //! runtime's compute stream produces the gradient buckets (25 MiB each, f32 and bf16 in turn);
 //! each bucket is averaged across the ranks on a communication stream as soon as its kernel
 //! has run, while the kernel of the next bucket runs; at the end every rank checks every

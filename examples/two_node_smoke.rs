@@ -12,8 +12,16 @@
 //! or staged) and the reason of each rung it did not get, picks the NIC nearest to the GPU, and
 //! moves the data on that path: straight into GPU memory, or staged through host memory.
 //!
-//! Without `--rank`/`--addr` the launcher environment is read: `RANK` (or `SLURM_PROCID`,
-//! `OMPI_COMM_WORLD_RANK`), `MASTER_ADDR`, and the port from `NODETOUR_PORT` (default 18517).
+//! Without `--rank`/`--addr` it reads its launcher as the communicator does (torchrun, Slurm,
+//! Open MPI, MPICH; `nodetour::net::bootstrap::LaunchInfo`), so a launcher starts both ranks:
+//!
+//! ```text
+//! srun -N 2 --ntasks-per-node 1 target/release/examples/two_node_smoke --gpu
+//! torchrun --nnodes 2 --nproc-per-node 1 --node-rank $NODE_RANK --master-addr $HEAD --no-python \
+//!     target/release/examples/two_node_smoke --gpu
+//! ```
+//! (rank 0's host from `MASTER_ADDR` or Slurm's node list; the port from `NODETOUR_PORT`,
+//! `MASTER_PORT + 17`, or the launcher's job and step id).
 //! Choose the device with `NODETOUR_IB_DEVICE`, the GID with `NODETOUR_IB_GID_INDEX`, the GPU
 //! path with `NODETOUR_GDR=auto|force|off`. Prints `SMOKE OK ...` and exits 0 on success; exits 2
 //! (with the reason) where the machine lacks an RDMA device, 1 on any other failure.
@@ -91,12 +99,23 @@ fn env(names: &[&str]) -> Option<String> {
 
 fn run() -> anyhow::Result<()> {
     let args = Args::parse();
-    let rank = match args.rank {
-        Some(r) => r,
-        None => env(&["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"])
-            .context("no --rank and no RANK/SLURM_PROCID/OMPI_COMM_WORLD_RANK in the environment")?
-            .parse()
-            .context("the rank is not a number")?,
+    let launch = match (args.rank, &args.addr) {
+        (Some(_), Some(_)) => None,
+        _ => Some(
+            nodetour_net::bootstrap::LaunchInfo::from_env()
+                .context("no --rank/--addr, and no launcher in the environment")?,
+        ),
+    };
+    if let Some(l) = launch.as_ref().filter(|l| l.world_size != 2) {
+        bail!(
+            "this smoke test runs with exactly two ranks, the launcher started {}",
+            l.world_size
+        );
+    }
+    let rank = match (args.rank, &launch) {
+        (Some(r), _) => r,
+        (None, Some(l)) => l.rank,
+        (None, None) => unreachable!("a launcher was read without --rank"),
     };
     if rank > 1 {
         bail!("this smoke test runs with exactly two ranks (0 and 1), got rank {rank}");
@@ -104,17 +123,11 @@ fn run() -> anyhow::Result<()> {
     if args.size == 0 || args.chunk == 0 {
         bail!("--size and --chunk must be positive");
     }
-    let addr = match &args.addr {
-        Some(a) => a.clone(),
-        None => {
-            let host = env(&["MASTER_ADDR"]).context("no --addr and no MASTER_ADDR")?;
-            let port = env(&["NODETOUR_PORT"]).unwrap_or_else(|| "18517".into());
-            if rank == 0 {
-                format!("0.0.0.0:{port}")
-            } else {
-                format!("{host}:{port}")
-            }
-        }
+    let addr = match (&args.addr, &launch) {
+        (Some(a), _) => a.clone(),
+        (None, Some(l)) if rank == 0 => format!("0.0.0.0:{}", l.port),
+        (None, Some(l)) => l.rendezvous_addr(),
+        (None, None) => unreachable!("a launcher was read without --addr"),
     };
     let config = Config::from_env()?;
     let role = if rank == 0 {
