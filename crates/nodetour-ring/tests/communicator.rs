@@ -500,3 +500,84 @@ fn close_after_the_peers_have_gone_fails_at_once() {
         "rank 0's close waited {took:?} for peers that were gone"
     );
 }
+
+/// Every kind of host memory the verbs take: vectors, slices, arrays, and bytes typed at run
+/// time (`HostBytes`); a read-only `HostBytes` as an output, send and recv of different types,
+/// and a wrong length are `InvalidArgument` before anything is sent (the communicator stays
+/// usable), and every `Ok` is checked.
+#[test]
+fn every_kind_of_host_memory_and_its_refusals() {
+    use nodetour_ring::DataType;
+    use nodetour_ring::comm::HostBytes;
+    let got = ranks(2, options(), |comm| -> Result<(), Error> {
+        let r = comm.rank();
+        let invalid = |e: Result<(), Error>| matches!(e, Err(Error::InvalidArgument { .. }));
+        // A vector, a slice of it, an array.
+        let mut v = vec![1.0f32 + r as f32; 5];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum, Host)?;
+        assert_eq!(v, [3.0; 5]);
+        comm.all_reduce_in_place(&mut v[1..3], ReduceOp::Max, Host)?;
+        assert_eq!(v, [3.0; 5]);
+        let mut a = [i64::from(r) * 10; 3];
+        comm.broadcast_in_place(&mut a, 1, Host)?;
+        assert_eq!(a, [10; 3]);
+        // Bytes typed at run time, in and out.
+        let send: Vec<u8> = (0..4)
+            .flat_map(|i| (i as f64 + f64::from(r)).to_ne_bytes())
+            .collect();
+        let mut recv = vec![0u8; send.len() * 2];
+        comm.all_gather(
+            &HostBytes::new(&send, DataType::F64)?,
+            &mut HostBytes::new_mut(&mut recv, DataType::F64)?,
+            Host,
+        )?;
+        let got: Vec<f64> = recv
+            .chunks_exact(8)
+            .map(|b| f64::from_ne_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]);
+        // Refused, locally, before anything is sent.
+        let mut ro = [0u8; 8];
+        let read_only = HostBytes::new(&ro, DataType::F32)?;
+        let mut read_only_out = read_only;
+        assert!(invalid(comm.all_reduce_in_place(
+            &mut read_only_out,
+            ReduceOp::Sum,
+            Host
+        )));
+        assert!(
+            HostBytes::new_mut(&mut ro[..7], DataType::F32).is_err(),
+            "7 bytes of f32"
+        );
+        let (f, mut d) = ([1.0f32; 4], [0.0f64; 4]);
+        assert!(invalid(comm.all_reduce(
+            &HostBytes::new(bytemuck_f32(&f), DataType::F32)?,
+            &mut HostBytes::new_mut(bytemuck_f64(&mut d), DataType::F64)?,
+            ReduceOp::Sum,
+            Host
+        )));
+        let mut short = [0i64; 3];
+        assert!(invalid(comm.all_reduce(
+            &[1i64; 4],
+            &mut short,
+            ReduceOp::Sum,
+            Host
+        )));
+        // Still usable, and right.
+        let mut x = [i64::from(r) + 1; 7];
+        comm.all_reduce_in_place(&mut x, ReduceOp::Prod, Host)?;
+        assert_eq!(x, [2; 7]);
+        Ok(())
+    });
+    for (r, result) in got.into_iter().enumerate() {
+        result.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    nodetour_ring::element::bytes(v)
+}
+
+fn bytemuck_f64(v: &mut [f64]) -> &mut [u8] {
+    nodetour_ring::element::bytes_mut(v)
+}
