@@ -448,8 +448,8 @@ type Calls<'a> = Vec<Box<dyn FnOnce(&Communicator) -> Result<()> + Send + 'a>>;
 /// Collectives of several members of one [`super::Communicator::from_devices`] set, driven
 /// from one thread (as NCCL's `ncclGroupStart` / `ncclGroupEnd`): [`Group::add`] collects a
 /// call of one member (a closure that calls the member's collective verbs, as a thread per GPU
-/// would); [`Group::end`] runs every member's calls, each member's on a thread of its own, and
-/// returns once every collective is queued. The `k`-th collective of every member makes the
+/// would); [`Group::end`] runs every member's calls, each member's on a thread of its own (the
+/// last member's on the caller's), and returns once every collective is queued. The `k`-th collective of every member makes the
 /// `k`-th collective of the set, so every member's calls issue the same collectives.
 ///
 /// A call refused before it was queued (a wrong length, a buffer of another GPU) fails that
@@ -523,31 +523,33 @@ impl<'a> Group<'a> {
                 ),
             });
         }
+        // Each member's calls in order; a failure cancels the other members' share of that
+        // collective (they may be waiting for it; settled below).
+        let run_member = |comm: &Communicator, calls: Calls<'a>| -> Result<()> {
+            let seat = member(comm)?.seat;
+            for call in calls {
+                if let Err(e) = call(comm) {
+                    set.meeting.cancel(seat, &e.to_string());
+                    return Err(e);
+                }
+            }
+            Ok(())
+        };
+        // Every member but the last on a thread of its own, the last on this one.
+        let mut members = self.calls;
+        let (last, last_calls) = members.pop().expect("n > 0 members");
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
-            let threads: Vec<_> = self
-                .calls
+            let threads: Vec<_> = members
                 .into_iter()
-                .map(|(comm, calls)| {
-                    let set = set.clone();
-                    let seat = member(comm).map(|m| m.seat);
-                    scope.spawn(move || {
-                        let seat = seat?;
-                        for call in calls {
-                            if let Err(e) = call(comm) {
-                                // The other members may be waiting for this one's share of
-                                // its next collective: cancel it (settled below).
-                                set.meeting.cancel(seat, &e.to_string());
-                                return Err(e);
-                            }
-                        }
-                        Ok(())
-                    })
-                })
+                .map(|(comm, calls)| scope.spawn(move || run_member(comm, calls)))
                 .collect();
-            threads
+            let mine = run_member(last, last_calls);
+            let mut all: Vec<Result<()>> = threads
                 .into_iter()
                 .map(|t| t.join().unwrap_or_else(|_| Err(poisoned())))
-                .collect()
+                .collect();
+            all.push(mine);
+            all
         });
         // A cancellation only its member saw is taken back; one that some members' calls
         // met and others' never did means the members issued different collectives.
