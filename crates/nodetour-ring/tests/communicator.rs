@@ -551,8 +551,8 @@ fn every_kind_of_host_memory_and_its_refusals() {
         );
         let (f, mut d) = ([1.0f32; 4], [0.0f64; 4]);
         assert!(invalid(comm.all_reduce(
-            &HostBytes::new(bytemuck_f32(&f), DataType::F32)?,
-            &mut HostBytes::new_mut(bytemuck_f64(&mut d), DataType::F64)?,
+            &HostBytes::new(nodetour_ring::element::bytes(&f), DataType::F32)?,
+            &mut HostBytes::new_mut(nodetour_ring::element::bytes_mut(&mut d), DataType::F64)?,
             ReduceOp::Sum,
             Host
         )));
@@ -572,12 +572,4 @@ fn every_kind_of_host_memory_and_its_refusals() {
     for (r, result) in got.into_iter().enumerate() {
         result.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
-}
-
-fn bytemuck_f32(v: &[f32]) -> &[u8] {
-    nodetour_ring::element::bytes(v)
-}
-
-fn bytemuck_f64(v: &mut [f64]) -> &mut [u8] {
-    nodetour_ring::element::bytes_mut(v)
 }

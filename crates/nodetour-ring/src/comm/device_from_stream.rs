@@ -265,9 +265,10 @@ mod tests {
         let got = two_ranks(|_, comm| -> Result<()> {
             for i in 0..4i64 {
                 comm.next_call(); // a device collective, on every rank alike
-                let mut x = [i; 64];
+                // Seeded by the collective's index and the rank: a stale answer cannot pass.
+                let mut x = [3 * i + i64::from(comm.rank()); 64];
                 comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)?;
-                assert_eq!(x, [2 * i; 64]);
+                assert_eq!(x, [6 * i + 1; 64]);
             }
             Ok(())
         });

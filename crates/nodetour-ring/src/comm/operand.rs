@@ -109,19 +109,22 @@ impl<'a> Elements<'a> {
     /// The first `count` elements of `dtype` of `buffer` (`InvalidArgument` unless it holds
     /// them).
     pub fn new(buffer: &'a DeviceBuffer, count: usize, dtype: DataType) -> Result<Elements<'a>> {
-        match count.checked_mul(dtype.size()) {
-            Some(b) if b <= buffer.len() => Ok(Elements {
-                buffer,
-                count,
-                dtype,
-            }),
-            _ => Err(Error::InvalidArgument {
-                reason: format!(
-                    "{count} elements of {dtype:?} in a buffer of {} bytes",
-                    buffer.len()
-                ),
-            }),
-        }
+        fits(count, dtype, buffer.len())?;
+        Ok(Elements {
+            buffer,
+            count,
+            dtype,
+        })
+    }
+}
+
+/// `InvalidArgument` unless `count` elements of `dtype` fit in `bytes`.
+pub(super) fn fits(count: usize, dtype: DataType, bytes: usize) -> Result<()> {
+    match count.checked_mul(dtype.size()) {
+        Some(b) if b <= bytes => Ok(()),
+        _ => Err(Error::InvalidArgument {
+            reason: format!("{count} elements of {dtype:?} in {bytes} bytes"),
+        }),
     }
 }
 

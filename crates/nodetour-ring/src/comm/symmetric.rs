@@ -55,19 +55,12 @@ pub struct SymmetricElements<'a> {
 impl<'c> SymmetricBuffer<'c> {
     /// Its first `count` elements of `dtype` (`InvalidArgument` unless it holds them).
     pub fn elements(&'c self, count: usize, dtype: DataType) -> Result<SymmetricElements<'c>> {
-        match count.checked_mul(dtype.size()) {
-            Some(b) if b <= self.bytes => Ok(SymmetricElements {
-                buffer: self,
-                count,
-                dtype,
-            }),
-            _ => Err(Error::InvalidArgument {
-                reason: format!(
-                    "{count} elements of {dtype:?} in a symmetric buffer of {} bytes",
-                    self.bytes
-                ),
-            }),
-        }
+        super::operand::fits(count, dtype, self.bytes)?;
+        Ok(SymmetricElements {
+            buffer: self,
+            count,
+            dtype,
+        })
     }
 }
 
