@@ -374,8 +374,17 @@ fn from_stream_check(differ: Option<u32>) -> anyhow::Result<()> {
                 t.elapsed().as_millis()
             ),
         }
-        // Broken now: close tears down (its failure is the one above).
-        let _ = comm.close(Deadline::after(Duration::from_secs(20)));
+        // Broken now, and its device side with it (the odd rank's queued device collective
+        // was aborted): close tears down at once, with the handshake, on every rank. Its error
+        // is the failure above; running to the deadline would mean a rank still waited for
+        // work no peer will join (and exported slots leaked).
+        let closing = std::time::Instant::now();
+        let closed = comm.close(Deadline::after(Duration::from_secs(20)));
+        let close_ms = closing.elapsed().as_millis();
+        println!("FROM_STREAM_DIFFER_CLOSED rank={r} close_ms={close_ms}");
+        if close_ms >= 10_000 {
+            bail!("rank {r}: close of the broken communicator took {close_ms} ms: {closed:?}");
+        }
         return Ok(());
     }
     comm.close(Deadline::after(TIMEOUT))?;

@@ -83,7 +83,7 @@ impl Communicator {
         let job = state.job.as_mut().expect("usable");
         let result = self.staged_all_reduce(job, buffer, count, dtype, op, stream);
         if let Err(e) = &result {
-            state.failed.get_or_insert_with(|| e.clone());
+            self.record_failure(&mut state, e);
         }
         result
     }
@@ -116,7 +116,7 @@ impl Communicator {
             other => other.map_err(|e| self.job_ranks(e)),
         };
         if let Err(e) = &result {
-            state.failed.get_or_insert_with(|| e.clone());
+            self.record_failure(&mut state, e);
         }
         result
     }

@@ -266,7 +266,7 @@ impl Communicator {
             }
         }
         if let Err(e) = &result {
-            state.failed.get_or_insert_with(|| e.clone());
+            self.record_failure(&mut state, e);
         }
         result
     }

@@ -227,8 +227,7 @@ impl Communicator {
                 first: Box::new(first.clone()),
             });
         }
-        let State { job, failed } = &mut *state;
-        let Some(job) = job.as_mut().filter(|j| j.gpu_ring.is_some()) else {
+        let Some(job) = state.job.as_mut().filter(|j| j.gpu_ring.is_some()) else {
             drop(state);
             return ringless(deadline);
         };
@@ -250,7 +249,7 @@ impl Communicator {
         }
         .map_err(|e| self.job_ranks(e));
         if let Err(e) = &result {
-            failed.get_or_insert_with(|| e.clone());
+            self.record_failure(&mut state, e);
         }
         result
     }

@@ -63,7 +63,10 @@
 //! interleave them differently fail with [`Error::Disagreement`] on the ring where the two
 //! orders meet. One case still ends in [`Error::Timeout`] instead: with a GPU ring, a rank
 //! waiting for its queued device collectives ([`Communicator::wait`]) while the peer waits in
-//! a host collective that rank has not reached (neither ring then sees the other's call).
+//! a host collective that rank has not reached (neither ring then sees the other's call); the
+//! peer's timeout then breaks its communicator, whose abort ends the waiting rank's wait too.
+//! A communicator broken by any failure aborts its device side formed from a stream, so device
+//! collectives queued there end at once on every rank and `close` does not wait for them.
 //!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
 
@@ -304,6 +307,20 @@ impl Communicator {
         self.state.lock().map_err(|_| Error::Aborted {
             reason: "a thread panicked inside a collective of this communicator".into(),
         })
+    }
+
+    /// Records `e` as the communicator's failure (the first one is kept): it is broken. Its
+    /// device side formed from a stream breaks with it (aborted, which its neighbours see), so
+    /// device collectives queued there end now with the reason, on every rank, rather than
+    /// waiting for peers that will never join them.
+    fn record_failure(&self, state: &mut State, e: &Error) {
+        if state.failed.is_some() {
+            return;
+        }
+        state.failed = Some(e.clone());
+        if let Some(device) = self.device.abort.get() {
+            device.abort(&format!("the communicator is broken: {e}"));
+        }
     }
 
     /// The state, if the communicator can run a collective.

@@ -285,7 +285,7 @@ impl Communicator {
             other => other,
         };
         if let Err(e) = &result {
-            state.failed.get_or_insert_with(|| e.clone());
+            self.record_failure(&mut state, e);
         }
         result
     }
