@@ -148,6 +148,10 @@ pub(crate) mod sealed {
     pub trait Queue: Copy {
         /// The stream device work is queued on (`None` for host memory).
         fn stream(&self) -> Option<GpuStream>;
+        /// Whether this is host memory's queue (its collectives never meet a GPU set's).
+        fn is_host(&self) -> bool {
+            false
+        }
     }
 
     pub trait Input<Q> {
@@ -168,6 +172,9 @@ pub(crate) mod sealed {
 impl sealed::Queue for Host {
     fn stream(&self) -> Option<GpuStream> {
         None
+    }
+    fn is_host(&self) -> bool {
+        true
     }
 }
 impl Queue for Host {}

@@ -41,7 +41,7 @@ impl Communicator {
         S: Input<Q> + ?Sized,
         R: Output<Q> + ?Sized,
     {
-        self.guarded(|reached| {
+        self.guarded(queue, |reached| {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(recv);
             same_len(sealed::Input::count(send), n, "send", "recv")?;
@@ -68,7 +68,7 @@ impl Communicator {
         Q: Queue,
         D: Output<Q> + ?Sized,
     {
-        self.guarded(|reached| {
+        self.guarded(queue, |reached| {
             let (n, dtype) = (sealed::Input::count(data), sealed::Input::dtype(data));
             data.lend_mut(queue, |out| {
                 self.verb(reached, Verb::AllReduce(op), None, out, n, dtype)
@@ -90,7 +90,7 @@ impl Communicator {
         S: Input<Q> + ?Sized,
         R: Output<Q> + ?Sized,
     {
-        self.guarded(|reached| {
+        self.guarded(queue, |reached| {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(recv);
             self.blocks(sealed::Input::count(send), n, "send", "recv")?;
@@ -107,7 +107,7 @@ impl Communicator {
         Q: Queue,
         D: Output<Q> + ?Sized,
     {
-        self.guarded(|reached| {
+        self.guarded(queue, |reached| {
             let n = self.block_of(sealed::Input::count(data))?;
             let dtype = sealed::Input::dtype(data);
             data.lend_mut(queue, |out| {
@@ -124,7 +124,7 @@ impl Communicator {
         S: Input<Q> + ?Sized,
         R: Output<Q> + ?Sized,
     {
-        self.guarded(|reached| {
+        self.guarded(queue, |reached| {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(send);
             self.blocks(sealed::Input::count(recv), n, "recv", "send")?;
@@ -140,7 +140,7 @@ impl Communicator {
         Q: Queue,
         D: Output<Q> + ?Sized,
     {
-        self.guarded(|reached| {
+        self.guarded(queue, |reached| {
             let n = self.block_of(sealed::Input::count(data))?;
             let dtype = sealed::Input::dtype(data);
             data.lend_mut(queue, |out| {
@@ -157,7 +157,7 @@ impl Communicator {
         S: Input<Q> + ?Sized,
         R: Output<Q> + ?Sized,
     {
-        self.guarded(|reached| {
+        self.guarded(queue, |reached| {
             self.check_root(root)?;
             let n = sealed::Input::count(recv);
             let dtype = sealed::Input::dtype(recv);
@@ -177,7 +177,7 @@ impl Communicator {
         Q: Queue,
         D: Output<Q> + ?Sized,
     {
-        self.guarded(|reached| {
+        self.guarded(queue, |reached| {
             self.check_root(root)?;
             let (n, dtype) = (sealed::Input::count(data), sealed::Input::dtype(data));
             data.lend_mut(queue, |out| {
@@ -208,6 +208,13 @@ impl Communicator {
                 self.host_verb(v, send, out, n, dtype)
             }
             LentMut::Symmetric(buffer, stream) => match (v, send) {
+                // (On a member no meeting's turn is taken: nothing to cancel.)
+                _ if self.member.is_some() => {
+                    reached.set(true);
+                    Err(Error::Unsupported {
+                        reason: "symmetric buffers belong to communicators of processes".into(),
+                    })
+                }
                 (Verb::AllReduce(op), None) => {
                     self.all_reduce_symmetric(buffer, n, dtype, op, stream)
                 }
@@ -257,11 +264,17 @@ impl Communicator {
 }
 
 impl Communicator {
-    /// Runs a verb's body; for a member of a GPU set, a failure before the call reached the
-    /// member's meeting (`reached` still false: an argument refused, a lend that failed)
-    /// cancels that collective for the other members, who would otherwise wait for it.
-    fn guarded(&self, body: impl FnOnce(&Cell<bool>) -> Result<()>) -> Result<()> {
-        let reached = Cell::new(false);
+    /// Runs a verb's body; for a member of a GPU set, a failure of a device call before it
+    /// reached the member's meeting (`reached` still false: an argument refused, a lend that
+    /// failed) cancels that collective for the other members, who would otherwise wait for it.
+    /// Host memory and symmetric buffers are refused on a member without a meeting's turn: the
+    /// other members call nothing to pair with them, so their refusal cancels nothing.
+    fn guarded<Q: Queue>(
+        &self,
+        queue: Q,
+        body: impl FnOnce(&Cell<bool>) -> Result<()>,
+    ) -> Result<()> {
+        let reached = Cell::new(sealed::Queue::is_host(&queue));
         let result = body(&reached);
         if let (Err(e), Some(m), false) = (&result, &self.member, reached.get()) {
             m.set.meeting.cancel(m.seat, &e.to_string());
