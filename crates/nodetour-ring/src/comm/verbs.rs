@@ -207,21 +207,19 @@ impl Communicator {
                 };
                 self.host_verb(v, send, out, n, dtype)
             }
-            LentMut::Symmetric(buffer, stream) => match (v, send) {
-                // (On a member no meeting's turn is taken: nothing to cancel.)
-                _ if self.member.is_some() => {
-                    reached.set(true);
-                    Err(Error::Unsupported {
-                        reason: "symmetric buffers belong to communicators of processes".into(),
-                    })
+            LentMut::Symmetric(buffer, stream) => {
+                // Never a set's meeting turn (on a member the buffer is another communicator's,
+                // refused below): nothing to cancel.
+                reached.set(true);
+                match (v, send) {
+                    (Verb::AllReduce(op), None) => {
+                        self.all_reduce_symmetric(buffer, n, dtype, op, stream)
+                    }
+                    _ => Err(Error::Unsupported {
+                        reason: "a symmetric buffer takes the in-place allreduce only".into(),
+                    }),
                 }
-                (Verb::AllReduce(op), None) => {
-                    self.all_reduce_symmetric(buffer, n, dtype, op, stream)
-                }
-                _ => Err(Error::Unsupported {
-                    reason: "a symmetric buffer takes the in-place allreduce only".into(),
-                }),
-            },
+            }
             LentMut::Device(out, stream) => {
                 let send = match send {
                     None => None,
