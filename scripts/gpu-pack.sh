@@ -15,7 +15,7 @@ cp target/release/nodetour target/release/examples/two_node_smoke target/release
     target/release/examples/gpu_transport_check target/release/examples/transport_check \
     target/release/examples/gpu_allreduce target/release/examples/gpu_ring_check \
     target/release/examples/allreduce_check target/release/examples/data_parallel target/release/examples/two_node_allreduce \
-    target/release/examples/train_mlp "$out/"
+    target/release/examples/train_mlp target/release/examples/stream_order_check "$out/"
 cp "$exe" "$out/gpu_tests"
 exe=$(cargo test --release -p nodetour-ring --test gpu_reduce --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p')
 cp "$exe" "$out/gpu_reduce_tests"
@@ -32,5 +32,5 @@ cp "$exe" "$out/bench_allreduce"
 cp scripts/tiers/gpu-common.sh scripts/tiers/gpu-tier.sh scripts/tiers/gpu-one-kernel.sh scripts/tiers/gpu-net.sh scripts/drills/gpu-drills.sh scripts/compare/ab-perf.sh scripts/launch-local.sh \
     scripts/compare/onehost-reference.sh scripts/compare/onehost_reference.py "$out/"
 git describe --always --dirty >"$out/VERSION" 2>/dev/null || echo unknown >"$out/VERSION"
-strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/teardown_probe" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/communicator_devices_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check" "$out/bench_allreduce" "$out/data_parallel" "$out/communicator_gpu_tests" "$out/one_kernel_tests" "$out/ring_capture_tests" "$out/two_node_allreduce" "$out/train_mlp"
+strip "$out/nodetour" "$out/two_node_smoke" "$out/gpu_spike" "$out/teardown_probe" "$out/gpu_tests" "$out/gpu_reduce_tests" "$out/communicator_devices_tests" "$out/gpu_transport_check" "$out/transport_check" "$out/gpu_allreduce" "$out/gpu_ring_check" "$out/allreduce_check" "$out/bench_allreduce" "$out/data_parallel" "$out/communicator_gpu_tests" "$out/one_kernel_tests" "$out/ring_capture_tests" "$out/two_node_allreduce" "$out/train_mlp" "$out/stream_order_check"
 du -sh "$out"

@@ -5,22 +5,37 @@
 //! One launch is a whole collective. Every rank owns a **scratch** allocation (two halves, by
 //! the parity of the collective) and a **signal page**, both mapped by every other rank of the
 //! host. The grid is a constant, [`ONE_SHOT_BLOCKS`], so every rank cuts the elements alike,
-//! and block `b` of a rank meets only block `b` of its peers: at a barrier it stores
-//! `tick << 32 | digest` into word `(rank, b)` of every peer's signal page (after a system-wide
+//! and block `b` of a rank meets only block `b` of its peers: at a barrier it stores its
+//! **arrival word** into word `(rank, b)` of every peer's signal page (after a system-wide
 //! fence: whoever sees the word sees what the block wrote before), and waits until word
 //! `(peer, b)` of its own page reached `tick` for every peer — polling the rank's stop word and
 //! the global timer between reads, so an abort or a deadline ends the wait, latched into the
-//! block's word of the rank's status page (1 aborted, 2 timeout, 3 a peer's digest differs; the
-//! peer in bits 8..16, the collective's number on this GPU in bits 16..32; the first failure
-//! stays). The digest in the arrival word is the descriptor's mixed with the collective's
-//! number, so an arrival of another collective at the same tick is a disagreement.
+//! block's word of the rank's status page (see [`status`]; the peer in bits 8..16, the
+//! collective's number on this GPU in bits 16..32; the first failure stays).
+//!
+//! The arrival word is `tick` (16 bits: ranks are never more than one barrier apart), a
+//! withdrawn bit, the collective's number on this GPU (15 bits) and the descriptor's digest
+//! mixed with that number. A peer at this tick must carry this collective's number and digest
+//! (else a disagreement); a peer already one tick ahead must be in the same collective (the
+//! same number and digest, and this barrier not the launch's last) or in the next one (and
+//! this barrier the last): any other word fails, so no arrival of another collective is ever
+//! taken on trust.
 //!
 //! **A failure ends the rank.** A block that fails a barrier writes nothing more and sets the
 //! rank's stop word itself ([`STOP_ONE_KERNEL`]), and every launch reads the stop word at its
 //! start, before it writes anything: a rank whose barrier failed (its sequence words not
 //! advanced) never arrives anywhere again, so no launch queued behind the failed one — eager or
 //! a graph replay — reuses its tick and its half, where a late peer would pair its collective
-//! with this rank's next one (`tests/one_kernel_model.rs` models it).
+//! with this rank's next one (`tests/one_kernel_model.rs` models it). A block that fails after
+//! it arrived **takes its arrival back** (the withdrawn bit) before its kernel ends: the caller
+//! may then reuse its buffer (a symmetric buffer, which peers read in place), and a late peer
+//! must never pass a barrier on an arrival whose rank is gone.
+//!
+//! **One launch at a time per rank.** Each block claims its sequence words at the start of a
+//! launch (an atomic, released at its end): the communicator queues its eager collectives on
+//! one stream in call order, but a CUDA graph replay runs where the caller launches it, and
+//! a replay that runs beside another of the rank's launches fails at its start (status
+//! [`status::CONCURRENT`]) before it writes anything, rather than share a tick and a half.
 //!
 //! - **One-shot**: block `b` copies its slice of the caller's input into this rank's scratch
 //!   half, meets its peers, and reduces the slice from every rank's half **in rank order**
@@ -54,8 +69,9 @@ pub const ONE_SHOT_MAX_RANKS: usize = 8;
 pub const ONE_SHOT_BLOCKS: u32 = 32;
 /// Threads per block.
 pub const ONE_SHOT_THREADS: u32 = 512;
-/// Bytes of a rank's sequence words.
-pub const SEQUENCE_BYTES: usize = 8 * ONE_SHOT_BLOCKS as usize;
+/// Bytes of a rank's sequence words: per block, the last tick, the collectives run, and the
+/// claim of the launch running.
+pub const SEQUENCE_BYTES: usize = 12 * ONE_SHOT_BLOCKS as usize;
 /// With more than two ranks, allreduces above this many bytes take the two-shot kernel (a
 /// constant: every rank chooses alike). Two ranks always take the one-shot kernel, which reads
 /// as much from the peer and meets it once instead of twice.
@@ -76,7 +92,7 @@ pub(crate) struct OneShotArgs {
     /// Bytes per scratch half.
     pub half: u64,
     /// This rank's sequence words (this GPU's memory): [`ONE_SHOT_BLOCKS`] `u32` barrier ticks,
-    /// then as many collective counts.
+    /// then as many collective counts, then as many claims.
     pub counters: u64,
     /// The rank's stop word (host memory mapped into the GPU).
     pub stop: u64,
@@ -110,6 +126,11 @@ pub mod status {
     pub const TIMEOUT: u32 = 2;
     /// A peer arrived with another descriptor digest (or as another collective).
     pub const DISAGREEMENT: u32 = 3;
+    /// Another launch of this rank's one-kernel collectives ran at the same time (a graph
+    /// replay not ordered against the communicator's other collectives).
+    pub const CONCURRENT: u32 = 4;
+    /// A peer took its arrival back: it failed at this barrier after arriving.
+    pub const PEER_GAVE_UP: u32 = 5;
 }
 
 /// The kernels' CUDA source (appended to [`super::reduce::SOURCE`]).
@@ -140,29 +161,49 @@ template<class T> __device__ __forceinline__ T nt_ld1(const T* p) {
 __device__ __forceinline__ unsigned nt_arrival_digest(const OneShot& a, unsigned calls) {
     return a.digest ^ (calls * 0x9e3779b1u);
 }
+// The arrival word: tick (16 bits), withdrawn (1), the collective's number (15), digest (32).
+#define NT_WITHDRAWN (1ull << 47)
+__device__ __forceinline__ u64 nt_arrival_word(const OneShot& a, unsigned tick, unsigned calls) {
+    return ((u64)(tick & 0xffffu) << 48) | ((u64)(calls & 0x7fffu) << 32) | nt_arrival_digest(a, calls);
+}
+// Whether a peer's word `v` lets this block pass its barrier at `tick` of collective `calls`
+// (0), makes it wait (-1), or fails it (a status code). `last`: this is the launch's last
+// barrier.
+__device__ __forceinline__ int nt_judge(u64 v, u64 mine, unsigned tick, unsigned calls, bool last) {
+    const short ahead = (short)((unsigned short)(v >> 48) - (unsigned short)tick);
+    if (ahead < 0) return -1;
+    const bool withdrawn = (v & NT_WITHDRAWN) != 0;
+    const unsigned peer_calls = (unsigned)(v >> 32) & 0x7fffu;
+    // The collective's number and digest (bits 0..47), whatever the tick.
+    const bool same = ((v ^ mine) & ((1ull << 47) - 1)) == 0;
+    if (ahead == 0) return withdrawn ? 5 : same ? 0 : 3;
+    // One tick ahead: the peer passed this barrier (it saw this block's arrival) and is at
+    // the next barrier of this collective, or at the first of the next collective.
+    if (ahead == 1 && same && !last) return 0;
+    if (ahead == 1 && last && peer_calls == ((calls + 1) & 0x7fffu)) return 0;
+    return 3;
+}
 // Thread 0 of a block: arrive at every peer, then wait for every peer's arrival at `tick`
-// (or the stop word, or the deadline). Returns the status code (0: every peer arrived).
-__device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned calls, unsigned* who) {
+// (or the stop word, or the deadline). Returns the status code (0: every peer arrived);
+// `*arrived`: this block's arrival was stored.
+__device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned calls, bool last, unsigned* who, bool* arrived) {
     const unsigned G = gridDim.x, b = blockIdx.x;
-    const unsigned digest = nt_arrival_digest(a, calls);
-    const u64 word = ((u64)tick << 32) | digest;
+    const u64 word = nt_arrival_word(a, tick, calls);
+    *arrived = false;
     // A stopped rank (aborted: its communicator is broken) arrives nowhere, even in a graph
     // replayed after the abort, and writes nothing.
     if (*(const volatile unsigned*)a.stop) { *who = a.rank; return 1; }
     for (unsigned r = 0; r < a.world; r++)
         if (r != a.rank) *(volatile u64*)(a.signals[r] + 8ull * ((u64)a.rank * G + b)) = word;
+    *arrived = true;
     const u64 t0 = nt_now();
     for (unsigned r = 0; r < a.world; r++) {
         if (r == a.rank) continue;
         const volatile u64* w = (const volatile u64*)(a.signals[a.rank] + 8ull * ((u64)r * G + b));
         for (unsigned i = 0;; i++) {
-            const u64 v = *w;
-            const unsigned s = (unsigned)(v >> 32);
-            if ((int)(s - tick) >= 0) {
-                // A peer already past `tick` checked our digest against its own at `tick`.
-                if (s == tick && (unsigned)v != digest) { *who = r; return 3; }
-                break;
-            }
+            const int j = nt_judge(*w, word, tick, calls, last);
+            if (j == 0) break;
+            if (j > 0) { *who = r; return (unsigned)j; }
             if ((i & 63) == 63) {
                 if (*(const volatile unsigned*)a.stop) { *who = r; return 1; }
                 if (nt_now() - t0 > a.timeout_ns) { *who = r; return 2; }
@@ -171,6 +212,15 @@ __device__ unsigned nt_one_barrier(const OneShot& a, unsigned tick, unsigned cal
         }
     }
     return 0;
+}
+// Thread 0 of a block that failed after arriving: takes the arrival back at every peer
+// (before the kernel ends and the caller may reuse its buffer), so no late peer passes on it.
+__device__ void nt_withdraw(const OneShot& a, unsigned tick, unsigned calls) {
+    const unsigned G = gridDim.x, b = blockIdx.x;
+    const u64 gone = nt_arrival_word(a, tick, calls) | NT_WITHDRAWN;
+    for (unsigned r = 0; r < a.world; r++)
+        if (r != a.rank) *(volatile u64*)(a.signals[r] + 8ull * ((u64)a.rank * G + b)) = gone;
+    __threadfence_system();
 }
 // Thread 0: latches `code` into the block's status word unless an earlier failure is there
 // (the first failure names the cause), and ends the rank: its stop word set, every later
@@ -185,15 +235,17 @@ __device__ void nt_one_fail(const OneShot& a, unsigned code, unsigned who, unsig
 // Every thread of the block: what it wrote is visible system-wide, then the block's barrier
 // with every peer's block of the same index at `tick`; whether every peer arrived (else the
 // block's status word says why, the rank is stopped, and the block must stop).
-__device__ bool nt_sync_peers(const OneShot& a, unsigned tick, unsigned calls) {
+__device__ bool nt_sync_peers(const OneShot& a, unsigned tick, unsigned calls, bool last) {
     __shared__ unsigned s_ok;
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned who = 0;
-        const unsigned code = nt_one_barrier(a, tick, calls, &who);
+        bool arrived = false;
+        const unsigned code = nt_one_barrier(a, tick, calls, last, &who, &arrived);
         __threadfence_system();
         s_ok = code == 0;
+        if (code && arrived) nt_withdraw(a, tick, calls);
         if (code) nt_one_fail(a, code, who, calls);
     }
     __syncthreads();
@@ -246,18 +298,30 @@ template<class T, class Op> __device__ void nt_reduce_range(T* d, const OneShot&
     }
 }
 __device__ __forceinline__ u64 nt_round_up(u64 x, u64 m) { return (x + m - 1) / m * m; }
-// This block's sequence words: the last barrier tick and the collectives run. Read by thread 0
-// at the start, written by it at the end (only when every barrier passed). `stopped`: the
-// rank's stop word was set before this launch wrote anything (an abort, or a failed barrier of
-// an earlier launch): the launch must return at once, writing nothing and arriving nowhere.
+// This block's sequence words: the last barrier tick, the collectives run, and the claim of
+// the launch running. Thread 0 claims them at the start (an atomic: a second launch of this
+// rank running at once fails here, writing nothing), reads them, and at the end (only when
+// every barrier passed) advances and releases them. `stopped`: the rank's stop word was set
+// before this launch wrote anything (an abort, or a failed barrier of an earlier launch), or
+// the claim was taken: the launch must return at once, writing nothing and arriving nowhere.
 struct NtSeq { unsigned tick, calls, stopped; };
 __device__ NtSeq nt_seq_begin(const OneShot& a) {
     __shared__ NtSeq s;
     if (threadIdx.x == 0) {
-        s.tick = ((volatile unsigned*)a.counters)[blockIdx.x];
+        unsigned* claim = (unsigned*)a.counters + 2 * gridDim.x + blockIdx.x;
         s.calls = ((volatile unsigned*)a.counters)[gridDim.x + blockIdx.x] + 1;
         s.stopped = *(const volatile unsigned*)a.stop != 0;
-        if (s.stopped) nt_one_fail(a, 1, a.rank, s.calls);
+        if (s.stopped) {
+            nt_one_fail(a, 1, a.rank, s.calls);
+        } else if (atomicCAS(claim, 0u, 1u) != 0u) {
+            // Another launch of this rank holds the words: a replay beside another collective.
+            s.stopped = 1;
+            nt_one_fail(a, 4, a.rank, s.calls);
+        } else {
+            __threadfence();
+            s.tick = ((volatile unsigned*)a.counters)[blockIdx.x];
+            s.calls = ((volatile unsigned*)a.counters)[gridDim.x + blockIdx.x] + 1;
+        }
     }
     __syncthreads();
     return s;
@@ -267,6 +331,8 @@ __device__ void nt_seq_end(const OneShot& a, NtSeq s) {
     if (threadIdx.x == 0) {
         ((volatile unsigned*)a.counters)[blockIdx.x] = s.tick;
         ((volatile unsigned*)a.counters)[gridDim.x + blockIdx.x] = s.calls;
+        __threadfence();
+        atomicExch((unsigned*)a.counters + 2 * gridDim.x + blockIdx.x, 0u);
     }
 }
 // One-shot: block b copies its slice of the input into this rank's scratch half, meets every
@@ -280,7 +346,7 @@ template<class T, class Op> __device__ void one_shot(const OneShot& a) {
     if (s.stopped) return;
     const u64 half = (u64)(s.calls & 1) * a.half;
     nt_copy_range((T*)(a.scratch[a.rank] + half), (const T*)a.input, lo, hi, vec);
-    if (!nt_sync_peers(a, ++s.tick, s.calls)) return;
+    if (!nt_sync_peers(a, ++s.tick, s.calls, true)) return;
     nt_reduce_range<T, Op>((T*)a.output, a, half, lo, hi, vec);
     nt_seq_end(a, s);
 }
@@ -303,12 +369,12 @@ template<class T, class Op> __device__ void two_shot(const OneShot& a) {
         const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
         nt_copy_range(mine, (const T*)a.input, lo, hi, vec);
     }
-    if (!nt_sync_peers(a, ++s.tick, s.calls)) return;
+    if (!nt_sync_peers(a, ++s.tick, s.calls, false)) return;
     {
         const u64 lo = min(a.count, a.rank * seg + b * sub), hi = min(min(a.count, (a.rank + 1) * seg), lo + sub);
         nt_reduce_range<T, Op>(mine, a, half, lo, hi, true);
     }
-    if (!nt_sync_peers(a, ++s.tick, s.calls)) return;
+    if (!nt_sync_peers(a, ++s.tick, s.calls, !a.symmetric)) return;
     for (unsigned q = 0; q < W; q++) {
         if (a.symmetric && q == a.rank) continue; // reduced in place already
         const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
@@ -316,7 +382,7 @@ template<class T, class Op> __device__ void two_shot(const OneShot& a) {
     }
     // Symmetric buffers have no second half: the caller may write its buffer as soon as this
     // kernel ends, so every peer must have finished reading this rank's segment first.
-    if (a.symmetric && !nt_sync_peers(a, ++s.tick, s.calls)) return;
+    if (a.symmetric && !nt_sync_peers(a, ++s.tick, s.calls, true)) return;
     nt_seq_end(a, s);
 }
 #define ONE_SHOT(T, N) \

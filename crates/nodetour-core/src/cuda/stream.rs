@@ -320,6 +320,13 @@ impl GpuStream {
         unsafe { Self::borrowed(&context, raw) }
     }
 
+    /// Whether this is the per-thread default stream (`CU_STREAM_PER_THREAD`, cudarc's
+    /// `per_thread_stream`): a handle that names another stream on every thread, so nodetour
+    /// uses it only on the thread that passed it (see the communicator's call order).
+    pub fn is_per_thread(&self) -> bool {
+        self.inner.raw == CU_STREAM_PER_THREAD
+    }
+
     /// Whether this is a stream of the caller's ([`Self::of_cudarc`], [`Self::borrowed`]).
     pub fn is_borrowed(&self) -> bool {
         self.inner.borrowed.is_some() || self.inner.foreign
@@ -464,6 +471,9 @@ pub struct GpuEvent {
 
 // SAFETY: events are usable from any thread that binds their context.
 unsafe impl Send for GpuEvent {}
+// SAFETY: every `&self` method is one driver call (record, wait, query), which the driver
+// makes thread-safe; nothing is cached on the host.
+unsafe impl Sync for GpuEvent {}
 
 impl GpuEvent {
     /// Creates an ordering marker of `context`'s GPU: an event without timing, recorded on one

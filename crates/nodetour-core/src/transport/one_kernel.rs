@@ -228,6 +228,14 @@ pub enum OneKernelFailure {
         /// The rank that differs.
         peer: u32,
     },
+    /// Another launch of this rank's one-kernel collectives ran at the same time: a graph
+    /// replay not ordered against the communicator's other collectives.
+    Concurrent,
+    /// `peer` took its arrival back: it failed at this barrier after arriving.
+    PeerGaveUp {
+        /// The rank that gave up.
+        peer: u32,
+    },
 }
 
 impl OneKernel {
@@ -361,6 +369,8 @@ impl OneKernel {
                 0 => return None,
                 status::ABORTED => OneKernelFailure::Aborted { peer },
                 status::TIMEOUT => OneKernelFailure::Timeout { peer },
+                status::CONCURRENT => OneKernelFailure::Concurrent,
+                status::PEER_GAVE_UP => OneKernelFailure::PeerGaveUp { peer },
                 _ => OneKernelFailure::Disagreement { peer },
             };
             Some(OneKernelFailed {

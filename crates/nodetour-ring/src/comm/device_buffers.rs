@@ -16,6 +16,12 @@ use crate::plan::Shape;
 use crate::reduce::{DataType, ReduceOp};
 
 impl Communicator {
+    /// How long a staged device collective waits for the work queued before it (the
+    /// communicator's timeout): its stream never holds the host without a deadline.
+    pub(super) fn staged_deadline(&self) -> nodetour_core::Deadline {
+        nodetour_core::Deadline::after(self.timeout)
+    }
+
     /// The device reduce-scatter: `send` holds `world` blocks of `count` elements of `dtype`
     /// (block `r` for rank `r`); `count` elements of `recv` at byte `out_at` get block `rank`
     /// of the reduction; `send` is never written (unless it is `recv`: in place).
@@ -53,7 +59,7 @@ impl Communicator {
                 stream.copy(recv, out_at, all, at, block).map_err(gpu_error)
             });
         }
-        let input = staged_in(send, 0, whole, stream)?;
+        let input = staged_in(send, 0, whole, stream, self.staged_deadline())?;
         let mut out = vec![0u8; block];
         self.reduce_scatter_into(Some(&input), &mut out, count, 0, dtype, op)?;
         recv.copy_from_host(out_at, &out).map_err(gpu_error)
@@ -95,7 +101,7 @@ impl Communicator {
                 self.copy_blocks(stream, recv, all, block, |r| (r, self.position_of(r)))
             });
         }
-        let input = staged_in(send, send_at, block, stream)?;
+        let input = staged_in(send, send_at, block, stream, self.staged_deadline())?;
         let mut out = vec![0u8; whole];
         self.all_gather_into(Some(&input), &mut out, count, dtype)?;
         recv.copy_from_host(0, &out).map_err(gpu_error)
@@ -125,11 +131,11 @@ impl Communicator {
             );
         }
         let mut host = if self.rank == root {
-            staged_in(data, 0, bytes, stream)?
+            staged_in(data, 0, bytes, stream, self.staged_deadline())?
         } else {
             // Written below from the host: after the work already queued on `stream`.
             refuse_capture(stream)?;
-            stream.synchronize().map_err(gpu_error)?;
+            super::lifecycle::stream_done(stream, self.staged_deadline())?;
             vec![0u8; bytes]
         };
         self.broadcast_into(None, &mut host, root, dtype)?;
@@ -160,16 +166,17 @@ pub(super) fn holds(
     Ok(())
 }
 
-/// `bytes` bytes of `buffer` at `at`, after the work queued on `stream` (waited for): the
-/// staged path's input. Refused under capture (see [`refuse_capture`]).
+/// `bytes` bytes of `buffer` at `at`, after the work queued on `stream` (waited for, to
+/// `deadline`): the staged path's input. Refused under capture (see [`refuse_capture`]).
 fn staged_in(
     buffer: &DeviceBuffer,
     at: usize,
     bytes: usize,
     stream: &GpuStream,
+    deadline: nodetour_core::Deadline,
 ) -> Result<Vec<u8>> {
     refuse_capture(stream)?;
-    stream.synchronize().map_err(gpu_error)?;
+    super::lifecycle::stream_done(stream, deadline)?;
     let mut host = vec![0u8; bytes];
     buffer.copy_to_host(at, &mut host).map_err(gpu_error)?;
     Ok(host)

@@ -173,7 +173,7 @@ impl Communicator {
                     ring.all_reduce_gpu_piece(buffer, r, &d, staging, alive)
                 })?;
             }
-            stream.synchronize().map_err(gpu_error)
+            super::lifecycle::stream_done(stream, self.staged_deadline())
         })
     }
 }

@@ -28,6 +28,7 @@ use nodetour_core::meeting::{MeetError, Meeting};
 use nodetour_core::memory::DeviceBuffer;
 
 use super::Communicator;
+use super::call_order::GroupTails;
 use super::scratch::{Scratch, with_scratch};
 use super::verbs::Verb;
 use crate::descriptor::Collective;
@@ -535,13 +536,19 @@ impl<'a> Group<'a> {
             }
             Ok(())
         };
+        // The per-thread default stream named in a call means this thread's: its tail is
+        // recorded here, the member threads wait for it instead, and it joins back below.
+        let tails = GroupTails::record(&set.contexts)?;
         // Every member but the last on a thread of its own, the last on this one.
         let mut members = self.calls;
         let (last, last_calls) = members.pop().expect("n > 0 members");
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
             let threads: Vec<_> = members
                 .into_iter()
-                .map(|(comm, calls)| scope.spawn(move || run_member(comm, calls)))
+                .map(|(comm, calls)| {
+                    let tails = tails.for_member();
+                    scope.spawn(move || tails.enter(|| run_member(comm, calls)))
+                })
                 .collect();
             let mine = run_member(last, last_calls);
             let mut all: Vec<Result<()>> = threads
@@ -551,6 +558,7 @@ impl<'a> Group<'a> {
             all.push(mine);
             all
         });
+        let joined = tails.join_back();
         // A cancellation only its member saw is taken back; one that some members' calls
         // met and others' never did means the members issued different collectives.
         if let Err(reason) = set.meeting.settle() {
@@ -569,7 +577,7 @@ impl<'a> Group<'a> {
             _ => false,
         };
         let cause = failures.iter().position(|e| !echo(e)).unwrap_or(0);
-        failures.into_iter().nth(cause).map_or(Ok(()), Err)
+        failures.into_iter().nth(cause).map_or(joined, Err)
     }
 }
 

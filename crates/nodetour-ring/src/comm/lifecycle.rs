@@ -5,18 +5,35 @@ use super::*;
 
 /// Waits (polling, to `deadline`) until `stream` has run everything queued on it so far.
 pub(super) fn stream_done(stream: &GpuStream, deadline: Deadline) -> Result<()> {
-    let started = std::time::Instant::now();
     let done = nodetour_core::cuda::GpuEvent::marker(stream.context()).map_err(gpu_error)?;
     stream.record_marker(&done).map_err(gpu_error)?;
-    while !done.is_complete().map_err(gpu_error)? {
+    marker_done(&done, deadline, "the caller's stream")
+}
+
+/// Waits (spinning briefly, then napping up to 1 ms, to `deadline`) until the work before
+/// `marker` has run; `Timeout` naming `what` past the deadline.
+pub(super) fn marker_done(
+    marker: &nodetour_core::cuda::GpuEvent,
+    deadline: Deadline,
+    what: &str,
+) -> Result<()> {
+    let started = std::time::Instant::now();
+    let spin_until = started + std::time::Duration::from_micros(50);
+    let mut nap = std::time::Duration::from_micros(10);
+    while !marker.is_complete().map_err(gpu_error)? {
         if deadline.expired() {
             return Err(Error::Timeout {
-                waiting_for: "the caller's stream".into(),
+                waiting_for: what.to_owned(),
                 rank: None,
                 after: started.elapsed(),
             });
         }
-        std::thread::sleep(std::time::Duration::from_micros(100));
+        if std::time::Instant::now() < spin_until {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(std::time::Duration::from_millis(1));
+        }
     }
     Ok(())
 }
@@ -131,6 +148,7 @@ impl Communicator {
             formed_with: Some(formed_with),
             device: Default::default(),
             calls: Arc::default(),
+            order: Default::default(),
         })
     }
 
@@ -185,6 +203,7 @@ impl Communicator {
                 formed_with: None,
                 device: Default::default(),
                 calls: Arc::default(),
+                order: Default::default(),
             })
             .collect())
     }
@@ -214,9 +233,17 @@ impl Communicator {
         if let Some(d) = self.device.comm.get() {
             d.wait_on(stream, deadline)?;
         }
-        // Without a GPU ring of processes the stream is waited for here (a GPU ring waits for
-        // it while it watches its neighbours).
-        let ringless = |deadline: Deadline| stream.map_or(Ok(()), |s| stream_done(s, deadline));
+        // Every device collective called so far ran on this communicator's stream, in call
+        // order (see `call_order`): a marker there covers every stream they were called on.
+        let lane = self.call_order_mark()?;
+        // Without a GPU ring of processes the streams are waited for here (a GPU ring waits
+        // for them while it watches its neighbours).
+        let ringless = |deadline: Deadline| -> Result<()> {
+            if let Some(m) = &lane {
+                marker_done(m, deadline, "the communicator's device collectives")?;
+            }
+            stream.map_or(Ok(()), |s| stream_done(s, deadline))
+        };
         if let Some(m) = &self.member {
             ringless(deadline)?;
             return m.set.wait(deadline.remaining());
@@ -243,11 +270,9 @@ impl Communicator {
                 e => e,
             })
         };
-        let result = match stream {
-            Some(s) => ring.wait_stream(s, deadline.remaining(), &alive),
-            None => ring.wait_alive(deadline.remaining(), &alive),
-        }
-        .map_err(|e| self.job_ranks(e));
+        let result = ring
+            .wait_streams(lane.as_ref(), stream, deadline.remaining(), &alive)
+            .map_err(|e| self.job_ranks(e));
         if let Err(e) = &result {
             self.record_failure(&mut state, e);
         }

@@ -70,6 +70,7 @@
 //!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
 
+mod call_order;
 mod device_buffers;
 mod device_collectives;
 mod device_from_stream;
@@ -149,6 +150,9 @@ pub struct Communicator {
     /// Counts the collectives run so far, host and device alike (shared with the device
     /// side): each carries its number in its descriptor (`Descriptor::call`).
     calls: Arc<std::sync::atomic::AtomicU32>,
+    /// The stream its device collectives run on in call order (see `call_order`), made on the
+    /// GPU of its first device collective.
+    order: std::sync::OnceLock<call_order::CallOrder>,
 }
 
 struct State {
@@ -384,6 +388,38 @@ impl Communicator {
             seq: 0,
             call: 0,
         }
+    }
+
+    /// Runs device collective `f` on this communicator's stream in call order after the work
+    /// queued on `caller`, then joins `caller` after it (see `call_order`). A stream being
+    /// captured into a CUDA graph takes the collective itself (the graph's replays are
+    /// ordered where the caller launches them).
+    fn in_call_order<R>(
+        &self,
+        caller: &GpuStream,
+        f: impl FnOnce(&GpuStream) -> Result<R>,
+    ) -> Result<R> {
+        if caller.is_capturing().map_err(gpu_error)? {
+            return f(caller);
+        }
+        let order = match self.order.get() {
+            Some(o) => o,
+            None => {
+                let made = call_order::CallOrder::new(caller.context())?;
+                let _ = self.order.set(made);
+                self.order.get().expect("just set")
+            }
+        };
+        order.run(caller, f)
+    }
+
+    /// A marker on this communicator's stream (see `call_order`), if a device collective ran:
+    /// once it completes, every device collective called so far has run.
+    fn call_order_mark(&self) -> Result<Option<nodetour_core::cuda::GpuEvent>> {
+        self.order
+            .get()
+            .map(call_order::CallOrder::mark)
+            .transpose()
     }
 
     /// The next collective's number (`Descriptor::call`); taken under the state lock, once

@@ -271,6 +271,20 @@ impl Communicator {
                 reason: "a symmetric buffer of another communicator".into(),
             });
         }
+        self.in_call_order(stream, |lane| {
+            self.symmetric_on(buffer, count, dtype, op, lane)
+        })
+    }
+
+    /// [`Self::all_reduce_symmetric`] on the stream the collective runs on.
+    fn symmetric_on(
+        &self,
+        buffer: &SymmetricBuffer<'_>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &GpuStream,
+    ) -> Result<()> {
         let mut state = self.usable()?;
         let ring = state
             .job

@@ -230,11 +230,24 @@ impl Communicator {
                     Some(m) => {
                         // From here the member itself cancels what it refuses.
                         reached.set(true);
-                        m.verb(v, send, out, stream, n, dtype)
+                        let called = Cell::new(false);
+                        self.in_call_order(stream, |lane| {
+                            called.set(true);
+                            m.verb(v, send, out, lane, n, dtype)
+                        })
+                        .inspect_err(|e| {
+                            // Refused before the member's share: nobody else waits for it.
+                            if !called.get() {
+                                m.set.meeting.cancel(m.seat, &e.to_string());
+                            }
+                        })
                     }
-                    None => self
-                        .on_device(stream)?
-                        .device_verb(v, send, out, stream, n, dtype),
+                    None => {
+                        let comm = self.on_device(stream)?;
+                        comm.in_call_order(stream, |lane| {
+                            comm.device_verb(v, send, out, lane, n, dtype)
+                        })
+                    }
                 }
             }
         }

@@ -216,6 +216,19 @@ impl GpuRing {
                 rank: Some(peer),
                 after: kernel.timeout(),
             },
+            OneKernelFailure::Concurrent => Error::Aborted {
+                reason: format!(
+                    "{what}: another collective of this communicator ran at the same time on \
+                     this GPU (a CUDA graph replay not ordered against the communicator's other \
+                     collectives: launch replays on a stream ordered after them)"
+                ),
+            },
+            OneKernelFailure::PeerGaveUp { peer } => Error::Aborted {
+                reason: format!(
+                    "{what}: rank {peer} gave up at a barrier after arriving (its own error \
+                     names the cause)"
+                ),
+            },
             OneKernelFailure::Disagreement { peer } => Error::Disagreement {
                 rank: self.rank,
                 peer,

@@ -23,30 +23,33 @@ impl GpuRing {
 
     /// Waits until every collective queued so far has finished on this rank, at most `timeout`
     /// (spins briefly, then sleeps in growing steps up to 1 ms; on expiry the ring is aborted),
-    /// asking `alive` (the job's liveness check, e.g. the bootstrap's `check`) between polls: a lost rank aborts the ring at once and is named in the error.
-    pub(crate) fn wait_alive(
-        &mut self,
-        timeout: Duration,
-        alive: &dyn Fn() -> nodetour_core::Result<()>,
-    ) -> Result<()> {
-        self.wait_until(None, timeout, alive)
-    }
-
-    /// [`Self::wait_alive`], and first until `stream` has run everything queued on it so far:
+    /// asking `alive` (the job's liveness check, e.g. the bootstrap's `check`) between polls (a
+    /// lost rank aborts the ring at once and is named in the error), and until the work before
+    /// `lane` (a marker on the communicator's
+    /// stream, which every eager collective passes through in call order: see
+    /// `comm::call_order`) has run, and `stream` has run everything queued on it so far:
     /// graph replays of this ring's collectives included, which the host does not see
     /// launched. Their outcome is what the GPU latched (a guarded wait that timed out, a
     /// one-kernel block that failed: the stop word keeps it) and the neighbours' notices, each
     /// of which taints every replay not yet confirmed by a wait.
-    pub(crate) fn wait_stream(
+    pub(crate) fn wait_streams(
         &mut self,
-        stream: &GpuStream,
+        lane: Option<&GpuEvent>,
+        stream: Option<&GpuStream>,
         timeout: Duration,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
         let g = |e| Error::gpu("marking the caller's stream", e);
-        let done = GpuEvent::marker(stream.context()).map_err(g)?;
-        stream.record_marker(&done).map_err(g)?;
-        self.wait_until(Some(&done), timeout, alive)
+        let done = match stream {
+            Some(s) => {
+                let done = GpuEvent::marker(s.context()).map_err(g)?;
+                s.record_marker(&done).map_err(g)?;
+                Some(done)
+            }
+            None => None,
+        };
+        let marks: Vec<&GpuEvent> = lane.into_iter().chain(done.as_ref()).collect();
+        self.wait_until(&marks, timeout, alive)
     }
 
     /// Whether any collective of this ring was captured into a CUDA graph.
@@ -56,7 +59,7 @@ impl GpuRing {
 
     pub(super) fn wait_until(
         &mut self,
-        stream_done: Option<&GpuEvent>,
+        streams_done: &[&GpuEvent],
         timeout: Duration,
         alive: &dyn Fn() -> nodetour_core::Result<()>,
     ) -> Result<()> {
@@ -74,8 +77,9 @@ impl GpuRing {
             if carried
                 && self.marks.end[0].is_complete().map_err(g)?
                 && self.marks.end[1].is_complete().map_err(g)?
-                && stream_done
-                    .map_or(Ok(true), GpuEvent::is_complete)
+                && streams_done
+                    .iter()
+                    .try_fold(true, |all, m| m.is_complete().map(|c| all && c))
                     .map_err(g)?
             {
                 // Read the neighbours' notices once more after the streams finished: a
