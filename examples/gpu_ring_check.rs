@@ -116,6 +116,11 @@ struct Args {
     /// GPU path on its stream's GPU, which `paths()` must then show (`FROM_STREAM OK ...`).
     #[arg(long)]
     from_stream: bool,
+    /// With `--from-stream`: form the communicator with its GPU named
+    /// (`Options::with_gpu`), so its GPU ring is formed with it; `--interleave-differ` then
+    /// checks that a host-side failure aborts that ring too.
+    #[arg(long)]
+    with_gpu: bool,
     /// With `--from-stream`: after the checked collectives, this rank runs a device collective
     /// then a host one while the others run them the other way round; every rank must fail
     /// typed within the timeout, none `Ok` (prints `FROM_STREAM_DIFFER rank=..`).
@@ -159,7 +164,7 @@ fn run() -> anyhow::Result<()> {
         options.shm_slot_bytes = b;
     }
     if args.from_stream {
-        return from_stream_check(args.interleave_differ);
+        return from_stream_check(args.interleave_differ, args.with_gpu);
     }
     let launch = nodetour_net::bootstrap::LaunchInfo::from_env()?;
     let world = launch.world_size;
@@ -300,17 +305,25 @@ fn run() -> anyhow::Result<()> {
 /// `--from-stream`: formed with no GPU named, host and device collectives interleaved in the
 /// same order on every rank, each checked against its own seeded input; the device path must
 /// be a GPU ring after the first device collective, and none before.
-fn from_stream_check(differ: Option<u32>) -> anyhow::Result<()> {
+fn from_stream_check(differ: Option<u32>, with_gpu: bool) -> anyhow::Result<()> {
     use nodetour::{Communicator, Host, Options};
     use nodetour_ring::comm::DevicePath;
-    let comm = Communicator::from_env(Options::from_env()?)?;
-    if !matches!(comm.paths().device, DevicePath::None) {
+    let gpus = nodetour_core::cuda::gpus()?.len().max(1);
+    let local: usize = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let options = match with_gpu {
+        true => Options::from_env()?.with_gpu(local % gpus),
+        false => Options::from_env()?,
+    };
+    let comm = Communicator::from_env(options)?;
+    if !with_gpu && !matches!(comm.paths().device, DevicePath::None) {
         bail!(
             "a device path before any device collective: {}",
             comm.paths()
         );
     }
-    let gpus = nodetour_core::cuda::gpus()?.len().max(1);
     let ctx = cudarc::driver::CudaContext::new(comm.local_rank() as usize % gpus)?;
     let stream = ctx.new_stream()?;
     let (r, world) = (comm.rank(), comm.world());

@@ -22,7 +22,6 @@ use crate::net_link::{MAILBOX_BYTES, NetLink, NetLinkSetup, NetOptions};
 use crate::plan::{Plan, Shape};
 use crate::reduce::ReduceOp;
 use crate::stream_plan::LinkCounters;
-use nodetour_core::transport::read_flush::ReadFlush;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Wire {
@@ -267,15 +266,16 @@ fn ring_landing(
                 })),
                 Landing::FlushedByRead => {
                     let side = sides[i].as_ref().expect("a read flush needs verbs");
-                    let mut read = ReadFlush::by_address(
-                        &side.context,
-                        &side.port,
-                        &side.gid,
-                        &nodetour_core::Config::default(),
-                        p.recv.memory_region().expect("registered"),
-                        Duration::from_secs(5),
-                    )
-                    .unwrap();
+                    let mut read = p
+                        .recv
+                        .read_flush(
+                            &side.context,
+                            &side.port,
+                            &side.gid,
+                            &nodetour_core::Config::default(),
+                            Duration::from_secs(5),
+                        )
+                        .unwrap();
                     Some(Box::new(Reveal {
                         flush: move |offset: usize, len: usize| read.flush(offset, len),
                         page,

@@ -573,3 +573,18 @@ fn every_kind_of_host_memory_and_its_refusals() {
         result.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
 }
+
+/// A rank that never joins: the others' joining deadline passes, and forming fails with
+/// `Error::Timeout` (what was awaited, after how long), not a transport error.
+#[test]
+fn a_joining_deadline_that_passes_is_a_timeout() {
+    let id = UniqueId::create().unwrap();
+    let options = options().with_join_timeout(Duration::from_millis(1500));
+    let t = std::time::Instant::now();
+    let e = Communicator::from_unique_id(&id, 0, 2, options).unwrap_err();
+    assert!(
+        matches!(e, Error::Timeout { .. }),
+        "a join that timed out: {e:?}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}

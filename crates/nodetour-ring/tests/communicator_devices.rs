@@ -786,3 +786,83 @@ fn captured_in_one_graph_from_one_thread_and_replayed() {
     }
     no_mismatches(&failures);
 }
+
+/// Queues the busy kernel on `stream` for about `ms` (calibrated on a stream of its own);
+/// what it returns must outlive the kernel.
+fn hold(
+    ctx: &Arc<CudaContext>,
+    stream: &GpuStream,
+    ms: u64,
+) -> (nodetour_core::cuda::reduce::ReduceKernels, DeviceBuffer) {
+    let kernels = nodetour_core::cuda::reduce::ReduceKernels::load(ctx).unwrap();
+    let sink = DeviceBuffer::new(ctx, 4096).unwrap();
+    let probe = 1u32 << 20;
+    let calibrate = GpuStream::new(ctx).unwrap();
+    let start = calibrate.record().unwrap();
+    kernels.busy(&calibrate, &sink, probe, 1).unwrap();
+    let end = calibrate.record().unwrap();
+    calibrate.synchronize().unwrap();
+    let per_iter = f64::from(start.elapsed_ms(&end).unwrap()) / f64::from(probe);
+    let iters = (ms as f64 / per_iter.max(1e-9)).clamp(1.0, f64::from(u32::MAX)) as u32;
+    kernels.busy(stream, &sink, iters, 1).unwrap();
+    (kernels, sink)
+}
+
+/// Issue 48, item 5: a group's calls on the caller's per-thread default stream. Each input
+/// lands on that stream behind a long kernel; the members' threads (whose own per-thread
+/// streams are other streams) must order the collective after it, and the caller's
+/// per-thread stream must read the result after the collective: both by the group's tails
+/// recorded and joined back on the caller's thread. Every round's inputs differ.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_group_on_the_callers_per_thread_stream_is_ordered_on_it() {
+    let Some(gpus) = gpus() else { return };
+    let ctxs = contexts(&gpus, 2);
+    let comms = Communicator::from_devices(&ctxs, options()).unwrap();
+    let count = 1 << 16;
+    for round in 0..3u64 {
+        let streams: Vec<Arc<CudaStream>> = ctxs.iter().map(|c| c.per_thread_stream()).collect();
+        let side = ctxs[0].new_stream().unwrap();
+        let inputs: Vec<Vec<u8>> = (0..2)
+            .map(|r| values(DataType::F32, 40 + 2 * round + r, count))
+            .collect();
+        // Staged where they are ready now, copied in on the per-thread streams behind ~300 ms
+        // of work.
+        let staged: Vec<CudaSlice<f32>> = inputs.iter().map(|b| upload::<f32>(&side, b)).collect();
+        side.synchronize().unwrap();
+        let held: Vec<_> = ctxs
+            .iter()
+            .zip(&streams)
+            .map(|(c, s)| hold(c, &GpuStream::of_cudarc(s), 300))
+            .collect();
+        let mut data: Vec<CudaSlice<f32>> = streams
+            .iter()
+            .zip(&staged)
+            .map(|(s, src)| {
+                let mut d = s.alloc_zeros::<f32>(count).unwrap();
+                s.memcpy_dtod(src, &mut d).unwrap();
+                d
+            })
+            .collect();
+        let mut g = Group::new();
+        for ((c, d), s) in comms.iter().zip(data.iter_mut()).zip(&streams) {
+            g.add(c, move |c| c.all_reduce_in_place(d, ReduceOp::Sum, s))
+                .unwrap();
+        }
+        g.end().unwrap();
+        let want = reduced(DataType::F32, ReduceOp::Sum, &inputs);
+        for (r, (s, d)) in streams.iter().zip(&data).enumerate() {
+            let got = download(s, d);
+            assert_eq!(
+                first_difference(DataType::F32, ReduceOp::Sum, 2, &got, &want),
+                None,
+                "round {round}, rank {r}: the collective ran before its input landed on the \
+                 caller's per-thread stream, or was read before it ran"
+            );
+        }
+        comms[0]
+            .wait(Deadline::after(Duration::from_secs(20)))
+            .unwrap();
+        drop(held);
+    }
+}

@@ -31,7 +31,8 @@ mod wait_any;
 pub mod wire;
 
 pub use mem::MemConnection;
-pub use slots::{SlotGrant, SlotRegion, SlotRegistration, SlotTable};
+pub(crate) use slots::SlotRegistration;
+pub use slots::{SlotGrant, SlotRegion, SlotTable};
 pub use wait_any::wait_any;
 
 use std::ops::Range;

@@ -22,7 +22,7 @@ enum Memory {
 
 /// The RDMA registration of a slot region, whichever memory it is.
 #[derive(Clone, Copy)]
-pub enum SlotRegistration<'a> {
+pub(crate) enum SlotRegistration<'a> {
     /// Host memory.
     Host(&'a Arc<MemoryRegion<HostBuffer>>),
     /// GPU memory (registered through the ladder: dma-buf or peermem).
@@ -31,7 +31,7 @@ pub enum SlotRegistration<'a> {
 
 impl SlotRegistration<'_> {
     /// The window a peer writes through.
-    pub fn remote(&self) -> RemoteRegion {
+    pub(crate) fn remote(&self) -> RemoteRegion {
         match self {
             SlotRegistration::Host(r) => r.remote(),
             SlotRegistration::Device(r) => r.remote(),
@@ -122,16 +122,31 @@ impl SlotRegion {
         self.0.len == 0
     }
 
-    /// The verbs registration of host memory, if any.
-    pub fn memory_region(&self) -> Option<&Arc<MemoryRegion<HostBuffer>>> {
+    /// A read flush over this region's verbs registration (host memory registered with
+    /// verbs): the flush reads the region through a second registration of its own, and the
+    /// region's bytes stay reachable only through this type's methods, under its one lock
+    /// (no second handle to them is ever handed out).
+    pub fn read_flush(
+        &self,
+        device: &Arc<crate::verbs::Context>,
+        port: &crate::verbs::PortAttributes,
+        gid: &crate::verbs::GidChoice,
+        config: &crate::Config,
+        timeout: std::time::Duration,
+    ) -> Result<crate::gdr::read_flush::ReadFlush> {
         match &self.0.memory {
-            Memory::Registered(r) => Some(r),
-            Memory::Host(_) | Memory::Device(_) => None,
+            Memory::Registered(r) => {
+                crate::gdr::read_flush::ReadFlush::by_address(device, port, gid, config, r, timeout)
+            }
+            Memory::Host(_) | Memory::Device(_) => Err(Error::InvalidArgument {
+                reason: "a read flush needs slot memory registered with verbs".into(),
+            }),
         }
     }
 
-    /// The verbs registration, host or GPU memory, if any.
-    pub fn registration(&self) -> Option<SlotRegistration<'_>> {
+    /// The verbs registration, host or GPU memory, if any (for posting: never handed out of
+    /// this crate, so that the bytes have one writer's lock).
+    pub(crate) fn registration(&self) -> Option<SlotRegistration<'_>> {
         match &self.0.memory {
             Memory::Registered(r) => Some(SlotRegistration::Host(r)),
             Memory::Device(r) => Some(SlotRegistration::Device(r)),

@@ -668,7 +668,11 @@ fn serve(
                     &j.peer,
                 );
             }
-            return Err(Error::Rendezvous { reason });
+            // Rank 0's own joining deadline passed: a timeout (the others hear the reason).
+            return Err(Error::Timeout {
+                what: format!("rank(s) {} to arrive at the rendezvous", absent.join(", ")),
+                after: deadline.budget(),
+            });
         }
         // A short wait, so that handshake results are collected promptly.
         nodetour_core::net::wait_readable(

@@ -3,10 +3,11 @@
 //! never names the GPU twice and device memory is never staged through the host for want of
 //! one.
 //!
-//! That first device collective is a collective of its own, on every rank: rank 0 makes a
-//! fresh job id (a new rendezvous and a random token) and broadcasts it over the host ring
-//! (authenticated; a rank doing anything else there fails with `Disagreement`, on every rank),
-//! then every rank forms a communicator of the same ranks with that id and its stream's GPU,
+//! That first device collective is a collective of its own, on every rank: rank 0 binds a
+//! fresh rendezvous and broadcasts its address with a fresh nonce over the host ring
+//! (authenticated; a rank doing anything else there fails with `Disagreement`, on every rank);
+//! every rank derives the device job's token from the job's own and the nonce, so no secret
+//! travels; then every rank forms a communicator of the same ranks with that id and its stream's GPU,
 //! through the whole formation (GPU ring, one-kernel path, or staged with the reason, logged
 //! and in [`Communicator::paths`]). With a GPU ring, device collectives queue on it from then
 //! on; staged (ranks on several hosts), they run on the first communicator's host ring, in one
@@ -26,6 +27,8 @@ pub(super) struct FormedWith {
     pub(super) options: Options,
     /// Rank 0's rendezvous host, where the device job's rendezvous listens too.
     pub(super) host: Option<String>,
+    /// The job's token, from which the device job's is derived on every rank.
+    token: nodetour_net::bootstrap::JobToken,
 }
 
 /// The device side formed from a stream ([`Communicator::on_device`]).
@@ -45,10 +48,27 @@ pub(super) struct DeviceSide {
 }
 
 impl FormedWith {
-    pub(super) fn new(options: &Options, rendezvous: &str) -> FormedWith {
+    pub(super) fn new(
+        options: &Options,
+        rendezvous: &str,
+        token: &nodetour_net::bootstrap::JobToken,
+    ) -> FormedWith {
         FormedWith {
             options: options.clone(),
             host: rendezvous.rsplit_once(':').map(|(h, _)| h.to_owned()),
+            token: token.clone(),
+        }
+    }
+
+    /// The device job's id from what rank 0 broadcast (its rendezvous and a nonce, in
+    /// [`UniqueId`]'s text form with the nonce in the token's place): the token derived from
+    /// the job's own and the nonce, on every rank alike.
+    fn device_id(&self, sent: &UniqueId) -> UniqueId {
+        let mut label = b"nodetour device side ".to_vec();
+        label.extend_from_slice(&sent.token);
+        UniqueId {
+            address: sent.address.clone(),
+            token: self.token.derive(&label),
         }
     }
 }
@@ -125,12 +145,15 @@ impl Communicator {
     fn form_device(&self, formed_with: &FormedWith, gpu: usize) -> Result<Communicator> {
         let mut id = [0u8; ID_BYTES];
         if self.rank == 0 {
+            // What travels: the rendezvous and a fresh nonce (in the token's place), no secret.
             let mut made = UniqueId::create()?;
             if let (Some(host), Some((_, port))) =
                 (&formed_with.host, made.address.rsplit_once(':'))
             {
                 made.address = format!("{host}:{port}");
             }
+            made.token
+                .copy_from_slice(&nodetour_core::auth::nonce()[..16]);
             let text = made.encode();
             let room = id
                 .get_mut(..text.len())
@@ -155,7 +178,7 @@ impl Communicator {
             rank: 0,
             reason: "the device job's id is not text".into(),
         })?;
-        let id = UniqueId::decode(text)?;
+        let id = formed_with.device_id(&UniqueId::decode(text)?);
         let options = formed_with.options.clone().with_gpu(gpu);
         let mut device = Communicator::from_unique_id(&id, self.rank, self.world, options)?;
         // One count of collectives for both: host and device collectives interleaved
@@ -201,6 +224,33 @@ mod tests {
         })
     }
 
+    /// The device job's id: what rank 0 broadcasts is its rendezvous and a nonce; the token
+    /// every rank derives from the job's token and that nonce never travels, differs with the
+    /// nonce and with the job, and is the same on every rank.
+    #[test]
+    fn the_device_jobs_token_is_derived_on_every_rank_and_never_sent() {
+        let job = nodetour_net::bootstrap::JobToken::new(b"a job's secret".to_vec());
+        let formed = FormedWith::new(&Options::default(), "10.0.0.1:29500", &job);
+        let sent = UniqueId::new("10.0.0.1:40000");
+        let wire = sent.encode();
+        let id = formed.device_id(&UniqueId::decode(&wire).unwrap());
+        let hex: String = id.token.iter().map(|b| format!("{b:02x}")).collect();
+        assert!(!wire.contains(&hex), "the derived token is on the wire");
+        assert_ne!(id.token, sent.token);
+        assert_eq!(id.address, "10.0.0.1:40000");
+        let again = FormedWith::new(&Options::default(), "10.0.0.1:29500", &job.clone());
+        assert_eq!(
+            again.device_id(&sent).token,
+            id.token,
+            "every rank derives the same"
+        );
+        let other_nonce = UniqueId::new("10.0.0.1:40000");
+        assert_ne!(formed.device_id(&other_nonce).token, id.token);
+        let other_job = nodetour_net::bootstrap::JobToken::new(b"another job".to_vec());
+        let other = FormedWith::new(&Options::default(), "10.0.0.1:29500", &other_job);
+        assert_ne!(other.device_id(&sent).token, id.token);
+    }
+
     fn typed_on_every_rank(got: &[Result<()>]) {
         for (r, result) in got.iter().enumerate() {
             assert!(
@@ -242,6 +292,42 @@ mod tests {
                 comm.broadcast_in_place(&mut bytes, 0, Host)
             };
             assert!(r == 0 || bytes == [7u8; ID_BYTES], "rank 1 took bytes");
+            result
+        });
+        typed_on_every_rank(&got);
+    }
+
+    /// The descriptor's tag is 15 bits, so two different collectives can share one: found
+    /// here by brute force (two broadcasts of different lengths, the first collective of the
+    /// communicator). Their disagreement still fails typed on every rank, and neither takes
+    /// the other's bytes: the first grant of a collective carries the whole descriptor, which
+    /// is compared in full, not by its tag.
+    #[test]
+    fn descriptors_with_equal_tags_still_disagree_on_every_rank() {
+        let broadcast = |count: u64| Descriptor {
+            collective: Collective::Broadcast,
+            count,
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            root: Some(0),
+            algorithm: Algorithm::HostRing,
+            seq: 0,
+            call: 0,
+        };
+        let a = broadcast(4096);
+        let b = (4097..1_000_000u64)
+            .map(broadcast)
+            .find(|d| d.tag() == a.tag())
+            .expect("a 15-bit tag collides within a million lengths");
+        assert_ne!(a, b);
+        let got = two_ranks(|r, comm| {
+            let what = if r == 0 { a } else { b };
+            let mut bytes = vec![7u8 + r as u8; what.count as usize];
+            let result = comm.broadcast_as(what, &mut bytes, 0);
+            assert!(
+                r == 0 || bytes.iter().all(|x| *x == 8),
+                "rank 1 took rank 0's bytes"
+            );
             result
         });
         typed_on_every_rank(&got);

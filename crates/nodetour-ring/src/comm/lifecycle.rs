@@ -56,6 +56,22 @@ pub(super) fn teardown(job: &mut HostJob, deadline: Deadline, orderly: bool) -> 
     result
 }
 
+/// A joining deadline that passed is a [`Error::Timeout`] (what was awaited, how long), not
+/// the transport failure the bootstrap's timeout arrives as.
+fn joining_timeout(e: Error) -> Error {
+    match &e {
+        Error::Transport { source } => match source.get() {
+            nodetour_core::Error::Timeout { what, after } => Error::Timeout {
+                waiting_for: format!("the job to form: {what}"),
+                rank: None,
+                after: *after,
+            },
+            _ => e,
+        },
+        _ => e,
+    }
+}
+
 impl Drop for Communicator {
     /// Leaves at once: a collective still queued on a GPU stream is aborted (its neighbours are
     /// told), and the GPU ring's exported memory waits for the teardown handshake (to
@@ -129,8 +145,9 @@ impl Communicator {
             ),
             None => None,
         };
-        let formed_with = device_from_stream::FormedWith::new(&options, &launch.rendezvous);
-        let job = HostJob::form(launch, &options, pin.as_ref())?;
+        let formed_with =
+            device_from_stream::FormedWith::new(&options, &launch.rendezvous, &launch.token);
+        let job = HostJob::form(launch, &options, pin.as_ref()).map_err(joining_timeout)?;
         Ok(Communicator {
             rank: job.rank,
             world: job.world,
@@ -224,8 +241,18 @@ impl Communicator {
     /// neighbour's failure, which fails every replay not yet confirmed by a wait. Waiting on
     /// the stream in any other way (`cuStreamSynchronize`, an event) runs the replays but
     /// reports nothing: their results are trustworthy only after this returns `Ok`.
-    pub fn wait_stream(&self, stream: &GpuStream, deadline: Deadline) -> Result<()> {
-        self.wait_on(Some(stream), deadline)
+    ///
+    /// `stream` is what the verbs take: the caller's cudarc stream (`&Arc<CudaStream>`) or a
+    /// `&GpuStream`.
+    pub fn wait_stream<Q: super::Queue>(&self, stream: Q, deadline: Deadline) -> Result<()> {
+        let Some(s) = super::operand::sealed::Queue::stream(&stream) else {
+            return Err(Error::InvalidArgument {
+                reason: "wait_stream waits for a device stream (host collectives return when \
+                         done)"
+                    .into(),
+            });
+        };
+        self.wait_on(Some(&s), deadline)
     }
 
     /// [`Self::wait`], after `stream` where one is given ([`Self::wait_stream`]).

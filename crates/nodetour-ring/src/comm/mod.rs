@@ -314,16 +314,21 @@ impl Communicator {
     }
 
     /// Records `e` as the communicator's failure (the first one is kept): it is broken. Its
-    /// device side formed from a stream breaks with it (aborted, which its neighbours see), so
-    /// device collectives queued there end now with the reason, on every rank, rather than
-    /// waiting for peers that will never join them.
+    /// device side breaks with it (the GPU ring formed with it under `Options::with_gpu`, or
+    /// the one formed from a stream: aborted, which its neighbours see), so device collectives
+    /// queued there end now with the reason, on every rank, rather than waiting for peers that
+    /// will never join them.
     fn record_failure(&self, state: &mut State, e: &Error) {
         if state.failed.is_some() {
             return;
         }
         state.failed = Some(e.clone());
+        let reason = format!("the communicator is broken: {e}");
+        if let Some(ring) = &self.gpu_abort {
+            ring.abort(&reason);
+        }
         if let Some(device) = self.device.abort.get() {
-            device.abort(&format!("the communicator is broken: {e}"));
+            device.abort(&reason);
         }
     }
 

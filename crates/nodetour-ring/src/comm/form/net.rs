@@ -687,6 +687,15 @@ pub(crate) fn form(
         .verbs
         .filter(|_| !plan.network_peers(TransportKind::Verbs).is_empty());
     let mut memory = allocate(&plan, verbs, context, job_config)?;
+    if let Some(RecvInto::Host { why, .. }) = &memory.recv {
+        // The mission's own fallback is never silent: on standard error too, as the staged
+        // device path says it (a program without a `tracing` subscriber sees this line).
+        nodetour_core::notice::warn(format_args!(
+            "rank {}: device collectives' chunks from rank {} land in host memory, not in GPU \
+             memory (no GPUDirect RDMA on this link): {why}",
+            plan.me, plan.prev
+        ));
+    }
     let received = exchange(&seat, &plan, &memory, &options)?;
     let to_next = connect_next(context, &plan, &memory, &received, &options)?;
     let (prev_page, prev_mailbox, from_prev) =
