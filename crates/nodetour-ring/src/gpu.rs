@@ -140,6 +140,15 @@ impl GpuGroup {
                 distinct_pairs += 1;
                 let ok = enable_peer_access(ctx, prev)
                     .map_err(|e| Error::gpu("enabling peer access", e))?;
+                // What the callers' allocations and nodetour's captured scratch come from
+                // (cuMemAllocAsync) ignores peer access: its pool grants it, both ways (the
+                // two-rank step writes the neighbour's buffer too).
+                if ok {
+                    for (a, b) in [(ctx, prev), (prev, ctx)] {
+                        nodetour_core::cuda::enable_pool_access(a, b)
+                            .map_err(|e| Error::gpu("granting peer access to memory pools", e))?;
+                    }
+                }
                 if !ok {
                     return Err(Error::Unsupported {
                         reason: format!(

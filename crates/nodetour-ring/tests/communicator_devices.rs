@@ -866,3 +866,33 @@ fn a_group_on_the_callers_per_thread_stream_is_ordered_on_it() {
         drop(held);
     }
 }
+
+/// Issue 48, item 4: two distinct GPUs of one process read and write each other's
+/// memory-pool allocations (cudarc's `cuMemAllocAsync`, which `cuCtxEnablePeerAccess` does not
+/// reach; `from_devices` grants pool access both ways), every collective on cudarc slices,
+/// from threads and from groups, small and large; nodetour's own buffers (`cuMemAlloc`) in
+/// `allreduce_in_a_group_matches_the_host_reducer`, graph capture (scratch from a pool too) in
+/// `captured_in_one_graph_from_one_thread_and_replayed`, both of which spread their ranks over
+/// two GPUs where there are two. Needs two GPUs: on one it prints `SKIP`.
+#[test]
+#[ignore = "needs 2 GPUs"]
+fn two_gpus_read_each_others_pool_memory() {
+    let Some(gpus) = gpus() else { return };
+    if gpus.len() < 2 {
+        println!("SKIP needs 2 GPUs ({} here)", gpus.len());
+        return;
+    }
+    let contexts = vec![gpus[0].clone(), gpus[1].clone()];
+    let comms = Communicator::from_devices(&contexts, options()).unwrap();
+    let mut failures = Vec::new();
+    for threads in [true, false] {
+        for block in [4099usize, 3 << 20] {
+            slices_case::<f32>(&comms, &contexts, block, threads, &mut failures);
+            slices_case::<half::bf16>(&comms, &contexts, block, threads, &mut failures);
+        }
+    }
+    for c in comms {
+        c.close(Deadline::after(Duration::from_secs(30))).unwrap();
+    }
+    no_mismatches(&failures);
+}

@@ -24,6 +24,19 @@
 //! **and** until every piece of work queued through it has run; free memory only in the order
 //! of the streams that work was queued on. Memory from cudarc's `upgrade_device_ptr` (whose
 //! owner frees on drop) is not a borrowed view.
+//!
+//! A communicator's device collectives run on a stream of its own, joined from and back to
+//! the caller's stream on the calling thread: a stream handle (the per-thread default stream
+//! included) is used only during the call that passed it, on that thread. A GPU's peers read
+//! its memory on one host: through the one-kernel path's and the ring's own exported slots
+//! (never the caller's memory) across processes; **directly** in one process
+//! (`Communicator::from_devices`), where a GPU reads and writes its ring neighbours' buffers.
+//! There, memory from `cuMemAlloc` (nodetour's [`device_buffer::DeviceBuffer::new`], views of
+//! such memory) is reached through peer access, and memory from each GPU's *current memory
+//! pool* (`cuMemAllocAsync`: cudarc's allocations) through the pool access `from_devices`
+//! grants ([`enable_pool_access`]); memory from any other pool of the caller's needs the
+//! caller's own `cuMemPoolSetAccess` for the neighbour GPUs, else the first collective
+//! faults.
 
 pub mod busy;
 pub(crate) mod copy;
@@ -40,7 +53,9 @@ pub mod stream_buffer;
 
 pub use driver::{GdrAttributes, GpuInfo, availability, flush_rdma_writes, gpus, open_context};
 pub use libs::nccl_loadable;
-pub use stream::{GpuEvent, GpuStream, can_access_peer, enable_peer_access, reap_releases};
+pub use stream::{
+    GpuEvent, GpuStream, can_access_peer, enable_peer_access, enable_pool_access, reap_releases,
+};
 pub use stream_buffer::StreamOrderedBuffer;
 
 /// Whether two handles name the same CUDA context: the same `Arc`, or two `Arc`s of one

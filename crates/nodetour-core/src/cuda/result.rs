@@ -96,6 +96,60 @@ pub(crate) unsafe fn dmabuf_fd(ptr: sys::CUdeviceptr, len: usize) -> Result<Owne
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+type DeviceGetMemPool =
+    unsafe extern "C" fn(*mut sys::CUmemoryPool, sys::CUdevice) -> sys::CUresult;
+type MemPoolSetAccess =
+    unsafe extern "C" fn(sys::CUmemoryPool, *const AccessDesc, usize) -> sys::CUresult;
+
+/// `CUmemAccessDesc`: a location (type, device id) and the access flags, three C ints in every
+/// CUDA version (spelled here: newer bindings make the id a union).
+#[repr(C)]
+pub(crate) struct AccessDesc {
+    location_type: i32,
+    location_id: i32,
+    flags: i32,
+}
+
+/// `cuMemPoolSetAccess` on `owner`'s current memory pool (where `cuMemAllocAsync` allocates):
+/// `reader`'s GPU may read and write it. Pool memory ignores `cuCtxEnablePeerAccess`.
+pub(crate) fn grant_pool_access(owner: sys::CUdevice, reader: sys::CUdevice) -> Result<(), Error> {
+    let unsupported = |what: &str| Error::Unsupported {
+        what: "peer access to memory-pool allocations",
+        reason: format!("the NVIDIA driver has no {what} (needs CUDA 11.2 or newer)"),
+    };
+    // SAFETY: looked up by name; None where the driver lacks them.
+    let (get, set) = unsafe {
+        (
+            proc_address("cuDeviceGetMemPool", 11020)
+                .ok_or_else(|| unsupported("cuDeviceGetMemPool"))?,
+            proc_address("cuMemPoolSetAccess", 11020)
+                .ok_or_else(|| unsupported("cuMemPoolSetAccess"))?,
+        )
+    };
+    // SAFETY: the addresses of these two entry points, of these signatures.
+    let (get, set) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, DeviceGetMemPool>(get),
+            std::mem::transmute::<*mut c_void, MemPoolSetAccess>(set),
+        )
+    };
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the driver checks the device handle.
+    unsafe { get(&mut pool, owner) }
+        .result()
+        .map_err(|e| cuda_error("cuDeviceGetMemPool", e))?;
+    let desc = AccessDesc {
+        // CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE.
+        location_type: 1,
+        location_id: reader,
+        flags: 3,
+    };
+    // SAFETY: the pool the driver returned; one descriptor of CUmemAccessDesc's layout.
+    unsafe { set(pool, &desc, 1) }
+        .result()
+        .map_err(|e| cuda_error("cuMemPoolSetAccess", e))
+}
+
 /// `cuFlushGPUDirectRDMAWrites(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
 /// CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER)`: makes RDMA writes that completed visible to the
 /// GPU's own work.

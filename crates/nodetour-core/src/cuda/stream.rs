@@ -531,6 +531,19 @@ pub fn can_access_peer(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result
     super::result::can_access_peer(from.cu_device(), to.cu_device())
 }
 
+/// Lets `from`'s GPU read and write what `to`'s GPU allocates from its current memory pool
+/// (`cuMemAllocAsync`: cudarc's allocations, nodetour's stream-ordered buffers), which
+/// `cuCtxEnablePeerAccess` does not reach (`cuMemPoolSetAccess`). Memory of another pool of
+/// the caller's needs the same from the caller. Granting twice is fine.
+pub fn enable_pool_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<()> {
+    if from.cu_device() == to.cu_device() {
+        return Ok(()); // a GPU reads its own pools
+    }
+    to.bind_to_thread()
+        .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+    super::result::grant_pool_access(to.cu_device(), from.cu_device())
+}
+
 /// Lets `from`'s GPU access `to`'s memory directly (NVLink or PCIe peer-to-peer). Returns
 /// whether the hardware allows it; enabling twice is fine.
 pub fn enable_peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<bool> {

@@ -173,8 +173,10 @@ impl Communicator {
     /// GPU may appear more than once), as NCCL's `ncclCommInitAll`: communicator `i` is rank
     /// `i` and runs device collectives on `contexts[i]`'s memory. Each GPU reads its ring
     /// neighbour's memory directly (peer access between neighbours on distinct GPUs is enabled
-    /// here; a pair without it is [`Error::Unsupported`]); nothing is staged through the host
-    /// and no slot memory is held.
+    /// here, and access to each GPU's current memory pool, where cudarc allocates, is granted
+    /// to its neighbours; a pair without peer access is [`Error::Unsupported`]); nothing is
+    /// staged through the host and no slot memory is held. Memory of another pool of the
+    /// caller's needs the caller's own grant (see `nodetour_core::cuda`'s raw-handle contract).
     ///
     /// Drive them with one thread per GPU (each calls its communicator's device
     /// collective; every call returns once the collective is queued on every GPU's stream) or
