@@ -168,7 +168,7 @@ fn run() -> anyhow::Result<()> {
         .map(|r| SlotGrant {
             key: r.key(),
             len: r.len() as u64,
-            remote: r.memory_region().map(|m| m.remote()),
+            remote: r.remote(),
         })
         .collect();
     let endpoint = TcpEndpoint::bind("0.0.0.0:0", token.clone(), config.timeout)?;

@@ -82,13 +82,13 @@ for n in ranks:
     for size in sorted(set(mpi) & set(nt)):
         a, b = statistics.median(nt[size]), statistics.median(mpi[size])
         busbw = lambda us: size / (us * 1e-6) / 1e9 * 2 * (k - 1) / k
-        # The issue's targets: <= 2x MPI's time below 64 KiB; >= 1.0x its busbw from 1 MiB
-        # (met when our median is within MPI's plus the larger spread).
-        slack = max(spread(nt[size]), spread(mpi[size]))
+        # The issue's targets: <= 2x MPI's time below 64 KiB; >= 1.0x its busbw from 1 MiB.
+        # Judged on the median ratio alone (a verdict that a wide spread could never fail is
+        # no verdict); the spread is printed beside it.
         if size < 64 << 10:
-            ok = a <= 2 * b + slack
+            ok = a <= 2 * b
         elif size >= 1 << 20:
-            ok = a <= b + slack
+            ok = a <= b
         else:
             ok = None
         if ok is not None:

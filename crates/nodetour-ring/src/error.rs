@@ -87,9 +87,11 @@ pub enum Error {
         reason: String,
     },
     /// Two ranks disagree on what the collective is (operation, count, type, reduction, root,
-    /// algorithm, sequence number or protocol version). No rank wrote a result from it.
+    /// algorithm, sequence number or protocol version). Found before any data of it moves
+    /// (the first grant, the GPU ring's descriptor word), but as every failure the output is
+    /// undefined afterwards.
     #[error(
-        "rank {rank} and rank {peer} disagree on the collective: {ours} here, {theirs} there; no result was written"
+        "rank {rank} and rank {peer} disagree on the collective: {ours} here, {theirs} there; its output is undefined"
     )]
     Disagreement {
         /// This rank.
@@ -137,9 +139,10 @@ pub enum Error {
         first: Box<Error>,
     },
     /// A neighbour ended this collective and said why: `cause` names the rank at fault and
-    /// what happened there (the neighbour's own failure, or one it was told of and passed on);
-    /// this rank wrote no result.
-    #[error("collective #{seq} ended: {cause} (rank {peer} told this rank); no result was written")]
+    /// what happened there (the neighbour's own failure, or one it was told of and passed on).
+    /// The collective failed here: its output is undefined (it may hold partial results, as
+    /// after any failed collective).
+    #[error("collective #{seq} ended: {cause} (rank {peer} told this rank); its output is undefined")]
     PeerFailed {
         /// The neighbour that told us.
         peer: u32,

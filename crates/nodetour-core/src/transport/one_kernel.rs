@@ -3,11 +3,14 @@
 //! the ring's neighbours: every rank reads every peer), the peers' mapped, and the words only
 //! this rank uses (its sequence words in GPU memory, its status page in host memory).
 //!
-//! Least privilege: a peer can write only this rank's signal page (its own words there are the
-//! protocol; it could write the others', which only ends a wait early or late — the digest,
-//! the deadline and the stop word bound what that costs) and read only this rank's scratch,
-//! which holds nothing but copies of this rank's inputs to one-kernel collectives. Nothing of
-//! the caller's memory is exported.
+//! Least privilege: every rank of the host (not only the ring's neighbours) maps this rank's
+//! signal page, which it can write (its own words there are the protocol; it could write the
+//! others', which only ends a wait early or late — the counted arrival words, the deadline and
+//! the stop word bound what that costs), and its scratch, which it reads and which holds
+//! nothing but copies of this rank's inputs to one-kernel collectives. Nothing of the caller's
+//! memory is exported, except a symmetric buffer the caller asked for
+//! ([`OneKernel::symmetric_create`]): that is the caller's data, mapped (read and written in
+//! place) by every rank of the host while it lives.
 //!
 //! Teardown: [`OneKernel::close_imports`] closes this rank's mappings of its peers' memory
 //! (each after the work queued on it, with a deadline); the memory this rank exported is freed

@@ -122,6 +122,12 @@ impl SlotRegion {
         self.0.len == 0
     }
 
+    /// The window a peer writes through (its address and remote key), where the region is
+    /// registered with verbs: what a grant carries, never the bytes.
+    pub fn remote(&self) -> Option<RemoteRegion> {
+        self.registration().map(|r| r.remote())
+    }
+
     /// A read flush over this region's verbs registration (host memory registered with
     /// verbs): the flush reads the region through a second registration of its own, and the
     /// region's bytes stay reachable only through this type's methods, under its one lock

@@ -1,6 +1,8 @@
 //! The owning non-blocking form of every device collective: [`Communicator::start`] hands the
-//! buffers to a handle that owns them until the collective has finished, so nothing of the
-//! caller's can read, reuse or free them meanwhile.
+//! buffers to a handle that owns them until the collective has finished, so no code of the
+//! caller's can read, reuse or free them meanwhile (its GPU work queued later on other
+//! streams is ordered by cudarc's event tracking where it is on; with it off
+//! (`disable_event_tracking`) that ordering is the caller's).
 
 use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuEvent;

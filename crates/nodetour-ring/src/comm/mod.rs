@@ -16,10 +16,15 @@
 //!    cudarc slices and views with the caller's `&Arc<CudaStream>`; [`Elements`] (nodetour's
 //!    device buffers, views of a runtime's own memory, raw pointers; the type at run time)
 //!    with a `&GpuStream`; host slices, arrays, vectors and [`HostBytes`] with [`Host`]. On
-//!    device memory the call queues the collective on the stream and returns where the ranks
-//!    share one host (a GPU ring), and is staged through host memory, synchronous on the
-//!    stream, across hosts: [`Communicator::paths`] says which ([`DevicePath`]).
-//!    [`Communicator::start`] is the owning non-blocking form of any device collective. On
+//!    device memory the call queues the collective on the stream and returns: a GPU ring on
+//!    one host (cuda-ipc or shm) and across hosts (network links driven from the streams by a
+//!    progress thread, landing in GPU memory where GPUDirect RDMA allows, else in host
+//!    slots); only where no GPU ring can form (host links forced, a GPU missing on a rank) is
+//!    it staged through the host ring, synchronous with a deadline. [`Communicator::paths`]
+//!    says which ([`DevicePath`]). A communicator's device collectives run in the order of
+//!    the calls, whatever stream each names (a stream of its own, joined from and back to the
+//!    caller's on the calling thread, as NCCL's), and [`Communicator::wait`] covers every
+//!    stream used. [`Communicator::start`] is the owning non-blocking form of any device collective. On
 //!    host memory the call is synchronous: it returns `Ok` only with the answer in the output,
 //!    the same bits on every rank. Any size of buffer goes through the communicator's bounded
 //!    staging memory in pieces.

@@ -47,8 +47,10 @@ pub enum DevicePath {
     /// No GPU was given ([`crate::comm::Options::gpu`]) and no device collective has run yet:
     /// the first one forms the device path on its stream's GPU.
     None,
-    /// A GPU ring (all ranks on one host, one GPU each): queued on the caller's stream, no host
-    /// wait. `transport` is cuda-ipc (direct) or shm (staged through shared host memory).
+    /// A GPU ring (one GPU each): queued on the caller's stream, no host wait. `transport` is
+    /// the link to the next rank: cuda-ipc (direct) or shm (through shared host memory) on one
+    /// host, verbs or tcp across hosts (network links landing in GPU or host memory, as
+    /// `reason` says).
     GpuRing {
         /// The link to the next rank.
         transport: Option<TransportKind>,
@@ -61,8 +63,8 @@ pub enum DevicePath {
         /// The path and why.
         reason: String,
     },
-    /// Staged through this rank's host ring (ranks on several hosts, or host links forced):
-    /// synchronous, waiting for the caller's stream only.
+    /// Staged through this rank's host ring (no GPU ring could form: `reason` says why):
+    /// synchronous, waiting for the caller's stream only, with the communicator's timeout.
     Staged {
         /// Why not a GPU ring.
         reason: String,
