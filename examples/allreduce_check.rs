@@ -101,11 +101,11 @@ fn main() -> ExitCode {
 
 fn run() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.gpu {
-        if let Err(e) = nodetour_core::cuda::availability() {
-            println!("SKIP allreduce_check --gpu: {e}");
-            return Ok(());
-        }
+    if args.gpu
+        && let Err(e) = nodetour_core::cuda::availability()
+    {
+        println!("SKIP allreduce_check --gpu: {e}");
+        return Ok(());
     }
     let mut options = Options::from_env()?;
     options.transport = Some(match args.transport.as_str() {

@@ -51,7 +51,7 @@ fn seed(rank: u32, t: u32, b: usize) -> u32 {
 
 /// The bucket's data type: f32 and bf16 in turn.
 fn dtype_of(b: usize) -> DataType {
-    if b % 2 == 0 {
+    if b.is_multiple_of(2) {
         DataType::F32
     } else {
         DataType::Bf16

@@ -433,14 +433,14 @@ fn run_faulty(
             assert!(faults.deadline, "deadlock: seed {seed}");
             deadline = true;
         }
-        if faults.abort_one_in > 0 && rng.next() % faults.abort_one_in == 0 {
+        if faults.abort_one_in > 0 && rng.next().is_multiple_of(faults.abort_one_in) {
             let r = (rng.next() % world as u64) as usize;
             ranks[r].stop = true;
         }
         let me = (rng.next() % world as u64) as usize;
         let qi = (rng.next() % QUEUES as u64) as usize;
         // Before issue 34: the host sets the stop word some time after a block failed.
-        if ranks[me].failed_unseen && rng.next() % 8 == 0 {
+        if ranks[me].failed_unseen && rng.next().is_multiple_of(8) {
             ranks[me].stop = true;
             ranks[me].failed_unseen = false;
         }
@@ -558,7 +558,7 @@ fn run_faulty(
                         && (ranks[me].stop
                             || deadline
                             || faults.timeout_one_in > 0
-                                && rng.next() % faults.timeout_one_in == 0);
+                                && rng.next().is_multiple_of(faults.timeout_one_in));
             }
             Step::ReduceAll => {
                 for (r, rank) in ranks.iter().enumerate() {
@@ -708,14 +708,14 @@ fn the_model_catches_a_single_half() {
 fn random_calls(rng: &mut Rng, len: u64, replays: bool, unordered_replays: bool) -> Vec<Call> {
     let mut calls: Vec<Call> = Vec::new();
     for _ in 0..len {
-        let replay = replays && rng.next() % 3 == 0;
+        let replay = replays && rng.next().is_multiple_of(3);
         // A careful caller orders a replay, and the call after one, against its other streams.
         // The caller's writes of its symmetric buffer are ordered after the collectives
         // before (else it races with them itself, whatever nodetour does).
         let after_replay = calls.last().is_some_and(|c| c.replay);
         let kind = random_kind(rng);
         let ordered = kind == Kind::Symmetric
-            || (replay || after_replay) && !(unordered_replays && rng.next() % 2 == 0);
+            || (replay || after_replay) && !(unordered_replays && rng.next().is_multiple_of(2));
         calls.push(Call {
             kind,
             stream: 1 + (rng.next() % 2) as usize,

@@ -142,7 +142,9 @@ pub enum Error {
     /// what happened there (the neighbour's own failure, or one it was told of and passed on).
     /// The collective failed here: its output is undefined (it may hold partial results, as
     /// after any failed collective).
-    #[error("collective #{seq} ended: {cause} (rank {peer} told this rank); its output is undefined")]
+    #[error(
+        "collective #{seq} ended: {cause} (rank {peer} told this rank); its output is undefined"
+    )]
     PeerFailed {
         /// The neighbour that told us.
         peer: u32,

@@ -110,7 +110,9 @@ impl Plan {
     pub fn with_shape(self, shape: Shape) -> Result<Plan> {
         let bad = |reason: String| Error::Plan { reason };
         match shape {
-            Shape::ReduceScatter | Shape::AllGather if self.count % u64::from(self.world) != 0 => {
+            Shape::ReduceScatter | Shape::AllGather
+                if !self.count.is_multiple_of(u64::from(self.world)) =>
+            {
                 return Err(bad(format!(
                     "{} elements do not split into {} equal blocks",
                     self.count, self.world

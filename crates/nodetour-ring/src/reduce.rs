@@ -64,7 +64,7 @@ fn typed<T: Copy>(a: &mut [T], b: &[T], f: impl Fn(T, T) -> T) {
 
 /// `acc = op(acc, other)`, element-wise (`Avg` sums; [`finish_avg`] divides at the end).
 pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) -> Result<()> {
-    if acc.len() != other.len() || acc.len() % dtype.size() != 0 {
+    if acc.len() != other.len() || !acc.len().is_multiple_of(dtype.size()) {
         return Err(Error::Plan {
             reason: format!(
                 "reducing {} bytes with {} bytes of {dtype:?}",

@@ -329,15 +329,16 @@ fn run(
         }
     };
     for step in 0.. {
-        if let Some((r, p)) = faults.abort {
-            if step == at(p) && !ranks[r].lost {
-                abort(&mut ranks, r);
-            }
+        if let Some((r, p)) = faults.abort
+            && step == at(p)
+            && !ranks[r].lost
+        {
+            abort(&mut ranks, r);
         }
-        if let Some((r, p)) = faults.kill {
-            if step == at(p) {
-                ranks[r].lost = true;
-            }
+        if let Some((r, p)) = faults.kill
+            && step == at(p)
+        {
+            ranks[r].lost = true;
         }
         // Runnable: (rank, 0 = send stream, 1 = receive stream, 2 = host reacts).
         let mut runnable = Vec::new();

@@ -172,10 +172,8 @@ pub fn examine(config: &Config, live: bool) -> Result<Report> {
         .map(|g| probe::verdict(g, &facts))
         .collect();
     let mut checks = Vec::new();
-    if live {
-        if let Ok(list) = &gpu_list {
-            live_checks(config, list, &mut verdicts, &mut checks);
-        }
+    if live && let Ok(list) = &gpu_list {
+        live_checks(config, list, &mut verdicts, &mut checks);
     }
     let host = probe::verdict::host_verdict(&facts);
     Ok(Report {

@@ -743,7 +743,7 @@ fn check(b: &DeviceBuffer, offset: usize, count: usize, dtype: DataType) -> Resu
         .ok_or_else(|| Error::InvalidArgument {
             reason: format!("{count} elements of {dtype:?} overflow the address space"),
         })?;
-    if offset % dtype.size() != 0 {
+    if !offset.is_multiple_of(dtype.size()) {
         return Err(Error::InvalidArgument {
             reason: format!("offset {offset} is not aligned to {dtype:?}"),
         });

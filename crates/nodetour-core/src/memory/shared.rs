@@ -271,7 +271,7 @@ impl SharedHostMemory {
     /// Reads the 32-bit word at `offset` (a flag), as the other processes and GPUs wrote it.
     pub fn read_u32(&self, offset: usize) -> Result<u32> {
         self.check(offset, 4)?;
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return Err(Error::InvalidArgument {
                 reason: "flags are 4-byte aligned".into(),
             });
@@ -306,7 +306,7 @@ impl SharedHostMemory {
     /// held (the store happened if it equals `current`).
     pub fn compare_exchange_u32(&self, offset: usize, current: u32, new: u32) -> Result<u32> {
         self.check(offset, 4)?;
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return Err(Error::InvalidArgument {
                 reason: "flags are 4-byte aligned".into(),
             });

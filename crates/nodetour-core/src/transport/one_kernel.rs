@@ -450,10 +450,10 @@ impl OneKernel {
     /// yet (the ranks agreed not to map it: another rank could not make its part, or asked for
     /// another size); the id stays taken. A buffer this rank mapped stays until teardown.
     pub fn symmetric_release_unmapped(&mut self, id: usize) {
-        if let Some(slot) = self.symmetric.get_mut(id) {
-            if slot.as_ref().is_some_and(|s| s.peers.is_empty()) {
-                *slot = None;
-            }
+        if let Some(slot) = self.symmetric.get_mut(id)
+            && slot.as_ref().is_some_and(|s| s.peers.is_empty())
+        {
+            *slot = None;
         }
     }
 

@@ -497,7 +497,7 @@ fn check_registration(addr: usize, len: usize, page: usize) -> Result<()> {
             reason: "zero-length region".into(),
         });
     }
-    if addr % page != 0 {
+    if !addr.is_multiple_of(page) {
         return Err(Error::InvalidRegistration {
             reason: format!("address {addr:#x} is not aligned to the {page}-byte page size"),
         });

@@ -356,10 +356,10 @@ pub(crate) unsafe fn poll_cq(cq: *mut ibv_cq, wc: &mut [ibv_wc]) -> io::Result<u
         }));
     }
     let got = got as usize;
-    if got > 0 {
-        if let Some(status) = inject::take_completion_status() {
-            wc[0].status = status;
-        }
+    if got > 0
+        && let Some(status) = inject::take_completion_status()
+    {
+        wc[0].status = status;
     }
     Ok(got)
 }

@@ -463,7 +463,7 @@ impl Communicator {
 
     /// The block length of a buffer of `world` blocks.
     fn block_of(&self, len: usize) -> Result<usize> {
-        if len % self.world as usize != 0 {
+        if !len.is_multiple_of(self.world as usize) {
             return Err(Error::InvalidArgument {
                 reason: format!(
                     "{len} elements do not split into {} equal blocks",

@@ -87,7 +87,7 @@ impl<'a> HostBytes<'a> {
 }
 
 fn whole(len: usize, dtype: DataType) -> Result<()> {
-    if len % dtype.size() != 0 {
+    if !len.is_multiple_of(dtype.size()) {
         return Err(Error::InvalidArgument {
             reason: format!("{len} bytes are not whole {dtype:?} elements"),
         });

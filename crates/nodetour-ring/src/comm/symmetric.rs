@@ -170,12 +170,12 @@ impl Communicator {
         // Every rank sees the same table: where it says no, no rank maps anything, so this
         // rank's part (if it made one) is freed at once; its id stays taken on every rank.
         let release = || {
-            if let Ok((id, _)) = &created {
-                if let Ok(mut state) = self.usable() {
-                    let ring = state.job.as_mut().and_then(|j| j.gpu_ring.as_mut());
-                    if let Some(k) = ring.and_then(|r| r.one_kernel_mut()) {
-                        k.symmetric_release_unmapped(*id);
-                    }
+            if let Ok((id, _)) = &created
+                && let Ok(mut state) = self.usable()
+            {
+                let ring = state.job.as_mut().and_then(|j| j.gpu_ring.as_mut());
+                if let Some(k) = ring.and_then(|r| r.one_kernel_mut()) {
+                    k.symmetric_release_unmapped(*id);
                 }
             }
         };

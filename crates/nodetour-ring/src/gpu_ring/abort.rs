@@ -82,20 +82,20 @@ impl AbortHandle {
             let _ = ends.prev.store(flag::ENDED_BY_NEXT, v);
             std::sync::atomic::fence(Ordering::SeqCst);
         }
-        if let Some(stop) = &self.shared.stop {
-            if let Err(e) = stop.set() {
-                tracing::error!(error = %e, "could not set the GPU ring's stop word");
-            }
+        if let Some(stop) = &self.shared.stop
+            && let Err(e) = stop.set()
+        {
+            tracing::error!(error = %e, "could not set the GPU ring's stop word");
         }
     }
 
     /// Sets the stop word (unless the GPU set it first) and nothing else: no end notice, no
     /// error recorded. For a ring closing in order.
     pub(super) fn stop_quietly(&self) {
-        if let Some(stop) = &self.shared.stop {
-            if let Err(e) = stop.set() {
-                tracing::error!(error = %e, "could not set the GPU ring's stop word");
-            }
+        if let Some(stop) = &self.shared.stop
+            && let Err(e) = stop.set()
+        {
+            tracing::error!(error = %e, "could not set the GPU ring's stop word");
         }
     }
 

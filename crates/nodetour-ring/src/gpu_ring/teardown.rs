@@ -109,10 +109,10 @@ impl GpuRing {
     pub(crate) fn leak_exports(&mut self) {
         if let Some(mut e) = self.exports.take() {
             // The link's thread owns what it uses: ending it frees nothing a neighbour maps.
-            if let Some(mut net) = e.net.take() {
-                if let Err(err) = net.close(TEARDOWN_DEADLINE) {
-                    tracing::warn!(error = %err, "closing the GPU ring's network links");
-                }
+            if let Some(mut net) = e.net.take()
+                && let Err(err) = net.close(TEARDOWN_DEADLINE)
+            {
+                tracing::warn!(error = %err, "closing the GPU ring's network links");
             }
             tracing::error!(
                 "a neighbour did not confirm it unmapped this rank's slots: leaking them"

@@ -154,11 +154,11 @@ impl HostRing<'_> {
             for (from_prev, v) in events {
                 match ahead(epoch_of(v), epoch) {
                     0 => {
-                        if let Some(Notice::End { cause, .. }) = Notice::decode(v) {
-                            if matches!(cause.kind, CauseKind::Disagreement | CauseKind::Aborted) {
-                                let from = if from_prev { prev_rank } else { next_rank };
-                                return Some((from, cause));
-                            }
+                        if let Some(Notice::End { cause, .. }) = Notice::decode(v)
+                            && matches!(cause.kind, CauseKind::Disagreement | CauseKind::Aborted)
+                        {
+                            let from = if from_prev { prev_rank } else { next_rank };
+                            return Some((from, cause));
                         }
                     }
                     1..=63 => self.backlog.push(mark(from_prev, v)),

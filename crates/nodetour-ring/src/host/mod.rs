@@ -235,7 +235,7 @@ pub(crate) struct Staged {
 
 #[cfg(test)]
 fn whole_elements(len: usize, dtype: DataType) -> Result<()> {
-    if len % dtype.size() != 0 {
+    if !len.is_multiple_of(dtype.size()) {
         return Err(Error::Plan {
             reason: format!("{len} bytes is not a whole number of {dtype:?} elements"),
         });

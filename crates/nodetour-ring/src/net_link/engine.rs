@@ -415,22 +415,22 @@ impl Engine {
 
     /// Reads what the streams stored: chunks ready to send, slots released.
     fn read_streams(&mut self) {
-        if self.has_next() {
-            if let Ok(v) = self.setup.out_next.read(flag::READY) {
-                let n = unwrap32(self.stream_sent, v);
-                if n != self.stream_sent && n - self.stream_sent < 1 << 31 {
-                    self.stream_sent = n;
-                    self.send.stream_sent(n);
-                }
+        if self.has_next()
+            && let Ok(v) = self.setup.out_next.read(flag::READY)
+        {
+            let n = unwrap32(self.stream_sent, v);
+            if n != self.stream_sent && n - self.stream_sent < 1 << 31 {
+                self.stream_sent = n;
+                self.send.stream_sent(n);
             }
         }
-        if self.has_prev() {
-            if let Ok(v) = self.setup.out_prev.read(flag::RELEASED) {
-                let n = unwrap32(self.stream_released, v);
-                if n != self.stream_released && n - self.stream_released < 1 << 31 {
-                    self.stream_released = n;
-                    self.recv.stream_released(n);
-                }
+        if self.has_prev()
+            && let Ok(v) = self.setup.out_prev.read(flag::RELEASED)
+        {
+            let n = unwrap32(self.stream_released, v);
+            if n != self.stream_released && n - self.stream_released < 1 << 31 {
+                self.stream_released = n;
+                self.recv.stream_released(n);
             }
         }
     }

@@ -165,12 +165,12 @@ pub fn enqueue_reduce_then_signal(
         .ok_or_else(|| Error::InvalidArgument {
             reason: format!("{count} elements of {dtype:?} overflow"),
         })?;
-    if let ChunkSource::Gpu(_, offset) = src {
-        if offset % dtype.size() != 0 {
-            return Err(Error::InvalidArgument {
-                reason: format!("offset {offset} is not aligned to {dtype:?}"),
-            });
-        }
+    if let ChunkSource::Gpu(_, offset) = src
+        && offset % dtype.size() != 0
+    {
+        return Err(Error::InvalidArgument {
+            reason: format!("offset {offset} is not aligned to {dtype:?}"),
+        });
     }
     let chunk = Consume {
         dst,

@@ -63,7 +63,7 @@ pub(super) const IPC_GRANT_ALIGNMENT: u64 = 256;
 /// A grant's slot `[offset, offset + len)` inside an allocation of `mapped` bytes, computed
 /// without overflow, starting on [`IPC_GRANT_ALIGNMENT`].
 pub(super) fn check_grant(grant: &IpcGrant, mapped: u64) -> Result<()> {
-    if grant.offset % IPC_GRANT_ALIGNMENT != 0 {
+    if !grant.offset.is_multiple_of(IPC_GRANT_ALIGNMENT) {
         return Err(Error::InvalidArgument {
             reason: format!(
                 "a cuda-ipc grant at offset {} (not a multiple of {IPC_GRANT_ALIGNMENT})",

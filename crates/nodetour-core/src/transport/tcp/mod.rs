@@ -288,10 +288,10 @@ impl HostConnection for TcpConnection {
             let _ = self.rx.pump();
         }
         let mut ev = self.rx.events();
-        if ev.0.is_empty() {
-            if let Some(why) = &ev.1 {
-                return Err(self.ended(why));
-            }
+        if ev.0.is_empty()
+            && let Some(why) = &ev.1
+        {
+            return Err(self.ended(why));
         }
         events.extend(ev.0.drain(..));
         Ok(())
