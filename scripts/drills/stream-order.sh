@@ -7,7 +7,9 @@
 # PARTs (default all): order (two unordered streams, every Ok checked), cost (queue time and
 # latency; under MPS, a substitute for two GPUs, interleaved parent/fix twice), per-thread (a
 # buffer dropped on another thread, the default streams), waits (wait, InFlight::wait and
-# close behind a held stream), group (a Group on the caller's per-thread stream).
+# close behind a held stream), group (a Group on the caller's per-thread stream), differ
+# (gpu_ring_check --from-stream --with-gpu --interleave-differ 1: a host-side failure aborts
+# the GPU ring formed with the communicator).
 # Writes OUTDIR/stream-order.log (every rank's output) and prints each result line.
 set -uo pipefail
 parent=$(realpath "$1") fix=$(realpath "$2") out=$(realpath "$3")
@@ -66,6 +68,19 @@ for part in $parts; do
             ;;
         waits)
             for b in parent fix; do job "$b" "$(eval echo \$$b)" --waits; done
+            ;;
+        differ)
+            # Item 6: a communicator formed with its GPU whose host side fails (host and device
+            # collectives interleaved differently) aborts its GPU ring: close is quick.
+            for b in parent fix; do
+                echo "=== $b differ" >>"$log"
+                timeout 120 "$launch" -n 2 --timeout 110 -- "$(eval echo \$$b)/gpu_ring_check" \
+                    --from-stream --with-gpu --interleave-differ 1 >"$log.part" 2>&1
+                local_rc=$?
+                grep -v -E ' (INFO|DEBUG) ' "$log.part" >>"$log"
+                grep -E 'FROM_STREAM|error' "$log.part" | sed "s/^/$b rc=$local_rc /"
+                rm -f "$log.part"
+            done
             ;;
         group)
             for b in parent fix; do

@@ -259,11 +259,25 @@ extern "C" __global__ void nt_signal(const volatile unsigned* latch, NtFlag a, N
     if (!*latch) return;
     nt_store_flags(a, b);
 }
+// One thread, first at a stream's start of a collective: claims the stream's guard words. A
+// replay of a captured collective that runs beside another collective of this rank on the
+// same guard would share its counters: a claim already held sets the stop word to 4 (unless
+// already set), so every wait of this rank ends, nothing more is written to a peer, and the
+// host reports the collectives that ran at once. Released by nt_advance.
+extern "C" __global__ void nt_claim(unsigned* claim, volatile unsigned* stop) {
+    if (atomicCAS(claim, 0u, 1u) != 0u) {
+        if (*stop == 0) *stop = 4;
+        __threadfence_system();
+    }
+    __threadfence();
+}
 // One thread, at a stream's end of a collective: the chunk counter rounded up to `align`, plus
-// the chunks the collective moved on this stream; the collective counter plus one.
-extern "C" __global__ void nt_advance(volatile u64* c, unsigned align, unsigned chunks) {
+// the chunks the collective moved on this stream; the collective counter plus one; the claim
+// released.
+extern "C" __global__ void nt_advance(volatile u64* c, unsigned align, unsigned chunks, unsigned* claim) {
     const u64 al = align ? align : 1;
     c[0] = (c[0] + al - 1) / al * al + chunks;
     c[1] = c[1] + 1;
     __threadfence();
+    atomicExch(claim, 0u);
 }

@@ -77,6 +77,8 @@ pub(crate) struct GuardWords {
     pub(crate) latch: u64,
     pub(crate) done: u64,
     pub(crate) counters: u64,
+    /// The claim of the collective running on the stream (nt_claim, released by nt_advance).
+    pub(crate) claim: u64,
     pub(crate) timeout_ns: u64,
 }
 
@@ -123,6 +125,7 @@ struct Loaded {
     signal: sys::CUfunction,
     send: sys::CUfunction,
     advance: sys::CUfunction,
+    claim: sys::CUfunction,
     reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     one_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     two_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
@@ -289,6 +292,7 @@ impl ReduceKernels {
             signal: get("nt_signal".to_owned())?,
             send: get("nt_send".to_owned())?,
             advance: get("nt_advance".to_owned())?,
+            claim: get("nt_claim".to_owned())?,
             reduce_then,
             one_shot,
             two_shot,
@@ -497,13 +501,25 @@ impl ReduceKernels {
         align: u32,
         chunks: u32,
     ) -> Result<()> {
-        let (mut c, mut a, mut n) = (g.counters, align.max(1), chunks);
+        let (mut c, mut a, mut n, mut claim) = (g.counters, align.max(1), chunks, g.claim);
         let mut params = [
             (&mut c as *mut u64).cast::<c_void>(),
             (&mut a as *mut u32).cast::<c_void>(),
             (&mut n as *mut u32).cast::<c_void>(),
+            (&mut claim as *mut u64).cast::<c_void>(),
         ];
         self.launch_grid(stream, self.k.advance, &mut params, 1, 1)
+    }
+
+    /// Queues on `stream` the claim of its guard words for the collective that starts (see
+    /// `nt_claim` in [`SOURCE`]): a claim still held sets the rank's stop word to 4.
+    pub(crate) fn claim(&self, stream: &GpuStream, g: GuardWords) -> Result<()> {
+        let (mut claim, mut stop) = (g.claim, g.stop);
+        let mut params = [
+            (&mut claim as *mut u64).cast::<c_void>(),
+            (&mut stop as *mut u64).cast::<c_void>(),
+        ];
+        self.launch_grid(stream, self.k.claim, &mut params, 1, 1)
     }
 
     /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes of `src` to

@@ -73,6 +73,11 @@ impl GpuRing {
         stream.record_marker(&marks.start).map_err(g)?;
         h.send.wait_marker(&marks.start).map_err(g)?;
         h.recv.wait_marker(&marks.start).map_err(g)?;
+        // Each stream claims its guard for this collective (released by its advance below): a
+        // graph replay that runs beside another collective of this rank stops the rank rather
+        // than share the guards' counters.
+        send_guard.enqueue_claim(&h.send, kernels).map_err(g)?;
+        recv_guard.enqueue_claim(&h.recv, kernels).map_err(g)?;
         // Agreement before anything is used: the send stream tells the next rank what this
         // collective is just before its first chunk's ready flag (so the next rank's wait for
         // it costs no extra hand-off), and the receive stream reads no chunk of the previous

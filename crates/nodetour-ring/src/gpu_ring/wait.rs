@@ -12,6 +12,15 @@ impl GpuRing {
     /// itself: inside a CUDA graph no host waits), as the error to report.
     pub(super) fn guard_timeout(&self) -> Option<Error> {
         let stop = self.abort.shared.stop.as_ref()?;
+        if stop.concurrent() {
+            return Some(Error::Aborted {
+                reason: "a ring collective ran at the same time as another collective of this \
+                         communicator on this GPU (a CUDA graph replay not ordered against the \
+                         communicator's other collectives: launch replays on a stream ordered \
+                         after them); the rank stopped"
+                    .into(),
+            });
+        }
         stop.timed_out().then(|| Error::Timeout {
             waiting_for: "a peer's flag inside a ring collective (a guarded wait on this \
                           rank's GPU gave up; its stop word now ends every wait)"

@@ -205,6 +205,14 @@ impl StopWord {
             .is_ok_and(|v| v == STOP_TIMED_OUT)
     }
 
+    /// Whether a stream's claim found its guard held by another collective of this rank and set
+    /// the word ([`STOP_CONCURRENT`]).
+    pub fn concurrent(&self) -> bool {
+        self.page
+            .read(self.index)
+            .is_ok_and(|v| v == STOP_CONCURRENT)
+    }
+
     /// The word's address in the GPU (host memory mapped into it), for kernels that poll it.
     pub(crate) fn device_address(&self) -> Result<u64> {
         FlagPage::address(&*self.page, self.index)
@@ -213,6 +221,11 @@ impl StopWord {
 
 /// What a guarded wait stores into the stop word when it gives up at its timeout.
 pub const STOP_TIMED_OUT: u32 = 2;
+
+/// What a stream's claim stores into the rank's stop word when another collective of the rank
+/// holds the same guard (a graph replay beside another collective: see
+/// [`StreamGuard::enqueue_claim`]).
+pub const STOP_CONCURRENT: u32 = 4;
 
 /// One stream's guard: the rank's [`StopWord`], and the stream's latch (what its last guarded
 /// wait found), completion counter and counters (chunks and collectives moved on the stream,
@@ -229,6 +242,7 @@ pub struct StreamGuard {
 const LATCH: usize = 0;
 const DONE: usize = 64;
 const COUNTERS: usize = 128;
+const CLAIM: usize = 192;
 
 impl StreamGuard {
     /// A guard on `context`'s GPU for one stream of the rank whose stop word is `stop`; its
@@ -236,7 +250,7 @@ impl StreamGuard {
     pub fn new(context: &Arc<CudaContext>, stop: StopWord) -> Result<StreamGuard> {
         Ok(StreamGuard {
             stop,
-            words: DeviceBuffer::new(context, COUNTERS + 16)?, // zeroed
+            words: DeviceBuffer::new(context, CLAIM + 4)?, // zeroed
             timeout: None,
         })
     }
@@ -248,9 +262,20 @@ impl StreamGuard {
         self.timeout = timeout;
     }
 
+    /// Queues on `stream` (this guard's stream) the start of a collective: a claim of the
+    /// guard's words, released by [`Self::enqueue_advance`]. The stream's kernels run one at a
+    /// time, so an eager collective always finds the claim free; a CUDA graph replay that runs
+    /// beside another collective of the rank finds it held and stops the rank
+    /// ([`STOP_CONCURRENT`]): every wait ends, nothing more reaches a peer, and the collectives
+    /// fail typed rather than share the counters.
+    pub fn enqueue_claim(&self, stream: &GpuStream, kernels: &ReduceKernels) -> Result<()> {
+        kernels.claim(stream, self.words(stream)?)
+    }
+
     /// Queues on `stream` (this guard's stream) the end of a collective: the chunk counter
-    /// rounded up to `align`, plus `chunks`; the collective counter plus one. Not guarded:
-    /// the counters of both ends of a link move together even through an abort.
+    /// rounded up to `align`, plus `chunks`; the collective counter plus one; the claim
+    /// ([`Self::enqueue_claim`]) released. Not guarded: the counters of both ends of a link
+    /// move together even through an abort.
     pub fn enqueue_advance(
         &self,
         stream: &GpuStream,
@@ -277,6 +302,7 @@ impl StreamGuard {
             latch: self.words.device_ptr() + LATCH as u64,
             done: self.words.device_ptr() + DONE as u64,
             counters: self.words.device_ptr() + COUNTERS as u64,
+            claim: self.words.device_ptr() + CLAIM as u64,
             timeout_ns,
         })
     }
