@@ -11,6 +11,7 @@
 # (gpu_ring_check --from-stream --with-gpu --interleave-differ 1: a host-side failure aborts
 # the GPU ring formed with the communicator).
 # Writes OUTDIR/stream-order.log (every rank's output) and prints each result line.
+# COST_ROUNDS (default 2) interleaved cost rounds; JOB_TIMEOUT (default 170 s) per job.
 set -uo pipefail
 parent=$(realpath "$1") fix=$(realpath "$2") out=$(realpath "$3")
 shift 3
@@ -25,7 +26,7 @@ job() {
     local label=$1 dir=$2
     shift 2
     echo "=== $label: $*" >>"$log"
-    timeout 170 "$launch" -n 2 --timeout 160 -- "$dir/stream_order_check" "$@" >>"$log.part" 2>&1
+    timeout "${JOB_TIMEOUT:-170}" "$launch" -n 2 --timeout "$((${JOB_TIMEOUT:-170} - 10))" -- "$dir/stream_order_check" "$@" >>"$log.part" 2>&1
     local rc=$?
     grep -v -E ' (INFO|DEBUG) ' "$log.part" >>"$log"
     grep -E 'STREAM_|PER_THREAD|DEFAULT_STREAMS|error' "$log.part" | sed "s/^/$label rc=$rc /"
@@ -58,7 +59,7 @@ for part in $parts; do
         cost)
             # Taking turns, a collective costs a ~2.2 ms time slice: no figure to compare.
             mps_on || continue
-            for round in 1 2; do
+            for round in $(seq "${COST_ROUNDS:-2}"); do
                 for b in parent fix; do job "$b#$round" "$(eval echo \$$b)" --cost; done
             done
             mps_off
