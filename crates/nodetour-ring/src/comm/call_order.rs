@@ -18,10 +18,10 @@
 //! stays out of every capture: an eager call meanwhile must not land in the graph); a replay
 //! runs where the caller launches its graph, ordered by the caller. A replay that runs beside
 //! another collective of the communicator fails typed on every rank (the one-kernel path's
-//! claim and counted arrival words; the ring's descriptor and guarded waits), never `Ok`.
+//! claim and counted arrival words; the ring streams' claims of their guards), never `Ok`.
 //!
-//! Cost: two event records and two stream waits per collective on the host (measured in
-//! `docs/PERFORMANCE.md`).
+//! Cost: two event records and two stream waits per collective on the host, and the hops
+//! between the two streams on the GPU (to be measured: `docs/PERFORMANCE.md`, "Call order").
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
