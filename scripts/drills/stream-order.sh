@@ -4,12 +4,13 @@
 #   ./stream-order.sh PARENT_DIR FIX_DIR OUTDIR [PART...]
 # Each DIR holds stream_order_check and communicator_devices_tests (gpu-pack.sh, or the
 # parent's built from its commit with the drill's source); FIX_DIR also launch-local.sh.
-# PARTs (default all): order (two unordered streams, every Ok checked), cost (queue time and
-# latency; under MPS, a substitute for two GPUs, interleaved parent/fix twice), per-thread (a
-# buffer dropped on another thread, the default streams), waits (wait, InFlight::wait and
-# close behind a held stream), group (a Group on the caller's per-thread stream), differ
-# (gpu_ring_check --from-stream --with-gpu --interleave-differ 1: a host-side failure aborts
-# the GPU ring formed with the communicator).
+# PARTs (default all): order (two unordered streams, every Ok checked; the chosen path, then
+# the one-kernel path forced), cost (queue time and latency, both paths; under MPS, a
+# substitute for two GPUs, interleaved parent/fix), per-thread (a buffer dropped on another
+# thread, the default streams), waits (wait, InFlight::wait and close behind a held stream),
+# group (a Group on the caller's per-thread stream), differ (gpu_ring_check --from-stream
+# --with-gpu --interleave-differ 1: a host-side failure aborts the GPU ring formed with the
+# communicator).
 # Writes OUTDIR/stream-order.log (every rank's output) and prints each result line.
 # COST_ROUNDS (default 2) interleaved cost rounds; JOB_TIMEOUT (default 170 s) per job.
 set -uo pipefail
@@ -52,8 +53,14 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
 for part in $parts; do
     case $part in
         order)
+            # Twice: the path the communicator chooses (two processes on one GPU: the ring),
+            # then the one-kernel path forced (NODETOUR_ONE_KERNEL=force; under MPS the ranks'
+            # kernels run at once, as on two GPUs).
             mps_on
             for b in parent fix; do job "$b" "$(eval echo \$$b)" --order 1200; done
+            for b in parent fix; do
+                NODETOUR_ONE_KERNEL=force job "$b one-kernel" "$(eval echo \$$b)" --order 1200
+            done
             mps_off
             ;;
         cost)
@@ -61,6 +68,9 @@ for part in $parts; do
             mps_on || continue
             for round in $(seq "${COST_ROUNDS:-2}"); do
                 for b in parent fix; do job "$b#$round" "$(eval echo \$$b)" --cost; done
+                for b in parent fix; do
+                    NODETOUR_ONE_KERNEL=force job "$b#$round one-kernel" "$(eval echo \$$b)" --cost
+                done
             done
             mps_off
             ;;
@@ -68,7 +78,11 @@ for part in $parts; do
             for b in parent fix; do job "$b" "$(eval echo \$$b)" --per-thread; done
             ;;
         waits)
+            # The chosen path, then the one-kernel path forced for what it takes (the 4 bytes).
             for b in parent fix; do job "$b" "$(eval echo \$$b)" --waits; done
+            for b in parent fix; do
+                NODETOUR_ONE_KERNEL=force job "$b one-kernel" "$(eval echo \$$b)" --waits
+            done
             ;;
         differ)
             # Item 6: a communicator formed with its GPU whose host side fails (host and device

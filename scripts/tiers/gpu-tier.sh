@@ -44,7 +44,9 @@ run_tests() { # BINARY: runs every test of it, tallies passed / failed / skipped
     echo "== GPU reduction kernels against the host reducer (every type x op)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./gpu_reduce_tests || failed=1
     echo "== several GPUs of one process (Communicator::from_devices: groups and threads) against the host reducer: 1-5 ranks over the GPUs present"
-    NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_devices_tests || failed=1
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_devices_tests --skip a_group_on_the_callers_per_thread_stream || failed=1
+    echo "== a Group on the caller's per-thread stream, alone (it hung on 2026-12-07; its watchdog ends the process after 90 s with every thread's state)"
+    NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_devices_tests --exact a_group_on_the_callers_per_thread_stream_is_ordered_on_it || failed=1
     echo "== the communicator on device memory (cudarc slices, the caller's streams; ranks as threads)"
     NODETOUR_CACHE_DIR=$PWD/kernel-cache run_tests ./communicator_gpu_tests || failed=1
     echo "== the stream-ordered ring captured into CUDA graphs and replayed (every collective; 2, 3 and 4 processes on GPU 0: cuda-ipc, shm)"

@@ -816,6 +816,12 @@ fn hold(
 #[test]
 #[ignore = "needs a GPU"]
 fn a_group_on_the_callers_per_thread_stream_is_ordered_on_it() {
+    // It hung on one H100 and one H200 (2026-12-07, the fix and its parent alike: the host
+    // blocked in `Group::end`, the GPU idle): fail with every thread's state instead.
+    let _watchdog = common::watchdog(
+        Duration::from_secs(90),
+        "a_group_on_the_callers_per_thread_stream_is_ordered_on_it",
+    );
     let Some(gpus) = gpus() else { return };
     let ctxs = contexts(&gpus, 2);
     let comms = Communicator::from_devices(&ctxs, options()).unwrap();
@@ -835,6 +841,7 @@ fn a_group_on_the_callers_per_thread_stream_is_ordered_on_it() {
             .zip(&streams)
             .map(|(c, s)| hold(c, &GpuStream::of_cudarc(s), 300))
             .collect();
+        eprintln!("round {round}: held");
         let mut data: Vec<CudaSlice<f32>> = streams
             .iter()
             .zip(&staged)
@@ -850,9 +857,11 @@ fn a_group_on_the_callers_per_thread_stream_is_ordered_on_it() {
                 .unwrap();
         }
         g.end().unwrap();
+        eprintln!("round {round}: the group queued");
         let want = reduced(DataType::F32, ReduceOp::Sum, &inputs);
         for (r, (s, d)) in streams.iter().zip(&data).enumerate() {
             let got = download(s, d);
+            eprintln!("round {round}: rank {r} read back");
             assert_eq!(
                 first_difference(DataType::F32, ReduceOp::Sum, 2, &got, &want),
                 None,

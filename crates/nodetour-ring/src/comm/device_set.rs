@@ -543,17 +543,28 @@ impl<'a> Group<'a> {
         let mut members = self.calls;
         let (last, last_calls) = members.pop().expect("n > 0 members");
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
+            // Named by GPU seat (what a debugger or /proc shows of a blocked group).
             let threads: Vec<_> = members
                 .into_iter()
                 .map(|(comm, calls)| {
                     let tails = tails.for_member();
-                    scope.spawn(move || tails.enter(|| run_member(comm, calls)))
+                    let seat = member(comm)?.seat;
+                    std::thread::Builder::new()
+                        .name(format!("nodetour-group-{seat}"))
+                        .spawn_scoped(scope, move || tails.enter(|| run_member(comm, calls)))
+                        .map_err(|e| {
+                            let e = Error::Aborted {
+                                reason: format!("no thread for GPU seat {seat} of the group: {e}"),
+                            };
+                            set.meeting.cancel(seat, &e.to_string());
+                            e
+                        })
                 })
                 .collect();
             let mine = run_member(last, last_calls);
             let mut all: Vec<Result<()>> = threads
                 .into_iter()
-                .map(|t| t.join().unwrap_or_else(|_| Err(poisoned())))
+                .map(|t| t.and_then(|t| t.join().unwrap_or_else(|_| Err(poisoned()))))
                 .collect();
             all.push(mine);
             all

@@ -151,3 +151,84 @@ pub(crate) fn typed_input(
     }
     out
 }
+
+/// Ends the test process if the guard lives past `limit`: a GPU test that hangs (a wait with
+/// no deadline, in nodetour or in the driver) then fails with what every thread was blocked in
+/// (its name, state, kernel wait channel and system call, from `/proc/self/task`) instead of
+/// holding the tier until its timeout. Dropping the guard disarms it.
+pub(crate) struct Watchdog(std::sync::mpsc::Sender<()>);
+
+pub(crate) fn watchdog(limit: std::time::Duration, what: &'static str) -> Watchdog {
+    let (disarm, armed) = std::sync::mpsc::channel::<()>();
+    std::thread::Builder::new()
+        .name("test-watchdog".into())
+        .spawn(move || {
+            if armed.recv_timeout(limit) != Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                return;
+            }
+            // Straight to the process's stderr: libtest's capture (which `eprintln!` goes
+            // through) is lost when the process exits.
+            use std::io::Write;
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "WATCHDOG: {what} still running after {limit:?}; threads:");
+            for line in thread_states() {
+                let _ = writeln!(err, "WATCHDOG:   {line}");
+            }
+            let _ = writeln!(err, "test {what} ... FAILED (hung)");
+            std::process::exit(101);
+        })
+        .expect("spawning the watchdog");
+    Watchdog(disarm)
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+/// One line per thread of this process: tid, name, state, wait channel, system call.
+fn thread_states() -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return vec!["(no /proc/self/task)".into()];
+    };
+    let read = |tid: &str, f: &str| {
+        std::fs::read_to_string(format!("/proc/self/task/{tid}/{f}"))
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_else(|e| format!("({e})"))
+    };
+    let mut lines: Vec<String> = tasks
+        .flatten()
+        .map(|t| {
+            let tid = t.file_name().to_string_lossy().into_owned();
+            let stat = read(&tid, "stat");
+            // The state follows the parenthesised name.
+            let state = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.split(' ').next())
+                .unwrap_or("?")
+                .to_owned();
+            let syscall = read(&tid, "syscall");
+            let number = syscall.split(' ').next().unwrap_or("?");
+            // x86_64 numbers of the calls a blocked thread is usually in.
+            let call = match number {
+                "0" => "read",
+                "7" => "poll",
+                "16" => "ioctl",
+                "35" => "nanosleep",
+                "202" => "futex",
+                "230" => "clock_nanosleep",
+                "232" => "epoll_wait",
+                "281" => "epoll_pwait",
+                other => other,
+            };
+            format!(
+                "tid {tid} {:?} state {state} wchan {} syscall {call}",
+                read(&tid, "comm"),
+                read(&tid, "wchan"),
+            )
+        })
+        .collect();
+    lines.sort();
+    lines
+}
