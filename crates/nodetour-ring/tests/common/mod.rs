@@ -170,7 +170,10 @@ pub(crate) fn watchdog(limit: std::time::Duration, what: &'static str) -> Watchd
             // through) is lost when the process exits.
             use std::io::Write;
             let mut err = std::io::stderr().lock();
-            let _ = writeln!(err, "WATCHDOG: {what} still running after {limit:?}; threads:");
+            let _ = writeln!(
+                err,
+                "WATCHDOG: {what} still running after {limit:?}; threads:"
+            );
             for line in thread_states() {
                 let _ = writeln!(err, "WATCHDOG:   {line}");
             }
