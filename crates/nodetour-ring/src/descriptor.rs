@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::reduce::{DataType, ReduceOp};
 
 /// The wire version of the ring protocols (grants, notifications, descriptors).
-pub const PROTOCOL_VERSION: u8 = 5;
+pub const PROTOCOL_VERSION: u8 = 6;
 
 /// The collective operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

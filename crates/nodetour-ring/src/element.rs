@@ -9,7 +9,8 @@ mod sealed {
 }
 
 /// An element type of a collective: `f32`, `f64`, `half::f16`, `half::bf16`, `i32`, `i64`,
-/// `u8`. Sealed: these are the types nodetour reduces (on the host and in its GPU kernels).
+/// `u8`, `i8`, `u32`, `u64`, `i16`, `float8::F8E4M3`, `float8::F8E5M2`. Sealed: these are the
+/// types nodetour reduces (on the host and in its GPU kernels).
 pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + 'static {
     /// The type as collectives name it (on the wire, in descriptors, in the kernels).
     const DATA_TYPE: DataType;
@@ -34,6 +35,12 @@ elements!(
     i32 => I32,
     i64 => I64,
     u8 => U8,
+    i8 => I8,
+    u32 => U32,
+    u64 => U64,
+    i16 => I16,
+    float8::F8E4M3 => F8E4M3,
+    float8::F8E5M2 => F8E5M2,
 );
 
 /// The bytes of `data`.
@@ -62,6 +69,12 @@ mod tests {
         check::<i32>();
         check::<i64>();
         check::<u8>();
+        check::<i8>();
+        check::<u32>();
+        check::<u64>();
+        check::<i16>();
+        check::<float8::F8E4M3>();
+        check::<float8::F8E5M2>();
         let mut v = vec![1.0f32, 2.0];
         assert_eq!(bytes_mut(&mut v).len(), 8);
     }

@@ -1,6 +1,14 @@
 //! Reductions on the host: every data type × operation nodetour supports, on raw bytes (as the
 //! slots and the work buffer hold them), element by element.
+//!
+//! Integers wrap (sums, products) and truncate (averages). The 16-bit and 8-bit floats are
+//! computed in f32 and rounded to nearest even once per combination of two operands (each step
+//! of a ring, each rank a one-kernel fold takes in); fp8 saturates to its largest finite value
+//! and a NaN comes out as the canonical NaN byte `0x7F`; min and max compare the values and keep
+//! an operand's bits (exact). The GPU kernels (`nodetour_core::cuda::reduce`) compute the same
+//! bits.
 
+use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
@@ -144,7 +152,108 @@ pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) 
             u8::wrapping_add,
             u8::wrapping_mul
         ),
+        DataType::I8 => apply!(
+            acc,
+            other,
+            i8,
+            op,
+            i8::from_ne_bytes,
+            i8::to_ne_bytes,
+            i8::wrapping_add,
+            i8::wrapping_mul
+        ),
+        DataType::I16 => apply!(
+            acc,
+            other,
+            i16,
+            op,
+            i16::from_ne_bytes,
+            i16::to_ne_bytes,
+            i16::wrapping_add,
+            i16::wrapping_mul
+        ),
+        DataType::U32 => apply!(
+            acc,
+            other,
+            u32,
+            op,
+            u32::from_ne_bytes,
+            u32::to_ne_bytes,
+            u32::wrapping_add,
+            u32::wrapping_mul
+        ),
+        DataType::U64 => apply!(
+            acc,
+            other,
+            u64,
+            op,
+            u64::from_ne_bytes,
+            u64::to_ne_bytes,
+            u64::wrapping_add,
+            u64::wrapping_mul
+        ),
+        DataType::F8E4M3 => fp8(
+            op,
+            acc,
+            other,
+            |v| F8E4M3::from_bits(v).to_f32(),
+            |f| F8E4M3::from_f32(f).to_bits(),
+        )?,
+        DataType::F8E5M2 => fp8(
+            op,
+            acc,
+            other,
+            |v| F8E5M2::from_bits(v).to_f32(),
+            |f| F8E5M2::from_f32(f).to_bits(),
+        )?,
         other => return Err(not_reduced(other)),
+    }
+    Ok(())
+}
+
+/// The canonical NaN of both fp8 formats (`S.1111.111` of E4M3, a quiet NaN of E5M2), sign
+/// clear: what every NaN result is.
+pub const FP8_NAN: u8 = 0x7F;
+
+/// An fp8 value computed in f32, rounded once (saturating; NaN as [`FP8_NAN`]).
+fn fp8_round(f: f32, narrow: impl Fn(f32) -> u8) -> u8 {
+    if f.is_nan() { FP8_NAN } else { narrow(f) }
+}
+
+/// Every fp8 byte of `data` divided by `n` in f32, rounded once.
+fn fp8_divide(data: &mut [u8], n: u32, wide: impl Fn(u8) -> f32, narrow: impl Fn(f32) -> u8) {
+    for a in data.iter_mut() {
+        *a = fp8_round(wide(*a) / n as f32, &narrow);
+    }
+}
+
+/// `acc = op(acc, other)` on fp8 bytes: `wide` decodes one, `narrow` rounds an f32 to one.
+fn fp8(
+    op: ReduceOp,
+    acc: &mut [u8],
+    other: &[u8],
+    wide: impl Fn(u8) -> f32,
+    narrow: impl Fn(f32) -> u8,
+) -> Result<()> {
+    let f: fn(f32, f32) -> f32 = match op {
+        ReduceOp::Sum | ReduceOp::Avg => |x, y| x + y,
+        ReduceOp::Prod => |x, y| x * y,
+        ReduceOp::Min | ReduceOp::Max => {
+            let min = op == ReduceOp::Min;
+            for (a, &b) in acc.iter_mut().zip(other) {
+                let (x, y) = (wide(*a), wide(b));
+                // As the kernels: the other operand only where it compares strictly lower
+                // (higher); a NaN never does.
+                if (min && y < x) || (!min && y > x) {
+                    *a = b;
+                }
+            }
+            return Ok(());
+        }
+        other => return Err(not_reduced(other)),
+    };
+    for (a, &b) in acc.iter_mut().zip(other) {
+        *a = fp8_round(f(wide(*a), wide(b)), &narrow);
     }
     Ok(())
 }
@@ -189,6 +298,28 @@ pub fn finish_avg(dtype: DataType, data: &mut [u8], world: u32) -> Result<()> {
             u8::from_ne_bytes,
             u8::to_ne_bytes,
             |x: u8| (u32::from(x) / n) as u8
+        ),
+        // Truncating toward zero, as C's division in the kernels.
+        DataType::I8 => div!(i8, i8::from_ne_bytes, i8::to_ne_bytes, |x: i8| {
+            (i64::from(x) / i64::from(n)) as i8
+        }),
+        DataType::I16 => div!(i16, i16::from_ne_bytes, i16::to_ne_bytes, |x: i16| {
+            (i64::from(x) / i64::from(n)) as i16
+        }),
+        DataType::U32 => div!(u32, u32::from_ne_bytes, u32::to_ne_bytes, |x: u32| x / n),
+        DataType::U64 => div!(u64, u64::from_ne_bytes, u64::to_ne_bytes, |x: u64| x
+            / u64::from(n)),
+        DataType::F8E4M3 => fp8_divide(
+            data,
+            n,
+            |v| F8E4M3::from_bits(v).to_f32(),
+            |f| F8E4M3::from_f32(f).to_bits(),
+        ),
+        DataType::F8E5M2 => fp8_divide(
+            data,
+            n,
+            |v| F8E5M2::from_bits(v).to_f32(),
+            |f| F8E5M2::from_f32(f).to_bits(),
         ),
         other => return Err(not_reduced(other)),
     }
@@ -263,5 +394,121 @@ mod tests {
         assert_eq!(acc, [2, 3]);
         assert!(reduce_into(DataType::I32, ReduceOp::Sum, &mut [0u8; 4], &[0u8; 8]).is_err());
         assert!(reduce_into(DataType::I32, ReduceOp::Sum, &mut [0u8; 3], &[0u8; 3]).is_err());
+    }
+
+    #[test]
+    fn the_added_integers_wrap_and_truncate() {
+        let mut acc = bytes(&[i8::MAX, -7], i8::to_ne_bytes);
+        reduce_into(
+            DataType::I8,
+            ReduceOp::Sum,
+            &mut acc,
+            &bytes(&[1i8, 2], i8::to_ne_bytes),
+        )
+        .unwrap();
+        assert_eq!(acc, bytes(&[i8::MIN, -5], i8::to_ne_bytes));
+        finish_avg(DataType::I8, &mut acc, 3).unwrap();
+        assert_eq!(acc, bytes(&[-42i8, -1], i8::to_ne_bytes), "toward zero");
+        let mut acc = bytes(&[300i16, -2], i16::to_ne_bytes);
+        reduce_into(
+            DataType::I16,
+            ReduceOp::Prod,
+            &mut acc,
+            &bytes(&[300i16, 5], i16::to_ne_bytes),
+        )
+        .unwrap();
+        assert_eq!(acc, bytes(&[(90_000i32 as i16), -10], i16::to_ne_bytes));
+        let mut acc = bytes(&[u32::MAX, 7], u32::to_ne_bytes);
+        reduce_into(
+            DataType::U32,
+            ReduceOp::Sum,
+            &mut acc,
+            &bytes(&[2u32, 1], u32::to_ne_bytes),
+        )
+        .unwrap();
+        assert_eq!(acc, bytes(&[1u32, 8], u32::to_ne_bytes));
+        let mut acc = bytes(&[u64::MAX, 3], u64::to_ne_bytes);
+        reduce_into(
+            DataType::U64,
+            ReduceOp::Min,
+            &mut acc,
+            &bytes(&[5u64, 9], u64::to_ne_bytes),
+        )
+        .unwrap();
+        assert_eq!(acc, bytes(&[5u64, 3], u64::to_ne_bytes), "unsigned order");
+        let mut acc = bytes(&[-3i16, 4], i16::to_ne_bytes);
+        reduce_into(
+            DataType::I16,
+            ReduceOp::Max,
+            &mut acc,
+            &bytes(&[2i16, -9], i16::to_ne_bytes),
+        )
+        .unwrap();
+        assert_eq!(acc, bytes(&[2i16, 4], i16::to_ne_bytes), "signed order");
+    }
+
+    fn e4(f: f32) -> u8 {
+        F8E4M3::from_f32(f).to_bits()
+    }
+
+    fn e5(f: f32) -> u8 {
+        F8E5M2::from_f32(f).to_bits()
+    }
+
+    #[test]
+    fn fp8_rounds_once_saturates_and_keeps_nan_canonical() {
+        // 1.0 + 0.0625: between 1.0 and 1.125 (E4M3's step at 1), a tie: to even, 1.0.
+        let mut acc = vec![e4(1.0), e4(400.0), e4(-1.5), FP8_NAN | 0x80, e4(0.0)];
+        let other = [e4(0.0625), e4(400.0), e4(-0.25), e4(2.0), e4(-0.0)];
+        reduce_into(DataType::F8E4M3, ReduceOp::Sum, &mut acc, &other).unwrap();
+        assert_eq!(acc[0], e4(1.0), "a tie rounds to even");
+        assert_eq!(
+            acc[1],
+            e4(448.0),
+            "800 saturates to the largest finite E4M3"
+        );
+        assert_eq!(acc[2], e4(-1.75));
+        assert_eq!(acc[3], FP8_NAN, "a NaN in is the canonical NaN out");
+        assert_eq!(acc[4], e4(0.0));
+        // E5M2: infinity saturates too; min and max keep an operand's bits.
+        let inf = 0x7Cu8;
+        let mut acc = vec![inf, e5(57344.0), e5(3.0), e5(-2.0)];
+        reduce_into(
+            DataType::F8E5M2,
+            ReduceOp::Sum,
+            &mut acc,
+            &[e5(1.0), e5(57344.0), e5(0.5), e5(-2.0)],
+        )
+        .unwrap();
+        assert_eq!(acc, [e5(57344.0), e5(57344.0), e5(3.5), e5(-4.0)]);
+        let mut acc = vec![e5(-0.0), FP8_NAN, e5(1.0)];
+        reduce_into(
+            DataType::F8E5M2,
+            ReduceOp::Min,
+            &mut acc,
+            &[e5(0.0), e5(1.0), FP8_NAN],
+        )
+        .unwrap();
+        assert_eq!(
+            acc,
+            [e5(-0.0), FP8_NAN, e5(1.0)],
+            "min: a NaN never compares lower"
+        );
+        let mut acc = vec![e4(3.0)];
+        reduce_into(DataType::F8E4M3, ReduceOp::Max, &mut acc, &[e4(3.5)]).unwrap();
+        finish_avg(DataType::F8E4M3, &mut acc, 2).unwrap();
+        assert_eq!(acc, [e4(1.75)]);
+    }
+
+    #[test]
+    fn every_type_names_itself_and_its_size() {
+        for d in DataType::ALL {
+            assert_eq!(DataType::from_name(d.name()), Some(d));
+            let mut acc = vec![0u8; 2 * d.size()];
+            for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+                reduce_into(d, op, &mut acc, &vec![0u8; 2 * d.size()]).unwrap();
+            }
+            finish_avg(d, &mut acc, 2).unwrap();
+        }
     }
 }

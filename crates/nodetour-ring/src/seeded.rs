@@ -6,11 +6,14 @@
 //! not run, a peer paired with the wrong collective) differs from the right answer in almost
 //! every element instead of matching it bit for bit.
 //!
-//! The values keep every reduction exact in every type and order, for up to 15 ranks: floats
-//! and signed integers are integers in [-8, 8] (products: ±1 or ±2, powers of two), `u8` is in
-//! [0, 15] (products: 1-3, wrapping as the reduction does); an average is the exact sum divided
-//! once, so only its last rounding is allowed for.
+//! The values keep every reduction exact in every type and order, for up to 15 ranks (8 for
+//! E5M2): floats and signed integers are integers in [-8, 8] (products: ±1 or ±2, powers of
+//! two; `i8` and `i16` products wrap, fp8 products saturate, as the reduction does), the
+//! unsigned types are in [0, 15] (products: 1-3, `u8` wrapping), fp8 in {-1, 0, 1} (sums
+//! stay exact: E4M3 holds every integer to 16, E5M2 to 8); an average is the exact sum
+//! divided once, so only its last rounding is allowed for.
 
+use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 
 use crate::reduce::{DataType, ReduceOp};
@@ -22,10 +25,35 @@ fn value(dtype: DataType, op: ReduceOp, rank: u32, i: usize, seed: u64) -> i64 {
         .wrapping_add(u64::from(rank).wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
         .wrapping_add(i as u64));
     match (op, dtype) {
-        (ReduceOp::Prod, DataType::U8) => 1 + (h % 3) as i64,
+        (ReduceOp::Prod, d) if unsigned(d) => 1 + (h % 3) as i64,
         (ReduceOp::Prod, _) => [-2, -1, 1, 2][(h % 4) as usize],
-        (_, DataType::U8) => (h % 16) as i64,
+        (_, d) if unsigned(d) => (h % 16) as i64,
+        (_, DataType::F8E4M3 | DataType::F8E5M2) => (h % 3) as i64 - 1,
         _ => (h % 17) as i64 - 8,
+    }
+}
+
+fn unsigned(dtype: DataType) -> bool {
+    matches!(dtype, DataType::U8 | DataType::U32 | DataType::U64)
+}
+
+/// `v` (an integer these inputs reach, or an average) as one element of `dtype`.
+fn encode(dtype: DataType, v: f64) -> Vec<u8> {
+    match dtype {
+        DataType::F32 => (v as f32).to_ne_bytes().to_vec(),
+        DataType::F64 => v.to_ne_bytes().to_vec(),
+        DataType::F16 => f16::from_f64(v).to_ne_bytes().to_vec(),
+        DataType::Bf16 => bf16::from_f64(v).to_ne_bytes().to_vec(),
+        DataType::I32 => (v as i32).to_ne_bytes().to_vec(),
+        DataType::I64 => (v as i64).to_ne_bytes().to_vec(),
+        DataType::U8 => vec![v as u8],
+        DataType::I8 => (v as i8).to_ne_bytes().to_vec(),
+        DataType::U32 => (v as u32).to_ne_bytes().to_vec(),
+        DataType::U64 => (v as u64).to_ne_bytes().to_vec(),
+        DataType::I16 => (v as i16).to_ne_bytes().to_vec(),
+        DataType::F8E4M3 => vec![F8E4M3::from_f64(v).to_bits()],
+        DataType::F8E5M2 => vec![F8E5M2::from_f64(v).to_bits()],
+        other => unknown(other),
     }
 }
 
@@ -40,17 +68,7 @@ fn mix(mut x: u64) -> u64 {
 pub fn input(dtype: DataType, op: ReduceOp, rank: u32, count: usize, seed: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(count * dtype.size());
     for i in 0..count {
-        let v = value(dtype, op, rank, i, seed);
-        match dtype {
-            DataType::F32 => out.extend_from_slice(&(v as f32).to_ne_bytes()),
-            DataType::F64 => out.extend_from_slice(&(v as f64).to_ne_bytes()),
-            DataType::F16 => out.extend_from_slice(&f16::from_f64(v as f64).to_ne_bytes()),
-            DataType::Bf16 => out.extend_from_slice(&bf16::from_f64(v as f64).to_ne_bytes()),
-            DataType::I32 => out.extend_from_slice(&(v as i32).to_ne_bytes()),
-            DataType::I64 => out.extend_from_slice(&v.to_ne_bytes()),
-            DataType::U8 => out.push(v as u8),
-            other => unknown(other),
-        }
+        out.extend_from_slice(&encode(dtype, value(dtype, op, rank, i, seed) as f64));
     }
     out
 }
@@ -64,16 +82,26 @@ pub fn expected(dtype: DataType, op: ReduceOp, world: u32, i: usize, seed: u64) 
         ReduceOp::Prod if dtype == DataType::U8 => {
             i64::from(vals.fold(1u8, |a, v| a.wrapping_mul(v as u8)))
         }
-        ReduceOp::Prod => vals.product(),
+        ReduceOp::Prod => {
+            let p: i64 = vals.product();
+            match dtype {
+                // Wrapping, as the reduction's products.
+                DataType::I8 => i64::from(p as i8),
+                DataType::I16 => i64::from(p as i16),
+                // Saturating: a power of two past the largest finite value stops there in
+                // every order (the partial products only grow).
+                DataType::F8E4M3 => p.clamp(-448, 448),
+                DataType::F8E5M2 => p.clamp(-57344, 57344),
+                _ => p,
+            }
+        }
         ReduceOp::Min => vals.min().unwrap_or(0),
         ReduceOp::Max => vals.max().unwrap_or(0),
         other => unknown(other),
     };
     match (op, dtype) {
         // Integer averages truncate toward zero, as the reduction's division does.
-        (ReduceOp::Avg, DataType::I32 | DataType::I64 | DataType::U8) => {
-            (folded / i64::from(world.max(1))) as f64
-        }
+        (ReduceOp::Avg, d) if d.is_integer() => (folded / i64::from(world.max(1))) as f64,
         (ReduceOp::Avg, _) => folded as f64 / f64::from(world.max(1)),
         _ => folded as f64,
     }
@@ -88,6 +116,12 @@ fn decode(dtype: DataType, b: &[u8]) -> f64 {
         DataType::I32 => f64::from(i32::from_ne_bytes(b.try_into().expect("4 bytes"))),
         DataType::I64 => i64::from_ne_bytes(b.try_into().expect("8 bytes")) as f64,
         DataType::U8 => f64::from(b[0]),
+        DataType::I8 => f64::from(b[0] as i8),
+        DataType::U32 => f64::from(u32::from_ne_bytes(b.try_into().expect("4 bytes"))),
+        DataType::U64 => u64::from_ne_bytes(b.try_into().expect("8 bytes")) as f64,
+        DataType::I16 => f64::from(i16::from_ne_bytes(b.try_into().expect("2 bytes"))),
+        DataType::F8E4M3 => F8E4M3::from_bits(b[0]).to_f64(),
+        DataType::F8E5M2 => F8E5M2::from_bits(b[0]).to_f64(),
         other => unknown(other),
     }
 }
@@ -105,6 +139,8 @@ fn tolerance(dtype: DataType, op: ReduceOp) -> f64 {
         (ReduceOp::Avg, DataType::Bf16) => 8e-3,
         (ReduceOp::Avg, DataType::F32) => 1e-7,
         (ReduceOp::Avg, DataType::F64) => 1e-15,
+        (ReduceOp::Avg, DataType::F8E4M3) => 0.0625,
+        (ReduceOp::Avg, DataType::F8E5M2) => 0.125,
         _ => 0.0,
     }
 }
@@ -141,6 +177,9 @@ mod tests {
         for dtype in DataType::ALL {
             for op in ReduceOp::ALL {
                 for world in [1u32, 2, 3, 8, 15] {
+                    if dtype == DataType::F8E5M2 && world > 8 {
+                        continue; // exact to 8 ranks (see the module's doc)
+                    }
                     let count = 501;
                     let fold = |order: &mut dyn Iterator<Item = u32>| {
                         let mut acc: Option<Vec<u8>> = None;
@@ -173,19 +212,7 @@ mod tests {
             for op in ReduceOp::ALL {
                 let world = 3;
                 let stale: Vec<u8> = (0..64)
-                    .flat_map(|i| {
-                        let v = expected(dtype, op, world, i, 4);
-                        match dtype {
-                            DataType::F32 => (v as f32).to_ne_bytes().to_vec(),
-                            DataType::F64 => v.to_ne_bytes().to_vec(),
-                            DataType::F16 => f16::from_f64(v).to_ne_bytes().to_vec(),
-                            DataType::Bf16 => bf16::from_f64(v).to_ne_bytes().to_vec(),
-                            DataType::I32 => (v as i32).to_ne_bytes().to_vec(),
-                            DataType::I64 => (v as i64).to_ne_bytes().to_vec(),
-                            DataType::U8 => vec![v as u8],
-                            other => unknown(other),
-                        }
-                    })
+                    .flat_map(|i| encode(dtype, expected(dtype, op, world, i, 4)))
                     .collect();
                 assert!(
                     verify(dtype, op, world, &stale, 4).is_ok(),

@@ -588,3 +588,169 @@ fn a_joining_deadline_that_passes_is_a_timeout() {
     );
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
 }
+
+/// The types added for issue 49 (`i8`, `u32`, `u64`, `i16`, fp8 E4M3 and E5M2), every
+/// operation, 1 to 8 ranks over tcp: every rank's result checked against the seeded
+/// reference (exact in every order: integers bit for bit, wrapping; fp8 sums of values in
+/// {-1, 0, 1}, products saturating; averages within their one rounding), both the ring and the
+/// host gather path (`host_gather_max` 0 and the default), every collective's input its own.
+#[test]
+fn the_added_types_over_tcp_at_1_to_8_ranks() {
+    use nodetour_ring::seeded;
+    fn one<T: nodetour_ring::Element>(world: u32, gather: bool) {
+        let d = T::DATA_TYPE;
+        let mut o = options();
+        if !gather {
+            o.host_gather_max = 0;
+        }
+        let got = ranks(world, o, |comm| {
+            let mut out = Vec::new();
+            for (k, op) in ReduceOp::ALL.into_iter().enumerate() {
+                let seed = 1000 + k as u64;
+                let bytes = seeded::input(d, op, comm.rank(), 301, seed);
+                let mut x = vec![T::zeroed(); bytes.len() / d.size()];
+                bytemuck::cast_slice_mut::<T, u8>(&mut x).copy_from_slice(&bytes);
+                comm.all_reduce_in_place(&mut x, op, Host).unwrap();
+                out.push((op, seed, bytemuck::cast_slice::<T, u8>(&x).to_vec()));
+            }
+            comm.close(Deadline::after(Duration::from_secs(10)))
+                .unwrap();
+            out
+        });
+        for (r, results) in got.iter().enumerate() {
+            assert_eq!(
+                results, &got[0],
+                "{d:?}, {world} ranks: rank {r} differs from rank 0"
+            );
+            for (op, seed, data) in results {
+                seeded::verify(d, *op, world, data, *seed)
+                    .unwrap_or_else(|e| panic!("{world} ranks (gather {gather}), rank {r}: {e}"));
+            }
+        }
+    }
+    for world in 1..=8u32 {
+        for gather in [false, true] {
+            one::<i8>(world, gather);
+            one::<u32>(world, gather);
+            one::<u64>(world, gather);
+            one::<i16>(world, gather);
+            one::<float8::F8E4M3>(world, gather);
+            one::<float8::F8E5M2>(world, gather);
+        }
+    }
+}
+
+/// fp8 (issue 49) with values whose sums round, 1 to 8 ranks over tcp: every rank's result has
+/// the same bits, and they are a CPU reference's that reduces in the path's own order with one
+/// f32 computation and one rounding per step (`reduce_into`): the host gather path folds in
+/// rank order; the ring folds segment `j` (elements `j·count/n ..`) starting at rank `j`, each
+/// next rank adding its own (a single f32 addition or product is commutative, so the side
+/// does not matter). Sums are also within the recursive-summation bound of the exact sum:
+/// `|got − Σx| ≤ γ·Σ|x|`, `γ = (n−1)u / (1 − (n−1)u)`, `u` the format's unit roundoff (2⁻⁴
+/// for E4M3, 2⁻³ for E5M2), no partial sum reaching the largest finite value here.
+#[test]
+fn fp8_rounds_once_per_step_in_the_paths_order() {
+    use float8::{F8E4M3, F8E5M2};
+    use nodetour_ring::DataType;
+    use nodetour_ring::reduce::{finish_avg, reduce_into};
+    fn value(dtype: DataType, rank: u32, i: usize, seed: u64) -> u8 {
+        let mut x =
+            (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (u64::from(rank) << 40) ^ i as u64) | 1;
+        for _ in 0..3 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+        }
+        let v = (x % 2001) as f64 / 100.0 - 10.0; // -10 .. 10
+        match dtype {
+            DataType::F8E4M3 => F8E4M3::from_f64(v).to_bits(),
+            _ => F8E5M2::from_f64(v).to_bits(),
+        }
+    }
+    fn decode(dtype: DataType, b: u8) -> f64 {
+        match dtype {
+            DataType::F8E4M3 => F8E4M3::from_bits(b).to_f64(),
+            _ => F8E5M2::from_bits(b).to_f64(),
+        }
+    }
+    fn one<T: nodetour_ring::Element>(world: u32, gather: bool) {
+        let d = T::DATA_TYPE;
+        let count = 301;
+        let mut o = options();
+        if !gather {
+            o.host_gather_max = 0;
+        }
+        let ops = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Avg, ReduceOp::Min];
+        let got = ranks(world, o, |comm| {
+            let mut out = Vec::new();
+            for (k, op) in ops.into_iter().enumerate() {
+                let bytes: Vec<u8> = (0..count)
+                    .map(|i| value(d, comm.rank(), i, k as u64))
+                    .collect();
+                let mut x = vec![T::zeroed(); count];
+                bytemuck::cast_slice_mut::<T, u8>(&mut x).copy_from_slice(&bytes);
+                comm.all_reduce_in_place(&mut x, op, Host).unwrap();
+                out.push(bytemuck::cast_slice::<T, u8>(&x).to_vec());
+            }
+            comm.close(Deadline::after(Duration::from_secs(10)))
+                .unwrap();
+            out
+        });
+        let n = world as usize;
+        for (k, op) in ops.into_iter().enumerate() {
+            let input = |r: usize, i: usize| value(d, r as u32, i, k as u64);
+            let want: Vec<u8> = (0..count)
+                .map(|i| {
+                    // The rank that starts element i's fold.
+                    let first = if gather {
+                        0
+                    } else {
+                        (0..n)
+                            .find(|&j| i < (j + 1) * count / n)
+                            .expect("a segment")
+                    };
+                    let mut acc = [input(first, i)];
+                    for step in 1..n {
+                        reduce_into(d, op, &mut acc, &[input((first + step) % n, i)]).unwrap();
+                    }
+                    if op == ReduceOp::Avg {
+                        finish_avg(d, &mut acc, world).unwrap();
+                    }
+                    acc[0]
+                })
+                .collect();
+            for (r, results) in got.iter().enumerate() {
+                assert_eq!(
+                    results[k], want,
+                    "{d:?} {op:?}, {world} ranks (gather {gather}): rank {r} differs from the \
+                     reference in the path's order"
+                );
+            }
+            if op == ReduceOp::Sum {
+                let u: f64 = if d == DataType::F8E4M3 {
+                    1.0 / 16.0
+                } else {
+                    1.0 / 8.0
+                };
+                let nu = (n as f64 - 1.0) * u;
+                let gamma = nu / (1.0 - nu).max(f64::MIN_POSITIVE);
+                for (i, b) in want.iter().enumerate() {
+                    let exact: f64 = (0..n).map(|r| decode(d, input(r, i))).sum();
+                    let size: f64 = (0..n).map(|r| decode(d, input(r, i)).abs()).sum();
+                    let err = (decode(d, *b) - exact).abs();
+                    assert!(
+                        err <= gamma * size,
+                        "{d:?}, {world} ranks, element {i}: {} is {err} from {exact}",
+                        decode(d, *b)
+                    );
+                }
+            }
+        }
+    }
+    for world in 1..=8u32 {
+        for gather in [false, true] {
+            one::<F8E4M3>(world, gather);
+            one::<F8E5M2>(world, gather);
+        }
+    }
+}

@@ -41,6 +41,13 @@ fn values(dtype: DataType, seed: u64, count: usize) -> Vec<u8> {
             DataType::I32 => out.extend_from_slice(&((x >> 11) as i32).to_ne_bytes()),
             DataType::I64 => out.extend_from_slice(&((x >> 3) as i64).to_ne_bytes()),
             DataType::U8 => out.push((x >> 29) as u8),
+            DataType::I8 => out.push((x >> 37) as u8),
+            DataType::I16 => out.extend_from_slice(&((x >> 21) as i16).to_ne_bytes()),
+            DataType::U32 => out.extend_from_slice(&((x >> 9) as u32).to_ne_bytes()),
+            DataType::U64 => out.extend_from_slice(&x.to_ne_bytes()),
+            // Whole numbers in [-1, 1]: sums of up to 8 exact in both formats.
+            DataType::F8E4M3 => out.push(float8::F8E4M3::from_f64((x % 3) as f64 - 1.0).to_bits()),
+            DataType::F8E5M2 => out.push(float8::F8E5M2::from_f64((x % 3) as f64 - 1.0).to_bits()),
             other => panic!("no test inputs for {other:?}"),
         }
     }

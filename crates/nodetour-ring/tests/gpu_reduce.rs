@@ -36,6 +36,13 @@ fn values(dtype: DataType, seed: u64, count: usize) -> Vec<u8> {
             DataType::I32 => out.extend_from_slice(&((x as i32) >> 3).to_ne_bytes()),
             DataType::I64 => out.extend_from_slice(&((x as i64) >> 5).to_ne_bytes()),
             DataType::U8 => out.push(x as u8),
+            DataType::I8 => out.push((x >> 11) as u8),
+            DataType::I16 => out.extend_from_slice(&((x as i16) >> 1).to_ne_bytes()),
+            DataType::U32 => out.extend_from_slice(&((x >> 7) as u32).to_ne_bytes()),
+            DataType::U64 => out.extend_from_slice(&x.to_ne_bytes()),
+            // Any value in [-10, 10]: the kernels must round as the host does, bit for bit.
+            DataType::F8E4M3 => out.push(float8::F8E4M3::from_f64(v).to_bits()),
+            DataType::F8E5M2 => out.push(float8::F8E5M2::from_f64(v).to_bits()),
             other => panic!("no test inputs for {other:?}"),
         }
     }

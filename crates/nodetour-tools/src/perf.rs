@@ -71,7 +71,16 @@ pub fn parse_dtype(s: &str) -> anyhow::Result<DataType> {
         "i32" | "int" => DataType::I32,
         "i64" => DataType::I64,
         "u8" | "uint8" => DataType::U8,
-        _ => bail!("unknown data type {s:?} (f32, f64, f16, bf16, i32, i64, u8)"),
+        "i8" | "int8" => DataType::I8,
+        "u32" | "uint32" => DataType::U32,
+        "u64" | "uint64" => DataType::U64,
+        "i16" | "int16" => DataType::I16,
+        "f8e4m3" | "e4m3" => DataType::F8E4M3,
+        "f8e5m2" | "e5m2" => DataType::F8E5M2,
+        _ => bail!(
+            "unknown data type {s:?} ({})",
+            DataType::ALL.map(DataType::name).join(", ")
+        ),
     })
 }
 

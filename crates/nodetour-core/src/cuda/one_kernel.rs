@@ -401,6 +401,12 @@ ONE_SHOT(b16, bf16)
 ONE_SHOT(int, i32)
 ONE_SHOT(long long, i64)
 ONE_SHOT(unsigned char, u8)
+ONE_SHOT(signed char, i8)
+ONE_SHOT(unsigned, u32)
+ONE_SHOT(u64, u64)
+ONE_SHOT(short, i16)
+ONE_SHOT(f8a, f8e4m3)
+ONE_SHOT(f8b, f8e5m2)
 "#;
 
 #[cfg(test)]

@@ -10,6 +10,56 @@ __device__ __forceinline__ b16 narrow_b(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) { v.x = (unsigned short)((u >> 16) | 0x40); return v; }
     u += 0x7fffu + ((u >> 16) & 1u); v.x = (unsigned short)(u >> 16); return v;
 }
+// fp8 (OCP E4M3 and E5M2): decoded exactly to f32, computed there, rounded to nearest even
+// once per combination, saturating to the largest finite value; every NaN result is 0x7F. The
+// rounding is cuda_fp8.hpp's __nv_cvt_double_to_fp8 (__NV_SATFINITE), as the host's float8
+// crate: the same bits on both.
+struct f8a { unsigned char x; };
+struct f8b { unsigned char x; };
+__device__ __forceinline__ float wide(f8a v) {
+    const unsigned b = v.x, e = (b >> 3) & 15u, m = b & 7u;
+    if ((b & 0x7fu) == 0x7fu) return __int_as_float(0x7fffffff);
+    const float a = e == 0 ? (float)m * 0.001953125f : __int_as_float((int)(((e + 120u) << 23) | (m << 20)));
+    return (b & 0x80u) ? -a : a;
+}
+__device__ __forceinline__ float wide(f8b v) {
+    const unsigned b = v.x, e = (b >> 2) & 31u, m = b & 3u;
+    if (e == 31u) return m ? __int_as_float(0x7fffffff) : ((b & 0x80u) ? -__int_as_float(0x7f800000) : __int_as_float(0x7f800000));
+    const float a = e == 0 ? (float)m * 0.0000152587890625f : __int_as_float((int)(((e + 112u) << 23) | (m << 21)));
+    return (b & 0x80u) ? -a : a;
+}
+__device__ __forceinline__ unsigned char nt_fp8(float f, bool e4m3) {
+    if (f != f) return 0x7f;
+    const u64 xb = (u64)__double_as_longlong((double)f);
+    const unsigned char maxnorm = e4m3 ? 0x7e : 0x7b, mmask = e4m3 ? 7 : 3;
+    const unsigned bias = e4m3 ? 7u : 15u, sbits = e4m3 ? 4u : 3u;
+    const u64 mindenorm_o2 = e4m3 ? 0x3F50000000000000ull : 0x3EE0000000000000ull;
+    const u64 overflow = e4m3 ? 0x407D000000000000ull : 0x40EE000000000000ull - 1;
+    const u64 minnorm = e4m3 ? 0x3F90000000000000ull : 0x3F10000000000000ull;
+    const u64 half_ulp = 1ull << (53 - sbits - 1);
+    const unsigned char sign = (unsigned char)((xb >> 63) << 7);
+    const unsigned char exp = (unsigned char)((unsigned)((xb >> 52) & 0x7ff) - 1023u + bias);
+    const unsigned char mant = (unsigned char)((xb >> (53 - sbits)) & mmask);
+    const u64 absx = xb & 0x7fffffffffffffffull;
+    unsigned char res;
+    if (absx <= mindenorm_o2) {
+        res = 0;
+    } else if (absx > overflow) {
+        res = maxnorm;
+    } else if (absx >= minnorm) {
+        res = (unsigned char)((exp << (sbits - 1)) | mant);
+        const u64 round = xb & ((half_ulp << 1) - 1);
+        if (round > half_ulp || (round == half_ulp && (mant & 1))) res++;
+    } else {
+        const unsigned shift = (unsigned char)(1u - exp);
+        res = (unsigned char)((mant | (1u << (sbits - 1))) >> shift);
+        const u64 round = (xb | (1ull << 52)) & ((half_ulp << (shift + 1)) - 1);
+        if (round > (half_ulp << shift) || (round == (half_ulp << shift) && (res & 1))) res++;
+    }
+    return (unsigned char)(res | sign);
+}
+__device__ __forceinline__ f8a narrow_e4(float f) { f8a v; v.x = nt_fp8(f, true); return v; }
+__device__ __forceinline__ f8b narrow_e5(float f) { f8b v; v.x = nt_fp8(f, false); return v; }
 struct Sum { template<class T> __device__ static T f(T a, T b) { return a + b; } };
 struct Prod { template<class T> __device__ static T f(T a, T b) { return a * b; } };
 struct Min { template<class T> __device__ static T f(T a, T b) { return b < a ? b : a; } };
@@ -22,6 +72,21 @@ template<class Op> __device__ long long combine(long long a, long long b) { retu
 template<> __device__ long long combine<Min>(long long a, long long b) { return Min::f(a, b); }
 template<> __device__ long long combine<Max>(long long a, long long b) { return Max::f(a, b); }
 template<class Op> __device__ unsigned char combine(unsigned char a, unsigned char b) { return (unsigned char)Op::f((unsigned)a, (unsigned)b); }
+template<class Op> __device__ signed char combine(signed char a, signed char b) { return (signed char)Op::f((unsigned)(unsigned char)a, (unsigned)(unsigned char)b); }
+template<> __device__ signed char combine<Min>(signed char a, signed char b) { return Min::f(a, b); }
+template<> __device__ signed char combine<Max>(signed char a, signed char b) { return Max::f(a, b); }
+template<class Op> __device__ short combine(short a, short b) { return (short)Op::f((unsigned)(unsigned short)a, (unsigned)(unsigned short)b); }
+template<> __device__ short combine<Min>(short a, short b) { return Min::f(a, b); }
+template<> __device__ short combine<Max>(short a, short b) { return Max::f(a, b); }
+template<class Op> __device__ unsigned combine(unsigned a, unsigned b) { return Op::f(a, b); }
+template<class Op> __device__ u64 combine(u64 a, u64 b) { return Op::f(a, b); }
+// fp8 min and max compare the values and keep an operand's bits; a NaN never compares.
+template<class Op> __device__ f8a combine(f8a a, f8a b) { return narrow_e4(Op::f(wide(a), wide(b))); }
+template<> __device__ f8a combine<Min>(f8a a, f8a b) { return wide(b) < wide(a) ? b : a; }
+template<> __device__ f8a combine<Max>(f8a a, f8a b) { return wide(b) > wide(a) ? b : a; }
+template<class Op> __device__ f8b combine(f8b a, f8b b) { return narrow_e5(Op::f(wide(a), wide(b))); }
+template<> __device__ f8b combine<Min>(f8b a, f8b b) { return wide(b) < wide(a) ? b : a; }
+template<> __device__ f8b combine<Max>(f8b a, f8b b) { return wide(b) > wide(a) ? b : a; }
 template<class Op> __device__ float combine(float a, float b) { return Op::f(a, b); }
 template<class Op> __device__ double combine(double a, double b) { return Op::f(a, b); }
 template<class Op> __device__ h16 combine(h16 a, h16 b) { return narrow_h(Op::f(wide(a), wide(b))); }
@@ -58,6 +123,12 @@ __device__ b16 divide(b16 x, unsigned n) { return narrow_b(wide(x) / (float)n); 
 __device__ int divide(int x, unsigned n) { return x / (int)n; }
 __device__ long long divide(long long x, unsigned n) { return x / (long long)n; }
 __device__ unsigned char divide(unsigned char x, unsigned n) { return (unsigned char)((unsigned)x / n); }
+__device__ signed char divide(signed char x, unsigned n) { return (signed char)((long long)x / (long long)n); }
+__device__ short divide(short x, unsigned n) { return (short)((long long)x / (long long)n); }
+__device__ unsigned divide(unsigned x, unsigned n) { return x / n; }
+__device__ u64 divide(u64 x, unsigned n) { return x / (u64)n; }
+__device__ f8a divide(f8a x, unsigned n) { return narrow_e4(wide(x) / (float)n); }
+__device__ f8b divide(f8b x, unsigned n) { return narrow_e5(wide(x) / (float)n); }
 template<class T> __device__ void average(T* d, u64 n, unsigned ranks) {
     over_lanes<T>(n, aligned16(d, d), [=](u64 v) {
         Lanes<T> x;
@@ -92,6 +163,8 @@ template<class T, class Op> __device__ void both(T* __restrict__ a, T* __restric
 template<class T> __device__ T small(unsigned v) { return (T)v; }
 template<> __device__ h16 small<h16>(unsigned v) { return narrow_h((float)v); }
 template<> __device__ b16 small<b16>(unsigned v) { return narrow_b((float)v); }
+template<> __device__ f8a small<f8a>(unsigned v) { return narrow_e4((float)v); }
+template<> __device__ f8b small<f8b>(unsigned v) { return narrow_e5((float)v); }
 template<class T> __device__ void pattern(T* d, u64 n, u64 first, unsigned seed) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         d[i] = small<T>((unsigned)(((first + i) * 7 + seed) % 13));
@@ -114,6 +187,12 @@ KERNELS(b16, bf16)
 KERNELS(int, i32)
 KERNELS(long long, i64)
 KERNELS(unsigned char, u8)
+KERNELS(signed char, i8)
+KERNELS(unsigned, u32)
+KERNELS(u64, u64)
+KERNELS(short, i16)
+KERNELS(f8a, f8e4m3)
+KERNELS(f8b, f8e5m2)
 extern "C" __global__ void nt_copy(unsigned char* d, const unsigned char* s, u64 n) {
     u64 i0 = blockIdx.x * (u64)blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x, done = 0;
     if ((((u64)d | (u64)s) & 15) == 0) {
@@ -253,6 +332,12 @@ THEN(b16, bf16)
 THEN(int, i32)
 THEN(long long, i64)
 THEN(unsigned char, u8)
+THEN(signed char, i8)
+THEN(unsigned, u32)
+THEN(u64, u64)
+THEN(short, i16)
+THEN(f8a, f8e4m3)
+THEN(f8b, f8e5m2)
 // One thread: flag `a`, then `b` (if given), if the latch is 1, after system-wide fences.
 extern "C" __global__ void nt_signal(const volatile unsigned* latch, NtFlag a, NtFlag b) {
     __threadfence_system();

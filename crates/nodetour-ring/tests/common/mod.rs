@@ -146,6 +146,13 @@ pub(crate) fn typed_input(
             DataType::I32 => out.extend_from_slice(&(v.round() as i32).to_le_bytes()),
             DataType::I64 => out.extend_from_slice(&(v.round() as i64).to_le_bytes()),
             DataType::U8 => out.push(rng.below(256) as u8),
+            DataType::I8 => out.extend_from_slice(&(v.round() as i8).to_le_bytes()),
+            DataType::I16 => out.extend_from_slice(&(v.round() as i16).to_le_bytes()),
+            // Wrapping: a negative value is a large one.
+            DataType::U32 => out.extend_from_slice(&((v.round() as i64) as u32).to_le_bytes()),
+            DataType::U64 => out.extend_from_slice(&((v.round() as i64) as u64).to_le_bytes()),
+            DataType::F8E4M3 => out.push(float8::F8E4M3::from_f64(v).to_bits()),
+            DataType::F8E5M2 => out.push(float8::F8E5M2::from_f64(v).to_bits()),
             other => panic!("no test inputs for {other:?}"),
         }
     }
