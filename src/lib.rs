@@ -43,6 +43,10 @@
 #![warn(missing_docs)]
 
 pub use cudarc;
+/// The fp8 element types (`F8E4M3`, `F8E5M2`), as nodetour and cudarc's `f8` feature see them.
+pub use float8;
+/// The 16-bit float element types (`f16`, `bf16`).
+pub use half;
 pub use nodetour_core as core;
 pub use nodetour_core::{Config, Deadline};
 pub use nodetour_net as net;

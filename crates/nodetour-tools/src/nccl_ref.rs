@@ -81,6 +81,12 @@ pub enum NcclBuffer {
     I32(CudaSlice<i32>),
     /// `i64`.
     I64(CudaSlice<i64>),
+    /// `i8`.
+    I8(CudaSlice<i8>),
+    /// `u32`.
+    U32(CudaSlice<u32>),
+    /// `u64`.
+    U64(CudaSlice<u64>),
     /// `u8`.
     U8(CudaSlice<u8>),
 }
@@ -96,6 +102,9 @@ macro_rules! each {
             NcclBuffer::I32($s) => $body,
             NcclBuffer::I64($s) => $body,
             NcclBuffer::U8($s) => $body,
+            NcclBuffer::I8($s) => $body,
+            NcclBuffer::U32($s) => $body,
+            NcclBuffer::U64($s) => $body,
         }
     };
 }
@@ -124,6 +133,10 @@ impl NcclBuffer {
             DataType::I32 => NcclBuffer::I32(stream.alloc_zeros(n)?),
             DataType::I64 => NcclBuffer::I64(stream.alloc_zeros(n)?),
             DataType::U8 => NcclBuffer::U8(stream.alloc_zeros(n)?),
+            DataType::I8 => NcclBuffer::I8(stream.alloc_zeros(n)?),
+            DataType::U32 => NcclBuffer::U32(stream.alloc_zeros(n)?),
+            DataType::U64 => NcclBuffer::U64(stream.alloc_zeros(n)?),
+            // i16: NCCL has none; fp8: cudarc's NCCL bindings name no fp8 type.
             #[allow(unreachable_patterns)]
             other => bail!("NCCL has no {other:?} here"),
         })

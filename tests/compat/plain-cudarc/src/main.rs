@@ -1,9 +1,12 @@
 // A host-memory allreduce of two ranks (threads over tcp on loopback) through nodetour, in a
-// graph whose cudarc has another crate's features: it builds, and it runs where CUDA is absent.
+// graph whose cudarc has another crate's features: it builds, and it runs where CUDA is absent;
+// where a GPU is, the added element types on device memory too (gpu_types.rs).
 
 use nodetour::{Communicator, Host, Options, ReduceOp, UniqueId};
 
-fn main() -> nodetour::Result<()> {
+include!("../../gpu_types.rs");
+
+fn main() -> R<()> {
     let id = UniqueId::create().map_err(nodetour::Error::from)?;
     let sums: Vec<nodetour::Result<Vec<i64>>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2u32)
@@ -26,6 +29,7 @@ fn main() -> nodetour::Result<()> {
         let want: Vec<i64> = (0..1000).map(|i| 3 * i).collect();
         assert_eq!(got, want, "rank {r}");
     }
+    gpu_types()?;
     println!("COMPAT OK {}", env!("CARGO_PKG_NAME"));
     Ok(())
 }
