@@ -373,7 +373,8 @@ impl ReduceKernels {
 
     /// Queues on `stream`: fill `count` elements at `dst` with a test pattern (what a
     /// training step's gradient kernel would produce, for examples and benchmarks): element `i`
-    /// holds [`pattern_value`]`(first + i, seed)`, a small integer exact in every type.
+    /// holds [`pattern_value`]`(first + i, seed)`, a small integer exact in every type but E5M2
+    /// (whose 9 and 11 round to 8 and 12).
     pub fn fill_pattern(
         &self,
         stream: &GpuStream,
