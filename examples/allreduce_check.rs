@@ -21,7 +21,7 @@ use anyhow::bail;
 use clap::Parser;
 use nodetour::core::memory::DeviceBuffer;
 use nodetour::core::transport::TransportKind;
-use nodetour::ring::seeded::{input, verify};
+use nodetour::ring::seeded::{input, rank_op, verify};
 use nodetour::{Communicator, DataType, Deadline, Elements, Host, HostBytes, Options, ReduceOp};
 use nodetour_tools::perf::cases;
 
@@ -150,6 +150,7 @@ fn run() -> anyhow::Result<()> {
     let comm = Communicator::from_env(options)?;
     let cases = cases(
         args.all,
+        gpu.is_some(),
         &[
             (DataType::F32, ReduceOp::Sum),
             (DataType::I64, ReduceOp::Max),
@@ -162,6 +163,8 @@ fn run() -> anyhow::Result<()> {
         // Collective k's own input (seeded by k and the rank): an Ok computed from another
         // collective's data fails the check.
         let mut data = input(dtype, op, comm.rank(), args.count, k as u64);
+        // A PreMulSum: this rank's own scalar (the seeded reference knows every rank's).
+        let op = rank_op(op, dtype, comm.rank());
         match &gpu {
             None => {
                 comm.all_reduce_in_place(&mut HostBytes::new_mut(&mut data, dtype)?, op, Host)?

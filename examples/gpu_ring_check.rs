@@ -212,6 +212,7 @@ fn run() -> anyhow::Result<()> {
     // Correctness.
     let cases = cases(
         args.all,
+        true,
         &[
             (DataType::F32, ReduceOp::Sum),
             (DataType::I64, ReduceOp::Max),

@@ -55,7 +55,7 @@ pub use nodetour_ring::comm::{
     AbortHandle, Communicator, Elements, Failed, Group, Host, HostBytes, InFlight, Input, Options,
     Output, Paths, Queue, UniqueId,
 };
-pub use nodetour_ring::{DataType, Element, Error, ReduceOp, Result};
+pub use nodetour_ring::{DataType, Element, Error, ReduceOp, Result, Scalar};
 
 /// Every Rust block of the README compiles (and the runnable ones run) as a doctest.
 #[cfg(doctest)]

@@ -185,6 +185,8 @@ pub(crate) fn train(
         unsafe { l.launch(grid(o)) }?;
         gemm(&blas, (false, true), (b, h, o), &dy, o, &w2, o, &mut da1)?;
         comms.join(&compute)?;
+        // Avg: the division fused into the reduction (PreMulSum, the CPU variant's average,
+        // runs on host memory only for now).
         comm.all_reduce_in_place(&mut grad2, ReduceOp::Avg, &comms)?;
         // Layer 1, while bucket 1 is averaged.
         let n_hidden = (b * h) as i32;

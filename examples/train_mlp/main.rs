@@ -152,6 +152,9 @@ fn train_cpu(
 ) -> anyhow::Result<Trained> {
     let s = SHAPE;
     let mut loss = (0.0, 0.0);
+    // The data-parallel average as torch's DDP takes it: each rank's gradients multiplied by
+    // 1 / world as the reduction first reads them (PreMulSum), no scaling pass of their own.
+    let average = ReduceOp::pre_mul_sum(1.0 / f64::from(comm.world()));
     for step in 0..steps {
         let f = model::forward(s, &p, x);
         if step == 0 || step + 1 == steps {
@@ -161,10 +164,10 @@ fn train_cpu(
         }
         let (mut grad2, da1) = model::backward_layer2(s, &p, &f, t);
         let grad1 = std::thread::scope(|scope| -> anyhow::Result<Vec<f32>> {
-            let bucket2 = scope.spawn(|| comm.all_reduce_in_place(&mut grad2, ReduceOp::Avg, Host));
+            let bucket2 = scope.spawn(|| comm.all_reduce_in_place(&mut grad2, average, Host));
             let mut grad1 = model::backward_layer1(s, &f, x, &da1);
             bucket2.join().expect("the communication thread")?;
-            comm.all_reduce_in_place(&mut grad1, ReduceOp::Avg, Host)?;
+            comm.all_reduce_in_place(&mut grad1, average, Host)?;
             Ok(grad1)
         })?;
         model::sgd(s, &mut p, &grad2, &grad1, lr);

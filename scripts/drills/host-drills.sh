@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # host-drills.sh: repeated kill and abort drills of the host ring.
 #   scripts/drills/host-drills.sh TRANSPORT [TRIALS] [RANKS] [LOG]   (tcp or verbs; 20 trials, 4 ranks)
-# Each trial runs RANKS processes of allreduce_check (65 type x op cases round-robin, every
+# Each trial runs RANKS processes of allreduce_check (78 type x op cases round-robin, every
 # result checked against the reference before it counts) and makes rank 2 die (SIGKILL) or abort
 # from a watchdog thread after 50 collectives. A trial passes when every rank that must report
 # does so in time with the right cause, and no rank returned Ok with a wrong result. verbs runs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # soak.sh [tcp|verbs] [COLLECTIVES] [RANKS]: back-to-back allreduces across RANKS processes
-# (default 4), every one checked exactly against the float64 reference (the 65 type x op cases
+# (default 4), every one checked exactly against the float64 reference (the 78 type x op cases
 # round-robin), then each rank's resident memory and open descriptors before and after.
 # Defaults: tcp 10000 collectives; verbs 1000 (inside the soft-RoCE VM:
 #   scripts/vm/rdma-vm.sh --nodes 2 -- scripts/drills/soak.sh verbs).

@@ -100,7 +100,7 @@ else
 fi
 
 for n in 2 3 4; do
-    say "allreduce_check over verbs (host buffers, 65 type x op cases): $n processes"
+    say "allreduce_check over verbs (host buffers, 78 type x op cases): $n processes"
     ok=$(scripts/launch-local.sh -n "$n" --timeout 300 -- "$BIN_DIR/examples/allreduce_check" --transport verbs \
         --devices "$NODETOUR_VM_DEV0,$NODETOUR_VM_DEV1" --all --count 3001 --slot-bytes 4096 2>&1 | tee /tmp/ar.log | grep -c 'ALLREDUCE OK')
     if [[ $ok == "$n" ]]; then

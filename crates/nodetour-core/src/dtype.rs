@@ -105,6 +105,33 @@ impl DataType {
     }
 }
 
+/// A [`ReduceOp::PreMulSum`] scalar: an `f64` kept as its bits, so that [`ReduceOp`] stays
+/// `Eq` and `Hash` (two scalars are equal when their bits are; `-0.0` and `0.0` differ, and a
+/// NaN equals itself).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Scalar(u64);
+
+impl Scalar {
+    /// One (`PreMulSum(Scalar::ONE)` is a sum).
+    pub const ONE: Scalar = Scalar(0x3ff0_0000_0000_0000);
+
+    /// The scalar `value`.
+    pub fn new(value: f64) -> Scalar {
+        Scalar(value.to_bits())
+    }
+
+    /// Its value.
+    pub fn get(self) -> f64 {
+        f64::from_bits(self.0)
+    }
+}
+
+impl std::fmt::Debug for Scalar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.get())
+    }
+}
+
 /// Reduction operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -119,17 +146,60 @@ pub enum ReduceOp {
     Max,
     /// Mean: the sum divided by the number of ranks (integers truncate).
     Avg,
+    /// `Σ scalar_r · x_r`: each rank's input multiplied by that rank's own scalar, then summed
+    /// (NCCL's `ncclRedOpCreatePreMulSum`, torch's `PREMUL_SUM`; `scalar = 1 / world` is the
+    /// data-parallel average). The scalar is per rank, so it is not part of what the ranks
+    /// agree on: the collective is "a PreMulSum", whatever each rank multiplies by. Each
+    /// element is multiplied as it is first read (the staging copy, the first reduction
+    /// that reads it: no separate pass), in f32 for the 8- and 16-bit floats and f32, in f64
+    /// for f64, and rounded to the type once; the products are then summed as [`ReduceOp::Sum`]
+    /// sums. For integer types the scalar must be a whole number (the product wraps). Host
+    /// memory only for now: device memory refuses it (`Unsupported`).
+    PreMulSum(Scalar),
 }
 
 impl ReduceOp {
-    /// Every operation, in a fixed order.
-    pub const ALL: [ReduceOp; 5] = [
+    /// Every operation, in a fixed order: an operation's index is its code on the wire, so
+    /// operations are only ever appended (`PreMulSum` stands for every scalar).
+    pub const ALL: [ReduceOp; 6] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
         ReduceOp::Min,
         ReduceOp::Max,
         ReduceOp::Avg,
+        ReduceOp::PreMulSum(Scalar::ONE),
     ];
+
+    /// `PreMulSum(scalar)`.
+    pub fn pre_mul_sum(scalar: f64) -> ReduceOp {
+        ReduceOp::PreMulSum(Scalar::new(scalar))
+    }
+
+    /// The operation's wire code (its index in [`Self::ALL`]; a PreMulSum's scalar is not
+    /// part of it).
+    pub fn code(self) -> u8 {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Prod => 1,
+            ReduceOp::Min => 2,
+            ReduceOp::Max => 3,
+            ReduceOp::Avg => 4,
+            ReduceOp::PreMulSum(_) => 5,
+        }
+    }
+
+    /// The scalar this rank multiplies its input by (`PreMulSum` only).
+    pub fn scalar(self) -> Option<f64> {
+        match self {
+            ReduceOp::PreMulSum(s) => Some(s.get()),
+            _ => None,
+        }
+    }
+
+    /// Whether the ranks' values are combined by addition (`Sum`, `Avg`, `PreMulSum`).
+    pub fn adds(self) -> bool {
+        matches!(self, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_))
+    }
 
     /// The short name (`sum`, ...).
     pub fn name(self) -> &'static str {
@@ -139,6 +209,30 @@ impl ReduceOp {
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
             ReduceOp::Avg => "avg",
+            ReduceOp::PreMulSum(_) => "premulsum",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_the_index_in_all_whatever_the_scalar() {
+        for (i, op) in ReduceOp::ALL.into_iter().enumerate() {
+            assert_eq!(usize::from(op.code()), i);
+        }
+        assert_eq!(ReduceOp::pre_mul_sum(0.125).code(), 5);
+        assert_eq!(ReduceOp::pre_mul_sum(0.125).scalar(), Some(0.125));
+        assert_ne!(ReduceOp::pre_mul_sum(0.125), ReduceOp::pre_mul_sum(0.25));
+        assert_eq!(
+            ReduceOp::pre_mul_sum(f64::NAN),
+            ReduceOp::pre_mul_sum(f64::NAN)
+        );
+        assert_eq!(
+            format!("{:?}", ReduceOp::pre_mul_sum(0.5)),
+            "PreMulSum(0.5)"
+        );
     }
 }

@@ -51,8 +51,10 @@ pub enum Algorithm {
     DeviceFormation,
 }
 
-/// One collective as one rank sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One collective as one rank sees it. Two descriptors are the same collective when their
+/// encodings are: a `PreMulSum`'s scalar is each rank's own and is not encoded (its op
+/// decodes as `PreMulSum(1)`).
+#[derive(Clone, Copy, Debug)]
 pub struct Descriptor {
     /// The operation.
     pub collective: Collective,
@@ -73,6 +75,14 @@ pub struct Descriptor {
     /// it, so ranks that interleave host and device collectives differently disagree.
     pub call: u32,
 }
+
+impl PartialEq for Descriptor {
+    fn eq(&self, other: &Descriptor) -> bool {
+        self.encode() == other.encode()
+    }
+}
+
+impl Eq for Descriptor {}
 
 /// Encoded size.
 pub const ENCODED_LEN: usize = 32;
@@ -127,7 +137,7 @@ impl Descriptor {
         b[0] = PROTOCOL_VERSION;
         b[1] = code(&COLLECTIVES, self.collective);
         b[2] = code(&DataType::ALL, self.dtype);
-        b[3] = code(&ReduceOp::ALL, self.op);
+        b[3] = self.op.code();
         b[4] = code(&ALGORITHMS, self.algorithm);
         b[5] = u8::from(self.root.is_some());
         b[8..16].copy_from_slice(&self.count.to_be_bytes());
@@ -289,7 +299,7 @@ mod tests {
             (0, 1),
             (1, 9),
             (2, 99),
-            (3, 5),
+            (3, 6),
             (4, 9),
             (5, 2),
             (6, 1),

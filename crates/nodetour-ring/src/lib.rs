@@ -49,5 +49,5 @@ pub use cause::{CauseKind, RootCause};
 pub use element::Element;
 pub use error::{Error, Result};
 pub use plan::Plan;
-pub use reduce::{DataType, ReduceOp};
+pub use reduce::{DataType, ReduceOp, Scalar};
 pub use schedule::{Action, Immediate, RingSchedule};

@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 
-pub use nodetour_core::dtype::{DataType, ReduceOp};
+pub use nodetour_core::dtype::{DataType, ReduceOp, Scalar};
 
 macro_rules! apply {
     ($acc:expr, $other:expr, $t:ty, $op:expr, $from:expr, $to:expr, $sum:expr, $prod:expr) => {{
@@ -26,7 +26,7 @@ macro_rules! apply {
                 bytemuck::cast_slice::<u8, $t>($other),
             );
             match $op {
-                ReduceOp::Sum | ReduceOp::Avg => typed(a, b, $sum),
+                ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => typed(a, b, $sum),
                 ReduceOp::Prod => typed(a, b, $prod),
                 ReduceOp::Min => typed(a, b, |x: $t, y: $t| if y < x { y } else { x }),
                 ReduceOp::Max => typed(a, b, |x: $t, y: $t| if y > x { y } else { x }),
@@ -38,7 +38,7 @@ macro_rules! apply {
                 let x: $t = $from(a.try_into().expect("N bytes"));
                 let y: $t = $from(b.try_into().expect("N bytes"));
                 let r: $t = match $op {
-                    ReduceOp::Sum | ReduceOp::Avg => $sum(x, y),
+                    ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => $sum(x, y),
                     ReduceOp::Prod => $prod(x, y),
                     ReduceOp::Min => {
                         if y < x {
@@ -70,7 +70,8 @@ fn typed<T: Copy>(a: &mut [T], b: &[T], f: impl Fn(T, T) -> T) {
     }
 }
 
-/// `acc = op(acc, other)`, element-wise (`Avg` sums; [`finish_avg`] divides at the end).
+/// `acc = op(acc, other)`, element-wise (`Avg` sums; [`finish_avg`] divides at the end;
+/// `PreMulSum` sums operands already multiplied by [`scale_into`]).
 pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) -> Result<()> {
     if acc.len() != other.len() || !acc.len().is_multiple_of(dtype.size()) {
         return Err(Error::Plan {
@@ -211,6 +212,107 @@ pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) 
     Ok(())
 }
 
+/// Checks `op` for `dtype`: a `PreMulSum` scalar of an integer type must be a whole number
+/// that an `i64` holds (the product wraps in the type, as a sum does).
+pub fn check_op(dtype: DataType, op: ReduceOp) -> Result<()> {
+    match op.scalar() {
+        Some(s)
+            if dtype.is_integer()
+                && !(s.fract() == 0.0 && s.abs() < 9_223_372_036_854_775_808.0) =>
+        {
+            Err(Error::InvalidArgument {
+                reason: format!(
+                    "a PreMulSum of {} by {s}: an integer type is multiplied by a whole number \
+                     (at most 2^63 in magnitude)",
+                    dtype.name()
+                ),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `dst = round(scalar · src)`, element-wise: a PreMulSum's multiplication of this rank's own
+/// values, fused into the copy that first reads them (the staging copy, or the copy out of the
+/// input that a reduction reads). In f64 for f64, in f32 for f32 and the 16- and 8-bit floats
+/// (the scalar rounded to f32), rounded to the type once (fp8 as a sum rounds: saturating,
+/// NaN as [`FP8_NAN`]); integers multiply by the whole scalar ([`check_op`]) and wrap.
+pub fn scale_into(dtype: DataType, scalar: f64, dst: &mut [u8], src: &[u8]) -> Result<()> {
+    if dst.len() != src.len() || !dst.len().is_multiple_of(dtype.size()) {
+        return Err(Error::Plan {
+            reason: format!(
+                "scaling {} bytes into {} bytes of {dtype:?}",
+                src.len(),
+                dst.len()
+            ),
+        });
+    }
+    check_op(dtype, ReduceOp::pre_mul_sum(scalar))?;
+    macro_rules! scale {
+        ($t:ty, $from:expr, $to:expr, $mul:expr) => {{
+            const N: usize = std::mem::size_of::<$t>();
+            for (d, s) in dst.chunks_exact_mut(N).zip(src.chunks_exact(N)) {
+                let x: $t = $from(s.try_into().expect("N bytes"));
+                d.copy_from_slice(&$to($mul(x)));
+            }
+        }};
+    }
+    let (s32, whole) = (scalar as f32, scalar as i64);
+    match dtype {
+        DataType::F32 => scale!(f32, f32::from_ne_bytes, f32::to_ne_bytes, |x: f32| x * s32),
+        DataType::F64 => scale!(f64, f64::from_ne_bytes, f64::to_ne_bytes, |x: f64| x
+            * scalar),
+        DataType::F16 => scale!(f16, f16::from_ne_bytes, f16::to_ne_bytes, |x: f16| {
+            f16::from_f32(x.to_f32() * s32)
+        }),
+        DataType::Bf16 => scale!(bf16, bf16::from_ne_bytes, bf16::to_ne_bytes, |x: bf16| {
+            bf16::from_f32(x.to_f32() * s32)
+        }),
+        DataType::I32 => scale!(i32, i32::from_ne_bytes, i32::to_ne_bytes, |x: i32| x
+            .wrapping_mul(whole as i32)),
+        DataType::I64 => scale!(i64, i64::from_ne_bytes, i64::to_ne_bytes, |x: i64| x
+            .wrapping_mul(whole)),
+        DataType::U8 => scale!(u8, u8::from_ne_bytes, u8::to_ne_bytes, |x: u8| x
+            .wrapping_mul(whole as u8)),
+        DataType::I8 => scale!(i8, i8::from_ne_bytes, i8::to_ne_bytes, |x: i8| x
+            .wrapping_mul(whole as i8)),
+        DataType::I16 => scale!(i16, i16::from_ne_bytes, i16::to_ne_bytes, |x: i16| x
+            .wrapping_mul(whole as i16)),
+        DataType::U32 => scale!(u32, u32::from_ne_bytes, u32::to_ne_bytes, |x: u32| x
+            .wrapping_mul(whole as u32)),
+        DataType::U64 => scale!(u64, u64::from_ne_bytes, u64::to_ne_bytes, |x: u64| x
+            .wrapping_mul(whole as u64)),
+        DataType::F8E4M3 => {
+            for (d, &x) in dst.iter_mut().zip(src) {
+                let f = F8E4M3::from_bits(x).to_f32() * s32;
+                *d = fp8_round(f, |f| F8E4M3::from_f32(f).to_bits());
+            }
+        }
+        DataType::F8E5M2 => {
+            for (d, &x) in dst.iter_mut().zip(src) {
+                let f = F8E5M2::from_bits(x).to_f32() * s32;
+                *d = fp8_round(f, |f| F8E5M2::from_f32(f).to_bits());
+            }
+        }
+        other => return Err(not_reduced(other)),
+    }
+    Ok(())
+}
+
+/// Copies `src` into `dst`, multiplied by the scalar of `op` if it is a `PreMulSum`.
+pub(crate) fn copy_scaled(dtype: DataType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<()> {
+    match op.scalar() {
+        Some(s) => scale_into(dtype, s, dst, src),
+        None if dst.len() == src.len() => {
+            dst.copy_from_slice(src);
+            Ok(())
+        }
+        None => Err(Error::Plan {
+            reason: format!("copying {} bytes into {}", src.len(), dst.len()),
+        }),
+    }
+}
+
 /// The canonical NaN of both fp8 formats (`S.1111.111` of E4M3, a quiet NaN of E5M2), sign
 /// clear: what every NaN result is.
 pub const FP8_NAN: u8 = 0x7F;
@@ -236,7 +338,7 @@ fn fp8(
     narrow: impl Fn(f32) -> u8,
 ) -> Result<()> {
     let f: fn(f32, f32) -> f32 = match op {
-        ReduceOp::Sum | ReduceOp::Avg => |x, y| x + y,
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => |x, y| x + y,
         ReduceOp::Prod => |x, y| x * y,
         ReduceOp::Min | ReduceOp::Max => {
             let min = op == ReduceOp::Min;
@@ -510,5 +612,57 @@ mod tests {
             }
             finish_avg(d, &mut acc, 2).unwrap();
         }
+    }
+
+    /// PreMulSum's multiplication: in f32 (f64 for f64), rounded to the type once; fp8
+    /// saturating, NaN as `FP8_NAN`; integers by a whole scalar, wrapping; a fraction refused
+    /// for an integer type.
+    #[test]
+    fn scale_rounds_once_saturates_and_wraps() {
+        let mut out = [0u8; 8];
+        scale_into(DataType::F64, 0.1, &mut out, &3.0f64.to_ne_bytes()).unwrap();
+        assert_eq!(f64::from_ne_bytes(out), 3.0 * 0.1);
+        let mut out = [0u8; 2];
+        let x = half::bf16::from_f32(3.0);
+        scale_into(DataType::Bf16, 1.0 / 3.0, &mut out, &x.to_ne_bytes()).unwrap();
+        assert_eq!(
+            half::bf16::from_ne_bytes(out),
+            half::bf16::from_f32(3.0 * (1.0f64 / 3.0) as f32)
+        );
+        let e4 = |v: f32| F8E4M3::from_f32(v).to_bits();
+        let mut out = [0u8; 3];
+        scale_into(
+            DataType::F8E4M3,
+            2.0,
+            &mut out,
+            &[e4(448.0), e4(-3.0), FP8_NAN],
+        )
+        .unwrap();
+        assert_eq!(out, [e4(448.0), e4(-6.0), FP8_NAN]);
+        let mut out = [0u8; 2];
+        scale_into(DataType::I8, -3.0, &mut out, &[100i8 as u8, 5]).unwrap();
+        assert_eq!(out, [(100i8).wrapping_mul(-3) as u8, (-15i8) as u8]);
+        let mut out = [0u8; 8];
+        scale_into(DataType::U64, 3.0, &mut out, &u64::MAX.to_ne_bytes()).unwrap();
+        assert_eq!(u64::from_ne_bytes(out), u64::MAX.wrapping_mul(3));
+        for bad in [0.5, 1e19, f64::NAN, f64::INFINITY] {
+            assert!(
+                check_op(DataType::I32, ReduceOp::pre_mul_sum(bad)).is_err(),
+                "{bad}"
+            );
+            assert!(scale_into(DataType::I32, bad, &mut [0u8; 4], &[0u8; 4]).is_err());
+        }
+        assert!(check_op(DataType::F16, ReduceOp::pre_mul_sum(0.5)).is_ok());
+        assert!(scale_into(DataType::F32, 1.0, &mut [0u8; 4], &[0u8; 8]).is_err());
+        // PreMulSum sums what was multiplied, as Sum does.
+        let mut acc = 1.5f32.to_ne_bytes();
+        reduce_into(
+            DataType::F32,
+            ReduceOp::pre_mul_sum(9.0),
+            &mut acc,
+            &2.0f32.to_ne_bytes(),
+        )
+        .unwrap();
+        assert_eq!(f32::from_ne_bytes(acc), 3.5);
     }
 }

@@ -11,7 +11,9 @@
 //! two; `i8` and `i16` products wrap, fp8 products saturate, as the reduction does), the
 //! unsigned types are in [0, 15] (products: 1-3, `u8` wrapping), fp8 in {-1, 0, 1} (sums
 //! stay exact: E4M3 holds every integer to 16, E5M2 to 8); an average is the exact sum
-//! divided once, so only its last rounding is allowed for.
+//! divided once, so only its last rounding is allowed for. A PreMulSum's rank passes the
+//! scalar of [`rank_op`]: whole numbers that keep the sum exact (±1, ±2; ±1 for fp8; 1-3 for
+//! the unsigned types), integer results wrapping as the reduction's do.
 
 use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
@@ -30,6 +32,35 @@ fn value(dtype: DataType, op: ReduceOp, rank: u32, i: usize, seed: u64) -> i64 {
         (_, d) if unsigned(d) => (h % 16) as i64,
         (_, DataType::F8E4M3 | DataType::F8E5M2) => (h % 3) as i64 - 1,
         _ => (h % 17) as i64 - 8,
+    }
+}
+
+/// The scalar rank `rank` multiplies its input by in a seeded PreMulSum.
+pub fn scalar(dtype: DataType, rank: u32) -> f64 {
+    match dtype {
+        d if unsigned(d) => f64::from(1 + rank % 3),
+        DataType::F8E4M3 | DataType::F8E5M2 => [1.0, -1.0][(rank % 2) as usize],
+        _ => [1.0, -1.0, 2.0, -2.0][(rank % 4) as usize],
+    }
+}
+
+/// What rank `rank` passes for `op`: a PreMulSum with its seeded [`scalar`], else `op`.
+pub fn rank_op(op: ReduceOp, dtype: DataType, rank: u32) -> ReduceOp {
+    match op {
+        ReduceOp::PreMulSum(_) => ReduceOp::pre_mul_sum(scalar(dtype, rank)),
+        other => other,
+    }
+}
+
+/// `v` wrapped into integer type `dtype` (as its sums and products wrap); others as they are.
+fn wrap(dtype: DataType, v: i64) -> i64 {
+    match dtype {
+        DataType::U8 => i64::from(v as u8),
+        DataType::I8 => i64::from(v as i8),
+        DataType::I16 => i64::from(v as i16),
+        DataType::U32 => i64::from(v as u32),
+        DataType::I32 => i64::from(v as i32),
+        _ => v,
     }
 }
 
@@ -97,6 +128,12 @@ pub fn expected(dtype: DataType, op: ReduceOp, world: u32, i: usize, seed: u64) 
         }
         ReduceOp::Min => vals.min().unwrap_or(0),
         ReduceOp::Max => vals.max().unwrap_or(0),
+        ReduceOp::PreMulSum(_) => wrap(
+            dtype,
+            (0..world)
+                .map(|r| scalar(dtype, r) as i64 * value(dtype, op, r, i, seed))
+                .sum(),
+        ),
         other => unknown(other),
     };
     match (op, dtype) {
@@ -184,7 +221,10 @@ mod tests {
                     let fold = |order: &mut dyn Iterator<Item = u32>| {
                         let mut acc: Option<Vec<u8>> = None;
                         for r in order {
-                            let x = input(dtype, op, r, count, 7);
+                            let raw = input(dtype, op, r, count, 7);
+                            let mut x = raw.clone();
+                            crate::reduce::copy_scaled(dtype, rank_op(op, dtype, r), &mut x, &raw)
+                                .unwrap();
                             match &mut acc {
                                 None => acc = Some(x),
                                 Some(a) => reduce_into(dtype, op, a, &x).unwrap(),

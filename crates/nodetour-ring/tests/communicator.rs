@@ -10,7 +10,7 @@ use nodetour_core::Deadline;
 use nodetour_core::transport::TransportKind;
 use nodetour_net::bootstrap::UniqueId;
 use nodetour_ring::comm::{Communicator, Host, Options};
-use nodetour_ring::{Error, ReduceOp};
+use nodetour_ring::{DataType, Error, ReduceOp};
 
 /// Small slots and staging memory: every buffer here goes through the ring in several pieces.
 fn options() -> Options {
@@ -345,16 +345,21 @@ fn small_allreduces_gather_and_are_the_same_bits_on_every_rank() {
                 let r = comm.rank();
                 let mut results = Vec::new();
                 for op in ReduceOp::ALL {
+                    // A PreMulSum: each rank its own scalar (the seeded drills' choice).
+                    let mine = |d| nodetour_ring::seeded::rank_op(op, d, r);
                     let mut ints = input(r, 700);
-                    comm.all_reduce_in_place(&mut ints, op, Host).unwrap();
+                    comm.all_reduce_in_place(&mut ints, mine(DataType::I64), Host)
+                        .unwrap();
                     let mut floats: Vec<f32> = (0..1000)
                         .map(|i| (i as f32 * 0.37 + r as f32).sin() * 1e3)
                         .collect();
-                    comm.all_reduce_in_place(&mut floats, op, Host).unwrap();
+                    comm.all_reduce_in_place(&mut floats, mine(DataType::F32), Host)
+                        .unwrap();
                     let mut halves: Vec<half::bf16> = (0..333)
                         .map(|i| half::bf16::from_f32(i as f32 * 0.01 - r as f32))
                         .collect();
-                    comm.all_reduce_in_place(&mut halves, op, Host).unwrap();
+                    comm.all_reduce_in_place(&mut halves, mine(DataType::Bf16), Host)
+                        .unwrap();
                     results.push((
                         op,
                         ints,
@@ -381,6 +386,12 @@ fn small_allreduces_gather_and_are_the_same_bits_on_every_rank() {
                         ReduceOp::Prod => all.fold(1i64, i64::wrapping_mul),
                         ReduceOp::Min => all.min().unwrap(),
                         ReduceOp::Max => all.max().unwrap(),
+                        ReduceOp::PreMulSum(_) => (0..world)
+                            .map(|q| {
+                                let s = nodetour_ring::seeded::scalar(DataType::I64, q);
+                                (s as i64).wrapping_mul(input(q, 700)[i])
+                            })
+                            .fold(0i64, i64::wrapping_add),
                         other => panic!("no reference for {other:?}"),
                     };
                     assert_eq!(*got, want, "world {world} {op:?} element {i}");
@@ -610,7 +621,8 @@ fn the_added_types_over_tcp_at_1_to_8_ranks() {
                 let bytes = seeded::input(d, op, comm.rank(), 301, seed);
                 let mut x = vec![T::zeroed(); bytes.len() / d.size()];
                 bytemuck::cast_slice_mut::<T, u8>(&mut x).copy_from_slice(&bytes);
-                comm.all_reduce_in_place(&mut x, op, Host).unwrap();
+                let mine = seeded::rank_op(op, d, comm.rank());
+                comm.all_reduce_in_place(&mut x, mine, Host).unwrap();
                 out.push((op, seed, bytemuck::cast_slice::<T, u8>(&x).to_vec()));
             }
             comm.close(Deadline::after(Duration::from_secs(10)))
@@ -751,6 +763,177 @@ fn fp8_rounds_once_per_step_in_the_paths_order() {
         for gather in [false, true] {
             one::<F8E4M3>(world, gather);
             one::<F8E5M2>(world, gather);
+        }
+    }
+}
+
+/// PreMulSum (issue 49): `Σ s_r · x_r`, each rank its own scalar, 1 to 8 ranks over tcp, the
+/// ring and the host gather path, allreduce out of place and in place and reduce-scatter, in
+/// f32, f64, f16, bf16 and fp8 E4M3, with the data-parallel average's scalar `1 / world` and
+/// with a different scalar on every rank. Every rank's allreduce has the same bits; every
+/// result is within `γ_n · Σ|s_r x_r|` of the float64 sum (`γ_n = n·u / (1 − n·u)`, `u` the
+/// type's unit roundoff: one rounding for the product and `n − 1` for the sum), and
+/// `PreMulSum(1)` is bitwise `Sum`. An integer type takes whole scalars only: a fraction is
+/// refused (`InvalidArgument`) on every rank that passes it, before anything moves.
+#[test]
+fn pre_mul_sum_is_each_ranks_scaled_sum_within_rounding() {
+    use float8::F8E4M3;
+    use half::{bf16, f16};
+    use nodetour_ring::comm::HostBytes;
+    fn encode(d: DataType, v: f64) -> Vec<u8> {
+        match d {
+            DataType::F32 => (v as f32).to_ne_bytes().to_vec(),
+            DataType::F64 => v.to_ne_bytes().to_vec(),
+            DataType::F16 => f16::from_f64(v).to_ne_bytes().to_vec(),
+            DataType::Bf16 => bf16::from_f64(v).to_ne_bytes().to_vec(),
+            _ => vec![F8E4M3::from_f64(v).to_bits()],
+        }
+    }
+    fn decode(d: DataType, b: &[u8]) -> f64 {
+        match d {
+            DataType::F32 => f64::from(f32::from_ne_bytes(b.try_into().unwrap())),
+            DataType::F64 => f64::from_ne_bytes(b.try_into().unwrap()),
+            DataType::F16 => f16::from_ne_bytes(b.try_into().unwrap()).to_f64(),
+            DataType::Bf16 => bf16::from_ne_bytes(b.try_into().unwrap()).to_f64(),
+            _ => F8E4M3::from_bits(b[0]).to_f64(),
+        }
+    }
+    fn unit_roundoff(d: DataType) -> f64 {
+        match d {
+            DataType::F32 => 2f64.powi(-24),
+            DataType::F64 => 2f64.powi(-53),
+            DataType::F16 => 2f64.powi(-11),
+            DataType::Bf16 => 2f64.powi(-8),
+            _ => 2f64.powi(-4),
+        }
+    }
+    // Element i of rank r's input to case k: a value of the type in -10 .. 10.
+    fn x(d: DataType, r: u32, i: usize, k: usize) -> f64 {
+        let v = ((i * 37 + r as usize * 101 + k * 7) % 2001) as f64 / 100.0 - 10.0;
+        decode(d, &encode(d, v))
+    }
+    const TYPES: [DataType; 5] = [
+        DataType::F32,
+        DataType::F64,
+        DataType::F16,
+        DataType::Bf16,
+        DataType::F8E4M3,
+    ];
+    // Case k's scalar on rank r: the average's, or one of its own.
+    let scalar = |k: usize, r: u32, world: u32| {
+        if k.is_multiple_of(2) {
+            1.0 / f64::from(world)
+        } else {
+            0.25 + 0.375 * f64::from(r)
+        }
+    };
+    let count = 97;
+    for world in 1..=8u32 {
+        for gather in [false, true] {
+            let mut o = options();
+            if !gather {
+                o.host_gather_max = 0;
+            }
+            let got = ranks(world, o, |comm| {
+                let r = comm.rank();
+                let mut out = Vec::new();
+                for (t, d) in TYPES.into_iter().enumerate() {
+                    for k in 2 * t..2 * t + 2 {
+                        let op = ReduceOp::pre_mul_sum(scalar(k, r, world));
+                        let send: Vec<u8> =
+                            (0..count).flat_map(|i| encode(d, x(d, r, i, k))).collect();
+                        let mut recv = vec![0u8; send.len()];
+                        comm.all_reduce(
+                            &HostBytes::new(&send, d).unwrap(),
+                            &mut HostBytes::new_mut(&mut recv, d).unwrap(),
+                            op,
+                            Host,
+                        )
+                        .unwrap();
+                        let mut in_place = send.clone();
+                        comm.all_reduce_in_place(
+                            &mut HostBytes::new_mut(&mut in_place, d).unwrap(),
+                            op,
+                            Host,
+                        )
+                        .unwrap();
+                        assert_eq!(in_place, recv, "{d:?}: in place differs from out of place");
+                        // Reduce-scatter: block q of the input is elements q·count ..
+                        let whole: Vec<u8> = (0..count * world as usize)
+                            .flat_map(|i| encode(d, x(d, r, i, k)))
+                            .collect();
+                        let mut block = vec![0u8; send.len()];
+                        comm.reduce_scatter(
+                            &HostBytes::new(&whole, d).unwrap(),
+                            &mut HostBytes::new_mut(&mut block, d).unwrap(),
+                            op,
+                            Host,
+                        )
+                        .unwrap();
+                        // PreMulSum(1) is Sum, bit for bit.
+                        let (mut one, mut sum) = (send.clone(), send.clone());
+                        comm.all_reduce_in_place(
+                            &mut HostBytes::new_mut(&mut one, d).unwrap(),
+                            ReduceOp::pre_mul_sum(1.0),
+                            Host,
+                        )
+                        .unwrap();
+                        comm.all_reduce_in_place(
+                            &mut HostBytes::new_mut(&mut sum, d).unwrap(),
+                            ReduceOp::Sum,
+                            Host,
+                        )
+                        .unwrap();
+                        assert_eq!(one, sum, "{d:?}: PreMulSum(1) is not Sum");
+                        out.push((recv, block));
+                    }
+                }
+                // A fraction for an integer type: refused here, nothing sent.
+                let mut ints = vec![3i32; 8];
+                let e = comm
+                    .all_reduce_in_place(&mut ints, ReduceOp::pre_mul_sum(0.5), Host)
+                    .unwrap_err();
+                assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+                comm.all_reduce_in_place(&mut ints, ReduceOp::pre_mul_sum(-2.0), Host)
+                    .unwrap();
+                assert_eq!(ints, vec![-6 * world as i32; 8]);
+                comm.close(Deadline::after(Duration::from_secs(10)))
+                    .unwrap();
+                out
+            });
+            let n = world as usize;
+            for (t, d) in TYPES.into_iter().enumerate() {
+                let nu = n as f64 * unit_roundoff(d);
+                let gamma = nu / (1.0 - nu);
+                for k in 2 * t..2 * t + 2 {
+                    // The scalar as the reduction rounds it (f32 but for f64).
+                    let s = |q: u32| match d {
+                        DataType::F64 => scalar(k, q, world),
+                        _ => f64::from(scalar(k, q, world) as f32),
+                    };
+                    let check = |got: &[u8], at: usize, what: &str, rank: usize| {
+                        for (j, b) in got.chunks_exact(d.size()).enumerate() {
+                            let i = at + j;
+                            let exact: f64 = (0..world).map(|q| s(q) * x(d, q, i, k)).sum();
+                            let size: f64 = (0..world).map(|q| (s(q) * x(d, q, i, k)).abs()).sum();
+                            let err = (decode(d, b) - exact).abs();
+                            assert!(
+                                err <= gamma * size + 1e-300,
+                                "{d:?} case {k}, {world} ranks (gather {gather}), rank {rank} \
+                                 {what} element {i}: {} is {err:e} from {exact} (bound {:e})",
+                                decode(d, b),
+                                gamma * size
+                            );
+                        }
+                    };
+                    for (r, results) in got.iter().enumerate() {
+                        let (recv, block) = &results[k];
+                        assert_eq!(recv, &got[0][k].0, "{d:?}: rank {r} differs from rank 0");
+                        check(recv, 0, "allreduce", r);
+                        check(block, r * count, "reduce-scatter", r);
+                    }
+                }
+            }
         }
     }
 }

@@ -166,7 +166,7 @@ fn allreduce_in_a_group_matches_the_host_reducer() {
                 for (s, input) in staging.iter().zip(&inputs) {
                     s.copy_from_host(0, input).unwrap();
                 }
-                for op in ReduceOp::ALL {
+                for op in common::device_ops() {
                     let mut g = Group::new();
                     for r in 0..ranks {
                         streams[r].copy(&bufs[r], 0, &staging[r], 0, bytes).unwrap();
@@ -290,7 +290,7 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
     };
     let drive = |rs: &mut Vec<Rank<T>>, each: &Each<'_, T>| drive(comms, threads, rs, each);
     let mode = if threads { "threads" } else { "group" };
-    for op in ReduceOp::ALL {
+    for op in common::device_ops() {
         // Reduce-scatter: `send` (every block) into the first `block` elements of `recv`.
         let mut rs = fresh();
         for r in rs.iter_mut() {
@@ -720,7 +720,7 @@ fn captured_in_one_graph_from_one_thread_and_replayed() {
         let mut cases = Vec::new();
         for dtype in DataType::ALL {
             let (n, block) = (100_003usize, 4099usize);
-            for op in ReduceOp::ALL {
+            for op in common::device_ops() {
                 cases.push(Captured::new(&contexts, "allreduce", dtype, op, n, 0));
                 cases.push(Captured::new(
                     &contexts,

@@ -106,7 +106,7 @@ fn one_kernel_rank() {
     // Every type × operation, eager, at counts from one element to the path's largest.
     let mut cases = 0;
     for dtype in DataType::ALL.into_iter().filter(|_| !only_symmetric) {
-        for op in ReduceOp::ALL {
+        for op in common::device_ops() {
             // The largest, and one element less: with more than two ranks a two-shot segment
             // that ends off a 16-byte lane (blocks past its end must do nothing).
             let counts = [1usize, 9, 4099, max / dtype.size(), max / dtype.size() - 1];
@@ -221,7 +221,7 @@ fn one_kernel_rank() {
     let sym = comm.symmetric_buffer(max + 123).unwrap();
     let mut cases = 0;
     for dtype in DataType::ALL {
-        for op in ReduceOp::ALL {
+        for op in common::device_ops() {
             for (k, count) in [3usize, (max + 123) / dtype.size()].into_iter().enumerate() {
                 let seed = 5000 + (cases * 8 + k) as u64;
                 let inp = input(dtype, r, count, seed);

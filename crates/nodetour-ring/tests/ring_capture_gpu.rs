@@ -227,7 +227,7 @@ fn ring_capture_rank() {
     let block = |dtype: DataType| (1 << 18) / dtype.size() + 5;
     let mut cases = Vec::new();
     for dtype in DataType::ALL {
-        for op in ReduceOp::ALL {
+        for op in common::device_ops() {
             cases.push(Case::new(
                 &ctx,
                 Shape::AllReduce,

@@ -319,7 +319,7 @@ impl ReduceKernels {
             dst.checked(stream, count, r.dtype)?,
             src.checked(stream, count, r.dtype)?,
         );
-        let f = pick(&self.k.reduce, r.dtype, r.op);
+        let f = pick(&self.k.reduce, r.dtype, r.op)?;
         let mut n = count as u64;
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),
@@ -353,13 +353,7 @@ impl ReduceKernels {
         } else {
             (op, 0)
         };
-        let f = self
-            .k
-            .both
-            .iter()
-            .find(|(k, _)| *k == (dtype, op))
-            .map(|(_, f)| *f)
-            .expect("every pair is loaded");
+        let f = pick(&self.k.both, dtype, op)?;
         let mut n = count as u64;
         let mut params = [
             (&mut x as *mut u64).cast::<c_void>(),
@@ -595,7 +589,7 @@ impl ReduceKernels {
         let Reduction { dtype, op } = r;
         let count = chunk.count;
         let mut d = chunk.dst.checked(stream, count, dtype)?;
-        let f = pick(&self.k.reduce_then, dtype, op);
+        let f = pick(&self.k.reduce_then, dtype, op)?;
         let (mut s, mut n) = (chunk.src, count as u64);
         let (mut l, mut a, mut dn) = (g.latch, signal, g.done);
         let mut params = [
@@ -629,7 +623,7 @@ impl ReduceKernels {
         } else {
             &self.k.one_shot
         };
-        let f = pick(table, dtype, op);
+        let f = pick(table, dtype, op)?;
         let mut params = [(args as *mut OneShotArgs).cast::<c_void>()];
         self.launch_grid(stream, f, &mut params, ONE_SHOT_BLOCKS, ONE_SHOT_THREADS)
     }
@@ -730,12 +724,13 @@ impl ReduceKernels {
     }
 }
 
-/// The kernel of `table` for `dtype` and `op` (`Avg` sums: the division is a kernel of its own).
+/// The kernel of `table` for `dtype` and `op` (`Avg` sums: the division is a kernel of its own;
+/// `PreMulSum` has no kernels yet).
 fn pick(
     table: &[((DataType, ReduceOp), sys::CUfunction)],
     dtype: DataType,
     op: ReduceOp,
-) -> sys::CUfunction {
+) -> Result<sys::CUfunction> {
     let op = if op == ReduceOp::Avg {
         ReduceOp::Sum
     } else {
@@ -745,7 +740,14 @@ fn pick(
         .iter()
         .find(|(k, _)| *k == (dtype, op))
         .map(|(_, f)| *f)
-        .expect("every pair is loaded")
+        .ok_or_else(|| Error::Unsupported {
+            what: "this reduction on device memory",
+            reason: format!(
+                "no GPU kernel reduces {} with {} (PreMulSum runs on host memory only)",
+                dtype.name(),
+                op.name()
+            ),
+        })
 }
 
 /// `count` elements of `dtype` at byte `offset` are aligned and inside `b`.

@@ -98,7 +98,12 @@ impl Communicator {
             let b = r.start * es..r.end * es;
             let len = b.len();
             // Segment p of the gathered buffer is position p's input.
-            ring.stage_in(ring.rank as usize * len, &send.unwrap_or(&*out)[b.clone()])?;
+            ring.stage_in_as(
+                ring.rank as usize * len,
+                &send.unwrap_or(&*out)[b.clone()],
+                dtype,
+                op,
+            )?;
             let staged = Staged {
                 shape: Shape::AllGather,
                 count: (r.len() * world) as u64,
@@ -139,7 +144,7 @@ impl Communicator {
             for rank in 0..self.world {
                 let block = rank as usize * n;
                 let src = &input[(block + r.start) * es..(block + r.end) * es];
-                ring.stage_in(l.at(self.position_of(rank)), src)?;
+                ring.stage_in_as(l.at(self.position_of(rank)), src, dtype, op)?;
             }
             let staged = Staged {
                 shape: Shape::ReduceScatter,

@@ -50,7 +50,7 @@ use crate::cause::{CauseKind, RootCause};
 use crate::descriptor::{self, Descriptor};
 use crate::error::{Error, Result};
 use crate::plan::{Plan, Shape};
-use crate::reduce::{DataType, ReduceOp, finish_avg, reduce_into};
+use crate::reduce::{DataType, ReduceOp, copy_scaled, finish_avg, reduce_into};
 use crate::schedule::{Action, RingSchedule};
 
 mod ending;
@@ -408,6 +408,29 @@ impl HostRing<'_> {
         Ok(self.work.write_at(at, bytes)?)
     }
 
+    /// [`Self::stage_in`] of this rank's own values for a reduction `op`: a PreMulSum
+    /// multiplies them by its scalar in the same pass (block by block, through a buffer that
+    /// stays in cache).
+    pub(crate) fn stage_in_as(
+        &mut self,
+        at: usize,
+        bytes: &[u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        if op.scalar().is_none() {
+            return self.stage_in(at, bytes);
+        }
+        let block = REDUCE_BLOCK.min(bytes.len());
+        let mut scaled = vec![0u8; block];
+        for (i, piece) in bytes.chunks(REDUCE_BLOCK).enumerate() {
+            let out = &mut scaled[..piece.len()];
+            copy_scaled(dtype, op, out, piece)?;
+            self.stage_in(at + i * REDUCE_BLOCK, out)?;
+        }
+        Ok(())
+    }
+
     /// Runs one collective of `staged.shape` over host memory staged in the work region (by
     /// [`Self::stage_in`]; the ring's buffer is its first `staged.count` elements, laid out by
     /// ring position: segment `p` is position `p`'s block), then fills each
@@ -464,7 +487,7 @@ impl HostRing<'_> {
         for seg in (0..plan.world).filter(|s| !reduced.contains(s)) {
             let r = plan.segment(seg);
             let (a, b) = (r.start as usize * es, r.end as usize * es);
-            self.stage_in(a, &input[a..b])?;
+            self.stage_in_as(a, &input[a..b], staged.dtype, staged.op)?;
         }
         self.run_host(plan, staged, what, Some(input), alive)
     }

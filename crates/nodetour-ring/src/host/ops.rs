@@ -30,7 +30,9 @@ pub(super) struct HostOps<'a> {
     pub(super) mine: Vec<u64>,
     /// The caller's input in the buffer's layout, where reductions read this rank's own values
     /// from it rather than from the work region (an allreduce's reduce-scatter reduces each
-    /// range once, into this rank's input: only the ranges sent unreduced are staged).
+    /// range once, into this rank's input: only the ranges sent unreduced are staged). A
+    /// PreMulSum multiplies what it reads from here; what it reads from the work region was
+    /// multiplied when it was staged ([`HostRing::stage_in_as`]).
     pub(super) input: Option<&'a [u8]>,
 }
 
@@ -59,7 +61,8 @@ impl ChunkOps for HostOps<'_> {
                             ),
                         }
                     })?;
-                    mine[..k].copy_from_slice(from);
+                    // A PreMulSum multiplies this rank's values here, as they are first read.
+                    copy_scaled(self.dtype, self.op, &mut mine[..k], from)?;
                 }
                 None => work.read_at(at + done, &mut mine[..k])?,
             }

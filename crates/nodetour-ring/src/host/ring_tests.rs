@@ -47,7 +47,8 @@ fn all_reduce_repeated(
                     std::thread::sleep(Duration::from_micros(200 * (seq % 3)));
                 }
                 data.copy_from_slice(&seeded::input(dtype, op, r as u32, count, seq));
-                ring.all_reduce(data, dtype, op, seq, &|| Ok(()))?;
+                let mine = seeded::rank_op(op, dtype, r as u32);
+                ring.all_reduce(data, dtype, mine, seq, &|| Ok(()))?;
                 if let Err(e) = seeded::verify(dtype, op, world, data, seq) {
                     panic!("world {world} rank {r}: {e}");
                 }

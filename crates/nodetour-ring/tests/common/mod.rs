@@ -242,3 +242,11 @@ fn thread_states() -> Vec<String> {
     lines.sort();
     lines
 }
+
+/// The operations device memory takes: every one but PreMulSum, which runs on host memory
+/// only (its kernels are not built; device memory refuses it, `Unsupported`).
+pub(crate) fn device_ops() -> impl Iterator<Item = nodetour_ring::ReduceOp> {
+    nodetour_ring::ReduceOp::ALL
+        .into_iter()
+        .filter(|op| op.scalar().is_none())
+}
