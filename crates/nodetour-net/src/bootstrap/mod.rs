@@ -64,32 +64,10 @@ impl UniqueId {
     /// A new id for this process to be rank 0 of a job: binds the rendezvous listener now (on
     /// every interface, a port the system picks), so the port cannot be taken before the job
     /// forms, and keeps it for this process's rank-0 rendezvous on that port (as
-    /// `ncclGetUniqueId`). The address others dial is `NODETOUR_MASTER_ADDR` where set, else
-    /// the address of the interface that holds the default route, else 127.0.0.1 (one host).
-    /// The id carries the job token: pass it only through a store no one outside the job reads.
+    /// `ncclGetUniqueId`; see [`bind_rendezvous`]). The id carries the job token: pass it only
+    /// through a store no one outside the job reads.
     pub fn create() -> Result<UniqueId> {
-        let listener =
-            std::net::TcpListener::bind("0.0.0.0:0").map_err(|source| Error::Exchange {
-                op: "listen",
-                peer: "0.0.0.0:0".into(),
-                source,
-            })?;
-        let port = listener
-            .local_addr()
-            .map_err(|source| Error::Exchange {
-                op: "listen",
-                peer: "0.0.0.0:0".into(),
-                source,
-            })?
-            .port();
-        let host = match nodetour_core::knobs::Env::process().get("NODETOUR_MASTER_ADDR") {
-            Some(h) => h,
-            // A UDP "connect" to a public address picks the default route's interface; no
-            // packet is sent.
-            _ => host::local_ip_towards("192.0.2.1", 9).to_string(),
-        };
-        rendezvous::park_listener(port, listener);
-        Ok(UniqueId::new(format!("{host}:{port}")))
+        Ok(UniqueId::new(bind_rendezvous()?))
     }
 
     /// The id as text: `ndt1:<32 hex digits>@<host:port>`.
@@ -130,6 +108,36 @@ impl UniqueId {
     pub fn job_token(&self) -> JobToken {
         JobToken::new(self.token.to_vec())
     }
+}
+
+/// Binds rank 0's rendezvous listener now (on every interface, a port the system picks) and
+/// keeps it for this process's rank-0 rendezvous on that port, so the port cannot be taken
+/// before the job forms; returns the `host:port` the other ranks dial: `NODETOUR_MASTER_ADDR`
+/// where set, else the address of the interface that holds the default route, else 127.0.0.1.
+/// For runtimes whose store carries the address but no secret (the token then comes from the
+/// job policy, [`job_token`]).
+pub fn bind_rendezvous() -> Result<String> {
+    let listener = std::net::TcpListener::bind("0.0.0.0:0").map_err(|source| Error::Exchange {
+        op: "listen",
+        peer: "0.0.0.0:0".into(),
+        source,
+    })?;
+    let port = listener
+        .local_addr()
+        .map_err(|source| Error::Exchange {
+            op: "listen",
+            peer: "0.0.0.0:0".into(),
+            source,
+        })?
+        .port();
+    let host = match nodetour_core::knobs::Env::process().get("NODETOUR_MASTER_ADDR") {
+        Some(h) => h,
+        // A UDP "connect" to a public address picks the default route's interface; no packet
+        // is sent.
+        _ => host::local_ip_towards("192.0.2.1", 9).to_string(),
+    };
+    rendezvous::park_listener(port, listener);
+    Ok(format!("{host}:{port}"))
 }
 
 /// The job's token under the job policy (`shared` security policy, README "Security"):

@@ -132,6 +132,30 @@ impl Communicator {
         )
     }
 
+    /// Forms the communicator of rank `rank` of `world` from rank 0's rendezvous address
+    /// (which rank 0's process bound with [`nodetour_net::bootstrap::bind_rendezvous`] and
+    /// published through the runtime's store) and the job token, which never travels through
+    /// that store: [`nodetour_net::bootstrap::job_token_from`] takes `NODETOUR_JOB_TOKEN`, else
+    /// an unauthenticated key named by the job (warned). For runtimes whose store others may
+    /// read (torch.distributed's).
+    pub fn from_rendezvous(
+        address: &str,
+        rank: u32,
+        world: u32,
+        token: nodetour_net::bootstrap::JobToken,
+        options: Options,
+    ) -> Result<Communicator> {
+        Self::form(
+            Launch {
+                rank,
+                world,
+                rendezvous: address.to_owned(),
+                token,
+            },
+            options,
+        )
+    }
+
     pub(super) fn form(launch: Launch, options: Options) -> Result<Communicator> {
         if launch.world == 0 || launch.rank >= launch.world {
             return Err(Error::InvalidArgument {
