@@ -22,7 +22,8 @@ vm_pkgs=(qemu-system-x86 kmod cpio busybox-static iproute2 rdma-core ibverbs-pro
 # The test tier's reference for the host paths: Open MPI over tcp (scripts/compare/mpi-compare.sh);
 # and the real launchers the launcher tier starts jobs with (scripts/tiers/launchers.sh):
 # Open MPI's mpirun and a one-machine Slurm.
-test_pkgs=(openmpi-bin libopenmpi-dev slurmctld slurmd slurm-client munge)
+# The Python tier's virtual environment (scripts/python.sh: torch and maturin from PyPI).
+test_pkgs=(openmpi-bin libopenmpi-dev slurmctld slurmd slurm-client munge python3-venv)
 
 build_only=0
 case ${1:-} in

@@ -8,7 +8,10 @@
 #   vm     real verbs in a soft-RoCE VM (scripts/vm/rdma-vm.sh --nodes 2): the hardware tests, the
 #          two-node smoke example between two rxe devices, and our write loop vs ib_write_bw.
 #          Prints "SKIP <reason>" where the VM cannot run.
-# Env: NODETOUR_SKIP_INSTALL=1 (do not touch packages), NODETOUR_SKIP_VM=1, NODETOUR_REQUIRE_VM=1
+#   python the Python package and the torch.distributed backend (scripts/python.sh): torch from
+#          PyPI in target/py, the wheel built with maturin, torchrun tests on CPUs.
+# Env: NODETOUR_SKIP_INSTALL=1 (do not touch packages), NODETOUR_SKIP_VM=1, NODETOUR_SKIP_PYTHON=1,
+# NODETOUR_REQUIRE_VM=1
 # (a VM tier that cannot run is a failure naming why, not a skip: .ci/run sets it),
 # NODETOUR_REQUIRE_LAUNCHERS=1 (mpirun and srun must run: .ci/run sets it).
 # Every tier prints its seconds; the last line counts each test once, where it ran.
@@ -236,6 +239,15 @@ benches_run() { # each criterion bench once (criterion's --test mode); SKIP line
     echo "$out" | grep -E '^(SKIP|Testing|Success)' | sed 's/^/  /' | head -n 40
 }
 check "cargo bench: every bench runs (once each, criterion --test); SKIP where hardware lacks" benches_run
+
+if [[ ${NODETOUR_SKIP_PYTHON:-0} == 1 ]]; then
+    echo "SKIP python tier: NODETOUR_SKIP_PYTHON=1"; skipped=$((skipped + 1))
+else
+    step "python tier: the wheel, and the torch.distributed backend under torchrun (CPU)"
+    # Its checks are listed here; the tier counts as one check (scripts/python.sh alone runs it).
+    python_tier() { scripts/python.sh 2>&1 | sed 's/^/  /'; return "${PIPESTATUS[0]}"; }
+    check "python: the abi3 wheel; torch $(printf %s "${NODETOUR_TORCH:-2.15.0}")'s DDP, FSDP2 and every collective against gloo (scripts/python.sh)" python_tier
+fi
 
 vm_cannot_run() { # REASON: a skip, or with NODETOUR_REQUIRE_VM=1 a failure naming why
     if [[ ${NODETOUR_REQUIRE_VM:-0} == 1 ]]; then

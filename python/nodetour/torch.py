@@ -19,7 +19,9 @@ a name rank 0 draws and publishes. Rank 0 publishes its rendezvous address (no s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import secrets
 from typing import Optional
 
@@ -126,6 +128,12 @@ def _place(tensors) -> "tuple[int, int, Optional[torch.device]]":
     return device.index, torch.cuda.current_stream(device).cuda_stream, device
 
 
+def _on(ordinal: int):
+    """The tensor's GPU made current for the call (the default stream's handle, 0, names the
+    calling thread's current context); nothing for host memory."""
+    return torch.cuda.device(ordinal) if ordinal >= 0 else contextlib.nullcontext()
+
+
 def _done(result, device: Optional[torch.device]):
     """A finished work whose future holds ``result`` (on ``device``'s current stream)."""
     fut = Future(devices=[device]) if device is not None else Future()
@@ -142,11 +150,15 @@ class NodetourProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         address_key, job_key = "nodetour/address", "nodetour/job"
-        authenticated = bool(__import__("os").environ.get("NODETOUR_JOB_TOKEN"))
+        authenticated = bool(os.environ.get("NODETOUR_JOB_TOKEN"))
+        # What this rank wrote to the store (tests read it: never a token).
+        self.published = {}
         if rank == 0:
-            store.set(address_key, _bind())
+            self.published[address_key] = _bind()
             if not authenticated:
-                store.set(job_key, "torch-store:" + secrets.token_hex(16))
+                self.published[job_key] = "torch-store:" + secrets.token_hex(16)
+            for key, value in self.published.items():
+                store.set(key, value)
         address = store.get(address_key).decode()
         job = None if authenticated else store.get(job_key).decode()
         self._comm = Comm(address, rank, size, job, timeout.total_seconds())
@@ -210,7 +222,8 @@ class NodetourProcessGroup(dist.ProcessGroup):
     def _all_reduce(self, t, op, ordinal, stream) -> None:
         name, scalar = _reduction(op, t)
         x = _Operand(t)
-        self._comm.all_reduce(x.ptr, x.ptr, x.count, x.dtype, name, scalar, ordinal, stream)
+        with _on(ordinal):
+            self._comm.all_reduce(x.ptr, x.ptr, x.count, x.dtype, name, scalar, ordinal, stream)
         self._after([x], stream, ordinal)
         x.write_back()
 
@@ -219,7 +232,8 @@ class NodetourProcessGroup(dist.ProcessGroup):
         ordinal, stream, device = _place(tensors)
         for t in tensors:
             x = _Operand(t)
-            self._comm.broadcast(x.ptr, x.count, x.dtype, root, ordinal, stream)
+            with _on(ordinal):
+                self._comm.broadcast(x.ptr, x.count, x.dtype, root, ordinal, stream)
             self._after([x], stream, ordinal)
             x.write_back()
         return _done(list(tensors), device)
@@ -232,7 +246,8 @@ class NodetourProcessGroup(dist.ProcessGroup):
             )
         ordinal, stream, _ = _place([out, inp])
         i, o = _Operand(inp), _Operand(out)
-        self._comm.all_gather(i.ptr, o.ptr, i.count, i.dtype, ordinal, stream)
+        with _on(ordinal):
+            self._comm.all_gather(i.ptr, o.ptr, i.count, i.dtype, ordinal, stream)
         self._after([i, o], stream, ordinal)
         o.write_back()
 
@@ -245,7 +260,10 @@ class NodetourProcessGroup(dist.ProcessGroup):
         ordinal, stream, _ = _place([out, inp])
         name, scalar = _reduction(op, out)
         i, o = _Operand(inp), _Operand(out)
-        self._comm.reduce_scatter(i.ptr, o.ptr, o.count, o.dtype, name, scalar, ordinal, stream)
+        with _on(ordinal):
+            self._comm.reduce_scatter(
+                i.ptr, o.ptr, o.count, o.dtype, name, scalar, ordinal, stream
+            )
         self._after([i, o], stream, ordinal)
         o.write_back()
 

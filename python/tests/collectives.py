@@ -1,10 +1,13 @@
 """Every collective of the nodetour backend against the gloo backend on the same inputs.
 
-Run under torchrun (2 or 4 processes, CPU): the default group is nodetour's, a gloo group of
-every rank is the reference. Every call gets inputs of its own (seeded by the call's index and
-the rank). Prints ``COLLECTIVES OK rank=R world=W calls=N`` and exits 0, else raises.
+Run under torchrun (2 or 4 processes): the default group is nodetour's, a gloo group of every
+rank is the reference (on CPU copies of the same inputs). ``--device cuda`` runs nodetour's
+side on CUDA tensors (rank r on GPU r mod count). Every call gets inputs of its own (seeded by
+the call's index and the rank). Prints ``COLLECTIVES OK rank=R world=W calls=N`` and exits 0,
+else raises.
 """
 
+import os
 import sys
 
 import torch
@@ -16,6 +19,15 @@ dist.init_process_group("nodetour")
 rank, world = dist.get_rank(), dist.get_world_size()
 gloo = dist.new_group(backend="gloo")
 calls = 0
+dev = torch.device("cpu")
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda":
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+
+def ours(x):
+    """A copy of ``x`` for nodetour's side (on ``dev``)."""
+    return x.clone().to(dev)
 
 
 def data(shape, dtype, seed):
@@ -32,6 +44,7 @@ def data(shape, dtype, seed):
 def same(a, b, what):
     global calls
     calls += 1
+    a, b = a.cpu(), b.cpu()
     if a.dtype.is_floating_point or a.dtype.is_complex:
         ok = torch.allclose(a.double() if not a.is_complex() else a, b.double() if not b.is_complex() else b, rtol=1e-2, atol=1e-2)
     else:
@@ -53,7 +66,7 @@ for dtype in SUM_TYPES:
         else:
             x = data((37,), dtype, seed)
         seed += 1
-        a, b = x.clone(), x.clone()
+        a, b = ours(x), x.clone()
         dist.all_reduce(a, op=op)
         dist.all_reduce(b, op=op, group=gloo)
         same(a, b, f"all_reduce {dtype} {op}")
@@ -61,37 +74,38 @@ for dtype in SUM_TYPES:
 # Out of the standard shapes: a non-contiguous tensor, bool, complex, several at once.
 x = data((8, 6), torch.float32, seed).t()
 seed += 1
-a, b = x.clone().t().contiguous().t(), x.clone()
+a, b = ours(x).t().contiguous().t(), x.clone()
 assert not a.is_contiguous()
 dist.all_reduce(a)
 dist.all_reduce(b, group=gloo)
 same(a, b, "all_reduce of a non-contiguous tensor")
 flags = data((19,), torch.bool, seed)
 seed += 1
-a = flags.clone()
+a = ours(flags)
 dist.all_reduce(a, op=dist.ReduceOp.MAX)
 b = flags.to(torch.uint8)
 dist.all_reduce(b, op=dist.ReduceOp.MAX, group=gloo)
 same(a.to(torch.uint8), b, "all_reduce of bool")
 z = torch.complex(data((9,), torch.float32, seed), data((9,), torch.float32, seed + 1))
 seed += 2
-a, b = z.clone(), z.clone()
+a, b = ours(z), z.clone()
 dist.all_reduce(a)
 dist.all_reduce(b, group=gloo)
 same(a, b, "all_reduce of complex64")
 many = [data((n,), torch.float32, seed + n) for n in (1, 5, 300)]
 seed += 400
-ours = [t.clone() for t in many]
-dist.all_reduce_coalesced(ours)
+mine = [ours(t) for t in many]
+dist.all_reduce_coalesced(mine)
 ref = [t.clone() for t in many]
 dist.all_reduce_coalesced(ref, group=gloo)
-for o, r in zip(ours, ref):
+for o, r in zip(mine, ref):
     same(o, r, "all_reduce_coalesced")
 
 # PREMUL_SUM: each rank's own factor (torch ≥ 2.15 exposes it to Python).
 if hasattr(dist, "_make_nccl_premul_sum"):
     x = data((33,), torch.float32, seed)
     seed += 1
+    # CPU tensors: nodetour's PreMulSum runs on host memory only for now.
     a = x.clone()
     try:
         dist.all_reduce(a, op=dist._make_nccl_premul_sum(0.5 + rank))
@@ -105,15 +119,15 @@ if hasattr(dist, "_make_nccl_premul_sum"):
 for dtype in [torch.float32, torch.int64, torch.bfloat16]:
     x = data((13,), dtype, seed)
     seed += 1
-    outs = [torch.empty_like(x) for _ in range(world)]
+    outs = [torch.empty_like(x, device=dev) for _ in range(world)]
     refs = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(outs, x)
+    dist.all_gather(outs, ours(x))
     dist.all_gather(refs, x, group=gloo)
     for o, r in zip(outs, refs):
         same(o, r, f"all_gather {dtype}")
-    flat = torch.empty(world * 13, dtype=dtype)
+    flat = torch.empty(world * 13, dtype=dtype, device=dev)
     ref = torch.empty(world * 13, dtype=dtype)
-    dist.all_gather_into_tensor(flat, x)
+    dist.all_gather_into_tensor(flat, ours(x))
     dist.all_gather_into_tensor(ref, x, group=gloo)
     same(flat, ref, f"all_gather_into_tensor {dtype}")
 
@@ -121,12 +135,12 @@ for dtype in [torch.float32, torch.int64, torch.bfloat16]:
 for op in [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG]:
     x = data((world * 11,), torch.float32, seed)
     seed += 1
-    out, ref = torch.empty(11), torch.empty(11)
-    dist.reduce_scatter_tensor(out, x, op=op)
+    out, ref = torch.empty(11, device=dev), torch.empty(11)
+    dist.reduce_scatter_tensor(out, ours(x), op=op)
     dist.reduce_scatter_tensor(ref, x, op=op, group=gloo)
     same(out, ref, f"reduce_scatter_tensor {op}")
-    parts = list(x.chunk(world))
-    out2 = torch.empty(11)
+    parts = list(ours(x).chunk(world))
+    out2 = torch.empty(11, device=dev)
     dist.reduce_scatter(out2, parts, op=op)
     same(out2, ref, f"reduce_scatter {op}")
 
@@ -134,7 +148,7 @@ for op in [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG]:
 for root in range(world):
     x = data((29,), torch.float64, seed)
     seed += 1
-    a, b = x.clone(), x.clone()
+    a, b = ours(x), x.clone()
     dist.broadcast(a, src=root)
     dist.broadcast(b, src=root, group=gloo)
     same(a, b, f"broadcast from {root}")
@@ -143,10 +157,10 @@ dist.barrier()
 # Asynchronous calls return a finished work with a future.
 x = data((7,), torch.float32, seed)
 seed += 1
-work = dist.all_reduce(x.clone(), async_op=True)
+work = dist.all_reduce(ours(x), async_op=True)
 work.wait()
 assert work.is_completed()
-fut = dist.all_reduce(x.clone(), async_op=True).get_future()
+fut = dist.all_reduce(ours(x), async_op=True).get_future()
 (got,) = fut.wait()
 want = x.clone()
 dist.all_reduce(want, group=gloo)
@@ -154,9 +168,9 @@ same(got, want, "the future's value")
 
 # What is not built says so, naming the operation.
 for name, call in [
-    ("alltoall_base", lambda: dist.all_to_all_single(torch.empty(world), torch.ones(world))),
-    ("send", lambda: dist.send(torch.ones(1), dst=(rank + 1) % world)),
-    ("reduce", lambda: dist.reduce(torch.ones(1), dst=0)),
+    ("alltoall_base", lambda: dist.all_to_all_single(torch.empty(world, device=dev), torch.ones(world, device=dev))),
+    ("send", lambda: dist.send(torch.ones(1, device=dev), dst=(rank + 1) % world)),
+    ("reduce", lambda: dist.reduce(torch.ones(1, device=dev), dst=0)),
 ]:
     try:
         call()
@@ -167,8 +181,21 @@ for name, call in [
     else:
         raise AssertionError(f"{name} did not refuse")
 
+# The store never sees the job token: with one, rank 0 publishes its address alone.
+pg = dist.distributed_c10d._get_default_group()
+token = os.environ.get("NODETOUR_JOB_TOKEN")
+if token:
+    assert set(pg.published) <= {"nodetour/address"}, pg.published
+    assert all(token not in v for v in pg.published.values()), pg.published
+    assert "unauthenticated" not in nt.comm().paths(), nt.comm().paths()
+else:
+    # Unauthenticated, keyed by a name rank 0 drew: warned, and paths() says so.
+    assert set(pg.published) <= {"nodetour/address", "nodetour/job"}, pg.published
+    assert "unauthenticated" in nt.comm().paths(), nt.comm().paths()
 paths = nt.comm().paths()
 assert f"rank {rank}/{world}" in paths, paths
 dist.barrier()
-print(f"COLLECTIVES OK rank={rank} world={world} calls={calls}")
+if dev.type == "cuda":
+    torch.cuda.synchronize()
+print(f"COLLECTIVES OK rank={rank} world={world} device={dev.type} calls={calls}")
 dist.destroy_process_group()
