@@ -45,12 +45,7 @@ train() { # MODE
             --device cuda --out "$LOGS/$1-$be.pt"
         [[ $(grep -c 'TRAIN OK' "$LOGS/$1-$be.log") == "$N" ]] || return 1
     done
-    "$py" -c "
-import sys, torch
-a, b = torch.load('$LOGS/$1-nodetour.pt'), torch.load('$LOGS/$1-nccl.pt')
-d = max((x - y).abs().max().item() for x, y in zip(a, b))
-print(f'  $1 on CUDA: nodetour vs NCCL max |difference| {d:.1e}')
-sys.exit(d > 1e-5)"
+    "$py" python/tests/compare.py "$LOGS/$1-nodetour.pt" "$LOGS/$1-nccl.pt" "$1 on CUDA, nodetour vs NCCL"
 }
 check "DDP on CUDA, $N processes: nodetour and NCCL each equal one process, and each other" train ddp
 check "FSDP2 on CUDA, $N processes: nodetour and NCCL each equal one process, and each other" train fsdp

@@ -78,12 +78,7 @@ train() { # MODE N: DDP or FSDP2 with nodetour and with gloo; each against one p
         grep -E 'TRAIN OK.*rank=0|Error|error' <<<"$out" | head -n 6
         [[ $(grep -c 'TRAIN OK' <<<"$out") == "$2" ]] || { rm -rf "$dir"; return 1; }
     done
-    "$py" -c "
-import sys, torch
-a, b = torch.load('$dir/nodetour.pt'), torch.load('$dir/gloo.pt')
-d = max((x - y).abs().max().item() for x, y in zip(a, b))
-print(f'  $1 x $2: nodetour vs gloo max |difference| {d:.1e}')
-sys.exit(d > 1e-5)"
+    "$py" python/tests/compare.py "$dir/nodetour.pt" "$dir/gloo.pt" "$1 x $2, nodetour vs gloo"
     local rc=$?
     rm -rf "$dir"
     return $rc
