@@ -6,6 +6,8 @@
 //! `unsafe` is this crate's FFI boundary only: turning the caller's pointers into memory
 //! nodetour may read and write for the length of one call (each block says why it holds).
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 use std::sync::RwLock;
 use std::time::Duration;
 
