@@ -181,6 +181,22 @@ for name, call in [
     else:
         raise AssertionError(f"{name} did not refuse")
 
+# A subgroup of the first two ranks (a communicator of its own, formed through its own store
+# prefix; torch calls the backend on members only), beside the default group.
+sub = dist.new_group(ranks=[0, 1], backend="nodetour")
+if rank < 2:
+    x = data((17,), torch.int32, seed)
+    a = ours(x)
+    dist.all_reduce(a, group=sub)
+    want = sum(
+        torch.randint(-8, 9, (17,), generator=torch.Generator().manual_seed(seed * 1000 + r)).to(torch.int32)
+        for r in range(2)
+    )
+    same(a, want, "all_reduce in a subgroup of ranks 0 and 1")
+    assert nt.comm(sub).paths().startswith(f"rank {rank}/2"), nt.comm(sub).paths()
+seed += 1
+dist.barrier()
+
 # The store never sees the job token: with one, rank 0 publishes its address alone.
 pg = dist.distributed_c10d._get_default_group()
 token = os.environ.get("NODETOUR_JOB_TOKEN")
