@@ -28,6 +28,8 @@ echo "torch $("$py" -c 'import torch; print(torch.__version__, torch.cuda.get_de
 "$py" -m nodetour doctor >"$LOGS/doctor.txt" 2>&1
 echo "doctor exit $? (0 direct, 3 staged, 2 no usable GPU): $LOGS/doctor.txt"
 export NODETOUR_JOB_TOKEN=python-gpu-$$-$RANDOM
+# ranks PATTERN FILE: how many ranks printed PATTERN (ranks' lines may share one line).
+ranks() { grep -oE "$1" "$2" | grep -oE 'rank=[0-9]+' | sort -u | wc -l; }
 run() { # LOG, torchrun arguments...
     local log=$LOGS/$1; shift
     timeout 240 "$py" -m torch.distributed.run --standalone "$@" >"$log" 2>&1
@@ -35,7 +37,7 @@ run() { # LOG, torchrun arguments...
 }
 collectives() {
     run collectives.log --nproc-per-node "$N" python/tests/collectives.py --device cuda
-    [[ $(grep -c 'COLLECTIVES OK.*device=cuda' "$LOGS/collectives.log") == "$N" ]]
+    [[ $(ranks 'COLLECTIVES OK rank=[0-9]+ world=[0-9]+ device=cuda' "$LOGS/collectives.log") == "$N" ]]
 }
 check "every collective on CUDA tensors against gloo, $N processes" collectives
 train() { # MODE
@@ -43,7 +45,7 @@ train() { # MODE
     for be in nodetour nccl; do
         run "$1-$be.log" --nproc-per-node "$N" python/tests/train.py --mode "$1" --backend $be \
             --device cuda --out "$LOGS/$1-$be.pt"
-        [[ $(grep -c 'TRAIN OK' "$LOGS/$1-$be.log") == "$N" ]] || return 1
+        [[ $(ranks 'TRAIN OK mode=[a-z]+ backend=[a-z]+ device=cuda rank=[0-9]+' "$LOGS/$1-$be.log") == "$N" ]] || return 1
     done
     "$py" python/tests/compare.py "$LOGS/$1-nodetour.pt" "$LOGS/$1-nccl.pt" "$1 on CUDA, nodetour vs NCCL"
 }
