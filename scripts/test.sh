@@ -88,7 +88,11 @@ valgrind_host() { # nodetour-core and nodetour-ring unit tests, corpus replays (
         # The network ring's every-shape sweep (thousands of thread hand-offs) takes minutes
         # under valgrind's one-thread-at-a-time scheduling; its smaller siblings cover the same
         # code there.
-        valgrind -q --error-exitcode=99 "$exe" --test-threads 2 --skip every_shape_over_tcp_and_in_process >/tmp/valgrind-host.log 2>&1 ||
+        # --fair-sched=yes: valgrind runs one thread at a time, and its default lock lets a
+        # thread be passed over for long; once (2026-12-07) a ring test's rank then waited out
+        # its 20 s slot-grant timeout. The ticket lock hands the CPU round in turn (same time:
+        # 169 s against 174-180 s for the ring's unit tests).
+        valgrind -q --fair-sched=yes --error-exitcode=99 "$exe" --test-threads 2 --skip every_shape_over_tcp_and_in_process >/tmp/valgrind-host.log 2>&1 ||
             { tail -n 40 /tmp/valgrind-host.log; return 1; }
         echo "  $spec: $(grep 'test result' /tmp/valgrind-host.log)"
     done
