@@ -121,15 +121,7 @@ impl Communicator {
         world: u32,
         options: Options,
     ) -> Result<Communicator> {
-        Self::form(
-            Launch {
-                rank,
-                world,
-                rendezvous: id.address.clone(),
-                token: id.job_token(),
-            },
-            options,
-        )
+        Self::from_rendezvous(&id.address, rank, world, id.job_token(), options)
     }
 
     /// Forms the communicator of rank `rank` of `world` from rank 0's rendezvous address
