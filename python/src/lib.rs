@@ -59,6 +59,10 @@ struct Operand {
 }
 
 impl Operand {
+    fn new(ptr: usize, count: usize, dtype: DataType) -> Operand {
+        Operand { ptr, count, dtype }
+    }
+
     fn bytes(&self) -> PyResult<usize> {
         self.count
             .checked_mul(self.dtype.size())
@@ -328,18 +332,7 @@ impl Comm {
             self::op(op, scalar)?,
             Place::new(device, stream)?,
         );
-        let (s, r) = (
-            Operand {
-                ptr: send,
-                count,
-                dtype: d,
-            },
-            Operand {
-                ptr: recv,
-                count,
-                dtype: d,
-            },
-        );
+        let (s, r) = (Operand::new(send, count, d), Operand::new(recv, count, d));
         run(
             self,
             py,
@@ -381,18 +374,7 @@ impl Comm {
         let whole = count
             .checked_mul(self.world as usize)
             .ok_or_else(|| PyValueError::new_err("the input's size overflows"))?;
-        let (s, r) = (
-            Operand {
-                ptr: send,
-                count: whole,
-                dtype: d,
-            },
-            Operand {
-                ptr: recv,
-                count,
-                dtype: d,
-            },
-        );
+        let (s, r) = (Operand::new(send, whole, d), Operand::new(recv, count, d));
         run(
             self,
             py,
@@ -430,18 +412,7 @@ impl Comm {
         let whole = count
             .checked_mul(self.world as usize)
             .ok_or_else(|| PyValueError::new_err("the output's size overflows"))?;
-        let (s, r) = (
-            Operand {
-                ptr: send,
-                count,
-                dtype: d,
-            },
-            Operand {
-                ptr: recv,
-                count: whole,
-                dtype: d,
-            },
-        );
+        let (s, r) = (Operand::new(send, count, d), Operand::new(recv, whole, d));
         run(
             self,
             py,
