@@ -232,15 +232,96 @@ fn thread_states() -> Vec<String> {
                 "281" => "epoll_pwait",
                 other => other,
             };
+            // The stack pointer is the second last field of `syscall` while the thread is in
+            // a system call: the return addresses on its stack locate it in the test binary.
+            let sp = syscall
+                .split(' ')
+                .rev()
+                .nth(1)
+                .and_then(|v| u64::from_str_radix(v.trim_start_matches("0x"), 16).ok());
             format!(
-                "tid {tid} {:?} state {state} wchan {} syscall {call}",
+                "tid {tid} {:?} state {state} wchan {} syscall {call}{}",
                 read(&tid, "comm"),
                 read(&tid, "wchan"),
+                sp.map(stack_scan).unwrap_or_default(),
             )
         })
         .collect();
     lines.sort();
     lines
+}
+
+/// The words of a blocked thread's stack (from `sp`, up to 256 KiB) that point into the test
+/// executable's code, innermost first, each as ` exe+OFFSET` (the file offset: symbolize it
+/// with the unstripped binary: `scripts/symbolize-watchdog.sh`); where libcuda's code appears
+/// among them, ` libcuda` marks the first such word (the thread is in a driver call).
+fn stack_scan(sp: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return String::new();
+    };
+    let exe = std::fs::read_link("/proc/self/exe").unwrap_or_default();
+    // (start, end, file offset, whose code), and the mapping holding `sp`.
+    let mut code: Vec<(u64, u64, u64, &'static str)> = Vec::new();
+    let mut stack_end = sp;
+    for line in maps.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Some(range), Some(perms), Some(off)) = (f.first(), f.get(1), f.get(2)) else {
+            continue;
+        };
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(a), Ok(b), Ok(off)) = (
+            u64::from_str_radix(a, 16),
+            u64::from_str_radix(b, 16),
+            u64::from_str_radix(off, 16),
+        ) else {
+            continue;
+        };
+        if (a..b).contains(&sp) {
+            stack_end = b;
+        }
+        let path = f.get(5).copied().unwrap_or("");
+        if perms.contains('x') {
+            if std::path::Path::new(path) == exe {
+                code.push((a, b, off, "exe"));
+            } else if path.contains("libcuda") {
+                code.push((a, b, off, "libcuda"));
+            }
+        }
+    }
+    let len = (stack_end.saturating_sub(sp)).min(256 << 10) as usize;
+    let mut bytes = vec![0u8; len];
+    let read = std::fs::File::open("/proc/self/mem").and_then(|mut m| {
+        m.seek(SeekFrom::Start(sp))?;
+        m.read_exact(&mut bytes)
+    });
+    if read.is_err() {
+        return " (stack unreadable)".into();
+    }
+    let mut out = String::new();
+    let (mut shown, mut in_cuda) = (0, false);
+    for w in bytes.chunks_exact(8) {
+        let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        let Some(&(a, _, off, whose)) = code.iter().find(|(a, b, _, _)| (*a..*b).contains(&v))
+        else {
+            continue;
+        };
+        if whose == "libcuda" {
+            if !in_cuda {
+                out.push_str(" libcuda");
+                in_cuda = true;
+            }
+            continue;
+        }
+        out.push_str(&format!(" exe+{:#x}", v - a + off));
+        shown += 1;
+        if shown == 48 {
+            break;
+        }
+    }
+    out
 }
 
 /// The operations device memory takes: every one but PreMulSum, which runs on host memory
