@@ -141,6 +141,7 @@ pub(crate) fn train(
     let mut grad1 = compute.alloc_zeros::<f32>(d * h + h)?; // bucket 2: dW1, db1
     let (bi, hi, oi) = (b as i32, h as i32, o as i32);
     let mut loss = (0.0, 0.0);
+    let average = ReduceOp::pre_mul_sum(1.0 / f64::from(comm.world()));
     for step in 0..steps {
         // Forward.
         gemm(&blas, (false, false), (b, h, d), &x, d, &w1, h, &mut z1)?;
@@ -185,9 +186,9 @@ pub(crate) fn train(
         unsafe { l.launch(grid(o)) }?;
         gemm(&blas, (false, true), (b, h, o), &dy, o, &w2, o, &mut da1)?;
         comms.join(&compute)?;
-        // Avg: the division fused into the reduction (PreMulSum, the CPU variant's average,
-        // runs on host memory only for now).
-        comm.all_reduce_in_place(&mut grad2, ReduceOp::Avg, &comms)?;
+        // The average: every rank's gradients multiplied by 1 / world as the reduction first
+        // reads them (PreMulSum), no scaling pass of their own.
+        comm.all_reduce_in_place(&mut grad2, average, &comms)?;
         // Layer 1, while bucket 1 is averaged.
         let n_hidden = (b * h) as i32;
         let mut l = compute.launch_builder(&k.relu_grad);
@@ -210,7 +211,7 @@ pub(crate) fn train(
         // SAFETY: as above.
         unsafe { l.launch(grid(h)) }?;
         comms.join(&compute)?;
-        comm.all_reduce_in_place(&mut grad1, ReduceOp::Avg, &comms)?;
+        comm.all_reduce_in_place(&mut grad1, average, &comms)?;
         // The step waits for both buckets.
         compute.join(&comms)?;
         for (w, g) in [

@@ -105,7 +105,6 @@ for o, r in zip(mine, ref):
 if hasattr(dist, "_make_nccl_premul_sum"):
     x = data((33,), torch.float32, seed)
     seed += 1
-    # CPU tensors: nodetour's PreMulSum runs on host memory only for now.
     a = x.clone()
     try:
         dist.all_reduce(a, op=dist._make_nccl_premul_sum(0.5 + rank))

@@ -153,8 +153,11 @@ pub enum ReduceOp {
     /// element is multiplied as it is first read (the staging copy, the first reduction
     /// that reads it: no separate pass), in f32 for the 8- and 16-bit floats and f32, in f64
     /// for f64, and rounded to the type once; the products are then summed as [`ReduceOp::Sum`]
-    /// sums. For integer types the scalar must be a whole number (the product wraps). Host
-    /// memory only for now: device memory refuses it (`Unsupported`).
+    /// sums. For integer types the scalar must be a whole number (the product wraps). On
+    /// device memory the GPU ring multiplies in its first send and its reducing receives,
+    /// the one-kernel path in its copy in (on a symmetric buffer, in place before its first
+    /// barrier); one rank, the staged path and a `from_devices` set multiply in a pass of
+    /// their own (`docs/internals.md`).
     PreMulSum(Scalar),
 }
 

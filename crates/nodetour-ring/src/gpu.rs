@@ -348,6 +348,35 @@ impl GpuGroup {
         }
     }
 
+    /// Queues on each rank's stream the first `count` elements of its buffer multiplied by
+    /// its PreMulSum scalar (`scalars[r]`): a set's PreMulSum, before its sum.
+    pub(crate) fn pre_multiply(
+        &self,
+        buffers: &[&DeviceBuffer],
+        streams: &[&GpuStream],
+        count: usize,
+        dtype: DataType,
+        scalars: &[f64],
+    ) -> Result<()> {
+        self.check(buffers, streams, count, dtype)?;
+        if scalars.len() != self.members.len() {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "{} PreMulSum scalars for a group of {} ranks",
+                    scalars.len(),
+                    self.members.len()
+                ),
+            });
+        }
+        for (r, m) in self.members.iter().enumerate() {
+            let whole = At::new(buffers[r], 0);
+            m.kernels
+                .scale(streams[r], dtype, scalars[r], whole, whole, count)
+                .map_err(|e| Error::gpu("queueing a PreMulSum's multiplication", e))?;
+        }
+        Ok(())
+    }
+
     /// Queues an in-place reduce-scatter in NCCL's in-place layout: each buffer holds
     /// `n × recv_count` elements (rank `i`'s contribution to block `i` at `i × recv_count`);
     /// afterwards block `r` of rank `r` holds the reduction of every rank's block `r` (the

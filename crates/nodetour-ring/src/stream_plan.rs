@@ -286,6 +286,7 @@ pub fn program_exchange_on(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::Shape;
 
     #[test]
     fn two_ranks_two_chunks_each() {
@@ -315,6 +316,147 @@ mod tests {
         assert_eq!(q.sends[0].ready, 5);
         assert_eq!(q.sends[0].wait_released, Some(3));
         assert_eq!(q.recvs[1].kind, RecvKind::Reduce { average: true });
+    }
+
+    /// Runs every rank's program on `f64` buffers as the GPU ring does for a PreMulSum: a send
+    /// that carries nothing received multiplies by the rank's scalar, a reducing receive does
+    /// `local = scalar · local + slot`, a copying one `local = slot`. Returns the buffers.
+    fn run_premul(
+        plan: &Plan,
+        progs: &[StreamProgram],
+        input: &[Vec<f64>],
+        scalar: &[f64],
+    ) -> Vec<Vec<f64>> {
+        let n = progs.len();
+        let mut buf = input.to_vec();
+        let mut mail: Vec<std::collections::HashMap<u32, Vec<f64>>> = vec![Default::default(); n];
+        let (mut si, mut ri) = (vec![0usize; n], vec![0usize; n]);
+        let range = |e: &Range<u64>| e.start as usize..e.end as usize;
+        loop {
+            let mut moved = false;
+            for r in 0..n {
+                let p = &progs[r];
+                while let Some(s) = p.sends.get(si[r]) {
+                    if s.after_recv.is_some_and(|j| ri[r] <= j) {
+                        break;
+                    }
+                    let k = if s.after_recv.is_none() {
+                        scalar[r]
+                    } else {
+                        1.0
+                    };
+                    let data = buf[r][range(&s.elements)].iter().map(|x| k * x).collect();
+                    mail[(r + 1) % n].insert(s.ready, data);
+                    si[r] += 1;
+                    moved = true;
+                }
+                while let Some(v) = p.recvs.get(ri[r]) {
+                    if v.after_send.is_some_and(|j| si[r] <= j) {
+                        break;
+                    }
+                    let Some(data) = mail[r].remove(&v.wait_ready) else {
+                        break;
+                    };
+                    for (x, d) in buf[r][range(&v.elements)].iter_mut().zip(data) {
+                        *x = match v.kind {
+                            RecvKind::Reduce { .. } => scalar[r] * *x + d,
+                            RecvKind::Copy => d,
+                        };
+                    }
+                    ri[r] += 1;
+                    moved = true;
+                }
+            }
+            if !moved {
+                break;
+            }
+        }
+        for r in 0..n {
+            assert_eq!(
+                (si[r], ri[r]),
+                (progs[r].sends.len(), progs[r].recvs.len()),
+                "rank {r} stalled ({plan:?})"
+            );
+        }
+        buf
+    }
+
+    /// PreMulSum on the GPU ring: each rank's own values are multiplied exactly once, where
+    /// they are first read (a send that carries nothing received, or a reducing receive), so
+    /// every reduced element is `Σ scalar_r · x_r`: the allreduce and the exchange everywhere,
+    /// the reduce-scatter in each rank's final segment. Every world size 1-8, chunks that cut
+    /// the segments unevenly.
+    #[test]
+    fn a_premulsum_multiplies_each_ranks_values_once_where_first_read() {
+        for world in 1..=8u32 {
+            for (count, chunk_elems) in [(1u64, 1u64), (37, 2), (64, 64), (100, 3)] {
+                let scalar: Vec<f64> = (0..world).map(|r| 0.5 + f64::from(r)).collect();
+                let input: Vec<Vec<f64>> = (0..world)
+                    .map(|r| {
+                        (0..count)
+                            .map(|i| (i * 7 + u64::from(r) * 3) as f64)
+                            .collect()
+                    })
+                    .collect();
+                let want: Vec<f64> = (0..count as usize)
+                    .map(|i| (0..world as usize).map(|r| scalar[r] * input[r][i]).sum())
+                    .collect();
+                for shape in [Shape::AllReduce, Shape::ReduceScatter] {
+                    let Ok(plan) = Plan::new(world, count, 8, chunk_elems * 8, 2)
+                        .and_then(|p| p.with_shape(shape))
+                    else {
+                        continue;
+                    };
+                    if world == 1 {
+                        continue; // no program: the GPU ring multiplies in place
+                    }
+                    let c = LinkCounters::default();
+                    let progs: Vec<_> = (0..world)
+                        .map(|r| program(&plan, r, false, &mut c.clone()))
+                        .collect();
+                    let out = run_premul(&plan, &progs, &input, &scalar);
+                    for r in 0..world as usize {
+                        let mine: Vec<Range<u64>> = match shape {
+                            Shape::AllReduce => std::iter::once(0..count).collect(),
+                            // The segment its last reducing step finished.
+                            _ => {
+                                let reduced = || {
+                                    progs[r]
+                                        .recvs
+                                        .iter()
+                                        .filter(|v| matches!(v.kind, RecvKind::Reduce { .. }))
+                                };
+                                let last = reduced().map(|v| v.step).max().expect("a reduce");
+                                reduced()
+                                    .filter(|v| v.step == last)
+                                    .map(|v| v.elements.clone())
+                                    .collect()
+                            }
+                        };
+                        for e in mine {
+                            for i in e.start as usize..e.end as usize {
+                                assert_eq!(
+                                    out[r][i], want[i],
+                                    "{shape:?} world {world} count {count} rank {r} element {i}"
+                                );
+                            }
+                        }
+                    }
+                }
+                if world == 2 {
+                    let plan = Plan::new(2, count, 8, chunk_elems * 8, 2).unwrap();
+                    let progs: Vec<_> = (0..2)
+                        .map(|_| program_exchange(&plan, false, &mut LinkCounters::default()))
+                        .collect();
+                    let out = run_premul(&plan, &progs, &input, &scalar);
+                    assert_eq!(
+                        out,
+                        vec![want.clone(), want.clone()],
+                        "exchange, count {count}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -171,6 +171,7 @@ fn allreduce_in_a_group_matches_the_host_reducer() {
                     for r in 0..ranks {
                         streams[r].copy(&bufs[r], 0, &staging[r], 0, bytes).unwrap();
                         let (buf, stream) = (&bufs[r], &streams[r]);
+                        let op = common::rank_op(op, dtype, r);
                         g.add(&comms[r], move |c| {
                             c.all_reduce_in_place(
                                 &mut Elements::new(buf, count, dtype)?,
@@ -181,7 +182,7 @@ fn allreduce_in_a_group_matches_the_host_reducer() {
                         .unwrap();
                     }
                     g.end().unwrap();
-                    let want = reduced(dtype, op, &inputs);
+                    let want = reduced(dtype, op, &common::as_summed(dtype, op, &inputs));
                     for r in 0..ranks {
                         streams[r].synchronize().unwrap();
                         let mut got = vec![0u8; bytes];
@@ -208,6 +209,8 @@ fn allreduce_in_a_group_matches_the_host_reducer() {
 
 /// One rank's cudarc slices, stream and inputs for one case.
 struct Rank<T: DeviceRepr> {
+    /// Its seat in the set.
+    seat: usize,
     stream: Arc<CudaStream>,
     send: CudaSlice<T>,
     recv: CudaSlice<T>,
@@ -278,9 +281,11 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
         contexts
             .iter()
             .zip(&inputs)
-            .map(|(c, input)| {
+            .enumerate()
+            .map(|(seat, (c, input))| {
                 let stream = c.new_stream().unwrap();
                 Rank {
+                    seat,
                     send: upload(&stream, input),
                     recv: stream.alloc_zeros(whole).unwrap(),
                     stream,
@@ -296,10 +301,11 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
         for r in rs.iter_mut() {
             r.recv = r.stream.alloc_zeros(block).unwrap();
         }
+        let op_of = |seat: usize| common::rank_op(op, dtype, seat);
         drive(&mut rs, &|c, r| {
-            c.reduce_scatter(&r.send, &mut r.recv, op, &r.stream)
+            c.reduce_scatter(&r.send, &mut r.recv, op_of(r.seat), &r.stream)
         });
-        let want = reduced(dtype, op, &inputs);
+        let want = reduced(dtype, op, &common::as_summed(dtype, op, &inputs));
         for (i, r) in rs.iter().enumerate() {
             let got = download(&r.stream, &r.recv);
             if first_difference(
@@ -323,7 +329,7 @@ fn slices_case<T: Element + DeviceRepr + ValidAsZeroBits>(
         // Allreduce out of place.
         let mut rs = fresh();
         drive(&mut rs, &|c, r| {
-            c.all_reduce(&r.send, &mut r.recv, op, &r.stream)
+            c.all_reduce(&r.send, &mut r.recv, op_of(r.seat), &r.stream)
         });
         for (i, r) in rs.iter().enumerate() {
             if first_difference(dtype, op, ranks, &download(&r.stream, &r.recv), &want).is_some() {
@@ -645,6 +651,7 @@ impl Captured {
         for (r, c) in comms.iter().enumerate() {
             let (send, recv, s) = (&self.send[r], self.recv[r].as_ref(), &streams[r]);
             let (what, root, world) = (self.what, self.root as u32, comms.len());
+            let op = common::rank_op(op, t, r);
             g.add(c, move |c| {
                 let elements = |b, count| Elements::new(b, count, t);
                 match what {
@@ -672,10 +679,11 @@ impl Captured {
         let inputs = self.inputs(seed);
         let ranks = inputs.len();
         let size = self.dtype.size();
+        let summed = common::as_summed(self.dtype, self.op, &inputs);
         for r in 0..ranks {
             let want = match self.what {
-                "allreduce" => reduced(self.dtype, self.op, &inputs),
-                "reduce-scatter" => reduced(self.dtype, self.op, &inputs)[r * self.count * size..]
+                "allreduce" => reduced(self.dtype, self.op, &summed),
+                "reduce-scatter" => reduced(self.dtype, self.op, &summed)[r * self.count * size..]
                     [..self.count * size]
                     .to_vec(),
                 "all-gather" => inputs.concat(),

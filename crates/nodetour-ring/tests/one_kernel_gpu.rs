@@ -63,9 +63,12 @@ fn input(dtype: DataType, rank: u32, count: usize, seed: u64) -> Vec<u8> {
     })
 }
 
-/// What every rank must hold: the fold of every rank's input in rank order.
+/// What every rank must hold: the fold of every rank's input in rank order (a PreMulSum's
+/// each multiplied by its rank's scalar, `common::rank_op`).
 fn expected(dtype: DataType, op: ReduceOp, world: u32, count: usize, seed: u64) -> Vec<u8> {
-    common::fold_inputs(dtype, op, world, |r| input(dtype, r, count, seed))
+    common::fold_inputs(dtype, op, world, |r| {
+        common::summed_as(dtype, op, r as usize, input(dtype, r, count, seed))
+    })
 }
 
 fn check(what: &str, rank: u32, got: &[u8], want: &[u8]) {
@@ -117,7 +120,7 @@ fn one_kernel_rank() {
                     .unwrap();
                 comm.all_reduce_in_place(
                     &mut Elements::new(&buf, count, dtype).unwrap(),
-                    op,
+                    common::rank_op(op, dtype, r as usize),
                     &stream,
                 )
                 .unwrap();
@@ -138,6 +141,7 @@ fn one_kernel_rank() {
         (DataType::Bf16, ReduceOp::Sum, 3001usize),
         (DataType::F32, ReduceOp::Avg, 65536),
         (DataType::I64, ReduceOp::Max, 17),
+        (DataType::F16, ReduceOp::pre_mul_sum(1.0), 2049),
     ];
     let bufs: Vec<DeviceBuffer> = shapes
         .iter()
@@ -148,7 +152,8 @@ fn one_kernel_rank() {
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
     for ((t, op, n), b) in shapes.iter().zip(&bufs) {
-        comm.all_reduce_in_place(&mut Elements::new(b, *n, *t).unwrap(), *op, &stream)
+        let op = common::rank_op(*op, *t, r as usize);
+        comm.all_reduce_in_place(&mut Elements::new(b, *n, *t).unwrap(), op, &stream)
             .unwrap();
     }
     // Too large for the path: the stream-ordered ring, captured into the same graph.
@@ -229,7 +234,8 @@ fn one_kernel_rank() {
                     .unwrap()
                     .unwrap();
                 let mut e = sym.elements(count, dtype).unwrap();
-                comm.all_reduce_in_place(&mut e, op, &stream).unwrap();
+                comm.all_reduce_in_place(&mut e, common::rank_op(op, dtype, r as usize), &stream)
+                    .unwrap();
                 wait().unwrap();
                 stream.synchronize().unwrap();
                 let mut got = vec![0u8; count * dtype.size()];

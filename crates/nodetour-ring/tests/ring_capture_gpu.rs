@@ -409,12 +409,14 @@ impl Case {
         let (t, n, out) = (self.dtype, self.count, self.recv.as_ref());
         match self.shape {
             Shape::AllReduce => {
-                comm.all_reduce_in_place(&mut Elements::new(&self.send, n, t)?, self.op, stream)
+                let op = common::rank_op(self.op, t, comm.rank() as usize);
+                comm.all_reduce_in_place(&mut Elements::new(&self.send, n, t)?, op, stream)
             }
             Shape::ReduceScatter => {
                 let send = Elements::new(&self.send, n * comm.world() as usize, t)?;
                 let mut recv = Elements::new(out.unwrap(), n, t)?;
-                comm.reduce_scatter(&send, &mut recv, self.op, stream)
+                let op = common::rank_op(self.op, t, comm.rank() as usize);
+                comm.reduce_scatter(&send, &mut recv, op, stream)
             }
             Shape::AllGather => {
                 let send = Elements::new(&self.send, n, t)?;
@@ -431,10 +433,12 @@ impl Case {
     fn check(&self, when: &str, r: u32, seed: u64) {
         let size = self.dtype.size();
         let all = |r| self.input(r, seed);
+        // A PreMulSum's ranks each multiplied by their own scalar.
+        let summed = |q: u32| common::summed_as(self.dtype, self.op, q as usize, all(q));
         let want = match self.shape {
-            Shape::AllReduce => common::fold_inputs(self.dtype, self.op, self.world, all),
+            Shape::AllReduce => common::fold_inputs(self.dtype, self.op, self.world, summed),
             Shape::ReduceScatter => {
-                let whole = common::fold_inputs(self.dtype, self.op, self.world, all);
+                let whole = common::fold_inputs(self.dtype, self.op, self.world, summed);
                 whole[r as usize * self.count * size..][..self.count * size].to_vec()
             }
             Shape::AllGather => (0..self.world).flat_map(all).collect(),

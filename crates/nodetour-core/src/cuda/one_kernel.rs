@@ -62,6 +62,8 @@
 //! `calls`, so every peer's launch of `calls − 2` (stream-ordered before it) had finished
 //! reading that half.
 
+use super::reduce::NtScale;
+
 /// The most ranks the one-kernel path takes (the signal and scratch tables of the launch).
 pub const ONE_SHOT_MAX_RANKS: usize = 8;
 /// Blocks per launch (of 512 threads): a constant, so every rank cuts the elements alike; the
@@ -110,7 +112,11 @@ pub(crate) struct OneShotArgs {
     /// In place on a symmetric buffer (`scratch` are the ranks' buffers, one half, no copy in;
     /// two-shot only, with a barrier at the end).
     pub symmetric: u32,
-    pub reserved: u32,
+    /// A PreMulSum: this rank's values are multiplied by `scale` as they are copied in (in
+    /// place on a symmetric buffer, before the first barrier), then summed.
+    pub premul: u32,
+    /// The PreMulSum's scalar (`NtScale`).
+    pub scale: NtScale,
 }
 
 /// What a block whose barrier failed stores into its rank's stop word (the host's abort stores
@@ -141,7 +147,8 @@ struct OneShot {
     u64 scratch[NT_ONE_MAX_RANKS];
     u64 signals[NT_ONE_MAX_RANKS];
     u64 input, output, count, half, counters, stop, status, timeout_ns;
-    unsigned world, rank, digest, average, symmetric, reserved;
+    unsigned world, rank, digest, average, symmetric, premul;
+    NtScale scale;
 };
 // 16 bytes from memory another GPU writes: from L2 (or the peer), never a stale L1 line.
 __device__ __forceinline__ v16 nt_ld_cg(const v16* p) {
@@ -264,6 +271,29 @@ template<class T> __device__ void nt_copy_range(T* d, const T* s, u64 lo, u64 hi
     }
     for (u64 i = i0 + threadIdx.x; i < hi; i += blockDim.x) d[i] = nt_ld1(s + i);
 }
+// d[lo..hi) = scalar · s[lo..hi) (a PreMulSum's copy in; d may be s), as nt_copy_range.
+template<class T> __device__ void nt_scale_range(T* d, const T* s, u64 lo, u64 hi, bool vec, const NtScale& k) {
+    const unsigned lanes = 16 / sizeof(T);
+    union Lanes { v16 v; T t[16 / sizeof(T)]; };
+    if (hi <= lo) return;
+    u64 i0 = lo;
+    if (vec) {
+        for (u64 v = lo / lanes + threadIdx.x; v < hi / lanes; v += blockDim.x) {
+            Lanes x;
+            x.v = nt_ld_cg((const v16*)s + v);
+#pragma unroll
+            for (unsigned j = 0; j < lanes; j++) x.t[j] = nt_mul(x.t[j], k);
+            ((v16*)d)[v] = x.v;
+        }
+        i0 = hi / lanes * lanes;
+    }
+    for (u64 i = i0 + threadIdx.x; i < hi; i += blockDim.x) d[i] = nt_mul(nt_ld1(s + i), k);
+}
+// This rank's input into its scratch: copied, or multiplied by a PreMulSum's scalar.
+template<class T> __device__ __forceinline__ void nt_copy_in(const OneShot& a, T* d, const T* s, u64 lo, u64 hi, bool vec) {
+    if (a.premul) nt_scale_range(d, s, lo, hi, vec, a.scale);
+    else nt_copy_range(d, s, lo, hi, vec);
+}
 // d[lo..hi) = the fold of every rank's scratch half over [lo..hi) in rank order 0..world-1
 // (then divided by world for Avg): the same bytes whichever rank computes it.
 template<class T, class Op> __device__ void nt_reduce_range(T* d, const OneShot& a, u64 half, u64 lo, u64 hi, bool vec) {
@@ -345,7 +375,7 @@ template<class T, class Op> __device__ void one_shot(const OneShot& a) {
     NtSeq s = nt_seq_begin(a);
     if (s.stopped) return;
     const u64 half = (u64)(s.calls & 1) * a.half;
-    nt_copy_range((T*)(a.scratch[a.rank] + half), (const T*)a.input, lo, hi, vec);
+    nt_copy_in(a, (T*)(a.scratch[a.rank] + half), (const T*)a.input, lo, hi, vec);
     if (!nt_sync_peers(a, ++s.tick, s.calls, true)) return;
     nt_reduce_range<T, Op>((T*)a.output, a, half, lo, hi, vec);
     nt_seq_end(a, s);
@@ -365,9 +395,11 @@ template<class T, class Op> __device__ void two_shot(const OneShot& a) {
     // Symmetric buffers: the ranks' own buffers are the scratch (one half, in place).
     const u64 half = a.symmetric ? 0 : (u64)(s.calls & 1) * a.half;
     T* mine = (T*)(a.scratch[a.rank] + half);
-    for (unsigned q = 0; q < W && !a.symmetric; q++) {
+    // (On a symmetric buffer a PreMulSum multiplies this rank's sub-slices in place: no peer
+    // reads them before the barrier below.)
+    for (unsigned q = 0; q < W && (!a.symmetric || a.premul); q++) {
         const u64 lo = min(a.count, q * seg + b * sub), hi = min(min(a.count, (q + 1) * seg), lo + sub);
-        nt_copy_range(mine, (const T*)a.input, lo, hi, vec);
+        nt_copy_in(a, mine, a.symmetric ? (const T*)mine : (const T*)a.input, lo, hi, vec);
     }
     if (!nt_sync_peers(a, ++s.tick, s.calls, false)) return;
     {
@@ -416,11 +448,16 @@ mod tests {
     #[test]
     fn the_argument_block_matches_the_kernels_struct() {
         // 16 addresses, 8 words of 8 bytes, 6 of 4: no padding on either side.
-        assert_eq!(std::mem::size_of::<OneShotArgs>(), 16 * 8 + 8 * 8 + 6 * 4);
+        assert_eq!(
+            std::mem::size_of::<OneShotArgs>(),
+            16 * 8 + 8 * 8 + 6 * 4 + 16
+        );
         assert!(
             SOURCE.contains("u64 input, output, count, half, counters, stop, status, timeout_ns;")
         );
-        assert!(SOURCE.contains("unsigned world, rank, digest, average, symmetric, reserved;"));
+        assert!(SOURCE.contains("unsigned world, rank, digest, average, symmetric, premul;"));
+        assert!(SOURCE.contains("    NtScale scale;\n};"));
+        assert!(super::super::reduce::SOURCE.contains("struct NtScale { double f; u64 whole; };"));
         assert_eq!(ONE_SHOT_MAX_RANKS, 8);
         assert!(SOURCE.contains("#define NT_ONE_MAX_RANKS 8"));
         assert_eq!(STOP_ONE_KERNEL, 3);

@@ -91,6 +91,26 @@ template<class Op> __device__ float combine(float a, float b) { return Op::f(a, 
 template<class Op> __device__ double combine(double a, double b) { return Op::f(a, b); }
 template<class Op> __device__ h16 combine(h16 a, h16 b) { return narrow_h(Op::f(wide(a), wide(b))); }
 template<class Op> __device__ b16 combine(b16 a, b16 b) { return narrow_b(Op::f(wide(a), wide(b))); }
+// PreMulSum: a rank's own values multiplied by its scalar where they are first read, rounded
+// to the type once, as the host's `reduce::scale_into`: f32 (and the 16- and 8-bit floats,
+// widened) by the scalar rounded to f32, f64 by the scalar, integers by the whole scalar
+// (`whole`: the scalar as a 64-bit two's-complement integer), wrapping. `__fmul_rn` and
+// `__dmul_rn` keep the product from being fused into a following addition (one rounding per
+// operation, as on the host).
+struct NtScale { double f; u64 whole; };
+__device__ __forceinline__ float nt_mul(float x, const NtScale& k) { return __fmul_rn(x, (float)k.f); }
+__device__ __forceinline__ double nt_mul(double x, const NtScale& k) { return __dmul_rn(x, k.f); }
+__device__ __forceinline__ h16 nt_mul(h16 x, const NtScale& k) { return narrow_h(__fmul_rn(wide(x), (float)k.f)); }
+__device__ __forceinline__ b16 nt_mul(b16 x, const NtScale& k) { return narrow_b(__fmul_rn(wide(x), (float)k.f)); }
+__device__ __forceinline__ f8a nt_mul(f8a x, const NtScale& k) { return narrow_e4(__fmul_rn(wide(x), (float)k.f)); }
+__device__ __forceinline__ f8b nt_mul(f8b x, const NtScale& k) { return narrow_e5(__fmul_rn(wide(x), (float)k.f)); }
+__device__ __forceinline__ int nt_mul(int x, const NtScale& k) { return (int)((unsigned)x * (unsigned)k.whole); }
+__device__ __forceinline__ long long nt_mul(long long x, const NtScale& k) { return (long long)((u64)x * k.whole); }
+__device__ __forceinline__ unsigned char nt_mul(unsigned char x, const NtScale& k) { return (unsigned char)((unsigned)x * (unsigned)k.whole); }
+__device__ __forceinline__ signed char nt_mul(signed char x, const NtScale& k) { return (signed char)(unsigned char)((unsigned)(unsigned char)x * (unsigned)k.whole); }
+__device__ __forceinline__ short nt_mul(short x, const NtScale& k) { return (short)(unsigned short)((unsigned)(unsigned short)x * (unsigned)k.whole); }
+__device__ __forceinline__ unsigned nt_mul(unsigned x, const NtScale& k) { return x * (unsigned)k.whole; }
+__device__ __forceinline__ u64 nt_mul(u64 x, const NtScale& k) { return x * k.whole; }
 struct alignas(16) v16 { u64 a, b; };
 template<class T> union Lanes { v16 v; T t[16 / sizeof(T)]; };
 // The grid's threads over `n` elements: 16 bytes per thread and step (`lanes(v)`: the v-th
@@ -115,6 +135,28 @@ template<class T, class Op> __device__ void reduce(T* __restrict__ d, const T* _
         for (unsigned k = 0; k < 16 / sizeof(T); k++) a.t[k] = combine<Op>(a.t[k], b.t[k]);
         ((v16*)d)[v] = a.v;
     }, [=](u64 i) { d[i] = combine<Op>(d[i], s[i]); });
+}
+// d = scalar · s (PreMulSum's multiplication; d may be s).
+template<class T> __device__ void scale_copy(T* d, const T* s, u64 n, NtScale k) {
+    over_lanes<T>(n, aligned16(d, s), [=](u64 v) {
+        Lanes<T> x;
+        x.v = ((const v16*)s)[v];
+#pragma unroll
+        for (unsigned j = 0; j < 16 / sizeof(T); j++) x.t[j] = nt_mul(x.t[j], k);
+        ((v16*)d)[v] = x.v;
+    }, [=](u64 i) { d[i] = nt_mul(s[i], k); });
+}
+// d = scalar · d + s: a received partial sum combined with this rank's own values, multiplied
+// as they are first read (PreMulSum in the ring's reduce-scatter).
+template<class T> __device__ void reduce_premul(T* __restrict__ d, const T* __restrict__ s, u64 n, NtScale k) {
+    over_lanes<T>(n, aligned16(d, s), [=](u64 v) {
+        Lanes<T> a, b;
+        a.v = ((const v16*)d)[v];
+        b.v = ((const v16*)s)[v];
+#pragma unroll
+        for (unsigned j = 0; j < 16 / sizeof(T); j++) a.t[j] = combine<Sum>(nt_mul(a.t[j], k), b.t[j]);
+        ((v16*)d)[v] = a.v;
+    }, [=](u64 i) { d[i] = combine<Sum>(nt_mul(d[i], k), s[i]); });
 }
 __device__ float divide(float x, unsigned n) { return x / (float)n; }
 __device__ double divide(double x, unsigned n) { return x / (double)n; }
@@ -180,7 +222,8 @@ extern "C" __global__ void nt_reduce_##N##_sum(T* d, const T* s, u64 n) { reduce
 extern "C" __global__ void nt_reduce_##N##_prod(T* d, const T* s, u64 n) { reduce<T, Prod>(d, s, n); } \
 extern "C" __global__ void nt_reduce_##N##_min(T* d, const T* s, u64 n) { reduce<T, Min>(d, s, n); } \
 extern "C" __global__ void nt_reduce_##N##_max(T* d, const T* s, u64 n) { reduce<T, Max>(d, s, n); } \
-extern "C" __global__ void nt_average_##N(T* d, u64 n, unsigned ranks) { average<T>(d, n, ranks); }
+extern "C" __global__ void nt_average_##N(T* d, u64 n, unsigned ranks) { average<T>(d, n, ranks); } \
+extern "C" __global__ void nt_scale_##N(T* d, const T* s, u64 n, NtScale k) { scale_copy<T>(d, s, n, k); }
 KERNELS(float, f32)
 KERNELS(double, f64)
 KERNELS(h16, f16)
@@ -325,7 +368,16 @@ template<class T, class Op> __device__ void reduce_then(T* d, const T* s, u64 n,
 extern "C" __global__ void nt_reduce_then_##N##_sum(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Sum>(d, s, n, l, a, dn); } \
 extern "C" __global__ void nt_reduce_then_##N##_prod(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Prod>(d, s, n, l, a, dn); } \
 extern "C" __global__ void nt_reduce_then_##N##_min(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Min>(d, s, n, l, a, dn); } \
-extern "C" __global__ void nt_reduce_then_##N##_max(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Max>(d, s, n, l, a, dn); }
+extern "C" __global__ void nt_reduce_then_##N##_max(T* d, const T* s, u64 n, const unsigned* l, NtFlag a, unsigned* dn) { reduce_then<T, Max>(d, s, n, l, a, dn); } \
+extern "C" __global__ void nt_reduce_then_##N##_premul(T* d, const T* s, u64 n, NtScale k, const volatile unsigned* l, NtFlag a, unsigned* dn) { \
+    if (*l) reduce_premul<T>(d, s, n, k); \
+    const NtFlag none = {0, 0, 0, 0, 0, 0}; \
+    nt_finish(l, a, none, dn); \
+} \
+extern "C" __global__ void nt_send_scaled_##N(const volatile unsigned* l, T* d, const T* s, u64 n, NtScale k, NtFlag a, NtFlag b, unsigned* dn) { \
+    if (*l) scale_copy<T>(d, s, n, k); \
+    nt_finish(l, a, b, dn); \
+}
 THEN(float, f32)
 THEN(double, f64)
 THEN(h16, f16)

@@ -53,6 +53,38 @@ pub struct Reduction {
     pub op: ReduceOp,
 }
 
+/// A PreMulSum's multiplication as the kernels take it (`struct NtScale` in [`SOURCE`]): the
+/// scalar, and for the integer types the whole scalar as a 64-bit two's-complement integer
+/// (`reduce::check_op` refuses a fraction there).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct NtScale {
+    /// The scalar.
+    pub f: f64,
+    /// `f as i64`, as its bits.
+    pub whole: u64,
+}
+
+impl NtScale {
+    /// `op`'s multiplication, if it is a PreMulSum.
+    pub fn of(op: ReduceOp) -> Option<NtScale> {
+        op.scalar().map(|f| NtScale {
+            f,
+            whole: f as i64 as u64,
+        })
+    }
+}
+
+/// A chunk multiplied as it is sent: this rank's own values of a PreMulSum, first read by the
+/// send (the ring's first step).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PreMul {
+    /// The element type.
+    pub dtype: DataType,
+    /// The multiplication.
+    pub scale: NtScale,
+}
+
 /// A received chunk a guarded kernel consumes: `count` elements (bytes for a copy) from `src`,
 /// an address this GPU reads (GPU memory, or registered host memory mapped into it) that the
 /// caller checked and keeps alive until the stream has passed the kernel, into `dst`.
@@ -127,6 +159,11 @@ struct Loaded {
     advance: sys::CUfunction,
     claim: sys::CUfunction,
     reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
+    /// PreMulSum: `d = scalar · d + s` guarded (the ring's receive), `d = scalar · s` guarded
+    /// (its first send) and plain.
+    reduce_then_premul: Vec<(DataType, sys::CUfunction)>,
+    send_scaled: Vec<(DataType, sys::CUfunction)>,
+    scale: Vec<(DataType, sys::CUfunction)>,
     one_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     two_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
     busy: sys::CUfunction,
@@ -254,7 +291,13 @@ impl ReduceKernels {
         let mut pattern = Vec::new();
         let mut one_shot = Vec::new();
         let mut two_shot = Vec::new();
+        let (mut reduce_then_premul, mut send_scaled, mut scale) =
+            (Vec::new(), Vec::new(), Vec::new());
         for dtype in DataType::ALL {
+            let name = dtype.name();
+            reduce_then_premul.push((dtype, get(format!("nt_reduce_then_{name}_premul"))?));
+            send_scaled.push((dtype, get(format!("nt_send_scaled_{name}"))?));
+            scale.push((dtype, get(format!("nt_scale_{name}"))?));
             for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
                 reduce.push((
                     (dtype, op),
@@ -294,6 +337,9 @@ impl ReduceKernels {
             advance: get("nt_advance".to_owned())?,
             claim: get("nt_claim".to_owned())?,
             reduce_then,
+            reduce_then_premul,
+            send_scaled,
+            scale,
             one_shot,
             two_shot,
             busy: get("nt_busy".to_owned())?,
@@ -328,6 +374,35 @@ impl ReduceKernels {
         ];
         // 16 bytes per thread (see SOURCE).
         self.launch(stream, f, &mut params, count.div_ceil(16 / r.dtype.size()))
+    }
+
+    /// Queues on `stream`: `dst = scalar · src` over `count` elements of `dtype` (`dst` may be
+    /// `src`): a PreMulSum's multiplication of this rank's own values, where nothing else reads
+    /// them first (one rank; staged paths that send from host memory).
+    pub fn scale(
+        &self,
+        stream: &GpuStream,
+        dtype: DataType,
+        scalar: f64,
+        dst: At<'_>,
+        src: At<'_>,
+        count: usize,
+    ) -> Result<()> {
+        let (mut d, mut s) = (
+            dst.checked(stream, count, dtype)?,
+            src.checked(stream, count, dtype)?,
+        );
+        let mut k = NtScale::of(ReduceOp::pre_mul_sum(scalar)).expect("a PreMulSum");
+        let f = by_type(&self.k.scale, dtype);
+        let mut n = count as u64;
+        let mut params = [
+            (&mut d as *mut u64).cast::<c_void>(),
+            (&mut s as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast::<c_void>(),
+            (&mut k as *mut NtScale).cast::<c_void>(),
+        ];
+        // 16 bytes per thread (see SOURCE).
+        self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
     }
 
     /// Queues on `stream`: `a = b = op(a, b)` over `count` elements
@@ -520,6 +595,9 @@ impl ReduceKernels {
     /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes of `src` to
     /// `dst` (a checked device address) and, once every byte has landed, stores `signals[0]`
     /// and then `signals[1]` (address, value).
+    /// With `premul`, the bytes are elements of its type, each multiplied by its scalar on
+    /// the way (`len` a whole number of them).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn send_guarded(
         &self,
         stream: &GpuStream,
@@ -528,9 +606,44 @@ impl ReduceKernels {
         src: At<'_>,
         len: usize,
         signals: [NtFlag; 2],
+        premul: Option<PreMul>,
     ) -> Result<()> {
-        let from = src.checked(stream, len, DataType::U8)?;
-        self.send_at(stream, g, dst, from, len, signals)
+        let Some(PreMul { dtype, scale }) = premul else {
+            let from = src.checked(stream, len, DataType::U8)?;
+            return self.send_at(stream, g, dst, from, len, signals);
+        };
+        let size = dtype.size();
+        if !len.is_multiple_of(size) || !dst.is_multiple_of(size as u64) {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "a scaled send of {len} bytes to {dst:#x}: not whole {dtype:?} elements"
+                ),
+            });
+        }
+        let count = len / size;
+        let mut s = src.checked(stream, count, dtype)?;
+        let (mut l, mut d, mut n, mut k) = (g.latch, dst, count as u64, scale);
+        let [mut a, mut b] = signals;
+        let mut dn = g.done;
+        let mut params = [
+            (&mut l as *mut u64).cast::<c_void>(),
+            (&mut d as *mut u64).cast::<c_void>(),
+            (&mut s as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast::<c_void>(),
+            (&mut k as *mut NtScale).cast::<c_void>(),
+            (&mut a as *mut NtFlag).cast::<c_void>(),
+            (&mut b as *mut NtFlag).cast::<c_void>(),
+            (&mut dn as *mut u64).cast::<c_void>(),
+        ];
+        // 16 bytes per thread; at least one block, which stores the signals.
+        let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.max_blocks);
+        self.launch_grid(
+            stream,
+            by_type(&self.k.send_scaled, dtype),
+            &mut params,
+            blocks,
+            512,
+        )
     }
 
     /// Queues on `stream` one kernel that, if the latch is 1, copies the chunk's `count` bytes
@@ -589,9 +702,26 @@ impl ReduceKernels {
         let Reduction { dtype, op } = r;
         let count = chunk.count;
         let mut d = chunk.dst.checked(stream, count, dtype)?;
-        let f = pick(&self.k.reduce_then, dtype, op)?;
         let (mut s, mut n) = (chunk.src, count as u64);
         let (mut l, mut a, mut dn) = (g.latch, signal, g.done);
+        // 16 bytes per thread (see SOURCE); at least one block, which stores the signal.
+        let per = 16 / dtype.size();
+        let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.max_blocks);
+        if let Some(mut k) = NtScale::of(op) {
+            // A PreMulSum: `dst` holds this rank's own values, multiplied as they are read.
+            let mut params = [
+                (&mut d as *mut u64).cast::<c_void>(),
+                (&mut s as *mut u64).cast::<c_void>(),
+                (&mut n as *mut u64).cast::<c_void>(),
+                (&mut k as *mut NtScale).cast::<c_void>(),
+                (&mut l as *mut u64).cast::<c_void>(),
+                (&mut a as *mut NtFlag).cast::<c_void>(),
+                (&mut dn as *mut u64).cast::<c_void>(),
+            ];
+            let f = by_type(&self.k.reduce_then_premul, dtype);
+            return self.launch_grid(stream, f, &mut params, blocks, 512);
+        }
+        let f = pick(&self.k.reduce_then, dtype, op)?;
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),
             (&mut s as *mut u64).cast::<c_void>(),
@@ -600,9 +730,6 @@ impl ReduceKernels {
             (&mut a as *mut NtFlag).cast::<c_void>(),
             (&mut dn as *mut u64).cast::<c_void>(),
         ];
-        // 16 bytes per thread (see SOURCE); at least one block, which stores the signal.
-        let per = 16 / dtype.size();
-        let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.max_blocks);
         self.launch_grid(stream, f, &mut params, blocks, 512)
     }
 
@@ -622,6 +749,17 @@ impl ReduceKernels {
             &self.k.two_shot
         } else {
             &self.k.one_shot
+        };
+        // A PreMulSum sums what the copy in multiplied (`args.premul`).
+        if op.scalar().is_some() && args.premul == 0 {
+            return Err(Error::InvalidArgument {
+                reason: "a one-kernel PreMulSum without its scalar in the arguments".into(),
+            });
+        }
+        let op = if op.scalar().is_some() {
+            ReduceOp::Sum
+        } else {
+            op
         };
         let f = pick(table, dtype, op)?;
         let mut params = [(args as *mut OneShotArgs).cast::<c_void>()];
@@ -725,7 +863,8 @@ impl ReduceKernels {
 }
 
 /// The kernel of `table` for `dtype` and `op` (`Avg` sums: the division is a kernel of its own;
-/// `PreMulSum` has no kernels yet).
+/// a `PreMulSum` multiplies where its rank's values are first read, which a kernel that
+/// combines two operands as they are cannot do: refused here).
 fn pick(
     table: &[((DataType, ReduceOp), sys::CUfunction)],
     dtype: DataType,
@@ -743,19 +882,29 @@ fn pick(
         .ok_or_else(|| Error::Unsupported {
             what: "this reduction on device memory",
             reason: format!(
-                "no GPU kernel reduces {} with {} (PreMulSum runs on host memory only)",
+                "no GPU kernel of this kind reduces {} with {} (a PreMulSum multiplies each \
+                 rank's own values where they are first read)",
                 dtype.name(),
                 op.name()
             ),
         })
 }
 
-/// `count` elements of `dtype` at byte `offset` are aligned and inside `b`.
+/// The kernel of `table` for `dtype` (every type is loaded).
+fn by_type(table: &[(DataType, sys::CUfunction)], dtype: DataType) -> sys::CUfunction {
+    table
+        .iter()
+        .find(|(k, _)| *k == dtype)
+        .map(|(_, f)| *f)
+        .expect("every type is loaded")
+}
+
 /// Element `i` of the test pattern of [`ReduceKernels::fill_pattern`] with `seed`.
 pub fn pattern_value(i: u64, seed: u32) -> u32 {
     (i.wrapping_mul(7).wrapping_add(u64::from(seed)) % 13) as u32
 }
 
+/// `count` elements of `dtype` at byte `offset` are aligned and inside `b`.
 fn check(b: &DeviceBuffer, offset: usize, count: usize, dtype: DataType) -> Result<()> {
     let bytes = count
         .checked_mul(dtype.size())

@@ -576,6 +576,8 @@ impl OneKernel {
             rank: self.own.rank,
             digest,
             average: u32::from(op == ReduceOp::Avg),
+            premul: u32::from(op.scalar().is_some()),
+            scale: crate::cuda::reduce::NtScale::of(op).unwrap_or_default(),
             ..OneShotArgs::default()
         })
     }

@@ -51,6 +51,18 @@ pub(crate) struct Key {
     root: usize,
 }
 
+impl Key {
+    /// Whether two members call the same collective: a PreMulSum's scalar is each member's
+    /// own (the operation's code is what they agree on).
+    fn agrees(&self, other: &Key) -> bool {
+        let plain = |k: &Key| Key {
+            op: ReduceOp::ALL[usize::from(k.op.code())],
+            ..*k
+        };
+        plain(self) == plain(other)
+    }
+}
+
 /// The GPUs of one `from_devices` call, shared by its members.
 pub(crate) struct DeviceSet {
     group: Mutex<GpuGroup>,
@@ -108,7 +120,7 @@ impl DeviceSet {
     /// seat order), once every member's key agrees.
     fn run(&self, views: &[&DeviceBuffer], streams: &[&GpuStream], keys: &[Key]) -> Result<()> {
         let first = keys[0];
-        if let Some((seat, theirs)) = keys.iter().enumerate().find(|(_, k)| **k != first) {
+        if let Some((seat, theirs)) = keys.iter().enumerate().find(|(_, k)| !k.agrees(&first)) {
             let e = Error::Disagreement {
                 rank: 0,
                 peer: seat as u32,
@@ -126,6 +138,23 @@ impl DeviceSet {
             op,
             root,
         } = first;
+        // A PreMulSum: each member's values multiplied by its own scalar (a pass over its
+        // buffer on its stream, before the collective), then summed.
+        let op = match op.scalar() {
+            Some(_) => {
+                let scalars: Vec<f64> = keys.iter().filter_map(|k| k.op.scalar()).collect();
+                let elements = match collective {
+                    Collective::ReduceScatter => count.checked_mul(keys.len()),
+                    _ => Some(count),
+                }
+                .ok_or_else(|| Error::InvalidArgument {
+                    reason: format!("{count} elements × {} GPUs overflow", keys.len()),
+                })?;
+                group.pre_multiply(views, streams, elements, dtype, &scalars)?;
+                ReduceOp::Sum
+            }
+            None => op,
+        };
         match collective {
             Collective::AllReduce => group.all_reduce(views, streams, count, dtype, op),
             Collective::ReduceScatter => group.reduce_scatter(views, streams, count, dtype, op),

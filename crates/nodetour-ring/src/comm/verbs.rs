@@ -200,14 +200,6 @@ impl Communicator {
     ) -> Result<()> {
         if let Verb::AllReduce(op) | Verb::ReduceScatter(op) = v {
             crate::reduce::check_op(dtype, op)?;
-            if op.scalar().is_some() && !matches!(out, LentMut::Host(_)) {
-                return Err(Error::Unsupported {
-                    reason: "PreMulSum on device memory: its kernels are not built yet (host \
-                             memory takes it; on a GPU, Avg is the fused data-parallel \
-                             average)"
-                        .into(),
-                });
-            }
         }
         match out {
             LentMut::Host(out) => {

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use nodetour_core::cuda::reduce::{At, ReduceKernels, Reduction};
+use nodetour_core::cuda::reduce::{At, NtScale, PreMul, ReduceKernels, Reduction};
 use nodetour_core::cuda::{GpuEvent, GpuStream};
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
@@ -405,8 +405,20 @@ impl GpuRing {
     ) -> Result<()> {
         self.ready_to_queue()?;
         let capturing = self.check(buffer, count, dtype, stream)?;
+        let reduces = matches!(shape, Shape::AllReduce | Shape::ReduceScatter);
         let Some(links) = &self.h().links else {
-            return Ok(()); // one rank: the sum, min, max, product and average of one value
+            // One rank: the sum, min, max, product and average of one value; a PreMulSum's
+            // is the value multiplied.
+            return match op.scalar().filter(|_| reduces) {
+                Some(scalar) => {
+                    let whole = At::new(buffer, 0);
+                    self.h()
+                        .kernels
+                        .scale(stream, dtype, scalar, whole, whole, count)
+                        .map_err(|e| Error::gpu("queueing a PreMulSum of one rank", e))
+                }
+                None => Ok(()),
+            };
         };
         let bytes = count * dtype.size(); // checked by self.check
         let one_kernel = shape == Shape::AllReduce && bytes <= self.one_kernel_max && bytes > 0;
@@ -455,7 +467,6 @@ impl GpuRing {
             Shape::AllGather => (Collective::AllGather, None),
             Shape::Broadcast { root } => (Collective::Broadcast, Some(root)),
         };
-        let reduces = matches!(shape, Shape::AllReduce | Shape::ReduceScatter);
         let what = Descriptor {
             collective,
             root,
@@ -498,6 +509,7 @@ impl GpuRing {
         }
         self.ring_captured |= capturing;
         // From here the peers count these chunks: a failure to queue breaks the ring.
+        let op = if reduces { op } else { ReduceOp::Sum };
         let queued = self.queue(
             buffer, dtype, op, stream, steps, &prog, desc, capturing, replayable,
         );

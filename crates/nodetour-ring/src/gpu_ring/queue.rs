@@ -94,6 +94,11 @@ impl GpuRing {
             enqueue_signal(on, tell, None).map_err(g)?;
         }
         let size = dtype.size();
+        // A PreMulSum multiplies this rank's own values where they are first read: by the
+        // sends that carry nothing received (the ring's first step, every send of an
+        // exchange), and by the receives that reduce into the buffer (`queue_recv`); the
+        // stream program reads each element so exactly once (its tests).
+        let premul = NtScale::of(op).map(|scale| PreMul { dtype, scale });
         let slot_at = |slot: u32| slot as usize * links.slot_bytes;
         // Step by step, so that every marker wait is queued after the record it refers to.
         let (mut si, mut ri) = (0, 0);
@@ -135,15 +140,18 @@ impl GpuRing {
                     (ready, None)
                 };
                 let src = At::new(buffer, off);
+                let premul = premul.filter(|_| s.after_recv.is_none());
                 match &links.outgoing {
-                    Outgoing::CudaIpc(o) => o.enqueue_send(on, src, at as u64, len, first, second),
+                    Outgoing::CudaIpc(o) => {
+                        o.enqueue_send(on, src, at as u64, len, (first, second), premul)
+                    }
                     staged => {
                         let o: &dyn StagedSend = match staged {
                             Outgoing::Shm(o) => o,
                             Outgoing::Net(o) => o,
                             Outgoing::CudaIpc(_) => unreachable!("matched above"),
                         };
-                        o.enqueue_send(on, src, at, len, first, second)
+                        o.enqueue_send(on, src, at, len, (first, second), premul)
                     }
                 }
                 .map_err(g)?;

@@ -575,6 +575,20 @@ impl HostRing<'_> {
             });
         }
         let plan = self.plan(bytes, dtype)?;
+        // A PreMulSum: this rank's values are sent from the work region, which the GPU's copy
+        // fills; they are multiplied on the GPU first (one pass over the piece, beside its
+        // copy to the host), and the ring sums.
+        let op = match op.scalar() {
+            Some(scalar) => {
+                let at = At::new(buffer, base);
+                staging
+                    .kernels
+                    .scale(staging.stream, dtype, scalar, at, at, count)
+                    .map_err(gpu)?;
+                ReduceOp::Sum
+            }
+            None => op,
+        };
         self.work
             .copy_from_gpu(0, buffer, base, bytes, staging.stream)
             .map_err(gpu)?;

@@ -324,10 +324,51 @@ fn stack_scan(sp: u64) -> String {
     out
 }
 
-/// The operations device memory takes: every one but PreMulSum, which runs on host memory
-/// only (its kernels are not built; device memory refuses it, `Unsupported`).
+/// The operations device collectives take: every one (a PreMulSum's rank passes
+/// [`rank_op`]; check it against [`as_summed`] inputs).
 pub(crate) fn device_ops() -> impl Iterator<Item = nodetour_ring::ReduceOp> {
-    nodetour_ring::ReduceOp::ALL
-        .into_iter()
-        .filter(|op| op.scalar().is_none())
+    nodetour_ring::ReduceOp::ALL.into_iter()
+}
+
+/// What rank `rank` passes for `op`: a PreMulSum with its seeded scalar
+/// (`nodetour_ring::seeded::scalar`: ±1, ±2, 1-3 for unsigned types, exact on the tests'
+/// values), else `op`.
+pub(crate) fn rank_op(
+    op: nodetour_ring::ReduceOp,
+    dtype: nodetour_ring::DataType,
+    rank: usize,
+) -> nodetour_ring::ReduceOp {
+    nodetour_ring::seeded::rank_op(op, dtype, rank as u32)
+}
+
+/// The ranks' inputs as `op` sums them: for a PreMulSum each multiplied by its rank's scalar
+/// ([`rank_op`]), as the host multiplies (`reduce::scale_into`); otherwise as they are. The
+/// reference is these reduced with `op` (a PreMulSum sums).
+pub(crate) fn as_summed(
+    dtype: nodetour_ring::DataType,
+    op: nodetour_ring::ReduceOp,
+    inputs: &[Vec<u8>],
+) -> Vec<Vec<u8>> {
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(r, x)| summed_as(dtype, op, r, x.clone()))
+        .collect()
+}
+
+/// Rank `rank`'s input `x` as `op` sums it (see [`as_summed`]).
+pub(crate) fn summed_as(
+    dtype: nodetour_ring::DataType,
+    op: nodetour_ring::ReduceOp,
+    rank: usize,
+    x: Vec<u8>,
+) -> Vec<u8> {
+    match rank_op(op, dtype, rank).scalar() {
+        Some(s) => {
+            let mut out = vec![0u8; x.len()];
+            nodetour_ring::reduce::scale_into(dtype, s, &mut out, &x).expect("a scalar");
+            out
+        }
+        None => x,
+    }
 }

@@ -77,19 +77,20 @@ pub(super) fn at_opt(f: Option<FlagValue<'_>>, g: &GuardWords) -> Result<NtFlag>
     f.map_or(Ok(NtFlag::default()), |f| at(f, g))
 }
 
-/// The guarded send of `len` bytes of `src` into `dst`, a device address the caller checked.
+/// The guarded send of `len` bytes of `src` into `dst`, a device address the caller checked;
+/// with `premul`, each element multiplied on the way.
 pub(super) fn send_to(
     on: Guarded<'_>,
     dst: u64,
     src: At<'_>,
     len: usize,
-    first: FlagValue<'_>,
-    second: Option<FlagValue<'_>>,
+    (first, second): (FlagValue<'_>, Option<FlagValue<'_>>),
+    premul: Option<PreMul>,
 ) -> Result<()> {
     let g = on.words()?;
     let signals = [at(first, &g)?, at_opt(second, &g)?];
     on.kernels
-        .send_guarded(on.stream, g, dst, src, len, signals)
+        .send_guarded(on.stream, g, dst, src, len, signals, premul)
 }
 
 /// Queues on `stream` a guarded wait (a one-thread kernel of `kernels`): until word `first`

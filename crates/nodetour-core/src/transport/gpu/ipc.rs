@@ -265,19 +265,21 @@ impl CudaIpcSender {
     /// Queues one kernel on `on`'s stream (this GPU's kernels): if the stream's last guarded
     /// wait ([`enqueue_wait`], for the receiver's credit) found its words, it copies `len` bytes
     /// of `src` into the peer's slot at `dst_offset` and, once every byte has landed, stores
-    /// `first` and then `second` (e.g. the descriptor word and the ready flag).
+    /// `first` and then `second` (e.g. the descriptor word and the ready flag). With
+    /// `premul`, each element is multiplied by its scalar on the way (a PreMulSum's first
+    /// read of this rank's own values).
     pub fn enqueue_send(
         &self,
         on: Guarded<'_>,
         src: At<'_>,
         dst_offset: u64,
         len: usize,
-        first: FlagValue<'_>,
-        second: Option<FlagValue<'_>>,
+        signals: (FlagValue<'_>, Option<FlagValue<'_>>),
+        premul: Option<PreMul>,
     ) -> Result<()> {
         self.check(src.buffer, src.offset, dst_offset, len)?;
         self.mapping.uses.note(on.stream);
         let dst = self.mapping.dst + dst_offset;
-        send_to(on, dst, src, len, first, second)
+        send_to(on, dst, src, len, signals, premul)
     }
 }

@@ -25,7 +25,7 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 
 use crate::cuda::GpuStream;
-use crate::cuda::reduce::{At, Consume, GuardWords, NtFlag, ReduceKernels, Reduction};
+use crate::cuda::reduce::{At, Consume, GuardWords, NtFlag, PreMul, ReduceKernels, Reduction};
 use crate::cuda::result::cuda_error;
 use crate::cuda::stream::Uses;
 use crate::error::{Error, Result};

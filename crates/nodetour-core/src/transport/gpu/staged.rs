@@ -205,12 +205,12 @@ pub trait StagedSend {
         src: At<'_>,
         slot_offset: usize,
         len: usize,
-        first: FlagValue<'_>,
-        second: Option<FlagValue<'_>>,
+        signals: (FlagValue<'_>, Option<FlagValue<'_>>),
+        premul: Option<PreMul>,
     ) -> Result<()> {
         src.buffer.check("GPU write source", src.offset, len)?;
         let dst = self.host_address(slot_offset, len)?;
-        send_to(on, dst, src, len, first, second)
+        send_to(on, dst, src, len, signals, premul)
     }
 }
 
