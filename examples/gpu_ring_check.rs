@@ -27,7 +27,7 @@ use nodetour::ring::comm::{Elements, GpuRingOptions};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::{Config, Deadline};
-use nodetour_ring::seeded::{input, verify};
+use nodetour_ring::seeded::{input, rank_op, verify};
 use nodetour_ring::{DataType, ReduceOp};
 use nodetour_tools::gpu_job::{GpuJob, VariantSpec, ring_path, variants_of};
 use nodetour_tools::perf::cases;
@@ -227,7 +227,8 @@ fn run() -> anyhow::Result<()> {
     for &(dtype, op) in &cases {
         for &count in &counts {
             buf.copy_from_host(0, &input(dtype, op, g.rank, count, seed))?;
-            comm.all_reduce_in_place(&mut Elements::new(&buf, count, dtype)?, op, &stream)?;
+            let mine = rank_op(op, dtype, g.rank);
+            comm.all_reduce_in_place(&mut Elements::new(&buf, count, dtype)?, mine, &stream)?;
             comm.wait(Deadline::after(TIMEOUT))?;
             stream.synchronize()?;
             let mut got = vec![0u8; count * dtype.size()];
