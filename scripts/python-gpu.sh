@@ -20,10 +20,15 @@ check() {
 }
 wheel=$(ls target/wheels/nodetour-*-abi3-*.whl 2>/dev/null | head -n 1)
 [[ -f $wheel ]] || { echo "python-gpu.sh: no wheel in target/wheels (scripts/python.sh --wheel)"; exit 1; }
-VENV=/tmp/nodetour-py
-python3 -m venv --system-site-packages "$VENV" || exit 1
-"$VENV/bin/pip" install -q --no-deps --no-index --force-reinstall "$wheel" || exit 1
-py=$VENV/bin/python
+# The wheel beside the machine's torch: installed into a folder of its own on PYTHONPATH (the
+# lent machines' python3 is itself a virtual environment, whose packages a venv made from it
+# with --system-site-packages would not see).
+py=$(command -v python3)
+"$py" -c 'import torch' || { echo "python-gpu.sh: $py has no torch"; exit 1; }
+PKG=/tmp/nodetour-py-pkg
+rm -rf "$PKG"
+"$py" -m pip install -q --no-deps --no-index --target "$PKG" "$wheel" || exit 1
+export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH}
 echo "torch $("$py" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))')"
 "$py" -m nodetour doctor >"$LOGS/doctor.txt" 2>&1
 echo "doctor exit $? (0 direct, 3 staged, 2 no usable GPU): $LOGS/doctor.txt"

@@ -223,7 +223,8 @@ extern "C" __global__ void nt_reduce_##N##_prod(T* d, const T* s, u64 n) { reduc
 extern "C" __global__ void nt_reduce_##N##_min(T* d, const T* s, u64 n) { reduce<T, Min>(d, s, n); } \
 extern "C" __global__ void nt_reduce_##N##_max(T* d, const T* s, u64 n) { reduce<T, Max>(d, s, n); } \
 extern "C" __global__ void nt_average_##N(T* d, u64 n, unsigned ranks) { average<T>(d, n, ranks); } \
-extern "C" __global__ void nt_scale_##N(T* d, const T* s, u64 n, NtScale k) { scale_copy<T>(d, s, n, k); }
+extern "C" __global__ void nt_scale_##N(T* d, const T* s, u64 n, NtScale k) { scale_copy<T>(d, s, n, k); } \
+extern "C" __global__ void nt_reduce_##N##_premul(T* d, const T* s, u64 n, NtScale k) { reduce_premul<T>(d, s, n, k); }
 KERNELS(float, f32)
 KERNELS(double, f64)
 KERNELS(h16, f16)

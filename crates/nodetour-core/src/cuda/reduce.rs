@@ -159,9 +159,10 @@ struct Loaded {
     advance: sys::CUfunction,
     claim: sys::CUfunction,
     reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
-    /// PreMulSum: `d = scalar · d + s` guarded (the ring's receive), `d = scalar · s` guarded
-    /// (its first send) and plain.
+    /// PreMulSum: `d = scalar · d + s` guarded (the ring's receive) and plain (its receive
+    /// through a scratch chunk), `d = scalar · s` guarded (its first send) and plain.
     reduce_then_premul: Vec<(DataType, sys::CUfunction)>,
+    reduce_premul: Vec<(DataType, sys::CUfunction)>,
     send_scaled: Vec<(DataType, sys::CUfunction)>,
     scale: Vec<(DataType, sys::CUfunction)>,
     one_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
@@ -293,9 +294,11 @@ impl ReduceKernels {
         let mut two_shot = Vec::new();
         let (mut reduce_then_premul, mut send_scaled, mut scale) =
             (Vec::new(), Vec::new(), Vec::new());
+        let mut reduce_premul = Vec::new();
         for dtype in DataType::ALL {
             let name = dtype.name();
             reduce_then_premul.push((dtype, get(format!("nt_reduce_then_{name}_premul"))?));
+            reduce_premul.push((dtype, get(format!("nt_reduce_{name}_premul"))?));
             send_scaled.push((dtype, get(format!("nt_send_scaled_{name}"))?));
             scale.push((dtype, get(format!("nt_scale_{name}"))?));
             for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
@@ -338,6 +341,7 @@ impl ReduceKernels {
             claim: get("nt_claim".to_owned())?,
             reduce_then,
             reduce_then_premul,
+            reduce_premul,
             send_scaled,
             scale,
             one_shot,
@@ -351,8 +355,9 @@ impl ReduceKernels {
     }
 
     /// Queues on `stream`: `dst = op(dst, src)` over `count` elements of `r.dtype` (`Avg`
-    /// sums; finish with [`Self::average`]). `src` may live on another GPU that this one has
-    /// peer access to.
+    /// sums; finish with [`Self::average`]; a `PreMulSum` takes `dst` as this rank's own values
+    /// and multiplies them as it reads them: `dst = scalar · dst + src`). `src` may live on
+    /// another GPU that this one has peer access to.
     pub fn reduce(
         &self,
         stream: &GpuStream,
@@ -365,15 +370,26 @@ impl ReduceKernels {
             dst.checked(stream, count, r.dtype)?,
             src.checked(stream, count, r.dtype)?,
         );
-        let f = pick(&self.k.reduce, r.dtype, r.op)?;
         let mut n = count as u64;
+        // 16 bytes per thread (see SOURCE).
+        let threads = count.div_ceil(16 / r.dtype.size());
+        if let Some(mut k) = NtScale::of(r.op) {
+            let mut params = [
+                (&mut d as *mut u64).cast::<c_void>(),
+                (&mut s as *mut u64).cast::<c_void>(),
+                (&mut n as *mut u64).cast::<c_void>(),
+                (&mut k as *mut NtScale).cast::<c_void>(),
+            ];
+            let f = by_type(&self.k.reduce_premul, r.dtype);
+            return self.launch(stream, f, &mut params, threads);
+        }
+        let f = pick(&self.k.reduce, r.dtype, r.op)?;
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),
             (&mut s as *mut u64).cast::<c_void>(),
             (&mut n as *mut u64).cast::<c_void>(),
         ];
-        // 16 bytes per thread (see SOURCE).
-        self.launch(stream, f, &mut params, count.div_ceil(16 / r.dtype.size()))
+        self.launch(stream, f, &mut params, threads)
     }
 
     /// Queues on `stream`: `dst = scalar · src` over `count` elements of `dtype` (`dst` may be

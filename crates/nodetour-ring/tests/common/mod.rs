@@ -251,10 +251,11 @@ fn thread_states() -> Vec<String> {
     lines
 }
 
-/// The words of a blocked thread's stack (from `sp`, up to 256 KiB) that point into the test
-/// executable's code, innermost first, each as ` exe+OFFSET` (the file offset: symbolize it
-/// with the unstripped binary: `scripts/symbolize-watchdog.sh`); where libcuda's code appears
-/// among them, ` libcuda` marks the first such word (the thread is in a driver call).
+/// The words of a blocked thread's stack (from `sp`, up to 2 MiB: the driver's frames can be
+/// large) that point into the test executable's code, innermost first, each as ` exe+OFFSET`
+/// (the file offset: symbolize it with the unstripped binary: `scripts/symbolize-watchdog.sh`);
+/// libcuda's words as ` libcuda(NAMES)`, each run of them once, naming the exported functions
+/// they fall in (`?` for internal ones): the driver call a thread is blocked in.
 fn stack_scan(sp: u64) -> String {
     use std::io::{Read, Seek, SeekFrom};
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
@@ -291,7 +292,7 @@ fn stack_scan(sp: u64) -> String {
             }
         }
     }
-    let len = (stack_end.saturating_sub(sp)).min(256 << 10) as usize;
+    let len = (stack_end.saturating_sub(sp)).min(2 << 20) as usize;
     let mut bytes = vec![0u8; len];
     let read = std::fs::File::open("/proc/self/mem").and_then(|mut m| {
         m.seek(SeekFrom::Start(sp))?;
@@ -300,8 +301,21 @@ fn stack_scan(sp: u64) -> String {
     if read.is_err() {
         return " (stack unreadable)".into();
     }
+    let cuda_path = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.contains("libcuda"))
+        .map(str::to_owned);
+    let cuda_symbols = cuda_path.as_deref().map(elf_symbols).unwrap_or_default();
     let mut out = String::new();
-    let (mut shown, mut in_cuda) = (0, false);
+    let mut shown = 0;
+    let mut cuda_run: Vec<String> = Vec::new();
+    let flush = |run: &mut Vec<String>, out: &mut String| {
+        if !run.is_empty() {
+            out.push_str(&format!(" libcuda({})", run.join(",")));
+            run.clear();
+        }
+    };
     for w in bytes.chunks_exact(8) {
         let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
         let Some(&(a, _, off, whose)) = code.iter().find(|(a, b, _, _)| (*a..*b).contains(&v))
@@ -309,19 +323,96 @@ fn stack_scan(sp: u64) -> String {
             continue;
         };
         if whose == "libcuda" {
-            if !in_cuda {
-                out.push_str(" libcuda");
-                in_cuda = true;
+            let name = cuda_symbols.name_at(v - a + off).unwrap_or("?").to_owned();
+            if cuda_run.last() != Some(&name) && cuda_run.len() < 16 {
+                cuda_run.push(name);
             }
             continue;
         }
+        flush(&mut cuda_run, &mut out);
         out.push_str(&format!(" exe+{:#x}", v - a + off));
         shown += 1;
         if shown == 48 {
             break;
         }
     }
+    flush(&mut cuda_run, &mut out);
     out
+}
+
+/// A shared library's exported functions, by file offset (from its ELF `.dynsym` and program
+/// headers; empty where the file cannot be read or parsed).
+#[derive(Default)]
+pub(crate) struct ElfSymbols(pub(crate) Vec<(u64, u64, String)>);
+
+impl ElfSymbols {
+    /// The exported function whose bytes hold file offset `off`.
+    pub(crate) fn name_at(&self, off: u64) -> Option<&str> {
+        let i = self.0.partition_point(|(start, _, _)| *start <= off);
+        let (start, size, name) = self.0.get(i.checked_sub(1)?)?;
+        (off < start + size.max(&1)).then_some(name.as_str())
+    }
+}
+
+pub(crate) fn elf_symbols(path: &str) -> ElfSymbols {
+    let Ok(f) = std::fs::read(path) else {
+        return ElfSymbols::default();
+    };
+    let u16_at = |o: usize| {
+        f.get(o..o + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize)
+    };
+    let u32_at = |o: usize| {
+        f.get(o..o + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+    };
+    let u64_at = |o: usize| {
+        f.get(o..o + 8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+    };
+    let parse = || -> Option<Vec<(u64, u64, String)>> {
+        (f.get(..4)? == b"\x7fELF" && f[4] == 2).then_some(())?;
+        // Loadable segments: virtual address -> file offset.
+        let (phoff, phent, phnum) = (u64_at(0x20)? as usize, u16_at(0x36)?, u16_at(0x38)?);
+        let mut loads = Vec::new();
+        for i in 0..phnum {
+            let h = phoff + i * phent;
+            if u32_at(h)? == 1 {
+                loads.push((u64_at(h + 8)?, u64_at(h + 0x10)?, u64_at(h + 0x28)?));
+            }
+        }
+        let (shoff, shent, shnum) = (u64_at(0x28)? as usize, u16_at(0x3A)?, u16_at(0x3C)?);
+        let mut out = Vec::new();
+        for i in 0..shnum {
+            let h = shoff + i * shent;
+            if u32_at(h + 4)? != 11 {
+                continue; // not SHT_DYNSYM
+            }
+            let (off, size) = (u64_at(h + 0x18)? as usize, u64_at(h + 0x20)? as usize);
+            let strtab = shoff + u32_at(h + 0x28)? as usize * shent;
+            let str_off = u64_at(strtab + 0x18)? as usize;
+            for s in (off..off + size).step_by(24) {
+                let (name, info) = (u32_at(s)? as usize, *f.get(s + 4)?);
+                let (value, len) = (u64_at(s + 8)?, u64_at(s + 16)?);
+                if info & 0xf != 2 || value == 0 {
+                    continue; // not a defined function
+                }
+                let Some(&(p_off, p_vaddr, _)) = loads
+                    .iter()
+                    .find(|(_, va, memsz)| (*va..va + memsz).contains(&value))
+                else {
+                    continue;
+                };
+                let start = str_off + name;
+                let end = start + f.get(start..)?.iter().position(|&c| c == 0)?;
+                let name = String::from_utf8_lossy(&f[start..end]).into_owned();
+                out.push((value - p_vaddr + p_off, len, name));
+            }
+        }
+        out.sort();
+        Some(out)
+    };
+    ElfSymbols(parse().unwrap_or_default())
 }
 
 /// The operations device collectives take: every one (a PreMulSum's rank passes
