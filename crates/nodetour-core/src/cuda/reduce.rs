@@ -470,13 +470,7 @@ impl ReduceKernels {
         seed: u32,
     ) -> Result<()> {
         let mut d = dst.checked(stream, count, dtype)?;
-        let f = self
-            .k
-            .pattern
-            .iter()
-            .find(|(k, _)| *k == dtype)
-            .map(|(_, f)| *f)
-            .expect("every type is loaded");
+        let f = by_type(&self.k.pattern, dtype);
         let (mut n, mut a, mut sd) = (count as u64, first, seed);
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),
@@ -499,13 +493,7 @@ impl ReduceKernels {
     ) -> Result<()> {
         check(dst, offset, count, dtype)?;
         dst.note_use(stream);
-        let f = self
-            .k
-            .average
-            .iter()
-            .find(|(k, _)| *k == dtype)
-            .map(|(_, f)| *f)
-            .expect("every type is loaded");
+        let f = by_type(&self.k.average, dtype);
         let (mut d, mut n, mut r) = (dst.device_ptr() + offset as u64, count as u64, ranks.max(1));
         let mut params = [
             (&mut d as *mut u64).cast::<c_void>(),
