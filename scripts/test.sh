@@ -55,9 +55,9 @@ tally() { # FILE: echoes cargo test output from stdin, appends "passed failed ig
 sum() { awk '{p+=$1; f+=$2; i+=$3} END {print p+0, f+0, i+0}' "$1"; }
 HOST=$(mktemp) VM=$(mktemp)
 trap 'rm -f "$HOST" "$VM"' EXIT
-check() { # name, command...: one pass/fail line
-    local name=$1; shift
-    if "$@"; then echo "check $name ... ok"; passed=$((passed + 1)); else echo "check $name ... FAILED"; failed=$((failed + 1)); fi
+check() { # name, command...: one pass/fail line, with its seconds (what to trim when CI grows)
+    local name=$1 t0=$SECONDS; shift
+    if "$@"; then echo "check $name ... ok ($((SECONDS - t0)) s)"; passed=$((passed + 1)); else echo "check $name ... FAILED ($((SECONDS - t0)) s)"; failed=$((failed + 1)); fi
 }
 
 if [[ ${NODETOUR_SKIP_INSTALL:-0} != 1 ]]; then

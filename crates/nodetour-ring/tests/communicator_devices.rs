@@ -825,9 +825,10 @@ fn hold(
 
 /// Issue 48, item 5: a group's calls on the caller's per-thread default stream. Each input
 /// lands on that stream behind a long kernel; the members' threads (whose own per-thread
-/// streams are other streams) must order the collective after it, and the caller's
-/// per-thread stream must read the result after the collective: both by the group's tails
-/// recorded and joined back on the caller's thread. Every round's inputs differ.
+/// streams are other streams) must order the collective after it, and both the caller's
+/// per-thread stream and a third stream (through cudarc's events alone) must read the result
+/// after the collective: by the group's stand-ins, forked from the per-thread stream and joined
+/// back on the caller's thread. Every round's inputs differ.
 #[test]
 #[ignore = "needs a GPU"]
 fn a_group_on_the_callers_per_thread_stream_is_ordered_on_it() {
@@ -874,6 +875,20 @@ fn a_group_on_the_callers_per_thread_stream_is_ordered_on_it() {
         g.end().unwrap();
         eprintln!("round {round}: the group queued");
         let want = reduced(DataType::F32, ReduceOp::Sum, &inputs);
+        // First on a third stream, ordered only by cudarc's events of each slice: the write
+        // event must have been recorded after the collective (on the group's stand-in for the
+        // per-thread stream), not on a member thread's own per-thread stream.
+        let third = ctxs[0].new_stream().unwrap();
+        for (r, d) in data.iter().enumerate() {
+            let got = download(&third, d);
+            assert_eq!(
+                first_difference(DataType::F32, ReduceOp::Sum, 2, &got, &want),
+                None,
+                "round {round}, rank {r}: read on a third stream before the collective ran \
+                 (cudarc's write event was not ordered after it)"
+            );
+        }
+        eprintln!("round {round}: read back on a third stream");
         for (r, (s, d)) in streams.iter().zip(&data).enumerate() {
             let got = download(s, d);
             eprintln!("round {round}: rank {r} read back");

@@ -10,9 +10,13 @@
 //! which names another stream on every thread) is resolved before the call returns.
 //!
 //! A [`super::Group`] runs its members' calls on threads of its own: there the per-thread
-//! stream the caller named is the group caller's, so [`Group::end`](super::Group::end) records
-//! its tail on the calling thread before the members run ([`GroupTails`]) and joins it back
-//! after: the member threads never name it.
+//! stream the caller named is the group caller's, which on a member thread would name that
+//! thread's own. So [`Group::end`](super::Group::end) makes a **stand-in** for it on each GPU
+//! on the calling thread before the members run (a stream forked from the caller's per-thread
+//! stream: it starts after what is queued there), the member threads' calls use the stand-in
+//! in its place everywhere (the joins here, cudarc's read and write events of the caller's
+//! slices), and the caller's per-thread stream joins each stand-in back once every member has
+//! queued ([`GroupStandIns`]): the member threads never name `CU_STREAM_PER_THREAD`.
 //!
 //! Captured into a CUDA graph, a collective runs on the capturing stream itself (the lane
 //! stays out of every capture: an eager call meanwhile must not land in the graph); a replay
@@ -26,7 +30,7 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaStream};
 use nodetour_core::cuda::{GpuEvent, GpuStream};
 
 use crate::error::{Error, Result};
@@ -46,18 +50,14 @@ struct Lane {
 }
 
 /// What a [`super::Group`]'s member threads use in place of the group caller's per-thread
-/// stream: its tail on each GPU (recorded on the caller's thread), and the lanes it must join
-/// back (waited for on the caller's thread once every member has queued).
-pub(crate) struct GroupTails {
-    /// (GPU, the caller's per-thread stream's tail there).
-    tails: Vec<(Arc<CudaContext>, Arc<GpuEvent>)>,
-    /// The lanes that ran work on the caller's behalf.
-    joined: Arc<Mutex<Vec<GpuStream>>>,
+/// stream: one stand-in per GPU, forked from it on the caller's thread.
+pub(crate) struct GroupStandIns {
+    stand_ins: Vec<Arc<CudaStream>>,
 }
 
 thread_local! {
     /// Set on a group's member threads for the length of their calls.
-    static GROUP: RefCell<Option<GroupTails>> = const { RefCell::new(None) };
+    static GROUP: RefCell<Option<Vec<Arc<CudaStream>>>> = const { RefCell::new(None) };
 }
 
 fn gpu(what: &'static str) -> impl Fn(nodetour_core::Error) -> Error {
@@ -98,24 +98,14 @@ impl CallOrder {
         }
         let lane = self.lane.lock().map_err(|_| poisoned())?;
         let g = gpu("joining the communicator's stream to the caller's");
-        match group_tail(caller) {
-            Some(tail) => lane.stream.wait_marker(&tail).map_err(&g)?,
-            None => {
-                caller.record_marker(&lane.entry).map_err(&g)?;
-                lane.stream.wait_marker(&lane.entry).map_err(&g)?;
-            }
-        }
+        caller.record_marker(&lane.entry).map_err(&g)?;
+        lane.stream.wait_marker(&lane.entry).map_err(&g)?;
         let result = f(&lane.stream);
         let back = lane
             .stream
             .record_marker(&lane.exit)
             .map_err(&g)
-            .and_then(|()| {
-                if note_group_join(caller, &lane.stream) {
-                    return Ok(());
-                }
-                caller.wait_marker(&lane.exit).map_err(&g)
-            });
+            .and_then(|()| caller.wait_marker(&lane.exit).map_err(&g));
         match (result, back) {
             (Ok(r), Ok(())) => Ok(r),
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
@@ -133,99 +123,78 @@ impl CallOrder {
     }
 }
 
-/// The group caller's tail on `caller`'s GPU, where this is a group's member thread and
-/// `caller` the per-thread stream (named on the caller's thread, meant as its own).
-fn group_tail(caller: &GpuStream) -> Option<Arc<GpuEvent>> {
-    if !caller.is_per_thread() {
+/// On a group's member thread, where `stream` is the per-thread default stream (named on the
+/// group caller's thread, meant as its own): the stand-in to queue on in its place.
+pub(crate) fn stand_in_for(stream: &Arc<CudaStream>) -> Option<Arc<CudaStream>> {
+    if stream.cu_stream() != nodetour_core::cuda::stream::CU_STREAM_PER_THREAD {
         return None;
     }
     GROUP.with(|g| {
-        let g = g.borrow();
-        let tails = g.as_ref()?;
-        tails
-            .tails
+        g.borrow()
+            .as_ref()?
             .iter()
-            .find(|(c, _)| nodetour_core::cuda::same_context(c, caller.context()))
-            .map(|(_, t)| t.clone())
+            .find(|s| nodetour_core::cuda::same_context(s.context(), stream.context()))
+            .cloned()
     })
 }
 
-/// On a group's member thread with the per-thread stream: notes `lane` for the caller's
-/// thread to join back, and says so.
-fn note_group_join(caller: &GpuStream, lane: &GpuStream) -> bool {
-    if !caller.is_per_thread() {
-        return false;
+/// [`stand_in_for`] of a [`GpuStream`].
+pub(crate) fn stand_in_for_gpu(stream: &GpuStream) -> Option<GpuStream> {
+    if !stream.is_per_thread() {
+        return None;
     }
-    GROUP.with(|g| {
-        let g = g.borrow();
-        let Some(tails) = g.as_ref() else {
-            return false;
-        };
-        if let Ok(mut v) = tails.joined.lock() {
-            v.push(lane.clone());
-        }
-        true
-    })
+    let per_thread = stream.context().per_thread_stream();
+    stand_in_for(&per_thread).map(|s| GpuStream::of_cudarc(&s))
 }
 
-impl GroupTails {
-    /// On the group caller's thread: the tail of its per-thread stream on each of `contexts`.
-    pub(crate) fn record(contexts: &[Arc<CudaContext>]) -> Result<GroupTails> {
-        let g = gpu("marking the caller's per-thread stream");
-        let mut tails: Vec<(Arc<CudaContext>, Arc<GpuEvent>)> = Vec::new();
+impl GroupStandIns {
+    /// On the group caller's thread: a stand-in for its per-thread stream on each of
+    /// `contexts`, starting after what is queued there now.
+    pub(crate) fn fork(contexts: &[Arc<CudaContext>]) -> Result<GroupStandIns> {
+        let mut stand_ins: Vec<Arc<CudaStream>> = Vec::new();
         for c in contexts {
-            if tails
+            if stand_ins
                 .iter()
-                .any(|(t, _)| nodetour_core::cuda::same_context(t, c))
+                .any(|s| nodetour_core::cuda::same_context(s.context(), c))
             {
                 continue;
             }
-            let per_thread = per_thread_stream(c);
-            let m = GpuEvent::marker(c).map_err(&g)?;
-            per_thread.record_marker(&m).map_err(&g)?;
-            tails.push((c.clone(), Arc::new(m)));
+            // cudarc's fork: a new non-blocking stream that waits for an event recorded on
+            // the per-thread stream (this thread's, here); no synchronisation of the context.
+            let s = c.per_thread_stream().fork().map_err(|e| {
+                Error::gpu(
+                    "forking the caller's per-thread stream",
+                    nodetour_core::Error::from(e),
+                )
+            })?;
+            stand_ins.push(s);
         }
-        Ok(GroupTails {
-            tails,
-            joined: Arc::default(),
-        })
+        Ok(GroupStandIns { stand_ins })
     }
 
-    /// The tails for a member thread (sharing what it joins).
-    pub(crate) fn for_member(&self) -> GroupTails {
-        GroupTails {
-            tails: self.tails.clone(),
-            joined: self.joined.clone(),
-        }
-    }
-
-    /// Runs `f` on a member thread with these tails in place of the per-thread stream.
-    pub(crate) fn enter<R>(self, f: impl FnOnce() -> R) -> R {
-        GROUP.with(|g| *g.borrow_mut() = Some(self));
+    /// Runs `f` on a member thread with these stand-ins in place of the per-thread stream.
+    pub(crate) fn enter<R>(&self, f: impl FnOnce() -> R) -> R {
+        GROUP.with(|g| *g.borrow_mut() = Some(self.stand_ins.clone()));
         let r = f();
         GROUP.with(|g| *g.borrow_mut() = None);
         r
     }
 
     /// On the group caller's thread, once every member has queued: its per-thread stream on
-    /// each GPU waits for the lanes that ran work on its behalf.
-    pub(crate) fn join_back(&self) -> Result<()> {
-        let g = gpu("joining the caller's per-thread stream back");
-        let lanes = std::mem::take(&mut *self.joined.lock().map_err(|_| poisoned())?);
-        for lane in lanes {
-            let per_thread = per_thread_stream(lane.context());
-            let m = GpuEvent::marker(lane.context()).map_err(&g)?;
-            lane.record_marker(&m).map_err(&g)?;
-            per_thread.wait_marker(&m).map_err(&g)?;
+    /// each GPU waits for the stand-in there (whatever the members queued on it). The
+    /// stand-ins are released after that work (a stream destroyed with work queued finishes
+    /// it first).
+    pub(crate) fn join_back(self) -> Result<()> {
+        for s in &self.stand_ins {
+            s.context().per_thread_stream().join(s).map_err(|e| {
+                Error::gpu(
+                    "joining the caller's per-thread stream back",
+                    nodetour_core::Error::from(e),
+                )
+            })?;
         }
         Ok(())
     }
-}
-
-/// The calling thread's per-thread default stream on `context`'s GPU (cudarc's handle, always
-/// valid).
-fn per_thread_stream(context: &Arc<CudaContext>) -> GpuStream {
-    GpuStream::of_cudarc(&context.per_thread_stream())
 }
 
 fn poisoned() -> Error {

@@ -28,7 +28,7 @@ use nodetour_core::meeting::{MeetError, Meeting};
 use nodetour_core::memory::DeviceBuffer;
 
 use super::Communicator;
-use super::call_order::GroupTails;
+use super::call_order::GroupStandIns;
 use super::scratch::{Scratch, with_scratch};
 use super::verbs::Verb;
 use crate::descriptor::Collective;
@@ -565,9 +565,9 @@ impl<'a> Group<'a> {
             }
             Ok(())
         };
-        // The per-thread default stream named in a call means this thread's: its tail is
-        // recorded here, the member threads wait for it instead, and it joins back below.
-        let tails = GroupTails::record(&set.contexts)?;
+        // The per-thread default stream named in a call means this thread's: a stand-in forked
+        // from it here takes its place on the member threads, and joins it back below.
+        let stand_ins = GroupStandIns::fork(&set.contexts)?;
         // Every member but the last on a thread of its own, the last on this one.
         let mut members = self.calls;
         let (last, last_calls) = members.pop().expect("n > 0 members");
@@ -576,11 +576,11 @@ impl<'a> Group<'a> {
             let threads: Vec<_> = members
                 .into_iter()
                 .map(|(comm, calls)| {
-                    let tails = tails.for_member();
+                    let stand_ins = &stand_ins;
                     let seat = member(comm)?.seat;
                     std::thread::Builder::new()
                         .name(format!("nodetour-group-{seat}"))
-                        .spawn_scoped(scope, move || tails.enter(|| run_member(comm, calls)))
+                        .spawn_scoped(scope, move || stand_ins.enter(|| run_member(comm, calls)))
                         .map_err(|e| {
                             let e = Error::Aborted {
                                 reason: format!("no thread for GPU seat {seat} of the group: {e}"),
@@ -598,7 +598,7 @@ impl<'a> Group<'a> {
             all.push(mine);
             all
         });
-        let joined = tails.join_back();
+        let joined = stand_ins.join_back();
         // A cancellation only its member saw is taken back; one that some members' calls
         // met and others' never did means the members issued different collectives.
         if let Err(reason) = set.meeting.settle() {

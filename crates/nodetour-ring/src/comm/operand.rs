@@ -9,7 +9,10 @@
 //! context).
 //!
 //! A device operand is lent to the collective only for the call: the verb queues its work on
-//! the stream and returns; cudarc's own ordering (its read and write events) is kept.
+//! the stream and returns; cudarc's own ordering (its read and write events) is kept. On a
+//! group's member thread the per-thread default stream is lent as the group's stand-in for it
+//! (`call_order`): cudarc's events are waited for and recorded there, never on the member
+//! thread's own per-thread stream.
 
 use std::sync::Arc;
 
@@ -17,6 +20,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
 
+use super::call_order::{stand_in_for, stand_in_for_gpu};
 use super::symmetric::{SymmetricBuffer, SymmetricElements};
 use crate::element::{Element, bytes, bytes_mut};
 use crate::error::{Error, Result};
@@ -301,6 +305,8 @@ macro_rules! cudarc_input {
                 stream: &Arc<CudaStream>,
                 f: impl FnOnce(Lent<'_>) -> Result<R>,
             ) -> Result<R> {
+                let stand_in = stand_in_for(stream);
+                let stream = stand_in.as_ref().unwrap_or(stream);
                 let s = GpuStream::of_cudarc(stream);
                 with_cudarc_slice(self, stream, |view| f(Lent::Device(view, &s)))?
             }
@@ -317,6 +323,8 @@ macro_rules! cudarc_output {
                 stream: &Arc<CudaStream>,
                 f: impl FnOnce(LentMut<'_>) -> Result<R>,
             ) -> Result<R> {
+                let stand_in = stand_in_for(stream);
+                let stream = stand_in.as_ref().unwrap_or(stream);
                 let s = GpuStream::of_cudarc(stream);
                 with_cudarc_slice_mut(self, stream, |view| f(LentMut::Device(view, &s)))?
             }
@@ -338,7 +346,11 @@ impl sealed::Input<&GpuStream> for Elements<'_> {
         self.dtype
     }
     fn lend<R>(&self, stream: &GpuStream, f: impl FnOnce(Lent<'_>) -> Result<R>) -> Result<R> {
-        f(Lent::Device(self.buffer, stream))
+        let stand_in = stand_in_for_gpu(stream);
+        f(Lent::Device(
+            self.buffer,
+            stand_in.as_ref().unwrap_or(stream),
+        ))
     }
 }
 impl sealed::Output<&GpuStream> for Elements<'_> {
@@ -349,7 +361,11 @@ impl sealed::Output<&GpuStream> for Elements<'_> {
     ) -> Result<R> {
         // Nodetour's buffers are written through shared references (the GPU writes them; the
         // host never sees them as slices).
-        f(LentMut::Device(self.buffer, stream))
+        let stand_in = stand_in_for_gpu(stream);
+        f(LentMut::Device(
+            self.buffer,
+            stand_in.as_ref().unwrap_or(stream),
+        ))
     }
 }
 impl Input<&GpuStream> for Elements<'_> {}
@@ -376,7 +392,11 @@ impl sealed::Output<&GpuStream> for SymmetricElements<'_> {
         stream: &GpuStream,
         f: impl FnOnce(LentMut<'_>) -> Result<R>,
     ) -> Result<R> {
-        f(LentMut::Symmetric(self.buffer, stream))
+        let stand_in = stand_in_for_gpu(stream);
+        f(LentMut::Symmetric(
+            self.buffer,
+            stand_in.as_ref().unwrap_or(stream),
+        ))
     }
 }
 impl Input<&GpuStream> for SymmetricElements<'_> {}
