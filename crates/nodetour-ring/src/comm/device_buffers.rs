@@ -9,7 +9,7 @@
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 
-use super::device_set::element_bytes;
+use super::call::element_bytes;
 use super::{Communicator, gpu_error, scratch};
 use crate::error::{Error, Result};
 use crate::plan::Shape;

@@ -1,28 +1,25 @@
 //! Collectives on device memory, queued on the caller's stream: the GPU ring where the ranks
 //! share one host, else staged through host memory.
 
+use super::call::CallSpec;
 use super::device_buffers::holds;
-use super::device_set::element_bytes;
-use super::verbs::Verb;
 use super::*;
 
 impl Communicator {
-    /// Runs verb `v` on device memory of this process's communicator: `n` elements of `dtype`
-    /// per block (of the buffer, for allreduce and broadcast); without `send`, in place in
-    /// `out`.
+    /// The executor of device memory of this process's communicator: queues `call` on
+    /// `stream` (without `send`, in place in `out`).
     pub(super) fn device_verb(
         &self,
-        v: Verb,
+        call: CallSpec,
         send: Option<&DeviceBuffer>,
         out: &DeviceBuffer,
         stream: &GpuStream,
-        n: usize,
-        dtype: DataType,
     ) -> Result<()> {
-        let block = element_bytes(n, 1, dtype)?;
+        let (n, dtype, op, root) = (call.count, call.dtype, call.op, call.root);
+        let block = call.block_bytes()?;
         let mine = self.rank as usize * block;
-        match v {
-            Verb::AllReduce(op) => {
+        match call.kind {
+            Collective::AllReduce => {
                 if let Some(src) = send {
                     holds(src, block, stream, "send")?;
                     holds(out, block, stream, "recv")?;
@@ -30,15 +27,15 @@ impl Communicator {
                 }
                 self.device_all_reduce(out, n, dtype, op, stream)
             }
-            Verb::ReduceScatter(op) => match send {
+            Collective::ReduceScatter => match send {
                 Some(src) => self.device_reduce_scatter(src, out, 0, n, dtype, op, stream),
                 None => self.device_reduce_scatter(out, out, mine, n, dtype, op, stream),
             },
-            Verb::AllGather => match send {
+            Collective::AllGather => match send {
                 Some(src) => self.device_all_gather(src, 0, out, n, dtype, stream),
                 None => self.device_all_gather(out, mine, out, n, dtype, stream),
             },
-            Verb::Broadcast(root) => {
+            Collective::Broadcast => {
                 if let Some(src) = send.filter(|_| self.rank == root) {
                     holds(src, block, stream, "send")?;
                     holds(out, block, stream, "recv")?;

@@ -28,46 +28,22 @@ use nodetour_core::meeting::{MeetError, Meeting};
 use nodetour_core::memory::DeviceBuffer;
 
 use super::Communicator;
+use super::call::{CallSpec, element_bytes};
 use super::call_order::GroupStandIns;
 use super::scratch::{Scratch, with_scratch};
-use super::verbs::Verb;
 use crate::descriptor::Collective;
 use crate::error::{Error, Result};
 use crate::gpu::{GpuGroup, GroupAbort};
-use crate::reduce::{DataType, ReduceOp};
+use crate::reduce::ReduceOp;
 
 /// How a member's call that another member refused begins its reason.
 const REFUSED_ON: &str = "the collective was refused on GPU";
-
-/// What every member must agree on for one collective.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Key {
-    collective: Collective,
-    /// Elements: of the whole buffer (allreduce), of one block (reduce-scatter, all-gather),
-    /// of the buffer (broadcast).
-    count: usize,
-    dtype: DataType,
-    op: ReduceOp,
-    root: usize,
-}
-
-impl Key {
-    /// Whether two members call the same collective: a PreMulSum's scalar is each member's
-    /// own (the operation's code is what they agree on).
-    fn agrees(&self, other: &Key) -> bool {
-        let plain = |k: &Key| Key {
-            op: ReduceOp::ALL[usize::from(k.op.code())],
-            ..*k
-        };
-        plain(self) == plain(other)
-    }
-}
 
 /// The GPUs of one `from_devices` call, shared by its members.
 pub(crate) struct DeviceSet {
     group: Mutex<GpuGroup>,
     abort: GroupAbort,
-    pub(super) meeting: Meeting<DeviceBuffer, GpuStream, Key, Result<()>>,
+    pub(super) meeting: Meeting<DeviceBuffer, GpuStream, CallSpec, Result<()>>,
     contexts: Vec<Arc<CudaContext>>,
 }
 
@@ -118,7 +94,12 @@ impl DeviceSet {
 
     /// Queues one collective on every member's stream (the members' views and streams in
     /// seat order), once every member's key agrees.
-    fn run(&self, views: &[&DeviceBuffer], streams: &[&GpuStream], keys: &[Key]) -> Result<()> {
+    fn run(
+        &self,
+        views: &[&DeviceBuffer],
+        streams: &[&GpuStream],
+        keys: &[CallSpec],
+    ) -> Result<()> {
         let first = keys[0];
         if let Some((seat, theirs)) = keys.iter().enumerate().find(|(_, k)| !k.agrees(&first)) {
             let e = Error::Disagreement {
@@ -131,8 +112,8 @@ impl DeviceSet {
             return Err(e);
         }
         let mut group = self.group.lock().map_err(|_| poisoned())?;
-        let Key {
-            collective,
+        let CallSpec {
+            kind: collective,
             count,
             dtype,
             op,
@@ -159,7 +140,9 @@ impl DeviceSet {
             Collective::AllReduce => group.all_reduce(views, streams, count, dtype, op),
             Collective::ReduceScatter => group.reduce_scatter(views, streams, count, dtype, op),
             Collective::AllGather => group.all_gather(views, streams, count, dtype),
-            Collective::Broadcast => group.broadcast(views, streams, count * dtype.size(), root),
+            Collective::Broadcast => {
+                group.broadcast(views, streams, count * dtype.size(), root as usize)
+            }
         }
     }
 }
@@ -180,7 +163,7 @@ pub(crate) type Lend<'a> =
 pub(crate) struct Call<'a> {
     set: Arc<DeviceSet>,
     seat: usize,
-    key: Key,
+    key: CallSpec,
     lend: Lend<'a>,
 }
 
@@ -215,7 +198,7 @@ impl SetMember {
         }
     }
 
-    fn call<'a>(&self, key: Key, lend: Lend<'a>) -> Result<Call<'a>> {
+    fn call<'a>(&self, key: CallSpec, lend: Lend<'a>) -> Result<Call<'a>> {
         self.usable()?;
         Ok(Call {
             set: self.set.clone(),
@@ -225,106 +208,73 @@ impl SetMember {
         })
     }
 
-    /// Runs verb `v` (see `Communicator::device_verb`) as this member's share, meeting the
-    /// other members' calls.
+    /// The executor of a set member: runs `call` (see `Communicator::device_verb`) as this
+    /// member's share, meeting the other members' calls.
     pub(crate) fn verb(
         &self,
-        v: Verb,
+        call: CallSpec,
         send: Option<&DeviceBuffer>,
         out: &DeviceBuffer,
         stream: &GpuStream,
-        n: usize,
-        dtype: DataType,
     ) -> Result<()> {
         // A call refused here cancels the meeting: the other members' calls fail with the
         // reason at once instead of waiting for this one, and the set stays usable.
-        self.share(v, send, out, stream, n, dtype)
+        self.share(call, send, out, stream)
             .inspect_err(|e| self.set.meeting.cancel(self.seat, &e.to_string()))?
             .run_alone(self.timeout)
     }
 
-    /// This member's share of verb `v`, checked and ready to meet the others.
+    /// This member's share of `call`, ready to meet the others.
     fn share<'a>(
         &self,
-        v: Verb,
+        call: CallSpec,
         send: Option<&'a DeviceBuffer>,
         out: &'a DeviceBuffer,
         stream: &'a GpuStream,
-        n: usize,
-        dtype: DataType,
     ) -> Result<Call<'a>> {
-        let block = element_bytes(n, 1, dtype)?;
+        let block = call.block_bytes()?;
         let copy_in = |src: &DeviceBuffer| {
             stream
                 .copy(out, 0, src, 0, block)
                 .map_err(|e| Error::gpu("copying the input in", e))
         };
-        match v {
-            Verb::AllReduce(op) => {
+        match call.kind {
+            Collective::AllReduce => {
                 if let Some(src) = send {
                     copy_in(src)?;
                 }
-                self.all_reduce_buffer(out, n, dtype, op, stream)
+                self.call(call, Box::new(move |k| k(out, stream)))
             }
-            Verb::ReduceScatter(op) => {
+            Collective::ReduceScatter => {
                 let (src, at) = send.map_or((out, self.seat * block), |s| (s, 0));
-                self.reduce_scatter_buffer(src, out, at, n, dtype, op, stream)
+                self.reduce_scatter_buffer(src, out, at, call, stream)
             }
-            Verb::AllGather => self.all_gather_buffer(send, out, n, dtype, stream),
-            Verb::Broadcast(root) => {
-                if let Some(src) = send.filter(|_| self.seat == root as usize) {
+            Collective::AllGather => self.all_gather_buffer(send, out, call, stream),
+            Collective::Broadcast => {
+                if let Some(src) = send.filter(|_| self.seat == call.root as usize) {
                     copy_in(src)?;
                 }
-                self.broadcast_buffer(out, n, dtype, root as usize, stream)
+                self.call(call, Box::new(move |k| k(out, stream)))
             }
         }
     }
 
-    /// The allreduce of nodetour's own buffer (the first `count` elements).
-    pub(crate) fn all_reduce_buffer<'a>(
-        &self,
-        buffer: &'a DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &'a GpuStream,
-    ) -> Result<Call<'a>> {
-        let key = Key {
-            collective: Collective::AllReduce,
-            count,
-            dtype,
-            op,
-            root: 0,
-        };
-        self.call(key, Box::new(move |k| k(buffer, stream)))
-    }
-
-    /// The reduce-scatter of device buffers: `send` holds `n` blocks of `count` elements of
-    /// `dtype`, `recv` at byte `out_at` gets block `seat`'s reduction (`send` is copied into
+    /// The reduce-scatter of device buffers: `send` holds `n` blocks of `call.count`
+    /// elements, `recv` at byte `out_at` gets block `seat`'s reduction (`send` is copied into
     /// the member's scratch and reduced there, so it is never written).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn reduce_scatter_buffer<'a>(
+    fn reduce_scatter_buffer<'a>(
         &self,
         send: &'a DeviceBuffer,
         recv: &'a DeviceBuffer,
         out_at: usize,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: CallSpec,
         stream: &'a GpuStream,
     ) -> Result<Call<'a>> {
         let n = self.set.contexts.len();
-        let block = element_bytes(count, 1, dtype)?;
-        let whole = element_bytes(count, n, dtype)?;
-        let key = Key {
-            collective: Collective::ReduceScatter,
-            count,
-            dtype,
-            op,
-            root: 0,
-        };
+        let block = call.block_bytes()?;
+        let whole = element_bytes(call.count, n, call.dtype)?;
         let through = self.scatter_through(whole, block, out_at);
-        self.call(key, Box::new(move |k| through.run(send, recv, stream, k)))
+        self.call(call, Box::new(move |k| through.run(send, recv, stream, k)))
     }
 
     fn scatter_through(&self, whole: usize, block: usize, out_at: usize) -> ScatterThrough {
@@ -338,29 +288,20 @@ impl SetMember {
         }
     }
 
-    /// The all-gather of device buffers: `send`'s first `count` elements of `dtype` go to
-    /// block `seat` of `recv` (`n` blocks; without `send` they are there already), then
-    /// gathered there in place.
-    pub(crate) fn all_gather_buffer<'a>(
+    /// The all-gather of device buffers: `send`'s first `call.count` elements go to block
+    /// `seat` of `recv` (`n` blocks; without `send` they are there already), then gathered
+    /// there in place.
+    fn all_gather_buffer<'a>(
         &self,
         send: Option<&'a DeviceBuffer>,
         recv: &'a DeviceBuffer,
-        count: usize,
-        dtype: DataType,
+        call: CallSpec,
         stream: &'a GpuStream,
     ) -> Result<Call<'a>> {
-        let block = element_bytes(count, 1, dtype)?;
-        element_bytes(count, self.set.contexts.len(), dtype)?;
-        let key = Key {
-            collective: Collective::AllGather,
-            count,
-            dtype,
-            op: ReduceOp::Sum,
-            root: 0,
-        };
+        let block = call.block_bytes()?;
         let seat = self.seat;
         self.call(
-            key,
+            call,
             Box::new(move |k| {
                 if let Some(send) = send {
                     stream
@@ -370,32 +311,6 @@ impl SetMember {
                 k(recv, stream)
             }),
         )
-    }
-
-    /// The broadcast of member `root`'s first `count` elements of `dtype` of `data`.
-    pub(crate) fn broadcast_buffer<'a>(
-        &self,
-        data: &'a DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        root: usize,
-        stream: &'a GpuStream,
-    ) -> Result<Call<'a>> {
-        let n = self.set.contexts.len();
-        if root >= n {
-            return Err(Error::InvalidArgument {
-                reason: format!("root {root} of a set of {n} GPUs"),
-            });
-        }
-        element_bytes(count, 1, dtype)?;
-        let key = Key {
-            collective: Collective::Broadcast,
-            count,
-            dtype,
-            op: ReduceOp::Sum,
-            root,
-        };
-        self.call(key, Box::new(move |k| k(data, stream)))
     }
 }
 
@@ -627,14 +542,4 @@ fn member(comm: &Communicator) -> Result<&SetMember> {
                  processes runs its device collectives directly)"
             .into(),
     })
-}
-
-/// Bytes of `blocks` blocks of `count` elements of `dtype`, overflow-checked.
-pub(crate) fn element_bytes(count: usize, blocks: usize, dtype: DataType) -> Result<usize> {
-    count
-        .checked_mul(blocks)
-        .and_then(|c| c.checked_mul(dtype.size()))
-        .ok_or_else(|| Error::InvalidArgument {
-            reason: format!("{blocks} blocks of {count} elements of {dtype:?} overflow"),
-        })
 }

@@ -75,6 +75,7 @@
 //!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
 
+mod call;
 mod call_order;
 mod device_buffers;
 mod device_collectives;
@@ -437,15 +438,6 @@ impl Communicator {
     fn next_call(&self) -> u32 {
         self.calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn check_root(&self, root: u32) -> Result<()> {
-        if root >= self.world {
-            return Err(Error::InvalidArgument {
-                reason: format!("root {root} in a communicator of {} ranks", self.world),
-            });
-        }
-        Ok(())
     }
 
     /// `whole` is `world` blocks of `block` elements.

@@ -4,17 +4,9 @@
 
 use std::cell::Cell;
 
+use super::call::CallSpec;
 use super::operand::{Input, Lent, LentMut, Output, Queue, sealed};
 use super::*;
-
-/// A collective as the verbs name it.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Verb {
-    AllReduce(ReduceOp),
-    ReduceScatter(ReduceOp),
-    AllGather,
-    Broadcast(u32),
-}
 
 impl Communicator {
     /// Reduces `send` over every rank into `recv` on every rank (`op`: sum, average, ...).
@@ -45,8 +37,9 @@ impl Communicator {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(recv);
             same_len(sealed::Input::count(send), n, "send", "recv")?;
+            let call = CallSpec::all_reduce(n, dtype, op).checked(self.world)?;
             lend_both(send, recv, queue, |inp, out| {
-                self.verb(reached, Verb::AllReduce(op), Some(inp), out, n, dtype)
+                self.verb(reached, call, Some(inp), out)
             })
         })
     }
@@ -70,9 +63,8 @@ impl Communicator {
     {
         self.guarded(queue, |reached| {
             let (n, dtype) = (sealed::Input::count(data), sealed::Input::dtype(data));
-            data.lend_mut(queue, |out| {
-                self.verb(reached, Verb::AllReduce(op), None, out, n, dtype)
-            })
+            let call = CallSpec::all_reduce(n, dtype, op).checked(self.world)?;
+            data.lend_mut(queue, |out| self.verb(reached, call, None, out))
         })
     }
 
@@ -94,8 +86,9 @@ impl Communicator {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(recv);
             self.blocks(sealed::Input::count(send), n, "send", "recv")?;
+            let call = CallSpec::reduce_scatter(n, dtype, op).checked(self.world)?;
             lend_both(send, recv, queue, |inp, out| {
-                self.verb(reached, Verb::ReduceScatter(op), Some(inp), out, n, dtype)
+                self.verb(reached, call, Some(inp), out)
             })
         })
     }
@@ -110,9 +103,8 @@ impl Communicator {
         self.guarded(queue, |reached| {
             let n = self.block_of(sealed::Input::count(data))?;
             let dtype = sealed::Input::dtype(data);
-            data.lend_mut(queue, |out| {
-                self.verb(reached, Verb::ReduceScatter(op), None, out, n, dtype)
-            })
+            let call = CallSpec::reduce_scatter(n, dtype, op).checked(self.world)?;
+            data.lend_mut(queue, |out| self.verb(reached, call, None, out))
         })
     }
 
@@ -128,8 +120,9 @@ impl Communicator {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(send);
             self.blocks(sealed::Input::count(recv), n, "recv", "send")?;
+            let call = CallSpec::all_gather(n, dtype).checked(self.world)?;
             lend_both(send, recv, queue, |inp, out| {
-                self.verb(reached, Verb::AllGather, Some(inp), out, n, dtype)
+                self.verb(reached, call, Some(inp), out)
             })
         })
     }
@@ -143,9 +136,8 @@ impl Communicator {
         self.guarded(queue, |reached| {
             let n = self.block_of(sealed::Input::count(data))?;
             let dtype = sealed::Input::dtype(data);
-            data.lend_mut(queue, |out| {
-                self.verb(reached, Verb::AllGather, None, out, n, dtype)
-            })
+            let call = CallSpec::all_gather(n, dtype).checked(self.world)?;
+            data.lend_mut(queue, |out| self.verb(reached, call, None, out))
         })
     }
 
@@ -158,15 +150,15 @@ impl Communicator {
         R: Output<Q> + ?Sized,
     {
         self.guarded(queue, |reached| {
-            self.check_root(root)?;
             let n = sealed::Input::count(recv);
             let dtype = sealed::Input::dtype(recv);
+            let call = CallSpec::broadcast(n, dtype, root).checked(self.world)?;
             if self.rank == root {
                 same_type(send, recv)?;
                 same_len(sealed::Input::count(send), n, "send", "recv")?;
             }
             lend_both(send, recv, queue, |inp, out| {
-                self.verb(reached, Verb::Broadcast(root), Some(inp), out, n, dtype)
+                self.verb(reached, call, Some(inp), out)
             })
         })
     }
@@ -178,29 +170,21 @@ impl Communicator {
         D: Output<Q> + ?Sized,
     {
         self.guarded(queue, |reached| {
-            self.check_root(root)?;
             let (n, dtype) = (sealed::Input::count(data), sealed::Input::dtype(data));
-            data.lend_mut(queue, |out| {
-                self.verb(reached, Verb::Broadcast(root), None, out, n, dtype)
-            })
+            let call = CallSpec::broadcast(n, dtype, root).checked(self.world)?;
+            data.lend_mut(queue, |out| self.verb(reached, call, None, out))
         })
     }
 
-    /// Runs verb `v` (`n`: the elements of a block, or of the buffer for allreduce and
-    /// broadcast) on what the operands lent: host memory, device memory of a process's
-    /// communicator, or a member of a GPU set.
+    /// Runs `call` (checked) on what the operands lent: host memory, device memory of a
+    /// process's communicator, or a member of a GPU set.
     fn verb(
         &self,
         reached: &Cell<bool>,
-        v: Verb,
+        call: CallSpec,
         send: Option<Lent<'_>>,
         out: LentMut<'_>,
-        n: usize,
-        dtype: DataType,
     ) -> Result<()> {
-        if let Verb::AllReduce(op) | Verb::ReduceScatter(op) = v {
-            crate::reduce::check_op(dtype, op)?;
-        }
         match out {
             LentMut::Host(out) => {
                 let send = match send {
@@ -208,15 +192,15 @@ impl Communicator {
                     Some(Lent::Host(b)) => Some(b),
                     Some(Lent::Device(..)) => return Err(mixed()),
                 };
-                self.host_verb(v, send, out, n, dtype)
+                self.host_verb(call, send, out)
             }
             LentMut::Symmetric(buffer, stream) => {
                 // Never a set's meeting turn (on a member the buffer is another communicator's,
                 // refused below): nothing to cancel.
                 reached.set(true);
-                match (v, send) {
-                    (Verb::AllReduce(op), None) => {
-                        self.all_reduce_symmetric(buffer, n, dtype, op, stream)
+                match (call.kind, send) {
+                    (Collective::AllReduce, None) => {
+                        self.all_reduce_symmetric(buffer, call.count, call.dtype, call.op, stream)
                     }
                     _ => Err(Error::Unsupported {
                         reason: "a symmetric buffer takes the in-place allreduce only".into(),
@@ -236,7 +220,7 @@ impl Communicator {
                         let called = Cell::new(false);
                         self.in_call_order(stream, |lane| {
                             called.set(true);
-                            m.verb(v, send, out, lane, n, dtype)
+                            m.verb(call, send, out, lane)
                         })
                         .inspect_err(|e| {
                             // Refused before the member's share: nobody else waits for it.
@@ -247,32 +231,29 @@ impl Communicator {
                     }
                     None => {
                         let comm = self.on_device(stream)?;
-                        comm.in_call_order(stream, |lane| {
-                            comm.device_verb(v, send, out, lane, n, dtype)
-                        })
+                        comm.in_call_order(stream, |lane| comm.device_verb(call, send, out, lane))
                     }
                 }
             }
         }
     }
 
-    fn host_verb(
-        &self,
-        v: Verb,
-        send: Option<&[u8]>,
-        out: &mut [u8],
-        n: usize,
-        dtype: DataType,
-    ) -> Result<()> {
-        let at = self.rank as usize * n;
-        match v {
-            Verb::AllReduce(op) => self.all_reduce_bytes(send, out, dtype, op),
-            Verb::ReduceScatter(op) => {
-                let out_at = if send.is_some() { 0 } else { at };
+    /// The executor of host memory: runs `call` synchronously (the answer is in `out` on
+    /// return).
+    fn host_verb(&self, call: CallSpec, send: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
+        let (n, dtype, op) = (call.count, call.dtype, call.op);
+        match call.kind {
+            Collective::AllReduce => self.all_reduce_bytes(send, out, dtype, op),
+            Collective::ReduceScatter => {
+                let out_at = if send.is_some() {
+                    0
+                } else {
+                    self.rank as usize * n
+                };
                 self.reduce_scatter_into(send, out, n, out_at, dtype, op)
             }
-            Verb::AllGather => self.all_gather_into(send, out, n, dtype),
-            Verb::Broadcast(root) => self.broadcast_into(send, out, root, dtype),
+            Collective::AllGather => self.all_gather_into(send, out, n, dtype),
+            Collective::Broadcast => self.broadcast_into(send, out, call.root, dtype),
         }
     }
 }
