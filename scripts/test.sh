@@ -79,23 +79,41 @@ code_shape() { scripts/code-shape.sh --check | tail -n 4; return "${PIPESTATUS[0
 check "no source file over 1,000 lines (scripts/code-shape.sh)" code_shape
 
 step "valgrind: the host tier's unit tests and fuzz corpora, no invalid read or write"
+valgrind_one() { # EXE NAME LOG: one test executable under valgrind, its result line
+    local exe=$1 name=$2 log=$3 t0=$SECONDS
+    # The network ring's every-shape sweep (thousands of thread hand-offs) takes minutes
+    # under valgrind's one-thread-at-a-time scheduling; its smaller siblings cover the same
+    # code there.
+    # --fair-sched=yes: valgrind runs one thread at a time, and its default lock lets a
+    # thread be passed over for long; once (2026-12-07) a ring test's rank then waited out
+    # its 20 s slot-grant timeout. The ticket lock hands the CPU round in turn (same time:
+    # 169 s against 174-180 s for the ring's unit tests).
+    valgrind -q --fair-sched=yes --error-exitcode=99 "$exe" --test-threads 2 --skip every_shape_over_tcp_and_in_process >"$log" 2>&1 ||
+        { tail -n 40 "$log"; echo "  $name: FAILED"; return 1; }
+    echo "  $name: $(grep 'test result' "$log") ($((SECONDS - t0)) s)"
+}
 valgrind_host() { # nodetour-core and nodetour-ring unit tests, corpus replays (raw-pointer code)
     local exe spec pkg kind target
-    for spec in "nodetour-core --lib" "nodetour-core --test fuzz_corpus" "nodetour-ring --lib" "nodetour-ring --test fuzz_corpus"; do
+    local -A exes=()
+    # Built first, one cargo at a time.
+    for spec in "nodetour-ring --lib" "nodetour-core --lib" "nodetour-core --test fuzz_corpus" "nodetour-ring --test fuzz_corpus"; do
         read -r pkg kind target <<<"$spec"
         exe=$(cargo test -p "$pkg" $kind $target --no-run --color never 2>&1 | sed -n 's/.*Executable .*(\(.*\))$/\1/p' | head -n 1)
         [[ -x $exe ]] || { echo "  no test executable for $spec"; return 1; }
-        # The network ring's every-shape sweep (thousands of thread hand-offs) takes minutes
-        # under valgrind's one-thread-at-a-time scheduling; its smaller siblings cover the same
-        # code there.
-        # --fair-sched=yes: valgrind runs one thread at a time, and its default lock lets a
-        # thread be passed over for long; once (2026-12-07) a ring test's rank then waited out
-        # its 20 s slot-grant timeout. The ticket lock hands the CPU round in turn (same time:
-        # 169 s against 174-180 s for the ring's unit tests).
-        valgrind -q --fair-sched=yes --error-exitcode=99 "$exe" --test-threads 2 --skip every_shape_over_tcp_and_in_process >/tmp/valgrind-host.log 2>&1 ||
-            { tail -n 40 /tmp/valgrind-host.log; return 1; }
-        echo "  $spec: $(grep 'test result' /tmp/valgrind-host.log)"
+        exes[$spec]=$exe
     done
+    # Two lanes at once: valgrind runs all of a process's threads on one core, so one
+    # process leaves the other core idle. The ring's unit tests (the longest) lead one lane.
+    local rc_a=0 rc_b=0
+    { valgrind_one "${exes[nodetour-ring --lib]}" "nodetour-ring --lib" /tmp/valgrind-ring-lib.log &&
+        valgrind_one "${exes[nodetour-core --test fuzz_corpus]}" "nodetour-core --test fuzz_corpus" /tmp/valgrind-core-corpus.log; } &
+    local lane_a=$!
+    { valgrind_one "${exes[nodetour-core --lib]}" "nodetour-core --lib" /tmp/valgrind-core-lib.log &&
+        valgrind_one "${exes[nodetour-ring --test fuzz_corpus]}" "nodetour-ring --test fuzz_corpus" /tmp/valgrind-ring-corpus.log; } &
+    local lane_b=$!
+    wait "$lane_a" || rc_a=$?
+    wait "$lane_b" || rc_b=$?
+    [[ $rc_a == 0 && $rc_b == 0 ]]
 }
 if command -v valgrind >/dev/null; then
     check "valgrind: nodetour-core and nodetour-ring unit tests and corpora run clean" valgrind_host

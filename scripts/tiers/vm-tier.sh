@@ -123,8 +123,14 @@ if [[ ${NODETOUR_FULL:-0} == 1 ]]; then
         say "write-bw-compare ... FAILED"
         failed=1
     fi
+    if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/compare/write-lat-compare.sh; then
+        say "write-lat-compare ... ok"
+    else
+        say "write-lat-compare ... FAILED"
+        failed=1
+    fi
 else
-    say "SKIP perf over verbs and write-bw-compare: comparisons that only print (scripts/test.sh --full)"
+    say "SKIP perf over verbs, write-bw-compare and write-lat-compare: comparisons that only print (scripts/test.sh --full)"
 fi
 
 say "soak: 1000 allreduces across 4 processes over verbs (rxe0/rxe1), exact, memory and descriptors flat"
@@ -157,13 +163,6 @@ if NODETOUR_EXAMPLES=$BIN_DIR/examples HOST_DRILL_ARGS="--hold-ms 300" scripts/d
     say "held drills verbs ... ok"
 else
     say "held drills verbs ... FAILED"; tail -n 40 /tmp/host-drills-held-vm.log; failed=1
-fi
-
-if RUNS=${COMPARE_RUNS:-5} NODETOUR_BIN=$BIN_DIR/nodetour scripts/compare/write-lat-compare.sh; then
-    say "write-lat-compare ... ok"
-else
-    say "write-lat-compare ... FAILED"
-    failed=1
 fi
 
 if [[ -n ${NODETOUR_BENCH_TRANSPORT:-} && -x $NODETOUR_BENCH_TRANSPORT ]]; then
