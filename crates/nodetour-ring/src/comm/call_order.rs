@@ -125,7 +125,7 @@ impl CallOrder {
 
 /// On a group's member thread, where `stream` is the per-thread default stream (named on the
 /// group caller's thread, meant as its own): the stand-in to queue on in its place.
-pub(crate) fn stand_in_for(stream: &Arc<CudaStream>) -> Option<Arc<CudaStream>> {
+fn stand_in_for(stream: &Arc<CudaStream>) -> Option<Arc<CudaStream>> {
     if stream.cu_stream() != nodetour_core::cuda::stream::CU_STREAM_PER_THREAD {
         return None;
     }
@@ -138,13 +138,28 @@ pub(crate) fn stand_in_for(stream: &Arc<CudaStream>) -> Option<Arc<CudaStream>> 
     })
 }
 
-/// [`stand_in_for`] of a [`GpuStream`].
-pub(crate) fn stand_in_for_gpu(stream: &GpuStream) -> Option<GpuStream> {
-    if !stream.is_per_thread() {
-        return None;
+/// Runs `f` with the stream a lent operand queues on: `stream`, or its group stand-in
+/// ([`stand_in_for`]).
+pub(crate) fn with_resolved_cudarc<R>(
+    stream: &Arc<CudaStream>,
+    f: impl FnOnce(&Arc<CudaStream>) -> R,
+) -> R {
+    match stand_in_for(stream) {
+        Some(s) => f(&s),
+        None => f(stream),
     }
-    let per_thread = stream.context().per_thread_stream();
-    stand_in_for(&per_thread).map(|s| GpuStream::of_cudarc(&s))
+}
+
+/// [`with_resolved_cudarc`] of a [`GpuStream`].
+pub(crate) fn with_resolved<R>(stream: &GpuStream, f: impl FnOnce(&GpuStream) -> R) -> R {
+    let stand_in = stream
+        .is_per_thread()
+        .then(|| stand_in_for(&stream.context().per_thread_stream()))
+        .flatten();
+    match stand_in {
+        Some(s) => f(&GpuStream::of_cudarc(&s)),
+        None => f(stream),
+    }
 }
 
 impl GroupStandIns {

@@ -20,7 +20,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::{DeviceBuffer, with_cudarc_slice, with_cudarc_slice_mut};
 
-use super::call_order::{stand_in_for, stand_in_for_gpu};
+use super::call_order::{with_resolved, with_resolved_cudarc};
 use super::symmetric::{SymmetricBuffer, SymmetricElements};
 use crate::element::{Element, bytes, bytes_mut};
 use crate::error::{Error, Result};
@@ -305,10 +305,10 @@ macro_rules! cudarc_input {
                 stream: &Arc<CudaStream>,
                 f: impl FnOnce(Lent<'_>) -> Result<R>,
             ) -> Result<R> {
-                let stand_in = stand_in_for(stream);
-                let stream = stand_in.as_ref().unwrap_or(stream);
-                let s = GpuStream::of_cudarc(stream);
-                with_cudarc_slice(self, stream, |view| f(Lent::Device(view, &s)))?
+                with_resolved_cudarc(stream, |stream| {
+                    let s = GpuStream::of_cudarc(stream);
+                    with_cudarc_slice(self, stream, |view| f(Lent::Device(view, &s)))?
+                })
             }
         }
         impl<T: Element> Input<&Arc<CudaStream>> for $ty {}
@@ -323,10 +323,10 @@ macro_rules! cudarc_output {
                 stream: &Arc<CudaStream>,
                 f: impl FnOnce(LentMut<'_>) -> Result<R>,
             ) -> Result<R> {
-                let stand_in = stand_in_for(stream);
-                let stream = stand_in.as_ref().unwrap_or(stream);
-                let s = GpuStream::of_cudarc(stream);
-                with_cudarc_slice_mut(self, stream, |view| f(LentMut::Device(view, &s)))?
+                with_resolved_cudarc(stream, |stream| {
+                    let s = GpuStream::of_cudarc(stream);
+                    with_cudarc_slice_mut(self, stream, |view| f(LentMut::Device(view, &s)))?
+                })
             }
         }
         impl<T: Element> Output<&Arc<CudaStream>> for $ty {}
@@ -346,11 +346,7 @@ impl sealed::Input<&GpuStream> for Elements<'_> {
         self.dtype
     }
     fn lend<R>(&self, stream: &GpuStream, f: impl FnOnce(Lent<'_>) -> Result<R>) -> Result<R> {
-        let stand_in = stand_in_for_gpu(stream);
-        f(Lent::Device(
-            self.buffer,
-            stand_in.as_ref().unwrap_or(stream),
-        ))
+        with_resolved(stream, |s| f(Lent::Device(self.buffer, s)))
     }
 }
 impl sealed::Output<&GpuStream> for Elements<'_> {
@@ -361,11 +357,7 @@ impl sealed::Output<&GpuStream> for Elements<'_> {
     ) -> Result<R> {
         // Nodetour's buffers are written through shared references (the GPU writes them; the
         // host never sees them as slices).
-        let stand_in = stand_in_for_gpu(stream);
-        f(LentMut::Device(
-            self.buffer,
-            stand_in.as_ref().unwrap_or(stream),
-        ))
+        with_resolved(stream, |s| f(LentMut::Device(self.buffer, s)))
     }
 }
 impl Input<&GpuStream> for Elements<'_> {}
@@ -392,11 +384,7 @@ impl sealed::Output<&GpuStream> for SymmetricElements<'_> {
         stream: &GpuStream,
         f: impl FnOnce(LentMut<'_>) -> Result<R>,
     ) -> Result<R> {
-        let stand_in = stand_in_for_gpu(stream);
-        f(LentMut::Symmetric(
-            self.buffer,
-            stand_in.as_ref().unwrap_or(stream),
-        ))
+        with_resolved(stream, |s| f(LentMut::Symmetric(self.buffer, s)))
     }
 }
 impl Input<&GpuStream> for SymmetricElements<'_> {}
