@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub(crate) mod call;
 pub mod cause;
 pub mod comm;
 #[cfg(test)]

@@ -9,11 +9,9 @@
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 
-use super::call::element_bytes;
 use super::{Communicator, gpu_error, scratch};
+use crate::call::{CallSpec, element_bytes};
 use crate::error::{Error, Result};
-use crate::plan::Shape;
-use crate::reduce::{DataType, ReduceOp};
 
 impl Communicator {
     /// How long a staged device collective waits for the work queued before it (the
@@ -22,65 +20,53 @@ impl Communicator {
         nodetour_core::Deadline::after(self.timeout)
     }
 
-    /// The device reduce-scatter: `send` holds `world` blocks of `count` elements of `dtype`
-    /// (block `r` for rank `r`); `count` elements of `recv` at byte `out_at` get block `rank`
-    /// of the reduction; `send` is never written (unless it is `recv`: in place).
-    #[allow(clippy::too_many_arguments)]
+    /// Bytes of one block of `call` and of every rank's blocks.
+    fn block_and_whole(&self, call: &CallSpec) -> Result<(usize, usize)> {
+        let whole = element_bytes(call.count, self.world as usize, call.dtype)?;
+        Ok((call.block_bytes()?, whole))
+    }
+
+    /// The device reduce-scatter `call`: `send` holds `world` blocks (block `r` for rank
+    /// `r`); the block of `recv` at byte `out_at` gets block `rank` of the reduction; `send`
+    /// is never written (unless it is `recv`: in place).
     pub(super) fn device_reduce_scatter(
         &self,
         send: &DeviceBuffer,
         recv: &DeviceBuffer,
         out_at: usize,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: &CallSpec,
         stream: &GpuStream,
     ) -> Result<()> {
-        let world = self.world as usize;
-        let (block, whole) = (
-            element_bytes(count, 1, dtype)?,
-            element_bytes(count, world, dtype)?,
-        );
+        let (block, whole) = self.block_and_whole(call)?;
         holds(send, whole, stream, "send")?;
         holds(recv, out_at + block, stream, "recv")?;
         if self.has_gpu_ring() {
             return scratch::with_scratch(&self.scratch, stream.context(), whole, stream, |all| {
                 // Rank r's block goes to its ring position's segment.
                 self.copy_blocks(stream, all, send, block, |r| (self.position_of(r), r))?;
-                self.gpu_ring_collective(
-                    all,
-                    Shape::ReduceScatter,
-                    count * world,
-                    dtype,
-                    op,
-                    stream,
-                )?;
+                let on_ring = call.on_ring(self.world, 0);
+                self.on_gpu_ring(|ring| ring.collective(all, on_ring, stream))?;
                 let at = self.position() as usize * block;
                 stream.copy(recv, out_at, all, at, block).map_err(gpu_error)
             });
         }
         let input = staged_in(send, 0, whole, stream, self.staged_deadline())?;
         let mut out = vec![0u8; block];
-        self.reduce_scatter_into(Some(&input), &mut out, count, 0, dtype, op)?;
+        self.reduce_scatter_into(Some(&input), &mut out, call.count, 0, call.dtype, call.op)?;
         recv.copy_from_host(out_at, &out).map_err(gpu_error)
     }
 
-    /// The device all-gather: `count` elements of `dtype` of `send` at byte `send_at` from
-    /// every rank into `recv` (`world` blocks of `count`, block `r` from rank `r`).
+    /// The device all-gather `call`: the block of `send` at byte `send_at` from every rank
+    /// into `recv` (`world` blocks, block `r` from rank `r`).
     pub(super) fn device_all_gather(
         &self,
         send: &DeviceBuffer,
         send_at: usize,
         recv: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
+        call: &CallSpec,
         stream: &GpuStream,
     ) -> Result<()> {
-        let world = self.world as usize;
-        let (block, whole) = (
-            element_bytes(count, 1, dtype)?,
-            element_bytes(count, world, dtype)?,
-        );
+        let (block, whole) = self.block_and_whole(call)?;
         holds(send, send_at + block, stream, "send")?;
         holds(recv, whole, stream, "recv")?;
         if self.has_gpu_ring() {
@@ -89,48 +75,32 @@ impl Communicator {
                 stream
                     .copy(all, at, send, send_at, block)
                     .map_err(gpu_error)?;
-                self.gpu_ring_collective(
-                    all,
-                    Shape::AllGather,
-                    count * world,
-                    dtype,
-                    ReduceOp::Sum,
-                    stream,
-                )?;
+                let on_ring = call.on_ring(self.world, 0);
+                self.on_gpu_ring(|ring| ring.collective(all, on_ring, stream))?;
                 // Ring position p's segment is rank order[p]'s block.
                 self.copy_blocks(stream, recv, all, block, |r| (r, self.position_of(r)))
             });
         }
         let input = staged_in(send, send_at, block, stream, self.staged_deadline())?;
         let mut out = vec![0u8; whole];
-        self.all_gather_into(Some(&input), &mut out, count, dtype)?;
+        self.all_gather_into(Some(&input), &mut out, call.count, call.dtype)?;
         recv.copy_from_host(0, &out).map_err(gpu_error)
     }
 
-    /// The device broadcast: rank `root`'s first `count` elements of `dtype` into `data` on
-    /// every rank.
+    /// The device broadcast `call`: rank `root`'s block into `data` on every rank.
     pub(super) fn device_broadcast(
         &self,
         data: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        root: u32,
+        call: &CallSpec,
         stream: &GpuStream,
     ) -> Result<()> {
-        let bytes = element_bytes(count, 1, dtype)?;
+        let bytes = call.block_bytes()?;
         holds(data, bytes, stream, "data")?;
         if self.has_gpu_ring() {
-            let root = self.position_of(root);
-            return self.gpu_ring_collective(
-                data,
-                Shape::Broadcast { root },
-                count,
-                dtype,
-                ReduceOp::Sum,
-                stream,
-            );
+            let on_ring = call.on_ring(self.world, self.position_of(call.root));
+            return self.on_gpu_ring(|ring| ring.collective(data, on_ring, stream));
         }
-        let mut host = if self.rank == root {
+        let mut host = if self.rank == call.root {
             staged_in(data, 0, bytes, stream, self.staged_deadline())?
         } else {
             // Written below from the host: after the work already queued on `stream`.
@@ -138,7 +108,7 @@ impl Communicator {
             super::lifecycle::stream_done(stream, self.staged_deadline())?;
             vec![0u8; bytes]
         };
-        self.broadcast_into(None, &mut host, root, dtype)?;
+        self.broadcast_into(None, &mut host, call.root, call.dtype)?;
         data.copy_from_host(0, &host).map_err(gpu_error)
     }
 }

@@ -1,21 +1,16 @@
 //! Collectives on device memory, queued on the caller's stream: the GPU ring where the ranks
 //! share one host, else staged through host memory.
 
-use super::call::CallSpec;
 use super::device_buffers::holds;
+use super::executor::DeviceOperands;
 use super::*;
+use crate::call::CallSpec;
 
 impl Communicator {
-    /// The executor of device memory of this process's communicator: queues `call` on
-    /// `stream` (without `send`, in place in `out`).
-    pub(super) fn device_verb(
-        &self,
-        call: CallSpec,
-        send: Option<&DeviceBuffer>,
-        out: &DeviceBuffer,
-        stream: &GpuStream,
-    ) -> Result<()> {
-        let (n, dtype, op, root) = (call.count, call.dtype, call.op, call.root);
+    /// Device memory of this process's communicator (`executor::DeviceMemory`): queues `call`
+    /// on the operands' stream (without an input, in place in the output).
+    pub(super) fn device_verb(&self, call: CallSpec, on: DeviceOperands<'_>) -> Result<()> {
+        let DeviceOperands { send, out, stream } = on;
         let block = call.block_bytes()?;
         let mine = self.rank as usize * block;
         match call.kind {
@@ -25,60 +20,44 @@ impl Communicator {
                     holds(out, block, stream, "recv")?;
                     stream.copy(out, 0, src, 0, block).map_err(gpu_error)?;
                 }
-                self.device_all_reduce(out, n, dtype, op, stream)
+                self.device_all_reduce(out, &call, stream)
             }
             Collective::ReduceScatter => match send {
-                Some(src) => self.device_reduce_scatter(src, out, 0, n, dtype, op, stream),
-                None => self.device_reduce_scatter(out, out, mine, n, dtype, op, stream),
+                Some(src) => self.device_reduce_scatter(src, out, 0, &call, stream),
+                None => self.device_reduce_scatter(out, out, mine, &call, stream),
             },
             Collective::AllGather => match send {
-                Some(src) => self.device_all_gather(src, 0, out, n, dtype, stream),
-                None => self.device_all_gather(out, mine, out, n, dtype, stream),
+                Some(src) => self.device_all_gather(src, 0, out, &call, stream),
+                None => self.device_all_gather(out, mine, out, &call, stream),
             },
             Collective::Broadcast => {
-                if let Some(src) = send.filter(|_| self.rank == root) {
+                if let Some(src) = send.filter(|_| self.rank == call.root) {
                     holds(src, block, stream, "send")?;
                     holds(out, block, stream, "recv")?;
                     stream.copy(out, 0, src, 0, block).map_err(gpu_error)?;
                 }
-                self.device_broadcast(out, n, dtype, root, stream)
+                self.device_broadcast(out, &call, stream)
             }
         }
     }
 
-    /// The device allreduce of the first `count` elements of `buffer`, on `stream`: through the
-    /// GPU ring where there is one, else staged through the host ring.
-    pub(super) fn device_all_reduce(
+    /// The device allreduce `call` in place on `buffer`, on `stream`: through the GPU ring
+    /// where there is one, else staged through the host ring.
+    fn device_all_reduce(
         &self,
         buffer: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: &CallSpec,
         stream: &GpuStream,
     ) -> Result<()> {
-        if !nodetour_core::cuda::same_context(stream.context(), buffer.context()) {
-            return Err(Error::InvalidArgument {
-                reason: "the stream is not on the buffer's GPU".into(),
-            });
-        }
-        if count
-            .checked_mul(dtype.size())
-            .is_none_or(|b| b > buffer.len())
-        {
-            return Err(Error::InvalidArgument {
-                reason: format!(
-                    "{count} elements of {dtype:?} in a buffer of {} bytes",
-                    buffer.len()
-                ),
-            });
-        }
+        holds(buffer, call.block_bytes()?, stream, "the buffer")?;
         if self.has_gpu_ring() {
-            return self.gpu_ring_collective(buffer, Shape::AllReduce, count, dtype, op, stream);
+            let on_ring = call.on_ring(self.world, 0);
+            return self.on_gpu_ring(|ring| ring.collective(buffer, on_ring, stream));
         }
         device_buffers::refuse_capture(stream)?;
         let mut state = self.usable()?;
         let job = state.job.as_mut().expect("usable");
-        let result = self.staged_all_reduce(job, buffer, count, dtype, op, stream);
+        let result = self.staged_all_reduce(job, buffer, call, stream);
         if let Err(e) = &result {
             self.record_failure(&mut state, e);
         }
@@ -90,17 +69,13 @@ impl Communicator {
         matches!(self.paths.device, DevicePath::GpuRing { .. })
     }
 
-    /// Queues `shape` on the GPU ring, in place on `buffer` (laid out in ring positions). A
-    /// failure once the neighbours count on the collective breaks the communicator; arguments
-    /// refused before anything was queued do not.
-    pub(super) fn gpu_ring_collective(
+    /// Queues a collective on the GPU ring through `queue` (given the ring, numbered as the
+    /// communicator's next collective). A failure once the neighbours count on the collective
+    /// breaks the communicator; arguments refused before anything was queued do not. Errors
+    /// name job ranks.
+    pub(super) fn on_gpu_ring(
         &self,
-        buffer: &DeviceBuffer,
-        shape: Shape,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &GpuStream,
+        queue: impl FnOnce(&mut crate::gpu_ring::GpuRing) -> Result<()>,
     ) -> Result<()> {
         let mut state = self.usable()?;
         let job = state.job.as_mut().expect("usable");
@@ -108,7 +83,7 @@ impl Communicator {
             reason: "this communicator has no GPU ring".into(),
         })?;
         ring.number_next(self.next_call());
-        let result = match ring.collective(buffer, shape, count, dtype, op, stream) {
+        let result = match queue(ring) {
             Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => return Err(e),
             other => other.map_err(|e| self.job_ranks(e)),
         };
@@ -143,28 +118,23 @@ impl Communicator {
         Ok(())
     }
 
-    pub(super) fn staged_all_reduce(
+    /// The allreduce `call` of `buffer` staged through the host ring, piece by piece, once
+    /// the work queued on `stream` has run.
+    fn staged_all_reduce(
         &self,
         job: &mut HostJob,
         buffer: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: &CallSpec,
         stream: &GpuStream,
     ) -> Result<()> {
         let what = Descriptor {
-            collective: Collective::AllReduce,
-            count: count as u64,
-            dtype,
-            op,
-            root: None,
             algorithm: Algorithm::HostRingGpuStaged,
-            seq: 0,
             call: self.next_call(),
+            ..self.descriptor(Collective::AllReduce, call.count, call.dtype, call.op, None)
         };
-        let per = job.piece_bytes() / dtype.size();
+        let per = job.piece_bytes() / call.dtype.size();
         job.with_staging(buffer, stream, |job, staging| {
-            for r in pieces(count, per) {
+            for r in pieces(call.count, per) {
                 job.run(&self.aborted, |ring, seq, alive| {
                     let d = Descriptor { seq, ..what };
                     ring.all_reduce_gpu_piece(buffer, r, &d, staging, alive)

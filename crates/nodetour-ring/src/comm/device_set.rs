@@ -28,9 +28,10 @@ use nodetour_core::meeting::{MeetError, Meeting};
 use nodetour_core::memory::DeviceBuffer;
 
 use super::Communicator;
-use super::call::{CallSpec, element_bytes};
 use super::call_order::GroupStandIns;
+use super::executor::DeviceOperands;
 use super::scratch::{Scratch, with_scratch};
+use crate::call::{CallSpec, element_bytes};
 use crate::descriptor::Collective;
 use crate::error::{Error, Result};
 use crate::gpu::{GpuGroup, GroupAbort};
@@ -208,18 +209,12 @@ impl SetMember {
         })
     }
 
-    /// The executor of a set member: runs `call` (see `Communicator::device_verb`) as this
-    /// member's share, meeting the other members' calls.
-    pub(crate) fn verb(
-        &self,
-        call: CallSpec,
-        send: Option<&DeviceBuffer>,
-        out: &DeviceBuffer,
-        stream: &GpuStream,
-    ) -> Result<()> {
+    /// A set member's device memory (its `Executor`): runs `call` as this member's share,
+    /// meeting the other members' calls.
+    pub(super) fn verb(&self, call: CallSpec, on: DeviceOperands<'_>) -> Result<()> {
         // A call refused here cancels the meeting: the other members' calls fail with the
         // reason at once instead of waiting for this one, and the set stays usable.
-        self.share(call, send, out, stream)
+        self.share(call, on.send, on.out, on.stream)
             .inspect_err(|e| self.set.meeting.cancel(self.seat, &e.to_string()))?
             .run_alone(self.timeout)
     }

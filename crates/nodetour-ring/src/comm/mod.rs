@@ -75,12 +75,12 @@
 //!
 //! **Not built yet**: sub-communicators (`split`), point-to-point (`send`/`recv`), all-to-all.
 
-mod call;
 mod call_order;
 mod device_buffers;
 mod device_collectives;
 mod device_from_stream;
 mod device_set;
+mod executor;
 pub(crate) mod form;
 mod gpu_options;
 mod host_collectives;

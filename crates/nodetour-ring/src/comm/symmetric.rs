@@ -12,8 +12,9 @@ use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::gpu::IpcGrant;
 
 use super::{Communicator, Host};
+use crate::call::CallSpec;
 use crate::error::{Error, Result};
-use crate::reduce::{DataType, ReduceOp};
+use crate::reduce::DataType;
 use nodetour_core::cuda::GpuStream;
 
 /// This rank's part of a symmetric buffer ([`Communicator::symmetric_buffer`]).
@@ -248,14 +249,12 @@ impl Communicator {
         })
     }
 
-    /// The allreduce in place of `count` elements of `dtype` of `buffer`, on every rank,
-    /// queued on `stream` (see [`SymmetricElements`]).
+    /// The allreduce `call` in place of `buffer`, on every rank, queued on `stream` (see
+    /// [`SymmetricElements`]).
     pub(super) fn all_reduce_symmetric(
         &self,
         buffer: &SymmetricBuffer<'_>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: &CallSpec,
         stream: &GpuStream,
     ) -> Result<()> {
         if let Some(d) = self
@@ -264,43 +263,16 @@ impl Communicator {
             .get()
             .filter(|d| std::ptr::eq(buffer.comm, &***d))
         {
-            return d.all_reduce_symmetric(buffer, count, dtype, op, stream);
+            return d.all_reduce_symmetric(buffer, call, stream);
         }
         if !std::ptr::eq(buffer.comm, self) {
             return Err(Error::InvalidArgument {
                 reason: "a symmetric buffer of another communicator".into(),
             });
         }
+        let on_ring = call.on_ring(self.world, 0);
         self.in_call_order(stream, |lane| {
-            self.symmetric_on(buffer, count, dtype, op, lane)
+            self.on_gpu_ring(|ring| ring.symmetric_all_reduce(buffer.id, on_ring, lane))
         })
-    }
-
-    /// [`Self::all_reduce_symmetric`] on the stream the collective runs on.
-    fn symmetric_on(
-        &self,
-        buffer: &SymmetricBuffer<'_>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &GpuStream,
-    ) -> Result<()> {
-        let mut state = self.usable()?;
-        let ring = state
-            .job
-            .as_mut()
-            .and_then(|j| j.gpu_ring.as_mut())
-            .ok_or_else(|| Error::Unsupported {
-                reason: "this communicator has no GPU ring".into(),
-            })?;
-        ring.number_next(self.next_call());
-        let result = match ring.symmetric_all_reduce(buffer.id, count, dtype, op, stream) {
-            Err(e @ (Error::InvalidArgument { .. } | Error::Unsupported { .. })) => return Err(e),
-            other => other,
-        };
-        if let Err(e) = &result {
-            self.record_failure(&mut state, e);
-        }
-        result
     }
 }

@@ -4,9 +4,10 @@
 
 use std::cell::Cell;
 
-use super::call::CallSpec;
+use super::executor::{DeviceMemory, DeviceOperands, Executor, HostMemory, HostOperands};
 use super::operand::{Input, Lent, LentMut, Output, Queue, sealed};
 use super::*;
+use crate::call::CallSpec;
 
 impl Communicator {
     /// Reduces `send` over every rank into `recv` on every rank (`op`: sum, average, ...).
@@ -176,8 +177,9 @@ impl Communicator {
         })
     }
 
-    /// Runs `call` (checked) on what the operands lent: host memory, device memory of a
-    /// process's communicator, or a member of a GPU set.
+    /// Runs `call` (checked) on what the operands lent, through the executor of that memory
+    /// (`executor`): host memory, device memory of a process's communicator, or a member of
+    /// a GPU set.
     fn verb(
         &self,
         reached: &Cell<bool>,
@@ -192,7 +194,7 @@ impl Communicator {
                     Some(Lent::Host(b)) => Some(b),
                     Some(Lent::Device(..)) => return Err(mixed()),
                 };
-                self.host_verb(call, send, out)
+                HostMemory(self).run(call, HostOperands { send, out })
             }
             LentMut::Symmetric(buffer, stream) => {
                 // Never a set's meeting turn (on a member the buffer is another communicator's,
@@ -200,7 +202,7 @@ impl Communicator {
                 reached.set(true);
                 match (call.kind, send) {
                     (Collective::AllReduce, None) => {
-                        self.all_reduce_symmetric(buffer, call.count, call.dtype, call.op, stream)
+                        self.all_reduce_symmetric(buffer, &call, stream)
                     }
                     _ => Err(Error::Unsupported {
                         reason: "a symmetric buffer takes the in-place allreduce only".into(),
@@ -220,7 +222,14 @@ impl Communicator {
                         let called = Cell::new(false);
                         self.in_call_order(stream, |lane| {
                             called.set(true);
-                            m.verb(call, send, out, lane)
+                            m.run(
+                                call,
+                                DeviceOperands {
+                                    send,
+                                    out,
+                                    stream: lane,
+                                },
+                            )
                         })
                         .inspect_err(|e| {
                             // Refused before the member's share: nobody else waits for it.
@@ -231,16 +240,30 @@ impl Communicator {
                     }
                     None => {
                         let comm = self.on_device(stream)?;
-                        comm.in_call_order(stream, |lane| comm.device_verb(call, send, out, lane))
+                        comm.in_call_order(stream, |lane| {
+                            DeviceMemory(comm).run(
+                                call,
+                                DeviceOperands {
+                                    send,
+                                    out,
+                                    stream: lane,
+                                },
+                            )
+                        })
                     }
                 }
             }
         }
     }
 
-    /// The executor of host memory: runs `call` synchronously (the answer is in `out` on
-    /// return).
-    fn host_verb(&self, call: CallSpec, send: Option<&[u8]>, out: &mut [u8]) -> Result<()> {
+    /// Host memory (`executor::HostMemory`): runs `call` synchronously (the answer is in `out`
+    /// on return).
+    pub(super) fn host_verb(
+        &self,
+        call: CallSpec,
+        send: Option<&[u8]>,
+        out: &mut [u8],
+    ) -> Result<()> {
         let (n, dtype, op) = (call.count, call.dtype, call.op);
         match call.kind {
             Collective::AllReduce => self.all_reduce_bytes(send, out, dtype, op),

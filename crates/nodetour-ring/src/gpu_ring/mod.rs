@@ -44,14 +44,16 @@ use nodetour_core::transport::gpu::{
 };
 use nodetour_core::transport::one_kernel::{OneKernel, OneKernelFailure};
 
+use crate::call::RingCall;
 use crate::cause::{CauseKind, RootCause};
-use crate::descriptor::{Algorithm, Collective, Descriptor};
+use crate::descriptor::{Algorithm, Descriptor};
 use crate::error::{Error, Result};
 use crate::net_link::NetLink;
 use crate::plan::{Plan, Shape, pipelined_chunk_bytes};
-use crate::reduce::{DataType, ReduceOp};
+use crate::reduce::ReduceOp;
 use crate::stream_plan::{
-    LinkCounters, RecvKind, RecvOp, Replayable, StreamProgram, program_exchange_on, program_on,
+    LinkCounters, RecvKind, RecvOp, Replayable, SendOp, StreamProgram, program_exchange_on,
+    program_on,
 };
 
 mod abort;
@@ -397,100 +399,44 @@ impl GpuRing {
     pub(crate) fn collective(
         &mut self,
         buffer: &DeviceBuffer,
-        shape: Shape,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: RingCall,
         stream: &GpuStream,
     ) -> Result<()> {
         self.ready_to_queue()?;
-        let capturing = self.check(buffer, count, dtype, stream)?;
-        let reduces = matches!(shape, Shape::AllReduce | Shape::ReduceScatter);
+        let capturing = self.check(buffer, &call, stream)?;
+        let bytes = call.bytes()?;
         let Some(links) = &self.h().links else {
-            // One rank: the sum, min, max, product and average of one value; a PreMulSum's
-            // is the value multiplied.
-            return match op.scalar().filter(|_| reduces) {
-                Some(scalar) => {
-                    let whole = At::new(buffer, 0);
-                    self.h()
-                        .kernels
-                        .scale(stream, dtype, scalar, whole, whole, count)
-                        .map_err(|e| Error::gpu("queueing a PreMulSum of one rank", e))
-                }
-                None => Ok(()),
-            };
+            return self.one_rank(buffer, &call, stream);
         };
-        let bytes = count * dtype.size(); // checked by self.check
-        let one_kernel = shape == Shape::AllReduce && bytes <= self.one_kernel_max && bytes > 0;
-        if one_kernel {
-            return self.one_kernel(buffer, count, dtype, op, stream, capturing);
+        if call.shape == Shape::AllReduce && bytes <= self.one_kernel_max && bytes > 0 {
+            return self.one_kernel(buffer, &call, stream, capturing);
         }
         if capturing && links.net.is_some() {
             return Err(Error::Unsupported {
                 reason: format!(
-                    "the stream is being captured into a CUDA graph: this {shape:?} of {bytes} \
+                    "the stream is being captured into a CUDA graph: this {:?} of {bytes} \
                      bytes takes a ring with a network link, whose progress thread cannot \
                      follow replays (only allreduces on the one-kernel path, at most {} bytes, \
                      or rings of one host can be captured)",
-                    self.one_kernel_max
+                    call.shape, self.one_kernel_max
                 ),
             });
         }
-        let exchange = self.world == 2 && self.exchange && shape == Shape::AllReduce;
-        // The largest piece one chunk sequence covers: the whole buffer for an exchange or a
-        // broadcast, else a segment (the ring's blocks).
-        let segment_bytes = match shape {
-            _ if exchange => bytes as u64,
-            Shape::Broadcast { .. } => bytes as u64,
-            _ => (count as u64).div_ceil(u64::from(self.world)) * dtype.size() as u64,
-        };
-        let chunk_bytes =
-            pipelined_chunk_bytes(links.slot_bytes as u64, links.pipeline, segment_bytes);
-        let plan = Plan::new(
-            self.world,
-            count as u64,
-            dtype.size() as u32,
-            chunk_bytes,
-            links.slots,
-        )?
-        .with_shape(shape)?;
-        let average = op == ReduceOp::Avg;
-        let seq = self.queued;
+        let exchange = self.world == 2 && self.exchange && call.shape == Shape::AllReduce;
+        let plan = self.plan(&call, exchange)?;
         let algorithm = if exchange {
             Algorithm::StreamExchange
         } else {
             Algorithm::StreamRing
         };
-        let (collective, root) = match shape {
-            Shape::AllReduce => (Collective::AllReduce, None),
-            Shape::ReduceScatter => (Collective::ReduceScatter, None),
-            Shape::AllGather => (Collective::AllGather, None),
-            Shape::Broadcast { root } => (Collective::Broadcast, Some(root)),
-        };
-        let what = Descriptor {
-            collective,
-            root,
-            call: self.call,
-            op: if reduces { op } else { ReduceOp::Sum },
-            ..Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq)
-        };
-        // The descriptor cell and word: the guards' collective counters name them on the GPU.
-        // The host reads the cells (to explain a disagreement) only while it knows those
-        // counters: until a ring collective is captured (replays move them unseen).
-        let cells = desc_cells(links.slots, links.desc_half);
-        let desc = (cells, 0x8000 | u32::from(what.tag() & 0x7fff));
-        if !capturing && !self.ring_captured {
-            let ring_seq = self.ring_queued;
-            let cell = desc_cell(cells, ring_seq);
-            // For the next rank's error message, should it disagree (a host store, no CUDA call).
-            let _ = links.ends.next.store_bytes(cell, 32, &what.encode());
-            self.abort
-                .expect(ring_seq, desc_word(ring_seq, what.tag()), what);
-        }
+        let what = call.descriptor(algorithm, self.queued, self.call);
+        let desc = self.announce(&what, capturing);
+        let links = self.h().links.as_ref().expect("checked above");
         let replayable = Replayable {
             send: !matches!(links.outgoing, Outgoing::Net(_)),
             recv: matches!(links.incoming, Incoming::CudaIpc(_) | Incoming::Shm { .. }),
         };
+        let average = call.op == ReduceOp::Avg;
         let (prog, steps) = if exchange {
             let p = program_exchange_on(&plan, average, &mut self.counters, replayable);
             (p, 1)
@@ -498,9 +444,9 @@ impl GpuRing {
             let p = program_on(&plan, self.rank, average, &mut self.counters, replayable);
             (p, plan.steps())
         };
-        if let Some(net) = &self.h().links.as_ref().and_then(|l| l.net.as_ref()) {
+        if let Some(net) = self.net() {
             // Before the streams can run: the progress thread learns each chunk's length.
-            let size = dtype.size();
+            let size = call.dtype.size();
             let bytes = |e: &std::ops::Range<u64>| (e.end - e.start) as usize * size;
             net.plan(
                 prog.sends.iter().map(|s| bytes(&s.elements)),
@@ -509,9 +455,8 @@ impl GpuRing {
         }
         self.ring_captured |= capturing;
         // From here the peers count these chunks: a failure to queue breaks the ring.
-        let op = if reduces { op } else { ReduceOp::Sum };
         let queued = self.queue(
-            buffer, dtype, op, stream, steps, &prog, desc, capturing, replayable,
+            buffer, &call, stream, steps, &prog, desc, capturing, replayable,
         );
         // A captured collective is counted by its replays, on the GPU (as on the one-kernel
         // path, the host's count names eager collectives only).
@@ -524,6 +469,55 @@ impl GpuRing {
                 .abort(&format!("queueing a collective failed: {e}"));
         }
         queued
+    }
+
+    /// A ring of one rank: the sum, min, max, product and average of one value; a
+    /// PreMulSum's is the value multiplied.
+    fn one_rank(&self, buffer: &DeviceBuffer, call: &RingCall, stream: &GpuStream) -> Result<()> {
+        match call.op.scalar().filter(|_| call.reduces()) {
+            Some(scalar) => {
+                let whole = At::new(buffer, 0);
+                self.h()
+                    .kernels
+                    .scale(stream, call.dtype, scalar, whole, whole, call.count)
+                    .map_err(|e| Error::gpu("queueing a PreMulSum of one rank", e))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// The chunks of `call` on this ring's links: the largest piece one chunk sequence
+    /// covers is the whole buffer for an exchange or a broadcast, else a segment (the ring's
+    /// blocks).
+    fn plan(&self, call: &RingCall, exchange: bool) -> Result<Plan> {
+        let links = self.h().links.as_ref().expect("a ring of several ranks");
+        let (count, size) = (call.count as u64, call.dtype.size() as u64);
+        let segment_bytes = match call.shape {
+            _ if exchange => count * size,
+            Shape::Broadcast { .. } => count * size,
+            _ => count.div_ceil(u64::from(self.world)) * size,
+        };
+        let chunk_bytes =
+            pipelined_chunk_bytes(links.slot_bytes as u64, links.pipeline, segment_bytes);
+        Plan::new(self.world, count, size as u32, chunk_bytes, links.slots)?.with_shape(call.shape)
+    }
+
+    /// The descriptor cell and word of the collective `what` (the guards' collective counters
+    /// name them on the GPU). The host reads the cells (to explain a disagreement) only while
+    /// it knows those counters: until a ring collective is captured (replays move them
+    /// unseen); until then `what` is stored for the next rank and expected from the previous.
+    fn announce(&mut self, what: &Descriptor, capturing: bool) -> ((u32, u32), u32) {
+        let links = self.h().links.as_ref().expect("a ring of several ranks");
+        let cells = desc_cells(links.slots, links.desc_half);
+        if !capturing && !self.ring_captured {
+            let ring_seq = self.ring_queued;
+            let cell = desc_cell(cells, ring_seq);
+            // For the next rank's error message, should it disagree (a host store, no CUDA call).
+            let _ = links.ends.next.store_bytes(cell, 32, &what.encode());
+            self.abort
+                .expect(ring_seq, desc_word(ring_seq, what.tag()), *what);
+        }
+        (cells, 0x8000 | u32::from(what.tag() & 0x7fff))
     }
 
     fn net(&self) -> Option<&NetLink> {

@@ -71,15 +71,13 @@ impl GpuRing {
             .symmetric_buffer(id)
     }
 
-    /// Queues the allreduce in place of the first `count` elements of symmetric buffer `id`
-    /// on `stream`: one two-shot kernel reading every rank's part directly. Captured like the
-    /// other one-kernel collectives.
+    /// Queues `call` (an allreduce) in place on symmetric buffer `id` on `stream`: one
+    /// two-shot kernel reading every rank's part directly. Captured like the other one-kernel
+    /// collectives.
     pub(crate) fn symmetric_all_reduce(
         &mut self,
         id: usize,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: RingCall,
         stream: &GpuStream,
     ) -> Result<()> {
         self.ready_to_queue()?;
@@ -88,16 +86,15 @@ impl GpuRing {
             .ok_or_else(|| Error::InvalidArgument {
                 reason: format!("no symmetric buffer {id} on this communicator"),
             })?;
-        let capturing = self.check(buffer, count, dtype, stream)?;
-        if count == 0 {
+        let capturing = self.check(buffer, &call, stream)?;
+        if call.count == 0 {
             return Ok(());
         }
         // The buffer is part of what the ranks agree on.
         let salt = (id as u32 + 1).wrapping_mul(0x9e37_79b9);
+        let (dtype, op, count) = (call.dtype, call.op, call.count);
         self.queue_one_kernel(
-            count,
-            dtype,
-            op,
+            &call,
             Algorithm::TwoShotSymmetric,
             salt,
             stream,
@@ -120,25 +117,22 @@ impl GpuRing {
     pub(super) fn one_kernel(
         &mut self,
         buffer: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: &RingCall,
         stream: &GpuStream,
         capturing: bool,
     ) -> Result<()> {
         let kernel = self.held.as_ref().and_then(|h| h.one_kernel.as_ref());
         let two_shot = kernel
             .expect("checked by the caller")
-            .two_shot(count * dtype.size());
+            .two_shot(call.count * call.dtype.size());
         let algorithm = if two_shot {
             Algorithm::TwoShot
         } else {
             Algorithm::OneShot
         };
+        let (dtype, op, count) = (call.dtype, call.op, call.count);
         self.queue_one_kernel(
-            count,
-            dtype,
-            op,
+            call,
             algorithm,
             0,
             stream,
@@ -149,26 +143,19 @@ impl GpuRing {
         )
     }
 
-    /// Queues one one-kernel collective through `enqueue` (given the path, the kernels and the
-    /// descriptor's digest, `salt` folded in), then, unless `capturing`, the end markers that
-    /// `wait` polls.
-    #[allow(clippy::too_many_arguments)]
+    /// Queues one one-kernel collective, `call` by `algorithm`, through `enqueue` (given the
+    /// path, the kernels and the descriptor's digest, `salt` folded in), then, unless
+    /// `capturing`, the end markers that `wait` polls.
     pub(super) fn queue_one_kernel(
         &mut self,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        call: &RingCall,
         algorithm: Algorithm,
         salt: u32,
         stream: &GpuStream,
         capturing: bool,
         enqueue: &dyn Fn(&OneKernel, &ReduceKernels, u32) -> nodetour_core::Result<()>,
     ) -> Result<()> {
-        let seq = self.queued;
-        let what = Descriptor {
-            call: self.call,
-            ..Descriptor::all_reduce(count as u64, dtype, op, algorithm, seq)
-        };
+        let what = call.descriptor(algorithm, self.queued, self.call);
         let g = |e| Error::gpu("queueing the collective", e);
         let held = self.held.as_ref().expect("checked by the caller");
         let kernel = held.one_kernel.as_ref().ok_or_else(|| Error::Unsupported {

@@ -203,19 +203,15 @@ impl GpuRing {
         }
     }
 
-    /// Checks the arguments; whether `stream` is being captured into a CUDA graph.
+    /// Checks `call`'s buffer and stream; whether `stream` is being captured into a CUDA
+    /// graph.
     pub(super) fn check(
         &self,
         buffer: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
+        call: &RingCall,
         stream: &GpuStream,
     ) -> Result<bool> {
-        let bytes = count
-            .checked_mul(dtype.size())
-            .ok_or_else(|| Error::InvalidArgument {
-                reason: format!("{count} elements of {dtype:?} overflow the address space"),
-            })?;
+        let bytes = call.bytes()?;
         if buffer.len() < bytes {
             return Err(Error::InvalidArgument {
                 reason: format!(

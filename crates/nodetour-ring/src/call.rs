@@ -1,12 +1,17 @@
 //! One collective as a caller asked for it ([`CallSpec`]), the value every executor runs:
-//! built and checked once by its verb (`verbs.rs`) before any memory is lent, then handed whole
-//! to the executor of the memory it runs on (host memory, device memory of this process's
-//! communicator, a member of a GPU set), as NCCL's `ncclInfo` is to its one enqueue path. The
-//! ranks taking part agree on this value less each rank's own PreMulSum scalar
+//! built and checked once by its verb (`comm/verbs.rs`) before any memory is lent, then handed
+//! whole to the executor of the memory it runs on (host memory, device memory of this
+//! process's communicator, a member of a GPU set), as NCCL's `ncclInfo` is to its one enqueue
+//! path. The ranks taking part agree on this value less each rank's own PreMulSum scalar
 //! ([`CallSpec::agrees`]).
+//!
+//! A GPU ring runs the same collective in place on one buffer laid out in ring positions: the
+//! [`RingCall`] that [`CallSpec::on_ring`] makes, which also gives the descriptor the ring's
+//! ranks compare ([`RingCall::descriptor`]).
 
-use crate::descriptor::Collective;
+use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
+use crate::plan::Shape;
 use crate::reduce::{DataType, ReduceOp};
 
 /// One collective: its kind, counts, type, operation and root.
@@ -86,6 +91,30 @@ impl CallSpec {
         element_bytes(self.count, 1, self.dtype)
     }
 
+    /// The collective as a ring of `world` ranks runs it in place, this call's root at ring
+    /// position `root_at` (a broadcast's; ignored for the other kinds): the buffer holds
+    /// every rank's block for a reduce-scatter or an all-gather. Call on a checked value (its
+    /// bytes are then within the address space).
+    pub(crate) fn on_ring(&self, world: u32, root_at: u32) -> RingCall {
+        let (shape, count) = match self.kind {
+            Collective::AllReduce => (Shape::AllReduce, self.count),
+            Collective::ReduceScatter => (Shape::ReduceScatter, self.count * world as usize),
+            Collective::AllGather => (Shape::AllGather, self.count * world as usize),
+            Collective::Broadcast => (Shape::Broadcast { root: root_at }, self.count),
+        };
+        let op = if self.reduces() {
+            self.op
+        } else {
+            ReduceOp::Sum
+        };
+        RingCall {
+            shape,
+            count,
+            dtype: self.dtype,
+            op,
+        }
+    }
+
     /// Whether two ranks' values name the same collective: a PreMulSum's scalar is each
     /// rank's own (the operation's code is what they agree on).
     pub(crate) fn agrees(&self, other: &CallSpec) -> bool {
@@ -94,6 +123,52 @@ impl CallSpec {
             ..*c
         };
         plain(self) == plain(other)
+    }
+}
+
+/// One collective as a ring runs it: in place on the first `count` elements of one buffer, in
+/// ring positions (a broadcast's root is a position; reduce-scatter leaves segment `p` of
+/// position `p` reduced, all-gather starts from it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RingCall {
+    pub(crate) shape: Shape,
+    /// Elements of the whole buffer.
+    pub(crate) count: usize,
+    pub(crate) dtype: DataType,
+    /// The reduction (`Sum` for the shapes that reduce nothing).
+    pub(crate) op: ReduceOp,
+}
+
+impl RingCall {
+    /// Whether the shape reduces (allreduce, reduce-scatter).
+    pub(crate) fn reduces(&self) -> bool {
+        matches!(self.shape, Shape::AllReduce | Shape::ReduceScatter)
+    }
+
+    /// Bytes of the buffer it runs on, overflow-checked.
+    pub(crate) fn bytes(&self) -> Result<usize> {
+        element_bytes(self.count, 1, self.dtype)
+    }
+
+    /// What the ranks of the ring compare: this collective run by `algorithm`, the ring's
+    /// `seq`-th, the communicator's `call`-th.
+    pub(crate) fn descriptor(&self, algorithm: Algorithm, seq: u64, call: u32) -> Descriptor {
+        let (collective, root) = match self.shape {
+            Shape::AllReduce => (Collective::AllReduce, None),
+            Shape::ReduceScatter => (Collective::ReduceScatter, None),
+            Shape::AllGather => (Collective::AllGather, None),
+            Shape::Broadcast { root } => (Collective::Broadcast, Some(root)),
+        };
+        Descriptor {
+            collective,
+            count: self.count as u64,
+            dtype: self.dtype,
+            op: self.op,
+            root,
+            algorithm,
+            seq,
+            call,
+        }
     }
 }
 
@@ -131,6 +206,33 @@ mod tests {
         );
         // A kind that reduces nothing never looks at the operation.
         assert!(CallSpec::all_gather(4, DataType::I32).checked(2).is_ok());
+    }
+
+    #[test]
+    fn a_call_on_the_ring_holds_every_block_and_names_its_root_by_position() {
+        let rs = CallSpec::reduce_scatter(5, DataType::F32, ReduceOp::Max).on_ring(4, 0);
+        assert_eq!(
+            (rs.shape, rs.count, rs.op),
+            (Shape::ReduceScatter, 20, ReduceOp::Max)
+        );
+        let ag = CallSpec::all_gather(5, DataType::F32).on_ring(4, 0);
+        assert_eq!((ag.shape, ag.count), (Shape::AllGather, 20));
+        let b = CallSpec::broadcast(7, DataType::I8, 3).on_ring(4, 1);
+        assert_eq!((b.shape, b.count), (Shape::Broadcast { root: 1 }, 7));
+        let d = b.descriptor(Algorithm::StreamRing, 9, 11);
+        assert_eq!((d.root, d.seq, d.call, d.count), (Some(1), 9, 11, 7));
+        let ar = CallSpec::all_reduce(6, DataType::F64, ReduceOp::Avg).on_ring(4, 0);
+        assert_eq!(
+            (ar.shape, ar.count, ar.op),
+            (Shape::AllReduce, 6, ReduceOp::Avg)
+        );
+        assert_eq!(
+            ar.descriptor(Algorithm::OneShot, 2, 3),
+            Descriptor {
+                call: 3,
+                ..Descriptor::all_reduce(6, DataType::F64, ReduceOp::Avg, Algorithm::OneShot, 2)
+            }
+        );
     }
 
     #[test]
