@@ -92,8 +92,8 @@ pub fn descriptors(data: &[u8]) -> usize {
 /// the link chosen with it is the same from both ends (or a typed error from both). Returns
 /// how many decoded.
 pub fn announcements(data: &[u8]) -> usize {
+    use crate::comm::form::table::{Pair, device_ring, host_link};
     use crate::comm::links::Announcement;
-    use crate::comm::table::{Pair, device_ring, host_link};
     let mut accepted = 0;
     let whole = std::iter::once(data);
     for w in whole.chain(data.windows(crate::comm::links::ENCODED_LEN).step_by(5)) {

@@ -9,11 +9,12 @@
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 
-use super::{Communicator, gpu_error, scratch};
+use super::engine::Engine;
+use super::{gpu_error, scratch};
 use crate::call::{CallSpec, element_bytes};
 use crate::error::{Error, Result};
 
-impl Communicator {
+impl Engine {
     /// How long a staged device collective waits for the work queued before it (the
     /// communicator's timeout): its stream never holds the host without a deadline.
     pub(super) fn staged_deadline(&self) -> nodetour_core::Deadline {

@@ -6,7 +6,7 @@ use super::executor::DeviceOperands;
 use super::*;
 use crate::call::CallSpec;
 
-impl Communicator {
+impl Engine {
     /// Device memory of this process's communicator (`executor::DeviceMemory`): queues `call`
     /// on the operands' stream (without an input, in place in the output).
     pub(super) fn device_verb(&self, call: CallSpec, on: DeviceOperands<'_>) -> Result<()> {

@@ -7,13 +7,15 @@
 //! fresh rendezvous and broadcasts its address with a fresh nonce over the host ring
 //! (authenticated; a rank doing anything else there fails with `Disagreement`, on every rank);
 //! every rank derives the device job's token from the job's own and the nonce, so no secret
-//! travels; then every rank forms a communicator of the same ranks with that id and its stream's GPU,
+//! travels; then every rank forms an engine of the same ranks with that id and its stream's
+//! GPU (`engine.rs`: a job beside the communicator's own, not a communicator inside it),
 //! through the whole formation (GPU ring, one-kernel path, or staged with the reason, logged
 //! and in [`Communicator::paths`]). With a GPU ring, device collectives queue on it from then
-//! on; staged (ranks on several hosts), they run on the first communicator's host ring, in one
+//! on; staged (ranks on several hosts), they run on the communicator's own host ring, in one
 //! order with the host collectives (its host memory is not registered with that GPU, as it is
-//! under `Options::with_gpu`: copies through pageable memory, slower at large sizes). It cannot be captured into a CUDA graph (forming waits for
-//! peers): under capture it is refused, typed, before anything is sent.
+//! under `Options::with_gpu`: copies through pageable memory, slower at large sizes). It
+//! cannot be captured into a CUDA graph (forming waits for peers): under capture it is
+//! refused, typed, before anything is sent.
 
 use std::sync::OnceLock;
 
@@ -34,17 +36,28 @@ pub(super) struct FormedWith {
 /// The device side formed from a stream ([`Communicator::on_device`]).
 #[derive(Default)]
 pub(super) struct DeviceSide {
-    /// Its communicator, where it has a GPU ring (device collectives queue there).
-    pub(super) comm: OnceLock<Box<Communicator>>,
+    /// Its GPU and its engine, where it has a GPU ring (device collectives queue there): an
+    /// engine beside the communicator's own, sharing its count of calls.
+    engine: OnceLock<(usize, Box<Engine>)>,
     /// Where its formation chose to stage (ranks on several hosts): that GPU and the path with
-    /// its reason. Device collectives then run staged on the first communicator's own host
-    /// ring, beside its host collectives, so the two kinds share one order and one agreement
-    /// check; the device side's communicator was closed.
+    /// its reason. Device collectives then run staged on the communicator's own engine (its
+    /// host ring), beside its host collectives, so the two kinds share one order and one
+    /// agreement check; the device side's engine was closed.
     pub(super) staged: OnceLock<(usize, DevicePath)>,
     /// Serialises the formation (two threads' first device collectives).
     pub(super) forming: Mutex<()>,
-    /// Its abort handle, shared with every [`AbortHandle`] of the first communicator.
-    pub(super) abort: Arc<OnceLock<AbortHandle>>,
+}
+
+impl DeviceSide {
+    /// Its engine, once formed with a GPU ring.
+    pub(super) fn engine(&self) -> Option<&Engine> {
+        self.engine.get().map(|(_, e)| &**e)
+    }
+
+    /// Its engine, taken (to close it).
+    pub(super) fn take(&mut self) -> Option<Box<Engine>> {
+        self.engine.take().map(|(_, e)| e)
+    }
 }
 
 impl FormedWith {
@@ -74,9 +87,10 @@ impl FormedWith {
 }
 
 impl Communicator {
-    /// The communicator whose device collectives run on `stream`'s GPU: this one where it was
-    /// formed with that GPU, the device side formed from a stream before, or one formed now.
-    pub(super) fn on_device(&self, stream: &GpuStream) -> Result<&Communicator> {
+    /// The engine whose device collectives run on `stream`'s GPU: this communicator's own
+    /// where it was formed with that GPU, the device side formed from a stream before, or one
+    /// formed now.
+    pub(super) fn on_device(&self, stream: &GpuStream) -> Result<&Engine> {
         let gpu = stream.context().ordinal();
         let other_gpu = |formed: usize, how: &str| Error::InvalidArgument {
             reason: format!(
@@ -85,38 +99,32 @@ impl Communicator {
             ),
         };
         let Some(formed_with) = &self.formed_with else {
-            return Ok(self);
+            return Ok(&self.engine);
         };
         if let Some(g) = formed_with.options.gpu {
             return if g == gpu {
-                Ok(self)
+                Ok(&self.engine)
             } else {
                 Err(other_gpu(g, "Options::gpu"))
             };
         }
-        let formed = |d: &Communicator| match d.formed_with.as_ref().and_then(|f| f.options.gpu) {
-            Some(g) if g != gpu => Err(other_gpu(g, "its first device collective's stream")),
-            _ => Ok(()),
-        };
-        let ready = || -> Result<Option<&Communicator>> {
-            if let Some(d) = self.device.comm.get() {
-                formed(d)?;
-                return Ok(Some(d));
-            }
-            match self.device.staged.get() {
-                Some((g, _)) if *g != gpu => {
-                    Err(other_gpu(*g, "its first device collective's stream"))
+        let ready = || -> Result<Option<&Engine>> {
+            let formed = self.device.engine.get().map(|(g, e)| (*g, &**e));
+            let staged = self.device.staged.get().map(|(g, _)| (*g, &self.engine));
+            match formed.or(staged) {
+                Some((g, _)) if g != gpu => {
+                    Err(other_gpu(g, "its first device collective's stream"))
                 }
-                Some(_) => Ok(Some(self)),
+                Some((_, engine)) => Ok(Some(engine)),
                 None => Ok(None),
             }
         };
-        if let Some(c) = ready()? {
-            return Ok(c);
+        if let Some(e) = ready()? {
+            return Ok(e);
         }
         let _one = self.device.forming.lock().map_err(|_| poisoned())?;
-        if let Some(c) = ready()? {
-            return Ok(c);
+        if let Some(e) = ready()? {
+            return Ok(e);
         }
         if stream.is_capturing().map_err(gpu_error)? {
             return Err(Error::Unsupported {
@@ -132,19 +140,21 @@ impl Communicator {
         if !matches!(device.paths.device, DevicePath::GpuRing { .. }) {
             // Staged (the same choice on every rank): on this communicator's host ring.
             let _ = self.device.staged.set((gpu, device.paths.device.clone()));
-            device.close(Deadline::after(formed_with.options.join_timeout()))?;
-            return Ok(self);
+            let deadline = Deadline::after(formed_with.options.join_timeout());
+            let finished = device.wait_on(None, deadline);
+            device.close(deadline, finished)?;
+            return Ok(&self.engine);
         }
-        let _ = self.device.abort.set(device.abort_handle());
-        let _ = self.device.comm.set(Box::new(device));
-        Ok(self.device.comm.get().expect("just set"))
+        let _ = self.engine.device_abort.set(device.abort_handle());
+        let _ = self.device.engine.set((gpu, Box::new(device)));
+        Ok(self.device.engine().expect("just set"))
     }
 
-    /// Forms the device side on GPU `gpu`: the job id broadcast from rank 0, then the
-    /// communicator of the same ranks on that id and GPU.
-    fn form_device(&self, formed_with: &FormedWith, gpu: usize) -> Result<Communicator> {
+    /// Forms the device side on GPU `gpu`: the job id broadcast from rank 0, then the engine
+    /// of the same ranks on that id and GPU.
+    fn form_device(&self, formed_with: &FormedWith, gpu: usize) -> Result<Engine> {
         let mut id = [0u8; ID_BYTES];
-        if self.rank == 0 {
+        if self.rank() == 0 {
             // What travels: the rendezvous and a fresh nonce (in the token's place), no secret.
             let mut made = UniqueId::create()?;
             if let (Some(host), Some((_, port))) =
@@ -164,7 +174,7 @@ impl Communicator {
         }
         let what = Descriptor {
             algorithm: Algorithm::DeviceFormation,
-            ..self.descriptor(
+            ..self.engine.descriptor(
                 Collective::Broadcast,
                 ID_BYTES,
                 DataType::U8,
@@ -172,7 +182,7 @@ impl Communicator {
                 Some(0),
             )
         };
-        self.broadcast_as(what, &mut id, 0)?;
+        self.engine.broadcast_as(what, &mut id, 0)?;
         let end = id.iter().position(|b| *b == 0).unwrap_or(ID_BYTES);
         let text = std::str::from_utf8(&id[..end]).map_err(|_| Error::Protocol {
             rank: 0,
@@ -180,10 +190,16 @@ impl Communicator {
         })?;
         let id = formed_with.device_id(&UniqueId::decode(text)?);
         let options = formed_with.options.clone().with_gpu(gpu);
-        let mut device = Communicator::from_unique_id(&id, self.rank, self.world, options)?;
+        let launch = Launch {
+            rank: self.rank(),
+            world: self.world(),
+            rendezvous: id.address.clone(),
+            token: id.job_token(),
+        };
+        let mut device = Engine::form(launch, &options)?;
         // One count of collectives for both: host and device collectives interleaved
         // differently on two ranks carry different numbers, and disagree.
-        device.calls = self.calls.clone();
+        device.calls = self.engine.calls.clone();
         tracing::info!(
             gpu,
             paths = %device.paths,
@@ -279,7 +295,7 @@ mod tests {
             let result = if r == 0 {
                 let what = Descriptor {
                     algorithm: Algorithm::DeviceFormation,
-                    ..comm.descriptor(
+                    ..comm.engine.descriptor(
                         Collective::Broadcast,
                         ID_BYTES,
                         DataType::U8,
@@ -287,7 +303,7 @@ mod tests {
                         Some(0),
                     )
                 };
-                comm.broadcast_as(what, &mut bytes, 0)
+                comm.engine.broadcast_as(what, &mut bytes, 0)
             } else {
                 comm.broadcast_in_place(&mut bytes, 0, Host)
             };
@@ -323,7 +339,7 @@ mod tests {
         let got = two_ranks(|r, comm| {
             let what = if r == 0 { a } else { b };
             let mut bytes = vec![7u8 + r as u8; what.count as usize];
-            let result = comm.broadcast_as(what, &mut bytes, 0);
+            let result = comm.engine.broadcast_as(what, &mut bytes, 0);
             assert!(
                 r == 0 || bytes.iter().all(|x| *x == 8),
                 "rank 1 took rank 0's bytes"
@@ -342,7 +358,7 @@ mod tests {
     fn host_and_device_collectives_interleaved_differently_disagree_on_every_rank() {
         let got = two_ranks(|r, comm| {
             if r == 1 {
-                comm.next_call();
+                comm.engine.next_call();
             }
             let mut x = [1i64 + i64::from(r); 64];
             comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)
@@ -350,7 +366,7 @@ mod tests {
         typed_on_every_rank(&got);
         let got = two_ranks(|_, comm| -> Result<()> {
             for i in 0..4i64 {
-                comm.next_call(); // a device collective, on every rank alike
+                comm.engine.next_call(); // a device collective, on every rank alike
                 // Seeded by the collective's index and the rank: a stale answer cannot pass.
                 let mut x = [3 * i + i64::from(comm.rank()); 64];
                 comm.all_reduce_in_place(&mut x, ReduceOp::Sum, Host)?;

@@ -14,8 +14,8 @@
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::memory::DeviceBuffer;
 
-use super::Communicator;
 use super::device_set::SetMember;
+use super::engine::Engine;
 use crate::call::CallSpec;
 use crate::error::Result;
 
@@ -41,12 +41,13 @@ pub(crate) struct DeviceOperands<'a> {
     pub(crate) stream: &'a GpuStream,
 }
 
-/// The executor of host memory of a communicator of processes.
-pub(super) struct HostMemory<'c>(pub(super) &'c Communicator);
+/// The executor of host memory of a communicator of processes (its engine).
+pub(super) struct HostMemory<'c>(pub(super) &'c Engine);
 
-/// The executor of device memory of a communicator of processes: the communicator whose
-/// device side runs on the stream's GPU (see `Communicator::on_device`).
-pub(super) struct DeviceMemory<'c>(pub(super) &'c Communicator);
+/// The executor of device memory of a communicator of processes: the engine that runs on the
+/// stream's GPU (the communicator's own, or its device side formed from a stream: see
+/// `Communicator::on_device`).
+pub(super) struct DeviceMemory<'c>(pub(super) &'c Engine);
 
 impl Executor for HostMemory<'_> {
     type Operands<'a> = HostOperands<'a>;

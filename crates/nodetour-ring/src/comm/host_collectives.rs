@@ -13,7 +13,7 @@ pub(super) fn pieces(count: usize, per: usize) -> impl Iterator<Item = Range<usi
 /// ring's buffer (position `q`) goes to rank `order[q]`'s block of `out`, elements `r`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gather_out(
-    comm: &Communicator,
+    comm: &Engine,
     ring: &mut HostRing<'_>,
     what: &Descriptor,
     l: Layout,
@@ -42,7 +42,7 @@ pub(super) fn gather_out(
     ring.collective(staged, what, &mut outputs, alive)
 }
 
-impl Communicator {
+impl Engine {
     /// The allreduce of `send` (or, without it, of `out` itself) into `out`.
     pub(super) fn all_reduce_bytes(
         &self,

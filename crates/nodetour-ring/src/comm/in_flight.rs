@@ -137,7 +137,7 @@ impl<B> InFlight<'_, B> {
 impl<B> Drop for InFlight<'_, B> {
     fn drop(&mut self) {
         if self.buffers.is_some()
-            && let Err(e) = self.comm.wait(Deadline::after(self.comm.timeout))
+            && let Err(e) = self.comm.wait(Deadline::after(self.comm.engine.timeout))
         {
             tracing::warn!(error = %e, "a dropped device collective failed");
         }

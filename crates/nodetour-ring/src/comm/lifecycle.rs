@@ -72,14 +72,12 @@ fn joining_timeout(e: Error) -> Error {
     }
 }
 
-impl Drop for Communicator {
+impl Drop for Engine {
     /// Leaves at once: a collective still queued on a GPU stream is aborted (its neighbours are
     /// told), and the GPU ring's exported memory waits for the teardown handshake (to
     /// 10 s, then leaked). Ranks still in a collective with
     /// this one fail naming it. [`Communicator::close`] is the orderly way.
     fn drop(&mut self) {
-        // The device side formed from a stream first (its own teardown, in its drop).
-        drop(self.device.comm.take());
         let job = self.state.get_mut().ok().and_then(|s| s.job.take());
         if let Some(mut job) = job {
             let deadline = Deadline::after(crate::gpu_ring::TEARDOWN_DEADLINE);
@@ -88,6 +86,111 @@ impl Drop for Communicator {
             }
         }
     }
+}
+
+impl Engine {
+    /// Forms the engine of rank `launch.rank`'s job (every rank calls it, see
+    /// [`Communicator::from_unique_id`]).
+    pub(super) fn form(launch: Launch, options: &Options) -> Result<Engine> {
+        if launch.world == 0 || launch.rank >= launch.world {
+            return Err(Error::InvalidArgument {
+                reason: format!("rank {} of {}", launch.rank, launch.world),
+            });
+        }
+        let pin = match options.gpu {
+            Some(ordinal) => Some(
+                nodetour_core::cuda::open_context(ordinal)
+                    .map_err(|e| Error::gpu(format!("opening GPU {ordinal}"), e))?,
+            ),
+            None => None,
+        };
+        let job = HostJob::form(launch, options, pin.as_ref()).map_err(joining_timeout)?;
+        Ok(Engine::of_job(job, options.config.timeout))
+    }
+
+    /// Waits until every device collective queued on this engine has finished (and first
+    /// `stream`, where one is given), to `deadline`: the GPU ring's watch of its neighbours,
+    /// else the call-order stream. A failure breaks the engine.
+    pub(super) fn wait_on(&self, stream: Option<&GpuStream>, deadline: Deadline) -> Result<()> {
+        // Every device collective called so far ran on this engine's stream, in call order
+        // (see `call_order`): a marker there covers every stream they were called on.
+        let lane = self.call_order_mark()?;
+        let mut state = self.lock()?;
+        if let Some(first) = &state.failed {
+            return Err(Error::Broken {
+                first: Box::new(first.clone()),
+            });
+        }
+        let Some(job) = state.job.as_mut().filter(|j| j.gpu_ring.is_some()) else {
+            drop(state);
+            return ringless(lane.as_ref(), stream, deadline);
+        };
+        let bootstrap = &job.job;
+        let ring = job.gpu_ring.as_mut().expect("checked above");
+        // The GPU ring names ranks by ring position; its errors name job ranks.
+        let alive = || {
+            bootstrap.check_present().map_err(|e| match e {
+                nodetour_core::Error::RankLost { rank, reason } => nodetour_core::Error::RankLost {
+                    rank: self.position_of(rank),
+                    reason,
+                },
+                e => e,
+            })
+        };
+        let result = ring
+            .wait_streams(lane.as_ref(), stream, deadline.remaining(), &alive)
+            .map_err(|e| self.job_ranks(e));
+        if let Err(e) = &result {
+            self.record_failure(&mut state, e);
+        }
+        result
+    }
+
+    /// [`Self::wait_on`] without a GPU ring of processes (a member of a GPU set): the
+    /// call-order stream and `stream`.
+    pub(super) fn wait_ringless(
+        &self,
+        stream: Option<&GpuStream>,
+        deadline: Deadline,
+    ) -> Result<()> {
+        ringless(self.call_order_mark()?.as_ref(), stream, deadline)
+    }
+
+    /// Closes the engine once `finished` (its collectives' wait) is known: tears down its job,
+    /// then returns the failure that broke it, else `finished` and the teardown's outcome.
+    pub(super) fn close(&self, deadline: Deadline, finished: Result<()>) -> Result<()> {
+        let mut state = self.lock()?;
+        let job = state.job.take();
+        let failed = state.failed.clone();
+        drop(state);
+        let Some(mut job) = job else {
+            return finished;
+        };
+        let teardown = teardown(&mut job, deadline, failed.is_none());
+        // Then the links, the regions, the device and the bootstrap (its drop stops the
+        // liveness watcher, with a deadline), in the job's field order.
+        drop(job);
+        match failed {
+            Some(first) => Err(Error::Broken {
+                first: Box::new(first),
+            }),
+            None => finished.and(teardown),
+        }
+    }
+}
+
+/// Waits for the call-order stream's `lane` marker and for `stream`, to `deadline` (without a
+/// GPU ring, the streams are waited for here; a GPU ring waits for them while it watches its
+/// neighbours).
+fn ringless(
+    lane: Option<&nodetour_core::cuda::GpuEvent>,
+    stream: Option<&GpuStream>,
+    deadline: Deadline,
+) -> Result<()> {
+    if let Some(m) = lane {
+        marker_done(m, deadline, "the communicator's device collectives")?;
+    }
+    stream.map_or(Ok(()), |s| stream_done(s, deadline))
 }
 
 impl Communicator {
@@ -149,39 +252,14 @@ impl Communicator {
     }
 
     pub(super) fn form(launch: Launch, options: Options) -> Result<Communicator> {
-        if launch.world == 0 || launch.rank >= launch.world {
-            return Err(Error::InvalidArgument {
-                reason: format!("rank {} of {}", launch.rank, launch.world),
-            });
-        }
-        let pin = match options.gpu {
-            Some(ordinal) => Some(
-                nodetour_core::cuda::open_context(ordinal)
-                    .map_err(|e| Error::gpu(format!("opening GPU {ordinal}"), e))?,
-            ),
-            None => None,
-        };
         let formed_with =
             device_from_stream::FormedWith::new(&options, &launch.rendezvous, &launch.token);
-        let job = HostJob::form(launch, &options, pin.as_ref()).map_err(joining_timeout)?;
+        let engine = Engine::form(launch, &options)?;
         Ok(Communicator {
-            rank: job.rank,
-            world: job.world,
-            local: job.local,
-            paths: job.paths.clone(),
-            gpu_abort: job.gpu_ring.as_ref().map(|r| r.abort_handle()),
-            aborted: Arc::new(Mutex::new(None)),
-            state: Mutex::new(State {
-                job: Some(job),
-                failed: None,
-            }),
-            member: None,
-            scratch: Mutex::default(),
-            timeout: options.config.timeout,
-            formed_with: Some(formed_with),
             device: Default::default(),
-            calls: Arc::default(),
-            order: Default::default(),
+            engine,
+            member: None,
+            formed_with: Some(formed_with),
         })
     }
 
@@ -208,11 +286,8 @@ impl Communicator {
         let n = contexts.len() as u32;
         let reason = set.path();
         Ok((0..n)
-            .map(|seat| Communicator {
-                rank: seat,
-                world: n,
-                local: (seat, n),
-                paths: Paths {
+            .map(|seat| {
+                let paths = Paths {
                     rank: seat,
                     world: n,
                     order: (0..n).collect(),
@@ -221,24 +296,14 @@ impl Communicator {
                     device: DevicePath::InProcess {
                         reason: reason.clone(),
                     },
-                },
-                aborted: Arc::new(Mutex::new(None)),
-                gpu_abort: None,
-                state: Mutex::new(State {
-                    job: None,
-                    failed: None,
-                }),
-                member: Some(SetMember::new(
-                    set.clone(),
-                    seat as usize,
-                    options.config.timeout,
-                )),
-                scratch: Mutex::default(),
-                timeout: options.config.timeout,
-                formed_with: None,
-                device: Default::default(),
-                calls: Arc::default(),
-                order: Default::default(),
+                };
+                let timeout = options.config.timeout;
+                Communicator {
+                    device: Default::default(),
+                    engine: Engine::of_set(seat, n, paths, timeout),
+                    member: Some(SetMember::new(set.clone(), seat as usize, timeout)),
+                    formed_with: None,
+                }
             })
             .collect())
     }
@@ -275,53 +340,14 @@ impl Communicator {
 
     /// [`Self::wait`], after `stream` where one is given ([`Self::wait_stream`]).
     pub(super) fn wait_on(&self, stream: Option<&GpuStream>, deadline: Deadline) -> Result<()> {
-        if let Some(d) = self.device.comm.get() {
+        if let Some(d) = self.device.engine() {
             d.wait_on(stream, deadline)?;
         }
-        // Every device collective called so far ran on this communicator's stream, in call
-        // order (see `call_order`): a marker there covers every stream they were called on.
-        let lane = self.call_order_mark()?;
-        // Without a GPU ring of processes the streams are waited for here (a GPU ring waits
-        // for them while it watches its neighbours).
-        let ringless = |deadline: Deadline| -> Result<()> {
-            if let Some(m) = &lane {
-                marker_done(m, deadline, "the communicator's device collectives")?;
-            }
-            stream.map_or(Ok(()), |s| stream_done(s, deadline))
-        };
         if let Some(m) = &self.member {
-            ringless(deadline)?;
+            self.engine.wait_ringless(stream, deadline)?;
             return m.set.wait(deadline.remaining());
         }
-        let mut state = self.lock()?;
-        if let Some(first) = &state.failed {
-            return Err(Error::Broken {
-                first: Box::new(first.clone()),
-            });
-        }
-        let Some(job) = state.job.as_mut().filter(|j| j.gpu_ring.is_some()) else {
-            drop(state);
-            return ringless(deadline);
-        };
-        let bootstrap = &job.job;
-        let ring = job.gpu_ring.as_mut().expect("checked above");
-        // The GPU ring names ranks by ring position; its errors name job ranks.
-        let alive = || {
-            bootstrap.check_present().map_err(|e| match e {
-                nodetour_core::Error::RankLost { rank, reason } => nodetour_core::Error::RankLost {
-                    rank: self.position_of(rank),
-                    reason,
-                },
-                e => e,
-            })
-        };
-        let result = ring
-            .wait_streams(lane.as_ref(), stream, deadline.remaining(), &alive)
-            .map_err(|e| self.job_ranks(e));
-        if let Err(e) = &result {
-            self.record_failure(&mut state, e);
-        }
-        result
+        self.engine.wait_on(stream, deadline)
     }
 
     /// Closes the communicator: finishes the device collectives in flight (to `deadline`),
@@ -331,25 +357,12 @@ impl Communicator {
     /// freed under a mapping. A broken communicator tears down at once and returns its failure.
     pub fn close(mut self, deadline: Deadline) -> Result<()> {
         // The device side formed from a stream closes first (every rank has one, or none).
-        let device = self.device.comm.take().map(|d| d.close(deadline));
+        let device = self.device.take().map(|d| {
+            let finished = d.wait_on(None, deadline);
+            d.close(deadline, finished)
+        });
         let finished = self.wait(deadline).and(device.unwrap_or(Ok(())));
-        let mut state = self.lock()?;
-        let job = state.job.take();
-        let failed = state.failed.clone();
-        drop(state);
-        let Some(mut job) = job else {
-            return finished;
-        };
-        let teardown = teardown(&mut job, deadline, failed.is_none());
-        // Then the links, the regions, the device and the bootstrap (its drop stops the
-        // liveness watcher, with a deadline), in the job's field order.
-        drop(job);
-        match failed {
-            Some(first) => Err(Error::Broken {
-                first: Box::new(first),
-            }),
-            None => finished.and(teardown),
-        }
+        self.engine.close(deadline, finished)
     }
 }
 

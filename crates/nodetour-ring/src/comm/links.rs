@@ -1,6 +1,6 @@
 //! What each rank announces about its links in the bootstrap (the wire-protocol version, the
 //! transport it is told to use, whether it has an RDMA device, its GPU and process), which the
-//! transport table ([`super::table`]) chooses each link's kind from.
+//! transport table ([`super::form::table`]) chooses each link's kind from.
 
 use nodetour_core::transport::TransportKind;
 

@@ -80,6 +80,7 @@ mod device_buffers;
 mod device_collectives;
 mod device_from_stream;
 mod device_set;
+mod engine;
 mod executor;
 pub(crate) mod form;
 mod gpu_options;
@@ -93,7 +94,6 @@ mod options;
 mod paths;
 mod scratch;
 mod symmetric;
-pub(crate) mod table;
 mod verbs;
 
 pub use crate::gpu::{KERNEL_COPY_MAX, ONE_STEP_MAX};
@@ -111,7 +111,7 @@ pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
 pub use symmetric::{SymmetricBuffer, SymmetricElements};
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaContext;
 use nodetour_core::Deadline;
@@ -120,6 +120,7 @@ use nodetour_core::memory::DeviceBuffer;
 use nodetour_net::bootstrap::LaunchInfo;
 
 use self::device_set::{DeviceSet, SetMember};
+use self::engine::Engine;
 use self::host_job::{AbortFlag, HostJob, Launch};
 use crate::descriptor::{Algorithm, Collective, Descriptor};
 use crate::error::{Error, Result};
@@ -135,37 +136,14 @@ use crate::reduce::{DataType, ReduceOp};
 /// shared::<nodetour_ring::comm::AbortHandle>();
 /// ```
 pub struct Communicator {
-    rank: u32,
-    world: u32,
-    /// This rank's local rank and its host's ranks.
-    local: (u32, u32),
-    paths: Paths,
-    aborted: AbortFlag,
-    gpu_abort: Option<crate::gpu_ring::AbortHandle>,
-    state: Mutex<State>,
+    /// The device side formed from a stream, dropped (torn down) before `engine`.
+    device: device_from_stream::DeviceSide,
+    /// The formed job this communicator runs its collectives on.
+    engine: Engine,
     /// A communicator of [`Communicator::from_devices`]: its GPU in the shared set.
     member: Option<SetMember>,
-    /// The whole input of a device reduce-scatter on the GPU ring (reduced in place there).
-    scratch: Mutex<scratch::Scratch>,
-    /// The options' timeout (what a dropped [`InFlight`] waits at most).
-    timeout: std::time::Duration,
     /// A communicator of processes: what formed it (to form its device side later).
     formed_with: Option<device_from_stream::FormedWith>,
-    /// Formed without a GPU: the device side its first device collective formed.
-    device: device_from_stream::DeviceSide,
-    /// Counts the collectives run so far, host and device alike (shared with the device
-    /// side): each carries its number in its descriptor (`Descriptor::call`).
-    calls: Arc<std::sync::atomic::AtomicU32>,
-    /// The stream its device collectives run on in call order (see `call_order`), made on the
-    /// GPU of its first device collective.
-    order: std::sync::OnceLock<call_order::CallOrder>,
-}
-
-struct State {
-    /// `None` once closed.
-    job: Option<HostJob>,
-    /// The first failure after ranks started talking: the communicator is broken.
-    failed: Option<Error>,
 }
 
 /// Aborts a communicator's collective in flight, and every later one, from any thread: they
@@ -202,8 +180,8 @@ impl AbortHandle {
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Communicator")
-            .field("rank", &self.rank)
-            .field("world", &self.world)
+            .field("rank", &self.rank())
+            .field("world", &self.world())
             .finish_non_exhaustive()
     }
 }
@@ -249,31 +227,31 @@ type Alive<'a> = dyn Fn() -> nodetour_core::Result<()> + 'a;
 impl Communicator {
     /// This rank.
     pub fn rank(&self) -> u32 {
-        self.rank
+        self.engine.rank
     }
 
     /// Ranks in the communicator.
     pub fn world(&self) -> u32 {
-        self.world
+        self.engine.world
     }
 
     /// This rank's place among the ranks on its host (0 for the lowest rank there), as a
     /// runtime picks its GPU by (torchrun's `LOCAL_RANK`).
     pub fn local_rank(&self) -> u32 {
-        self.local.0
+        self.engine.local.0
     }
 
     /// Ranks on this rank's host (torchrun's `LOCAL_WORLD_SIZE`).
     pub fn local_world(&self) -> u32 {
-        self.local.1
+        self.engine.local.1
     }
 
     /// How data travels: per link, the transport, where the bytes land, and why; for device
     /// memory, the path of the GPU given ([`Options::gpu`]) or, formed without one, of the
     /// GPU of the first device collective's stream (none before it).
     pub fn paths(&self) -> Paths {
-        let mut paths = self.paths.clone();
-        if let Some(d) = self.device.comm.get() {
+        let mut paths = self.engine.paths.clone();
+        if let Some(d) = self.device.engine() {
             paths.device = d.paths.device.clone();
         } else if let Some((_, staged)) = self.device.staged.get() {
             paths.device = staged.clone();
@@ -284,10 +262,8 @@ impl Communicator {
     /// A handle that aborts this communicator's collectives from any thread.
     pub fn abort_handle(&self) -> AbortHandle {
         AbortHandle {
-            flag: self.aborted.clone(),
-            gpu: self.gpu_abort.clone(),
             set: self.member.as_ref().map(|m| m.set.clone()),
-            device: self.device.abort.clone(),
+            ..self.engine.abort_handle()
         }
     }
 
@@ -297,157 +273,17 @@ impl Communicator {
         if let Some(m) = &self.member {
             return m.set.error();
         }
-        let failed = self.lock().ok().and_then(|s| s.failed.clone());
-        failed
-            .or_else(|| self.gpu_abort.as_ref().and_then(|a| a.error()))
-            .or_else(|| self.device.comm.get().and_then(|d| d.error()))
-    }
-
-    // --- the machinery every collective shares ---
-
-    fn lock(&self) -> Result<MutexGuard<'_, State>> {
-        if symmetric::inside_closure() {
-            return Err(Error::InvalidArgument {
-                reason: "a communicator call inside SymmetricBuffer::with_device_buffer's \
-                         closure (the communicator is held there: queue your work in the \
-                         closure, return, then call)"
-                    .into(),
-            });
-        }
-        self.state.lock().map_err(|_| Error::Aborted {
-            reason: "a thread panicked inside a collective of this communicator".into(),
-        })
-    }
-
-    /// Records `e` as the communicator's failure (the first one is kept): it is broken. Its
-    /// device side breaks with it (the GPU ring formed with it under `Options::with_gpu`, or
-    /// the one formed from a stream: aborted, which its neighbours see), so device collectives
-    /// queued there end now with the reason, on every rank, rather than waiting for peers that
-    /// will never join them.
-    fn record_failure(&self, state: &mut State, e: &Error) {
-        if state.failed.is_some() {
-            return;
-        }
-        state.failed = Some(e.clone());
-        let reason = format!("the communicator is broken: {e}");
-        if let Some(ring) = &self.gpu_abort {
-            ring.abort(&reason);
-        }
-        if let Some(device) = self.device.abort.get() {
-            device.abort(&reason);
-        }
-    }
-
-    /// The state, if the communicator can run a collective.
-    fn usable(&self) -> Result<MutexGuard<'_, State>> {
-        if self.member.is_some() {
-            return Err(Error::Unsupported {
-                reason: "host-memory collectives run on communicators of processes (from_env, \
-                         from_unique_id); the communicators of from_devices run device \
-                         collectives"
-                    .into(),
-            });
-        }
-        let state = self.lock()?;
-        if let Some(first) = &state.failed {
-            return Err(Error::Broken {
-                first: Box::new(first.clone()),
-            });
-        }
-        if state.job.is_none() {
-            return Err(Error::InvalidArgument {
-                reason: "the communicator is closed".into(),
-            });
-        }
-        Ok(state)
-    }
-
-    fn position(&self) -> u32 {
-        self.position_of(self.rank)
-    }
-
-    /// An error of the GPU ring (ranks as ring positions) with job ranks.
-    fn job_ranks(&self, e: Error) -> Error {
-        let order = &self.paths.order;
-        e.map_ranks(&|p| order.get(p as usize).copied().unwrap_or(p))
-    }
-
-    /// The ring position of job rank `rank`.
-    fn position_of(&self, rank: u32) -> u32 {
-        self.paths
-            .order
-            .iter()
-            .position(|r| *r == rank)
-            .unwrap_or(0) as u32
-    }
-
-    fn descriptor(
-        &self,
-        collective: Collective,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        root: Option<u32>,
-    ) -> Descriptor {
-        Descriptor {
-            collective,
-            count: count as u64,
-            dtype,
-            op,
-            root,
-            algorithm: Algorithm::HostRing,
-            seq: 0,
-            call: 0,
-        }
-    }
-
-    /// Runs device collective `f` on this communicator's stream in call order after the work
-    /// queued on `caller`, then joins `caller` after it (see `call_order`). A stream being
-    /// captured into a CUDA graph takes the collective itself (the graph's replays are
-    /// ordered where the caller launches them).
-    fn in_call_order<R>(
-        &self,
-        caller: &GpuStream,
-        f: impl FnOnce(&GpuStream) -> Result<R>,
-    ) -> Result<R> {
-        if caller.is_capturing().map_err(gpu_error)? {
-            return f(caller);
-        }
-        let order = match self.order.get() {
-            Some(o) => o,
-            None => {
-                let made = call_order::CallOrder::new(caller.context())?;
-                let _ = self.order.set(made);
-                self.order.get().expect("just set")
-            }
-        };
-        order.run(caller, f)
-    }
-
-    /// A marker on this communicator's stream (see `call_order`), if a device collective ran:
-    /// once it completes, every device collective called so far has run.
-    fn call_order_mark(&self) -> Result<Option<nodetour_core::cuda::GpuEvent>> {
-        self.order
-            .get()
-            .map(call_order::CallOrder::mark)
-            .transpose()
-    }
-
-    /// The next collective's number (`Descriptor::call`); taken under the state lock, once
-    /// per collective, by the path that runs it.
-    fn next_call(&self) -> u32 {
-        self.calls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        self.engine
+            .error()
+            .or_else(|| self.device.engine().and_then(Engine::error))
     }
 
     /// `whole` is `world` blocks of `block` elements.
     fn blocks(&self, whole: usize, block: usize, a: &str, b: &str) -> Result<()> {
-        if (block as u128) * u128::from(self.world) != whole as u128 {
+        let world = self.world();
+        if (block as u128) * u128::from(world) != whole as u128 {
             return Err(Error::InvalidArgument {
-                reason: format!(
-                    "{a} has {whole} elements, {b} {block}: {a} must be {} × {b}",
-                    self.world
-                ),
+                reason: format!("{a} has {whole} elements, {b} {block}: {a} must be {world} × {b}"),
             });
         }
         Ok(())
@@ -455,14 +291,12 @@ impl Communicator {
 
     /// The block length of a buffer of `world` blocks.
     fn block_of(&self, len: usize) -> Result<usize> {
-        if !len.is_multiple_of(self.world as usize) {
+        let world = self.world() as usize;
+        if !len.is_multiple_of(world) {
             return Err(Error::InvalidArgument {
-                reason: format!(
-                    "{len} elements do not split into {} equal blocks",
-                    self.world
-                ),
+                reason: format!("{len} elements do not split into {world} equal blocks"),
             });
         }
-        Ok(len / self.world as usize)
+        Ok(len / world)
     }
 }

@@ -11,7 +11,8 @@
 use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::gpu::IpcGrant;
 
-use super::{Communicator, Host};
+use super::Communicator;
+use super::engine::Engine;
 use crate::call::CallSpec;
 use crate::error::{Error, Result};
 use crate::reduce::DataType;
@@ -19,7 +20,7 @@ use nodetour_core::cuda::GpuStream;
 
 /// This rank's part of a symmetric buffer ([`Communicator::symmetric_buffer`]).
 pub struct SymmetricBuffer<'c> {
-    comm: &'c Communicator,
+    engine: &'c Engine,
     id: usize,
     bytes: usize,
 }
@@ -66,6 +67,11 @@ impl<'c> SymmetricBuffer<'c> {
 }
 
 impl SymmetricBuffer<'_> {
+    /// Whether it is `engine`'s.
+    pub(super) fn of(&self, engine: &Engine) -> bool {
+        std::ptr::eq(self.engine, engine)
+    }
+
     /// Bytes of this rank's part (as asked for).
     pub fn len(&self) -> usize {
         self.bytes
@@ -84,7 +90,7 @@ impl SymmetricBuffer<'_> {
     /// `InvalidArgument` (instead of waiting for itself forever), and a panic in `f` leaves it
     /// usable (the panic continues once it is released).
     pub fn with_device_buffer<R>(&self, f: impl FnOnce(&DeviceBuffer) -> R) -> Result<R> {
-        let state = self.comm.usable()?;
+        let state = self.engine.usable()?;
         let ring = state
             .job
             .as_ref()
@@ -142,9 +148,16 @@ impl Communicator {
     /// `Unsupported`, saying why. A rank that cannot allocate or map fails every rank's call.
     pub fn symmetric_buffer(&self, bytes: usize) -> Result<SymmetricBuffer<'_>> {
         // Formed without a GPU: the device side's, once a device collective formed it.
-        if let Some(d) = self.device.comm.get() {
-            return d.symmetric_buffer(bytes);
-        }
+        self.device
+            .engine()
+            .unwrap_or(&self.engine)
+            .symmetric_buffer(bytes)
+    }
+}
+
+impl Engine {
+    /// [`Communicator::symmetric_buffer`] on this engine.
+    fn symmetric_buffer(&self, bytes: usize) -> Result<SymmetricBuffer<'_>> {
         // 1. This rank's part (or why not), then every rank's grant.
         let created = {
             let mut state = self.usable()?;
@@ -180,7 +193,8 @@ impl Communicator {
                 }
             }
         };
-        if let Err(e) = self.all_gather(&mine, &mut all, Host) {
+        let grants_of_all = CallSpec::all_gather(per, DataType::U8).checked(self.world)?;
+        if let Err(e) = self.host_verb(grants_of_all, Some(&mine), &mut all) {
             release();
             return Err(e);
         }
@@ -235,7 +249,12 @@ impl Communicator {
             }
         };
         let mut verdicts = vec![0u8; self.world as usize];
-        self.all_gather(&[u8::from(mapped.is_ok())], &mut verdicts, Host)?;
+        let verdict_of_all = CallSpec::all_gather(1, DataType::U8).checked(self.world)?;
+        self.host_verb(
+            verdict_of_all,
+            Some(&[u8::from(mapped.is_ok())]),
+            &mut verdicts,
+        )?;
         mapped?;
         if let Some(r) = verdicts.iter().position(|v| *v != 1) {
             return Err(Error::Unsupported {
@@ -243,33 +262,20 @@ impl Communicator {
             });
         }
         Ok(SymmetricBuffer {
-            comm: self,
+            engine: self,
             id,
             bytes,
         })
     }
 
-    /// The allreduce `call` in place of `buffer`, on every rank, queued on `stream` (see
-    /// [`SymmetricElements`]).
+    /// The allreduce `call` in place of `buffer` (this engine's), on every rank, queued on
+    /// `stream` (see [`SymmetricElements`]).
     pub(super) fn all_reduce_symmetric(
         &self,
         buffer: &SymmetricBuffer<'_>,
         call: &CallSpec,
         stream: &GpuStream,
     ) -> Result<()> {
-        if let Some(d) = self
-            .device
-            .comm
-            .get()
-            .filter(|d| std::ptr::eq(buffer.comm, &***d))
-        {
-            return d.all_reduce_symmetric(buffer, call, stream);
-        }
-        if !std::ptr::eq(buffer.comm, self) {
-            return Err(Error::InvalidArgument {
-                reason: "a symmetric buffer of another communicator".into(),
-            });
-        }
         let on_ring = call.on_ring(self.world, 0);
         self.in_call_order(stream, |lane| {
             self.on_gpu_ring(|ring| ring.symmetric_all_reduce(buffer.id, on_ring, lane))

@@ -38,7 +38,7 @@ impl Communicator {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(recv);
             same_len(sealed::Input::count(send), n, "send", "recv")?;
-            let call = CallSpec::all_reduce(n, dtype, op).checked(self.world)?;
+            let call = CallSpec::all_reduce(n, dtype, op).checked(self.world())?;
             lend_both(send, recv, queue, |inp, out| {
                 self.verb(reached, call, Some(inp), out)
             })
@@ -64,7 +64,7 @@ impl Communicator {
     {
         self.guarded(queue, |reached| {
             let (n, dtype) = (sealed::Input::count(data), sealed::Input::dtype(data));
-            let call = CallSpec::all_reduce(n, dtype, op).checked(self.world)?;
+            let call = CallSpec::all_reduce(n, dtype, op).checked(self.world())?;
             data.lend_mut(queue, |out| self.verb(reached, call, None, out))
         })
     }
@@ -87,7 +87,7 @@ impl Communicator {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(recv);
             self.blocks(sealed::Input::count(send), n, "send", "recv")?;
-            let call = CallSpec::reduce_scatter(n, dtype, op).checked(self.world)?;
+            let call = CallSpec::reduce_scatter(n, dtype, op).checked(self.world())?;
             lend_both(send, recv, queue, |inp, out| {
                 self.verb(reached, call, Some(inp), out)
             })
@@ -104,7 +104,7 @@ impl Communicator {
         self.guarded(queue, |reached| {
             let n = self.block_of(sealed::Input::count(data))?;
             let dtype = sealed::Input::dtype(data);
-            let call = CallSpec::reduce_scatter(n, dtype, op).checked(self.world)?;
+            let call = CallSpec::reduce_scatter(n, dtype, op).checked(self.world())?;
             data.lend_mut(queue, |out| self.verb(reached, call, None, out))
         })
     }
@@ -121,7 +121,7 @@ impl Communicator {
             let dtype = same_type(send, recv)?;
             let n = sealed::Input::count(send);
             self.blocks(sealed::Input::count(recv), n, "recv", "send")?;
-            let call = CallSpec::all_gather(n, dtype).checked(self.world)?;
+            let call = CallSpec::all_gather(n, dtype).checked(self.world())?;
             lend_both(send, recv, queue, |inp, out| {
                 self.verb(reached, call, Some(inp), out)
             })
@@ -137,7 +137,7 @@ impl Communicator {
         self.guarded(queue, |reached| {
             let n = self.block_of(sealed::Input::count(data))?;
             let dtype = sealed::Input::dtype(data);
-            let call = CallSpec::all_gather(n, dtype).checked(self.world)?;
+            let call = CallSpec::all_gather(n, dtype).checked(self.world())?;
             data.lend_mut(queue, |out| self.verb(reached, call, None, out))
         })
     }
@@ -153,8 +153,8 @@ impl Communicator {
         self.guarded(queue, |reached| {
             let n = sealed::Input::count(recv);
             let dtype = sealed::Input::dtype(recv);
-            let call = CallSpec::broadcast(n, dtype, root).checked(self.world)?;
-            if self.rank == root {
+            let call = CallSpec::broadcast(n, dtype, root).checked(self.world())?;
+            if self.rank() == root {
                 same_type(send, recv)?;
                 same_len(sealed::Input::count(send), n, "send", "recv")?;
             }
@@ -172,7 +172,7 @@ impl Communicator {
     {
         self.guarded(queue, |reached| {
             let (n, dtype) = (sealed::Input::count(data), sealed::Input::dtype(data));
-            let call = CallSpec::broadcast(n, dtype, root).checked(self.world)?;
+            let call = CallSpec::broadcast(n, dtype, root).checked(self.world())?;
             data.lend_mut(queue, |out| self.verb(reached, call, None, out))
         })
     }
@@ -194,7 +194,7 @@ impl Communicator {
                     Some(Lent::Host(b)) => Some(b),
                     Some(Lent::Device(..)) => return Err(mixed()),
                 };
-                HostMemory(self).run(call, HostOperands { send, out })
+                HostMemory(&self.engine).run(call, HostOperands { send, out })
             }
             LentMut::Symmetric(buffer, stream) => {
                 // Never a set's meeting turn (on a member the buffer is another communicator's,
@@ -202,7 +202,13 @@ impl Communicator {
                 reached.set(true);
                 match (call.kind, send) {
                     (Collective::AllReduce, None) => {
-                        self.all_reduce_symmetric(buffer, &call, stream)
+                        let mine = [Some(&self.engine), self.device.engine()];
+                        let Some(engine) = mine.into_iter().flatten().find(|e| buffer.of(e)) else {
+                            return Err(Error::InvalidArgument {
+                                reason: "a symmetric buffer of another communicator".into(),
+                            });
+                        };
+                        engine.all_reduce_symmetric(buffer, &call, stream)
                     }
                     _ => Err(Error::Unsupported {
                         reason: "a symmetric buffer takes the in-place allreduce only".into(),
@@ -220,23 +226,24 @@ impl Communicator {
                         // From here the member itself cancels what it refuses.
                         reached.set(true);
                         let called = Cell::new(false);
-                        self.in_call_order(stream, |lane| {
-                            called.set(true);
-                            m.run(
-                                call,
-                                DeviceOperands {
-                                    send,
-                                    out,
-                                    stream: lane,
-                                },
-                            )
-                        })
-                        .inspect_err(|e| {
-                            // Refused before the member's share: nobody else waits for it.
-                            if !called.get() {
-                                m.set.meeting.cancel(m.seat, &e.to_string());
-                            }
-                        })
+                        self.engine
+                            .in_call_order(stream, |lane| {
+                                called.set(true);
+                                m.run(
+                                    call,
+                                    DeviceOperands {
+                                        send,
+                                        out,
+                                        stream: lane,
+                                    },
+                                )
+                            })
+                            .inspect_err(|e| {
+                                // Refused before the member's share: nobody else waits for it.
+                                if !called.get() {
+                                    m.set.meeting.cancel(m.seat, &e.to_string());
+                                }
+                            })
                     }
                     None => {
                         let comm = self.on_device(stream)?;
@@ -255,7 +262,9 @@ impl Communicator {
             }
         }
     }
+}
 
+impl Engine {
     /// Host memory (`executor::HostMemory`): runs `call` synchronously (the answer is in `out`
     /// on return).
     pub(super) fn host_verb(

@@ -11,13 +11,13 @@ use nodetour_core::cuda::one_kernel::ONE_SHOT_MAX_RANKS;
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::setup::NeighbourSetup;
 use nodetour_core::transport::tcp::TcpEndpoint;
-use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{MemConnection, SlotGrant, SlotRegion, TransportKind};
 use nodetour_core::verbs::{Access, LocalSide, MemoryRegion, Near};
 use nodetour_net::bootstrap::{Bootstrap, HostIdentity, PeerEntry};
 
+use super::links::{self, Allocating, Connecting, Prepared};
 use super::plan::{Facts, RingPlan, address_book};
-use super::setups::{self, Conns, Prepared, Received};
+use super::setups::{self, Conns, Received};
 use crate::comm::host_job::Launch;
 use crate::comm::links::Announcement;
 use crate::comm::options::Options;
@@ -166,8 +166,8 @@ pub(crate) fn allocate(
     options: &Options,
     pin: Option<&Arc<CudaContext>>,
 ) -> Result<HostMemory> {
-    let verbs_peers = plan.peers_over(TransportKind::Verbs);
-    let local = verbs.ok().filter(|_| !verbs_peers.is_empty());
+    let peers_over = |k| plan.peers_over(k);
+    let local = verbs.ok().filter(|_| links::uses_rdma_device(&peers_over));
     let region = |len: usize, access: Access| -> Result<SlotRegion> {
         let mut buf = HostBuffer::new(len.max(1))?;
         if let Some(context) = pin {
@@ -183,12 +183,11 @@ pub(crate) fn allocate(
     let recv = region(slot_total(options)?, Access::REMOTE)?;
     let bell = region(4096, Access::REMOTE_STRICT)?;
     let work = region(options.piece_bytes, Access::LOCAL)?;
-    let mut prepared = Prepared::new();
-    if let Some(l) = &local {
-        for p in verbs_peers {
-            prepared.insert(p, PreparedVerbs::for_peer(l)?);
-        }
-    }
+    let at = Allocating {
+        verbs: local.as_ref(),
+        depth: None,
+    };
+    let prepared = links::allocate(&peers_over, &at)?;
     Ok(HostMemory {
         recv,
         bell,
@@ -228,7 +227,7 @@ pub(crate) fn exchange(
         NeighbourSetup {
             recv: (p == prev).then(|| SlotGrant::of(&memory.recv)),
             bell: (p == next).then(|| SlotGrant::of(&memory.bell)),
-            endpoint: memory.prepared.get(&p).map(|(_, e)| e.clone()),
+            endpoint: memory.prepared.get(&p).map(|m| m.endpoint()),
         }
         .encode()
     };
@@ -262,11 +261,11 @@ pub(crate) fn exchange(
     })
 }
 
-/// Connect: each verbs neighbour's queue pair, each tcp neighbour's connection (starting with
-/// what that neighbour may write granted), and for one rank a loopback link that carries
-/// nothing (its plans have no sends), so that its collectives run through the same code. A
-/// verbs write must not reach a queue pair that is not ready yet: every rank has connected
-/// every link before any rank's first collective (the barrier).
+/// Connect: each host link kind's connections (a queue pair for each verbs neighbour, a tcp
+/// connection starting with what that neighbour may write granted), and for one rank a
+/// loopback link that carries nothing (its plans have no sends), so that its collectives run
+/// through the same code. A verbs write must not reach a queue pair that is not ready yet:
+/// every rank has connected every link before any rank's first collective (the barrier).
 pub(crate) fn connect(
     joined: &Joined,
     plan: &RingPlan,
@@ -274,14 +273,6 @@ pub(crate) fn connect(
     grants: &HostGrants,
     options: &Options,
 ) -> Result<(Conns, Option<MemConnection>)> {
-    let mut conns = Conns::new();
-    if let Some(l) = &memory.local {
-        let prepared = std::mem::take(&mut memory.prepared);
-        // The connection's own waits (and so every wait of a collective on it) take this:
-        // the collective's timeout, not the joining one.
-        let timeout = options.timeout();
-        conns = setups::connect_verbs(prepared, &grants.received, l, &options.config, timeout)?;
-    }
     let (prev, next) = (plan.prev, plan.next);
     let (recv, bell) = (&memory.recv, &memory.bell);
     let grants_for = |p: u32| {
@@ -294,22 +285,24 @@ pub(crate) fn connect(
         }
         g
     };
-    let tcp = plan.peers_over(TransportKind::Tcp);
-    let (job, endpoint) = (&joined.job, &joined.endpoint);
-    conns.extend(setups::connect_tcp(
-        job,
-        endpoint,
-        &tcp,
-        &grants_for,
-        joined.deadline,
-    )?);
+    let at = Connecting {
+        job: &joined.job,
+        endpoint: &joined.endpoint,
+        received: &grants.received,
+        verbs: memory.local.as_ref(),
+        config: &options.config,
+        timeout: options.timeout(),
+        deadline: joined.deadline,
+        grants_for: &grants_for,
+    };
+    let mut conns = links::connect(&|k| plan.peers_over(k), &mut memory.prepared, &at)?;
     let mut loopback = None;
     if plan.world == 1 {
         let (a, b) = MemConnection::pair();
         conns.insert(plan.me, Box::new(a));
         loopback = Some(b);
     } else {
-        job.barrier(joined.deadline)?;
+        joined.job.barrier(joined.deadline)?;
     }
     Ok((conns, loopback))
 }

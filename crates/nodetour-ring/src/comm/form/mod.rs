@@ -5,13 +5,15 @@
 //! 1. **announce** ([`host::announce`]): the bootstrap; every rank hears every rank's host and
 //!    announcement (link abilities, GPU, process, the must-agree settings).
 //! 2. **plan** ([`plan::RingPlan`], pure): the settings' agreement, the ring order, one host
-//!    link per neighbour from the transport table ([`super::table`]) with its reason, and how
+//!    link per neighbour from the transport table ([`table`]) with its reason, and how
 //!    GPU buffers travel ([`plan::DevicePlan`]); tested on fixtures.
-//! 3. **allocate** ([`host::allocate`]): the regions and queue pairs the plan asks for, with
+//! 3. **allocate** ([`host::allocate`]): the regions the plan asks for, and what each link kind
+//!    makes for its peers ([`links`]: a queue pair per verbs neighbour), with
 //!    least privilege.
 //! 4. **exchange** ([`host::exchange`], [`setups`]): each neighbour's setup, decoded and checked
 //!    in one place against what this rank agreed.
-//! 5. **connect** ([`host::connect`]): queue pairs and tcp connections, then a barrier.
+//! 5. **connect** ([`host::connect`]): each link kind's connections (the transport table's
+//!    rows carry their steps: [`links`]), then a barrier.
 //! 6. **device** ([`device`]): the GPU ring the plan chose (in-host links: [`gpu`]; network
 //!    links: [`net`], [`net_direct`]; the one-kernel path: [`one_kernel`]), whose own steps choose each link's kind and landing, a fallback
 //!    (cuda-ipc to shm, GPU slots to host slots) recorded with its reason.
@@ -20,11 +22,13 @@
 
 mod gpu;
 pub(crate) mod host;
+pub(crate) mod links;
 mod net;
 pub(crate) mod net_direct;
 mod one_kernel;
 pub(crate) mod plan;
 pub(crate) mod setups;
+pub(crate) mod table;
 
 use std::sync::Arc;
 

@@ -23,14 +23,14 @@ use nodetour_core::transport::gpu::{
     StagedReceive,
 };
 use nodetour_core::transport::setup::{GpuNeighbourSetup, NeighbourSetup};
-use nodetour_core::transport::verbs::PreparedVerbs;
 use nodetour_core::transport::{SlotGrant, SlotRegion, TransportKind};
 use nodetour_core::verbs::{Access, LocalSide, MemoryRegion, QueuePairOptions};
 use nodetour_core::visibility;
 
 use super::gpu::{FormedGpuRing, Seat};
+use super::links::{self, Allocating, Connecting, Prepared};
 use super::net_direct::{self, DirectSlots, Ladder};
-use super::setups::{self, Conns, Prepared, Received, missing};
+use super::setups::{self, Conns, Received, missing};
 use crate::comm::gpu_options::{GpuPaths, GpuRingOptions, NetLanding, check_shape};
 use crate::error::{Error, Result};
 use crate::flag;
@@ -370,20 +370,18 @@ fn allocate(
     })
 }
 
-/// A queue pair for each verbs neighbour, deep enough for every slot's write.
+/// What each network link kind makes for its peers: a queue pair for each verbs neighbour,
+/// deep enough for every slot's write.
 fn queue_pairs(plan: &NetPlan, verbs: Option<&LocalSide>) -> Result<Prepared> {
-    let mut prepared = Prepared::new();
-    if let Some(l) = verbs {
-        for p in plan.network_peers(TransportKind::Verbs) {
-            let depth = QueuePairOptions {
-                send_depth: 64,
-                recv_depth: receive_depth(plan.slots),
-                max_inline: 0,
-            };
-            prepared.insert(p, PreparedVerbs::for_peer_with(l, depth)?);
-        }
-    }
-    Ok(prepared)
+    let at = Allocating {
+        verbs,
+        depth: Some(QueuePairOptions {
+            send_depth: 64,
+            recv_depth: receive_depth(plan.slots),
+            max_inline: 0,
+        }),
+    };
+    links::allocate(&|k| plan.network_peers(k), &at)
 }
 
 /// Exchange: to an in-host neighbour its GPU setup (this rank's flag pages; to the previous
@@ -421,7 +419,7 @@ fn exchange(
             NeighbourSetup {
                 recv: recv.map(|r| SlotGrant::of(&r.slots())),
                 bell: mailbox.as_ref().map(SlotGrant::of),
-                endpoint: memory.prepared.get(&p).map(|(_, e)| e.clone()),
+                endpoint: memory.prepared.get(&p).map(|m| m.endpoint()),
             }
             .encode()
         }
@@ -580,16 +578,18 @@ fn connect_network(
         g.extend(mailbox.clone());
         g
     };
-    let tcp = plan.network_peers(TransportKind::Tcp);
-    let mut conns = setups::connect_tcp(seat.job, seat.endpoint, &tcp, &grants_for, seat.deadline)?;
-    let prepared = std::mem::take(&mut memory.prepared);
-    if let Some(l) = verbs {
+    let at = Connecting {
+        job: seat.job,
+        endpoint: seat.endpoint,
+        received,
+        verbs,
+        config,
         // The connection's waits are the collective's (not the joining deadline's remainder).
-        let timeout = seat.timeout;
-        conns.extend(setups::connect_verbs(
-            prepared, received, l, config, timeout,
-        )?);
-    }
+        timeout: seat.timeout,
+        deadline: seat.deadline,
+        grants_for: &grants_for,
+    };
+    let conns = links::connect(&|k| plan.network_peers(k), &mut memory.prepared, &at)?;
     seat.job.barrier(seat.deadline)?;
     memory.mine.unlink()?;
     if let Some((_, s, _)) = &memory.in_host {

@@ -11,7 +11,7 @@ use nodetour_net::bootstrap::HostIdentity;
 use super::super::links::Announcement;
 use super::super::options::check_agreement;
 use super::super::paths::{Direction, LinkPath};
-use super::super::table::{self, Pair, Why};
+use super::table::{self, Pair, Why};
 use crate::error::{Error, Result};
 use crate::order::{neighbours, ring_order};
 

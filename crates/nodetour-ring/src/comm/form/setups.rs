@@ -1,27 +1,20 @@
-//! Formation's exchange and connect steps, in one place for every ring: what a neighbour sent
-//! (decoded once, each missing or malformed part a protocol error naming the rank), the grants
-//! checked against the sizes this rank agreed, and the connections made from them (a verbs
-//! queue pair from the endpoint a neighbour sent; an authenticated tcp connection that starts
-//! with what that neighbour may write granted).
+//! Formation's exchange step, in one place for every ring: what a neighbour sent (decoded
+//! once, each missing or malformed part a protocol error naming the rank), and the grants
+//! checked against the sizes this rank agreed. Each link kind connects from them in its own
+//! steps ([`super::links`]).
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use nodetour_core::Deadline;
 use nodetour_core::transport::setup::{GpuNeighbourSetup, NeighbourSetup};
 use nodetour_core::transport::tcp::TcpEndpoint;
-use nodetour_core::transport::verbs::PreparedVerbs;
-use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion};
-use nodetour_core::verbs::{EndpointDescription, LocalSide, PathOptions};
+use nodetour_core::transport::{HostConnection, SlotGrant};
 use nodetour_net::bootstrap::Bootstrap;
 
 use crate::error::{Error, Result};
 
 /// Connections to neighbours, by rank.
 pub(crate) type Conns = HashMap<u32, Box<dyn HostConnection>>;
-
-/// Queue pairs made for the verbs neighbours, each with the endpoint sent to that neighbour.
-pub(crate) type Prepared = HashMap<u32, (PreparedVerbs, Vec<u8>)>;
 
 /// What the neighbours sent in the exchange, as bytes until a step reads them.
 pub(crate) struct Received(HashMap<u32, Vec<u8>>);
@@ -98,56 +91,6 @@ pub(crate) fn at_least(grant: SlotGrant, rank: u32, what: &str, len: usize) -> R
         });
     }
     Ok(grant)
-}
-
-/// Connects each queue pair in `prepared` to the endpoint its neighbour sent; `timeout` bounds
-/// every later wait on the connection (the collective's timeout).
-pub(crate) fn connect_verbs(
-    prepared: Prepared,
-    received: &Received,
-    local: &LocalSide,
-    config: &nodetour_core::Config,
-    timeout: Duration,
-) -> Result<Conns> {
-    let mut conns = Conns::new();
-    for (p, (q, _)) in prepared {
-        let sent = received
-            .host(p)?
-            .endpoint
-            .ok_or_else(|| missing(p, "queue pair"))?;
-        let remote = EndpointDescription::decode(&sent)
-            .map_err(|e| Error::Protocol {
-                rank: p,
-                reason: format!("its queue pair: {e}"),
-            })?
-            .endpoint;
-        let path = PathOptions::new(local.port.port, &local.gid, config);
-        let c = q.connect(&remote, &path, format!("rank {p}"), timeout)?;
-        conns.insert(p, Box::new(c));
-    }
-    Ok(conns)
-}
-
-/// Connects to each of `peers` over tcp (authenticated both ways), each connection starting
-/// with `grants_for(p)` granted: what that neighbour may write.
-pub(crate) fn connect_tcp(
-    job: &Bootstrap,
-    endpoint: &TcpEndpoint,
-    peers: &[u32],
-    grants_for: &(dyn Fn(u32) -> Vec<SlotRegion> + Sync),
-    deadline: Deadline,
-) -> Result<Conns> {
-    if peers.is_empty() {
-        return Ok(Conns::new());
-    }
-    let (me, world) = (job.rank(), job.world_size());
-    let alive = || job.check_present();
-    let address = |p: u32| job.peers()[p as usize].address.clone();
-    let made = endpoint.connect_mesh(peers, me, world, &address, grants_for, &alive, deadline)?;
-    Ok(made
-        .into_iter()
-        .map(|(p, c)| (p, Box::new(c) as Box<dyn HostConnection>))
-        .collect())
 }
 
 #[cfg(test)]

@@ -23,8 +23,11 @@ use std::fmt;
 
 use nodetour_core::transport::TransportKind;
 
-use super::links::Announcement;
-use super::paths::Landing;
+use super::links::LinkSteps;
+use super::links::tcp::Tcp;
+use super::links::verbs::Verbs;
+use crate::comm::links::Announcement;
+use crate::comm::paths::Landing;
 use crate::error::{Error, Result};
 
 /// Which memory a link kind carries.
@@ -149,42 +152,60 @@ impl fmt::Display for Why {
     }
 }
 
-/// One row: a link kind, the memory it carries, and its test.
+/// One row: a link kind, the memory it carries, its test, and its own formation steps.
 struct Row {
     kind: TransportKind,
     memory: Memory,
     /// `Ok(why it can)` or `Err(why it cannot)`.
     can_connect: fn(&Pair<'_>) -> std::result::Result<Why, Why>,
+    /// A host link kind's allocate and connect ([`super::links`]). The GPU rows' steps are
+    /// the GPU ring's (`gpu.rs` in a host; a network link is formed by the host kind its
+    /// host links chose, through these rows' steps, in `net.rs`).
+    steps: Option<&'static dyn LinkSteps>,
 }
 
 /// The table, in order of preference within each kind of memory.
-const TABLE: [Row; 5] = [
+static TABLE: [Row; 5] = [
     Row {
         kind: TransportKind::CudaIpc,
         memory: Memory::Device,
         can_connect: gpus_of_one_host,
+        steps: None,
     },
     Row {
         kind: TransportKind::Shm,
         memory: Memory::Device,
         can_connect: gpus_of_one_host,
+        steps: None,
     },
     Row {
         kind: TransportKind::Tcp,
         memory: Memory::Device,
         can_connect: gpus_on_other_hosts,
+        steps: None,
     },
     Row {
         kind: TransportKind::Verbs,
         memory: Memory::Host,
         can_connect: both_have_verbs,
+        steps: Some(&Verbs),
     },
     Row {
         kind: TransportKind::Tcp,
         memory: Memory::Host,
         can_connect: |_| Ok(Why::TcpReachesAll),
+        steps: Some(&Tcp),
     },
 ];
+
+/// The host link kinds and their formation steps, in the table's order (formation allocates
+/// and connects each kind's links in turn).
+pub(crate) fn host_steps() -> impl Iterator<Item = (TransportKind, &'static dyn LinkSteps)> {
+    TABLE
+        .iter()
+        .filter(|r| r.memory == Memory::Host)
+        .filter_map(|r| Some((r.kind, r.steps?)))
+}
 
 /// The first of the pair that passes host memory only.
 fn host_memory_only(p: &Pair<'_>) -> Option<Why> {
@@ -257,10 +278,7 @@ fn same_override(p: &Pair<'_>) -> Result<()> {
 /// The host-memory link of `pair`, where its bytes land, and why.
 pub(crate) fn host_link(pair: &Pair<'_>) -> Result<(TransportKind, Landing, Why)> {
     same_override(pair)?;
-    let landing = |k| match k {
-        TransportKind::Verbs => Landing::RegisteredHost,
-        _ => Landing::SoftwareHost,
-    };
+    let landing = |row: &Row| row.steps.map_or(Landing::SoftwareHost, |s| s.landing());
     let forced = pair.ours.0.forced;
     if forced == Some(TransportKind::Mem) {
         return Err(Error::InvalidArgument {
@@ -276,12 +294,12 @@ pub(crate) fn host_link(pair: &Pair<'_>) -> Result<(TransportKind, Landing, Why)
         }
         match (row.can_connect)(pair) {
             Ok(_) if forced == Some(row.kind) => {
-                return Ok((row.kind, landing(row.kind), Why::Forced(row.kind)));
+                return Ok((row.kind, landing(row), Why::Forced(row.kind)));
             }
-            Ok(why) if refused.is_empty() => return Ok((row.kind, landing(row.kind), why)),
+            Ok(why) if refused.is_empty() => return Ok((row.kind, landing(row), why)),
             Ok(_) => {
                 let taken = row.kind;
-                return Ok((taken, landing(taken), Why::FellBack { refused, taken }));
+                return Ok((taken, landing(row), Why::FellBack { refused, taken }));
             }
             Err(why) if forced == Some(row.kind) => {
                 return Err(Error::Unsupported {
