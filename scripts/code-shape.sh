@@ -2,8 +2,9 @@
 # code-shape.sh: the shape of the code: the largest source files and the longest functions.
 #   scripts/code-shape.sh            print the 15 largest files and the 25 longest functions
 #   scripts/code-shape.sh --check    also fail where a source file is over 1,000 lines, a
-#                                    formation step (comm/form/) over 100, or a crate's
-#                                    top-level modules import each other in a circle
+#                                    formation step (comm/form/) or a function of an executor
+#                                    over 100, or a crate's top-level modules import each
+#                                    other in a circle
 # Sources: the crates' src/, the root src/ and examples/ (tests and benches are not counted).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -46,6 +47,16 @@ print("longest formation steps (lines; --check fails over 100):")
 for n, where, name in steps[:8]:
     print(f"  {n:6}  {name}  {where}")
 long_steps = [f for f in steps if f[0] > 100]
+# The executors (issue 51: none of their functions over 100 lines): the host ring, the GPU
+# rings, the CPU executor of the stream program, the collective value, the communicator.
+executor = re.compile(
+    r"crates/nodetour-ring/src/(host/|gpu_ring/|gpu\.rs|cpu_streams\.rs|call\.rs|comm/)")
+exec_fns = sorted((f for f in funcs if executor.search(f[1]) and "tests.rs" not in f[1]),
+                  reverse=True)
+print("longest functions of the executors (lines; --check fails over 100):")
+for n, where, name in exec_fns[:5]:
+    print(f"  {n:6}  {name}  {where}")
+long_exec = [f for f in exec_fns if f[0] > 100]
 # Import circles between folders: a crate's top-level modules (a folder, or a file directly
 # under src/) and the `crate::X` paths each one names outside comments.
 print("import circles between a crate's top-level modules (folders or files):")
@@ -98,5 +109,8 @@ if check and circles:
     sys.exit(1)
 if check and long_steps:
     print("formation steps over 100 lines: " + ", ".join(f"{w} {m} ({n})" for n, w, m in long_steps))
+    sys.exit(1)
+if check and long_exec:
+    print("executor functions over 100 lines: " + ", ".join(f"{w} {m} ({n})" for n, w, m in long_exec))
     sys.exit(1)
 EOF

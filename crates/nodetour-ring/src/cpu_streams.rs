@@ -21,7 +21,7 @@ use crate::flag;
 use crate::net_link::{CELL, NetLink, WordPage};
 use crate::plan::{Plan, Shape};
 use crate::reduce::{DataType, ReduceOp, finish_avg, reduce_into};
-use crate::stream_plan::{LinkCounters, RecvKind, program, program_exchange};
+use crate::stream_plan::{LinkCounters, RecvKind, StreamProgram, program, program_exchange};
 
 /// A flag page in plain host memory.
 pub(crate) struct HostPage {
@@ -130,6 +130,12 @@ impl CpuRank {
         self.mine.read(flag::STOPPED).unwrap_or(1) != 0
     }
 
+    /// Whether a neighbour's end notice came.
+    fn ended(&self) -> bool {
+        self.mine.read(flag::ENDED_BY_PREV).unwrap_or(0) != 0
+            || self.mine.read(flag::ENDED_BY_NEXT).unwrap_or(0) != 0
+    }
+
     /// Ends the ring here: notices to both neighbours (through the outboxes), then the stop
     /// word.
     pub(crate) fn abort(&mut self, error: Error) {
@@ -194,153 +200,195 @@ impl CpuRank {
                 prog.recvs.iter().map(|r| bytes(&r.elements)),
             );
         }
-        let buffer = Mutex::new(bytemuck::cast_slice::<f32, u8>(data).to_vec());
-        let (sends_done, recvs_done) = (AtomicUsize::new(0), AtomicUsize::new(0));
-        let finished = AtomicUsize::new(0);
+        let run = Run {
+            rank: &*self,
+            prog: &prog,
+            buffer: Mutex::new(bytemuck::cast_slice::<f32, u8>(data).to_vec()),
+            sends_done: AtomicUsize::new(0),
+            recvs_done: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
+            cell,
+            word,
+            rop,
+        };
         let deadline = Instant::now() + timeout;
-        let mut failure: Option<Error> = None;
-        let this = &*self;
+        let mut failure = None;
         std::thread::scope(|s| {
-            s.spawn(|| {
-                if prog.sends.is_empty() {
-                    // A rank that sends nothing still says what it calls.
-                    if !this.stopped() {
-                        let _ = this.out_next.store(cell, word);
-                    }
-                }
-                for (i, op) in prog.sends.iter().enumerate() {
-                    if let Some(j) = op.after_recv {
-                        while recvs_done.load(Ordering::Acquire) <= j && !this.stopped() {
-                            std::thread::sleep(Duration::from_micros(5));
-                        }
-                    }
-                    let credit = this.guarded(|| {
-                        op.wait_released
-                            .is_none_or(|v| reached(this.mine.read(flag::RELEASED).unwrap_or(0), v))
-                    });
-                    if credit {
-                        let (a, b) = (op.elements.start as usize * 4, op.elements.end as usize * 4);
-                        let chunk = buffer.lock().unwrap()[a..b].to_vec();
-                        let at = op.slot as usize * this.slot_bytes;
-                        let _ = this.send_slots.write_at(at, &chunk);
-                        if i == 0 {
-                            let _ = this.out_next.store(cell, word);
-                        }
-                        let _ = this.out_next.store(flag::READY, op.ready);
-                    }
-                    sends_done.store(i + 1, Ordering::Release);
-                }
-                finished.fetch_add(1, Ordering::AcqRel);
-            });
-            s.spawn(|| {
-                for (i, op) in prog.recvs.iter().enumerate() {
-                    if let Some(j) = op.after_send {
-                        while sends_done.load(Ordering::Acquire) <= j && !this.stopped() {
-                            std::thread::sleep(Duration::from_micros(5));
-                        }
-                    }
-                    let got = this.guarded(|| {
-                        (i != 0 || this.mine.read(cell).unwrap_or(0) == word)
-                            && reached(this.mine.read(flag::READY).unwrap_or(0), op.wait_ready)
-                    });
-                    let (a, b) = (op.elements.start as usize * 4, op.elements.end as usize * 4);
-                    let mut chunk = vec![0u8; b - a];
-                    let at = op.slot as usize * this.slot_bytes;
-                    let _ = this
-                        .landed
-                        .as_ref()
-                        .unwrap_or(&this.recv_slots)
-                        .read_at(at, &mut chunk);
-                    {
-                        let mut buf = buffer.lock().unwrap();
-                        match op.kind {
-                            RecvKind::Reduce { average } => {
-                                let _ = reduce_into(DataType::F32, rop, &mut buf[a..b], &chunk);
-                                if average {
-                                    finish_avg(DataType::F32, &mut buf[a..b], this.world)
-                                        .expect("f32 is reduced");
-                                }
-                            }
-                            RecvKind::Copy => buf[a..b].copy_from_slice(&chunk),
-                        }
-                    }
-                    if got {
-                        let _ = this.out_prev.store(flag::RELEASED, op.released);
-                    }
-                    recvs_done.store(i + 1, Ordering::Release);
-                }
-                finished.fetch_add(1, Ordering::AcqRel);
-            });
-            // The host's wait: the streams, the links, the neighbours' notices, the deadline.
-            let mut aborted = false;
-            // Done when both streams are, and the link has carried their last chunks (or
-            // stopped).
-            let carried = |aborted: bool| {
-                aborted
-                    || this
-                        .link
-                        .as_ref()
-                        .is_none_or(|l| l.all_sent() || l.failure().is_some())
-            };
-            while finished.load(Ordering::Acquire) < 2 || !carried(aborted) {
-                if !aborted {
-                    let why = if let Some(e) = this.link.as_ref().and_then(|l| l.failure()) {
-                        Some(e)
-                    } else if this.mine.read(flag::ENDED_BY_PREV).unwrap_or(0) != 0
-                        || this.mine.read(flag::ENDED_BY_NEXT).unwrap_or(0) != 0
-                    {
-                        Some(Error::PeerFailed {
-                            peer: 0,
-                            seq,
-                            cause: crate::RootCause::new(0, crate::CauseKind::Failed),
-                        })
-                    } else if Instant::now() >= deadline {
-                        Some(Error::Timeout {
-                            waiting_for: "the CPU streams".into(),
-                            rank: None,
-                            after: timeout,
-                        })
-                    } else {
-                        None
-                    };
-                    if let Some(e) = why {
-                        let v = (seq as u32).wrapping_add(1).max(1);
-                        let _ = this.out_next.store(flag::ENDED_BY_PREV, v);
-                        let _ = this.out_prev.store(flag::ENDED_BY_NEXT, v);
-                        let _ = this.mine.store(flag::STOPPED, 1);
-                        failure = Some(e);
-                        aborted = true;
-                    }
-                }
-                std::thread::sleep(Duration::from_micros(20));
-            }
+            s.spawn(|| run.send_stream());
+            s.spawn(|| run.recv_stream());
+            failure = run.watch(seq, deadline, timeout);
         });
-        // Read once more after the streams finished: a neighbour that ended told us first.
-        if failure.is_none() {
-            if this.stopped() {
-                failure = Some(Error::Aborted {
-                    reason: "the ring was aborted".into(),
-                });
-            } else if this.mine.read(flag::ENDED_BY_PREV).unwrap_or(0) != 0
-                || this.mine.read(flag::ENDED_BY_NEXT).unwrap_or(0) != 0
-            {
-                failure = Some(Error::PeerFailed {
-                    peer: 0,
-                    seq,
-                    cause: crate::RootCause::new(0, crate::CauseKind::Failed),
-                });
-            } else if this.link.as_ref().is_some_and(|l| l.broke_protocol()) {
-                failure = this.link.as_ref().and_then(|l| l.failure());
-            }
-        }
+        let failure = failure.or_else(|| run.after(seq));
         if let Some(e) = failure {
             self.broken = Some(e.clone());
             return Err(e);
         }
-        let bytes = buffer.into_inner().unwrap_or_else(|p| p.into_inner());
+        let bytes = run.buffer.into_inner().unwrap_or_else(|p| p.into_inner());
         for (d, b) in data.iter_mut().zip(bytes.chunks_exact(4)) {
             *d = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
         }
         Ok(())
+    }
+}
+
+/// One collective of a [`CpuRank`] while its two streams (threads) run it.
+struct Run<'a> {
+    rank: &'a CpuRank,
+    prog: &'a StreamProgram,
+    /// The buffer (bytes of f32), shared by both streams.
+    buffer: Mutex<Vec<u8>>,
+    sends_done: AtomicUsize,
+    recvs_done: AtomicUsize,
+    /// Streams that reached their end.
+    finished: AtomicUsize,
+    /// This collective's descriptor cell and word.
+    cell: u32,
+    word: u32,
+    rop: ReduceOp,
+}
+
+impl Run<'_> {
+    /// The send stream: each chunk into the next rank's slot once its credit came, then its
+    /// ready flag (the first chunk's after the descriptor word).
+    fn send_stream(&self) {
+        let this = self.rank;
+        if self.prog.sends.is_empty() {
+            // A rank that sends nothing still says what it calls.
+            if !this.stopped() {
+                let _ = this.out_next.store(self.cell, self.word);
+            }
+        }
+        for (i, op) in self.prog.sends.iter().enumerate() {
+            if let Some(j) = op.after_recv {
+                while self.recvs_done.load(Ordering::Acquire) <= j && !this.stopped() {
+                    std::thread::sleep(Duration::from_micros(5));
+                }
+            }
+            let credit = this.guarded(|| {
+                op.wait_released
+                    .is_none_or(|v| reached(this.mine.read(flag::RELEASED).unwrap_or(0), v))
+            });
+            if credit {
+                let (a, b) = (op.elements.start as usize * 4, op.elements.end as usize * 4);
+                let chunk = self.buffer.lock().unwrap()[a..b].to_vec();
+                let at = op.slot as usize * this.slot_bytes;
+                let _ = this.send_slots.write_at(at, &chunk);
+                if i == 0 {
+                    let _ = this.out_next.store(self.cell, self.word);
+                }
+                let _ = this.out_next.store(flag::READY, op.ready);
+            }
+            self.sends_done.store(i + 1, Ordering::Release);
+        }
+        self.finished.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The receive stream: each chunk once ready (the first once the previous rank's
+    /// descriptor word matched), reduced or copied in, then credited back.
+    fn recv_stream(&self) {
+        let this = self.rank;
+        for (i, op) in self.prog.recvs.iter().enumerate() {
+            if let Some(j) = op.after_send {
+                while self.sends_done.load(Ordering::Acquire) <= j && !this.stopped() {
+                    std::thread::sleep(Duration::from_micros(5));
+                }
+            }
+            let got = this.guarded(|| {
+                (i != 0 || this.mine.read(self.cell).unwrap_or(0) == self.word)
+                    && reached(this.mine.read(flag::READY).unwrap_or(0), op.wait_ready)
+            });
+            let (a, b) = (op.elements.start as usize * 4, op.elements.end as usize * 4);
+            let mut chunk = vec![0u8; b - a];
+            let at = op.slot as usize * this.slot_bytes;
+            let _ = this
+                .landed
+                .as_ref()
+                .unwrap_or(&this.recv_slots)
+                .read_at(at, &mut chunk);
+            {
+                let mut buf = self.buffer.lock().unwrap();
+                match op.kind {
+                    RecvKind::Reduce { average } => {
+                        let _ = reduce_into(DataType::F32, self.rop, &mut buf[a..b], &chunk);
+                        if average {
+                            finish_avg(DataType::F32, &mut buf[a..b], this.world)
+                                .expect("f32 is reduced");
+                        }
+                    }
+                    RecvKind::Copy => buf[a..b].copy_from_slice(&chunk),
+                }
+            }
+            if got {
+                let _ = this.out_prev.store(flag::RELEASED, op.released);
+            }
+            self.recvs_done.store(i + 1, Ordering::Release);
+        }
+        self.finished.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The host's wait for collective `seq`: the streams, the links, the neighbours' notices,
+    /// the deadline; on the first failure it ends the ring here. Done when both streams are,
+    /// and the link has carried their last chunks (or stopped).
+    fn watch(&self, seq: u64, deadline: Instant, timeout: Duration) -> Option<Error> {
+        let this = self.rank;
+        let mut failure = None;
+        let carried = |aborted: bool| {
+            aborted
+                || this
+                    .link
+                    .as_ref()
+                    .is_none_or(|l| l.all_sent() || l.failure().is_some())
+        };
+        while self.finished.load(Ordering::Acquire) < 2 || !carried(failure.is_some()) {
+            if failure.is_none() {
+                let why = if let Some(e) = this.link.as_ref().and_then(|l| l.failure()) {
+                    Some(e)
+                } else if this.ended() {
+                    Some(peer_failed(seq))
+                } else if Instant::now() >= deadline {
+                    Some(Error::Timeout {
+                        waiting_for: "the CPU streams".into(),
+                        rank: None,
+                        after: timeout,
+                    })
+                } else {
+                    None
+                };
+                if let Some(e) = why {
+                    let v = (seq as u32).wrapping_add(1).max(1);
+                    let _ = this.out_next.store(flag::ENDED_BY_PREV, v);
+                    let _ = this.out_prev.store(flag::ENDED_BY_NEXT, v);
+                    let _ = this.mine.store(flag::STOPPED, 1);
+                    failure = Some(e);
+                }
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        failure
+    }
+
+    /// Read once more after the streams finished: a neighbour that ended told us first.
+    fn after(&self, seq: u64) -> Option<Error> {
+        let this = self.rank;
+        if this.stopped() {
+            Some(Error::Aborted {
+                reason: "the ring was aborted".into(),
+            })
+        } else if this.ended() {
+            Some(peer_failed(seq))
+        } else if this.link.as_ref().is_some_and(|l| l.broke_protocol()) {
+            this.link.as_ref().and_then(|l| l.failure())
+        } else {
+            None
+        }
+    }
+}
+
+/// A neighbour ended collective `seq`.
+fn peer_failed(seq: u64) -> Error {
+    Error::PeerFailed {
+        peer: 0,
+        seq,
+        cause: crate::RootCause::new(0, crate::CauseKind::Failed),
     }
 }

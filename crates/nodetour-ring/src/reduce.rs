@@ -82,6 +82,21 @@ pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) 
             ),
         });
     }
+    // Integers wrap, as NCCL's and torch's do.
+    macro_rules! wrapping {
+        ($t:ident) => {
+            apply!(
+                acc,
+                other,
+                $t,
+                op,
+                $t::from_ne_bytes,
+                $t::to_ne_bytes,
+                $t::wrapping_add,
+                $t::wrapping_mul
+            )
+        };
+    }
     match dtype {
         DataType::F32 => apply!(
             acc,
@@ -123,76 +138,13 @@ pub fn reduce_into(dtype: DataType, op: ReduceOp, acc: &mut [u8], other: &[u8]) 
             |x: bf16, y: bf16| bf16::from_f32(x.to_f32() + y.to_f32()),
             |x: bf16, y: bf16| bf16::from_f32(x.to_f32() * y.to_f32())
         ),
-        DataType::I32 => apply!(
-            acc,
-            other,
-            i32,
-            op,
-            i32::from_ne_bytes,
-            i32::to_ne_bytes,
-            i32::wrapping_add,
-            i32::wrapping_mul
-        ),
-        DataType::I64 => apply!(
-            acc,
-            other,
-            i64,
-            op,
-            i64::from_ne_bytes,
-            i64::to_ne_bytes,
-            i64::wrapping_add,
-            i64::wrapping_mul
-        ),
-        DataType::U8 => apply!(
-            acc,
-            other,
-            u8,
-            op,
-            u8::from_ne_bytes,
-            u8::to_ne_bytes,
-            u8::wrapping_add,
-            u8::wrapping_mul
-        ),
-        DataType::I8 => apply!(
-            acc,
-            other,
-            i8,
-            op,
-            i8::from_ne_bytes,
-            i8::to_ne_bytes,
-            i8::wrapping_add,
-            i8::wrapping_mul
-        ),
-        DataType::I16 => apply!(
-            acc,
-            other,
-            i16,
-            op,
-            i16::from_ne_bytes,
-            i16::to_ne_bytes,
-            i16::wrapping_add,
-            i16::wrapping_mul
-        ),
-        DataType::U32 => apply!(
-            acc,
-            other,
-            u32,
-            op,
-            u32::from_ne_bytes,
-            u32::to_ne_bytes,
-            u32::wrapping_add,
-            u32::wrapping_mul
-        ),
-        DataType::U64 => apply!(
-            acc,
-            other,
-            u64,
-            op,
-            u64::from_ne_bytes,
-            u64::to_ne_bytes,
-            u64::wrapping_add,
-            u64::wrapping_mul
-        ),
+        DataType::I32 => wrapping!(i32),
+        DataType::I64 => wrapping!(i64),
+        DataType::U8 => wrapping!(u8),
+        DataType::I8 => wrapping!(i8),
+        DataType::I16 => wrapping!(i16),
+        DataType::U32 => wrapping!(u32),
+        DataType::U64 => wrapping!(u64),
         DataType::F8E4M3 => fp8(
             op,
             acc,

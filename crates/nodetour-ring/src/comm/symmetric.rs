@@ -116,6 +116,41 @@ impl SymmetricBuffer<'_> {
     }
 }
 
+/// Every rank's entry of the table of symmetric buffer grants (`per` bytes each: made or not,
+/// the grant, the size asked for), checked against this rank's `bytes`; the first rank that
+/// made no part.
+fn read_grants(
+    all: &[u8],
+    per: usize,
+    bytes: usize,
+) -> Result<(Vec<Option<IpcGrant>>, Option<usize>)> {
+    let at = 1 + IpcGrant::ENCODED_LEN;
+    let mut grants = Vec::with_capacity(all.len() / per);
+    let mut refused = None;
+    for (r, m) in all.chunks(per).enumerate() {
+        let their_bytes = u64::from_be_bytes(m[at..].try_into().expect("8 bytes"));
+        if their_bytes != bytes as u64 {
+            return Err(Error::InvalidArgument {
+                reason: format!(
+                    "symmetric buffer of {bytes} bytes here, {their_bytes} on rank {r}: every \
+                     rank must ask for the same size"
+                ),
+            });
+        }
+        if m[0] != 1 {
+            refused.get_or_insert(r);
+            grants.push(None);
+            continue;
+        }
+        let grant = IpcGrant::decode(&m[1..at]).map_err(|e| Error::Protocol {
+            rank: r as u32,
+            reason: format!("its symmetric buffer grant: {e}"),
+        })?;
+        grants.push(Some(grant));
+    }
+    Ok((grants, refused))
+}
+
 thread_local! {
     // Whether this thread runs a `with_device_buffer` closure (the communicator is held).
     static INSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -198,35 +233,13 @@ impl Engine {
             release();
             return Err(e);
         }
-        let mut grants = Vec::with_capacity(self.world as usize);
-        let mut refused = None;
-        for (r, m) in all.chunks(per).enumerate() {
-            let their_bytes = u64::from_be_bytes(m[at..].try_into().expect("8 bytes"));
-            if their_bytes != bytes as u64 {
+        let (mut grants, refused) = match read_grants(&all, per, bytes) {
+            Ok(read) => read,
+            Err(e) => {
                 release();
-                return Err(Error::InvalidArgument {
-                    reason: format!(
-                        "symmetric buffer of {bytes} bytes here, {their_bytes} on rank {r}: \
-                         every rank must ask for the same size"
-                    ),
-                });
+                return Err(e);
             }
-            if m[0] != 1 {
-                refused.get_or_insert(r);
-                grants.push(None);
-                continue;
-            }
-            match IpcGrant::decode(&m[1..at]) {
-                Ok(g) => grants.push(Some(g)),
-                Err(e) => {
-                    release();
-                    return Err(Error::Protocol {
-                        rank: r as u32,
-                        reason: format!("its symmetric buffer grant: {e}"),
-                    });
-                }
-            }
-        }
+        };
         if let Some(r) = refused {
             release();
             created?;
@@ -235,14 +248,23 @@ impl Engine {
             });
         }
         let (id, _) = created?;
-        // 2. Every peer's part mapped here, then whether every rank mapped all.
-        let me = self.rank as usize;
-        grants[me] = None;
+        grants[self.rank as usize] = None;
+        self.map_parts(id, &grants)?;
+        Ok(SymmetricBuffer {
+            engine: self,
+            id,
+            bytes,
+        })
+    }
+
+    /// Every peer's part of symmetric buffer `id` mapped here (from `grants`), then whether
+    /// every rank mapped all: an error on every rank unless each did.
+    fn map_parts(&self, id: usize, grants: &[Option<IpcGrant>]) -> Result<()> {
         let mapped = {
             let mut state = self.usable()?;
             let ring = state.job.as_mut().and_then(|j| j.gpu_ring.as_mut());
             match ring.and_then(|r| r.one_kernel_mut()) {
-                Some(k) => k.symmetric_map(id, &grants).map_err(Error::from),
+                Some(k) => k.symmetric_map(id, grants).map_err(Error::from),
                 None => Err(Error::Unsupported {
                     reason: "the one-kernel path went away".into(),
                 }),
@@ -261,11 +283,7 @@ impl Engine {
                 reason: format!("rank {r} could not map every part of the symmetric buffer"),
             });
         }
-        Ok(SymmetricBuffer {
-            engine: self,
-            id,
-            bytes,
-        })
+        Ok(())
     }
 
     /// The allreduce `call` in place of `buffer` (this engine's), on every rank, queued on

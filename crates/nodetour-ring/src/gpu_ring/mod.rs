@@ -194,6 +194,51 @@ struct Exports {
     _one_kernel: Option<OneKernel>,
 }
 
+/// `InvalidArgument` unless `l`'s slots are 1-127 of some bytes each, and its slot memory
+/// (and, for staged links, its GPU scratch) holds them.
+fn check_links(l: &StreamLinks) -> Result<()> {
+    let bytes = l.slot_bytes.saturating_mul(l.slots as usize);
+    if l.slots == 0 || l.slot_bytes == 0 || l.slots > 127 {
+        return Err(Error::InvalidArgument {
+            reason: format!("{} slots of {} bytes", l.slots, l.slot_bytes),
+        });
+    }
+    let small_scratch = |scratch: &DeviceBuffer| {
+        if scratch.len() < l.slot_bytes {
+            return Err(Error::InvalidArgument {
+                reason: "the GPU scratch is smaller than a slot".into(),
+            });
+        }
+        Ok(())
+    };
+    let have = match &l.incoming {
+        Incoming::CudaIpc(s) => s.buffer().len(),
+        Incoming::NetGpu(s) => s.buffer().len(),
+        Incoming::NetDirect(s) => match s.region().device_buffer() {
+            Some(b) => b.len(),
+            None => {
+                return Err(Error::InvalidArgument {
+                    reason: "direct network slots that are not GPU memory".into(),
+                });
+            }
+        },
+        Incoming::Shm { slots, scratch } => {
+            small_scratch(scratch)?;
+            slots.grant().1
+        }
+        Incoming::Net { slots, scratch } => {
+            small_scratch(scratch)?;
+            slots.region().len()
+        }
+    };
+    if have < bytes {
+        return Err(Error::InvalidArgument {
+            reason: format!("slot memory of {have} bytes for {bytes}"),
+        });
+    }
+    Ok(())
+}
+
 impl GpuRing {
     /// This rank (`rank` of `world`) on `context`'s GPU, with its links (`None` only for a
     /// ring of one). Compiles or loads the reduction kernels.
@@ -212,45 +257,7 @@ impl GpuRing {
             });
         }
         if let Some(l) = &links {
-            let bytes = l.slot_bytes.saturating_mul(l.slots as usize);
-            if l.slots == 0 || l.slot_bytes == 0 || l.slots > 127 {
-                return Err(Error::InvalidArgument {
-                    reason: format!("{} slots of {} bytes", l.slots, l.slot_bytes),
-                });
-            }
-            let small_scratch = |scratch: &DeviceBuffer| {
-                if scratch.len() < l.slot_bytes {
-                    return Err(Error::InvalidArgument {
-                        reason: "the GPU scratch is smaller than a slot".into(),
-                    });
-                }
-                Ok(())
-            };
-            let have = match &l.incoming {
-                Incoming::CudaIpc(s) => s.buffer().len(),
-                Incoming::NetGpu(s) => s.buffer().len(),
-                Incoming::NetDirect(s) => match s.region().device_buffer() {
-                    Some(b) => b.len(),
-                    None => {
-                        return Err(Error::InvalidArgument {
-                            reason: "direct network slots that are not GPU memory".into(),
-                        });
-                    }
-                },
-                Incoming::Shm { slots, scratch } => {
-                    small_scratch(scratch)?;
-                    slots.grant().1
-                }
-                Incoming::Net { slots, scratch } => {
-                    small_scratch(scratch)?;
-                    slots.region().len()
-                }
-            };
-            if have < bytes {
-                return Err(Error::InvalidArgument {
-                    reason: format!("slot memory of {have} bytes for {bytes}"),
-                });
-            }
+            check_links(l)?;
         }
         let g = |e| Error::gpu("setting up the GPU ring", e);
         let path = match &links {
