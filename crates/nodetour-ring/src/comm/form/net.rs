@@ -31,6 +31,7 @@ use super::gpu::{FormedGpuRing, Seat};
 use super::links::{self, Allocating, Connecting, Prepared};
 use super::net_direct::{self, DirectSlots, Ladder};
 use super::setups::{self, Conns, Received, missing};
+use super::table::Why;
 use crate::comm::gpu_options::{GpuPaths, GpuRingOptions, NetLanding, check_shape};
 use crate::error::{Error, Result};
 use crate::flag;
@@ -200,7 +201,7 @@ enum SendFrom {
     /// GPU send slots the NIC reads (the direct path).
     Gpu(DirectSlots),
     /// Host send slots, and why not the direct path.
-    Host { slots: SlotRegion, why: String },
+    Host { slots: SlotRegion, why: Why },
 }
 
 /// Where the previous rank's chunks land over the network, and why.
@@ -211,7 +212,7 @@ enum RecvInto {
         flush: visibility::Flush,
     },
     /// Host slots (or host bounce slots for GPU landing), and why not the direct path.
-    Host { slots: SlotRegion, why: String },
+    Host { slots: SlotRegion, why: Why },
 }
 
 impl SendFrom {
@@ -240,7 +241,7 @@ impl RecvInto {
     }
 
     fn said(&self, over: TransportKind, landing: NetLanding) -> String {
-        let why = |why: &str| match over {
+        let why = |why: &Why| match over {
             TransportKind::Tcp => String::new(),
             _ => format!(": {why}"),
         };
@@ -299,9 +300,9 @@ fn allocate(
         .transpose()?;
     let mode = config.gdr;
     let direct = |side: &str,
-                  allowed: std::result::Result<(), String>,
+                  allowed: std::result::Result<(), Why>,
                   access: Access|
-     -> Result<std::result::Result<DirectSlots, String>> {
+     -> Result<std::result::Result<DirectSlots, Why>> {
         let why = match (allowed, verbs, &ladder) {
             (Err(why), ..) => why,
             (Ok(()), Some(l), Some(ladder)) => {
@@ -310,7 +311,7 @@ fn allocate(
                     Err(why) => why,
                 }
             }
-            (Ok(()), ..) => "no RDMA device".to_owned(),
+            (Ok(()), ..) => Why::NoRdmaDevice,
         };
         net_direct::forced(mode, side, &why)?;
         Ok(Err(why))
@@ -335,7 +336,7 @@ fn allocate(
         Side::Network(over) => {
             let flush = ladder
                 .as_ref()
-                .map_or_else(|| Err("no RDMA device".to_owned()), |l| l.flush.clone());
+                .map_or_else(|| Err(Why::NoRdmaDevice), |l| l.flush.clone());
             let allowed = net_direct::recv_side(plan.landing, over, mode, &flush);
             let flush = allowed.clone().unwrap_or_else(|_| visibility::host_slots());
             let side = "the link from the previous rank";

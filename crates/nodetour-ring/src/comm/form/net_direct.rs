@@ -25,6 +25,7 @@ use nodetour_core::transport::{SlotRegion, TransportKind};
 use nodetour_core::verbs::{Access, LocalSide, MemoryRegion};
 use nodetour_core::visibility::{self, Flush, FlushMethod};
 
+use super::table::Why;
 use crate::comm::gpu_options::NetLanding;
 use crate::error::{Error, Result};
 use crate::flag;
@@ -36,7 +37,7 @@ pub(crate) fn send_side(
     landing: NetLanding,
     kind: TransportKind,
     mode: GdrMode,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), Why> {
     common(landing, kind, mode)
 }
 
@@ -46,27 +47,21 @@ pub(crate) fn recv_side(
     landing: NetLanding,
     kind: TransportKind,
     mode: GdrMode,
-    flush: &std::result::Result<Flush, String>,
-) -> std::result::Result<Flush, String> {
+    flush: &std::result::Result<Flush, Why>,
+) -> std::result::Result<Flush, Why> {
     common(landing, kind, mode)?;
     flush.clone()
 }
 
-fn common(
-    landing: NetLanding,
-    kind: TransportKind,
-    mode: GdrMode,
-) -> std::result::Result<(), String> {
+fn common(landing: NetLanding, kind: TransportKind, mode: GdrMode) -> std::result::Result<(), Why> {
     if kind != TransportKind::Verbs {
-        return Err(format!(
-            "the link is {kind}: the CPU carries the chunks (RDMA needs a verbs link)"
-        ));
+        return Err(Why::CpuCarries(kind));
     }
     if landing == NetLanding::Host {
-        return Err("NODETOUR_NET_LANDING=host".into());
+        return Err(Why::LandingHost);
     }
     if mode == GdrMode::Off {
-        return Err("NODETOUR_GDR=off".into());
+        return Err(Why::GdrOff);
     }
     Ok(())
 }
@@ -78,7 +73,7 @@ pub(crate) struct Ladder {
     /// `NODETOUR_GDR`.
     pub mode: GdrMode,
     /// The visibility decision for chunks landing in this GPU's memory.
-    pub flush: std::result::Result<Flush, String>,
+    pub flush: std::result::Result<Flush, Why>,
 }
 
 impl Ladder {
@@ -98,10 +93,9 @@ impl Ladder {
                     .ok_or_else(|| format!("CUDA lists no GPU {}", context.ordinal()))
             });
         let flush = match &info {
-            Ok(i) => {
-                visibility::decide(&i.gdr, i.compute_capability, over).map_err(|e| e.to_string())
-            }
-            Err(why) => Err(why.clone()),
+            Ok(i) => visibility::decide(&i.gdr, i.compute_capability, over)
+                .map_err(|e| Why::NoVisibility(e.to_string())),
+            Err(why) => Err(Why::NoVisibility(why.clone())),
         };
         let probe = Probe::gather(info.map(|i| i.gdr), Ok(&local.pd));
         Ok(Ladder { probe, mode, flush })
@@ -130,7 +124,7 @@ pub(crate) fn register(
     context: &Arc<cudarc::driver::CudaContext>,
     len: usize,
     access: Access,
-) -> Result<std::result::Result<DirectSlots, String>> {
+) -> Result<std::result::Result<DirectSlots, Why>> {
     let buffer = DeviceBuffer::new(context, len.max(4096))?;
     match registration::register_gpu(&local.pd, buffer, &ladder.probe, ladder.mode, access)? {
         outcome @ Registration::Direct { .. } => {
@@ -146,12 +140,12 @@ pub(crate) fn register(
                 said,
             }))
         }
-        outcome @ Registration::Staged { .. } => Ok(Err(outcome.describe())),
+        outcome @ Registration::Staged { .. } => Ok(Err(Why::LadderStaged(outcome.describe()))),
     }
 }
 
 /// Under `NODETOUR_GDR=force`, a side that cannot take the direct path fails the formation.
-pub(crate) fn forced(mode: GdrMode, side: &str, why: &str) -> Result<()> {
+pub(crate) fn forced(mode: GdrMode, side: &str, why: &Why) -> Result<()> {
     if mode == GdrMode::Force {
         return Err(Error::Unsupported {
             reason: format!("NODETOUR_GDR=force, but {side} cannot take the direct path: {why}"),
@@ -220,7 +214,7 @@ mod tests {
     use super::*;
     use crate::cpu_streams::HostPage;
 
-    fn flush(method: FlushMethod) -> std::result::Result<Flush, String> {
+    fn flush(method: FlushMethod) -> std::result::Result<Flush, Why> {
         Ok(Flush {
             method,
             reason: "fixture".into(),
@@ -234,14 +228,18 @@ mod tests {
         assert!(send_side(Auto, v, GdrMode::Auto).is_ok());
         assert!(send_side(Gpu, v, GdrMode::Force).is_ok());
         let why = send_side(Auto, TransportKind::Tcp, GdrMode::Auto).unwrap_err();
-        assert!(why.contains("tcp") && why.contains("verbs"), "{why}");
+        assert_eq!(why, Why::CpuCarries(TransportKind::Tcp));
+        let said = why.to_string();
+        assert!(said.contains("tcp") && said.contains("verbs"), "{said}");
+        let host = send_side(Host, v, GdrMode::Auto).unwrap_err();
         assert_eq!(
-            send_side(Host, v, GdrMode::Auto).unwrap_err(),
-            "NODETOUR_NET_LANDING=host"
+            (&host, host.to_string().as_str()),
+            (&Why::LandingHost, "NODETOUR_NET_LANDING=host")
         );
+        let off = send_side(Gpu, v, GdrMode::Off).unwrap_err();
         assert_eq!(
-            send_side(Gpu, v, GdrMode::Off).unwrap_err(),
-            "NODETOUR_GDR=off"
+            (&off, off.to_string().as_str()),
+            (&Why::GdrOff, "NODETOUR_GDR=off")
         );
     }
 
@@ -269,8 +267,9 @@ mod tests {
             &flush(FlushMethod::RdmaRead),
         );
         assert_eq!(read.unwrap().method, FlushMethod::RdmaRead);
-        let no_gpu = recv_side(NetLanding::Auto, v, GdrMode::Auto, &Err("no GPU 3".into()));
-        assert_eq!(no_gpu.unwrap_err(), "no GPU 3");
+        let no_gpu = Err(Why::NoVisibility("no GPU 3".into()));
+        let no_gpu = recv_side(NetLanding::Auto, v, GdrMode::Auto, &no_gpu).unwrap_err();
+        assert_eq!(no_gpu.to_string(), "no GPU 3");
         // The link's own refusals come first.
         let tcp = recv_side(
             NetLanding::Auto,
@@ -278,13 +277,14 @@ mod tests {
             GdrMode::Auto,
             &flush(FlushMethod::RdmaRead),
         );
-        assert!(tcp.unwrap_err().contains("tcp"));
+        assert_eq!(tcp.unwrap_err(), Why::CpuCarries(TransportKind::Tcp));
     }
 
     #[test]
     fn force_turns_a_refusal_into_an_error() {
-        assert!(forced(GdrMode::Auto, "the link to rank 1", "tcp").is_ok());
-        let e = forced(GdrMode::Force, "the link to rank 1", "the link is tcp").unwrap_err();
+        let tcp = Why::CpuCarries(TransportKind::Tcp);
+        assert!(forced(GdrMode::Auto, "the link to rank 1", &tcp).is_ok());
+        let e = forced(GdrMode::Force, "the link to rank 1", &tcp).unwrap_err();
         assert!(e.to_string().contains("NODETOUR_GDR=force"), "{e}");
     }
 

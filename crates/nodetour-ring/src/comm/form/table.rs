@@ -52,7 +52,8 @@ pub(crate) struct Pair<'a> {
 }
 
 /// The table's reasons, typed: why a row can or cannot join two ranks, why a host link took
-/// its kind, why the GPU ring forms or not. Displayed as the words `paths()` and the log show.
+/// its kind, why the GPU ring forms or not, why a network link's side keeps its slots in host
+/// memory (`net_direct.rs`). Displayed as the words `paths()` and the log show.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Why {
     /// Both ranks pass GPU memory on one host, in different processes.
@@ -97,6 +98,19 @@ pub(crate) enum Why {
         direct: TransportKind,
         staged: TransportKind,
     },
+    /// A network link over this kind, not verbs: the CPU carries its chunks (no direct path).
+    CpuCarries(TransportKind),
+    /// `NODETOUR_NET_LANDING=host`: no direct path.
+    LandingHost,
+    /// `NODETOUR_GDR=off`: no direct path.
+    GdrOff,
+    /// This rank has no RDMA device: no direct path.
+    NoRdmaDevice,
+    /// What would make a chunk the NIC wrote visible to the GPU could not be decided (core's
+    /// words).
+    NoVisibility(String),
+    /// The registration ladder ended on staging (its account of each rung).
+    LadderStaged(String),
 }
 
 impl fmt::Display for Why {
@@ -148,6 +162,14 @@ impl fmt::Display for Why {
                 "every link joins GPUs of one host ({direct} where the next GPU's memory maps, \
                  else {staged})"
             ),
+            Why::CpuCarries(kind) => write!(
+                f,
+                "the link is {kind}: the CPU carries the chunks (RDMA needs a verbs link)"
+            ),
+            Why::LandingHost => f.write_str("NODETOUR_NET_LANDING=host"),
+            Why::GdrOff => f.write_str("NODETOUR_GDR=off"),
+            Why::NoRdmaDevice => f.write_str("no RDMA device"),
+            Why::NoVisibility(why) | Why::LadderStaged(why) => f.write_str(why),
         }
     }
 }
