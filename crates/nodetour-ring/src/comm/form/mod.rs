@@ -80,13 +80,14 @@ pub(crate) fn device(
             next_local,
             prev_local,
         } => {
-            let over_verbs = |p: u32| plan.kind(p) == Some(TransportKind::Verbs);
+            // A network link goes over the kind the host links chose for that neighbour.
+            let over = |p: u32| plan.kind(p).unwrap_or(TransportKind::Tcp);
             let here = Locality {
                 next_local,
                 prev_local,
                 verbs,
-                verbs_next: over_verbs(plan.next),
-                verbs_prev: over_verbs(plan.prev),
+                next_over: over(plan.next),
+                prev_over: over(plan.prev),
             };
             net::form(seat, here, options.gpu_ring, &options.config)?
         }

@@ -52,10 +52,10 @@ pub(crate) struct Locality<'a> {
     pub prev_local: bool,
     /// This rank's RDMA device, where the host links to a network neighbour chose verbs.
     pub verbs: Option<&'a LocalSide>,
-    /// Which network neighbours the verbs links reach (the others: tcp).
-    pub verbs_next: bool,
+    /// The host link kind to the next rank (what a network link to it goes over).
+    pub next_over: TransportKind,
     /// The same for the previous rank.
-    pub verbs_prev: bool,
+    pub prev_over: TransportKind,
 }
 
 /// Host memory for a network link: registered with CUDA where a stream reads or writes it
@@ -136,10 +136,12 @@ struct NetPlan {
 
 impl NetPlan {
     fn new(seat: &Seat<'_>, here: &Locality<'_>, options: &GpuRingOptions) -> Result<NetPlan> {
-        let side = |local: bool, verbs: bool| match (local, verbs) {
-            (true, _) => Side::InHost,
-            (false, true) => Side::Network(TransportKind::Verbs),
-            (false, false) => Side::Network(TransportKind::Tcp),
+        let side = |local: bool, over: TransportKind| {
+            if local {
+                Side::InHost
+            } else {
+                Side::Network(over)
+            }
         };
         let slot_total = (options.slots as usize)
             .checked_mul(options.shm_slot_bytes)
@@ -150,8 +152,8 @@ impl NetPlan {
             me: seat.me,
             prev: seat.prev,
             next: seat.next,
-            to_next: side(here.next_local, here.verbs_next),
-            from_prev: side(here.prev_local, here.verbs_prev),
+            to_next: side(here.next_local, here.next_over),
+            from_prev: side(here.prev_local, here.prev_over),
             slots: options.slots,
             slot_bytes: options.shm_slot_bytes,
             slot_total,
@@ -686,7 +688,7 @@ pub(crate) fn form(
     let plan = NetPlan::new(&seat, &here, &options)?;
     let verbs = here
         .verbs
-        .filter(|_| !plan.network_peers(TransportKind::Verbs).is_empty());
+        .filter(|_| links::uses_rdma_device(&|k| plan.network_peers(k)));
     let mut memory = allocate(&plan, verbs, context, job_config)?;
     if let Some(RecvInto::Host { why, .. }) = &memory.recv {
         // The mission's own fallback is never silent: on standard error too, as the staged
