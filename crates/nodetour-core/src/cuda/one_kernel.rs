@@ -119,6 +119,9 @@ pub(crate) struct OneShotArgs {
     pub scale: NtScale,
 }
 
+// SAFETY: `repr(C)` plain data of the layout of the kernels' `struct OneShot`, passed by value.
+unsafe impl cudarc::driver::DeviceRepr for OneShotArgs {}
+
 /// What a block whose barrier failed stores into its rank's stop word (the host's abort stores
 /// 1, a guarded wait that timed out [`crate::transport::gpu::STOP_TIMED_OUT`]).
 pub const STOP_ONE_KERNEL: u32 = 3;

@@ -6,11 +6,13 @@
 //! The arithmetic matches the host reducer bit for bit: halves and bfloat16 are widened to f32,
 //! combined, and rounded back to nearest-even; integers wrap.
 
-use std::ffi::{CString, c_void};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, result, sys};
+use cudarc::driver::{
+    CudaContext, CudaFunction, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg, sys,
+};
+use cudarc::nvrtc::Ptx;
 
 use super::GpuStream;
 use super::device_buffer::DeviceBuffer;
@@ -64,6 +66,9 @@ pub struct NtScale {
     /// `f as i64`, as its bits.
     pub whole: u64,
 }
+
+// SAFETY: `repr(C)` plain data of the layout of the kernels' `struct NtScale`, passed by value.
+unsafe impl DeviceRepr for NtScale {}
 
 impl NtScale {
     /// `op`'s multiplication, if it is a PreMulSum.
@@ -127,6 +132,9 @@ pub(crate) struct NtFlag {
     pub(crate) stride: u32,
 }
 
+// SAFETY: `repr(C)` plain data of the layout of the kernels' `struct NtFlag`, passed by value.
+unsafe impl DeviceRepr for NtFlag {}
+
 /// The kernels of one GPU: a cheap handle (clones share them).
 ///
 /// A context loads them once per process and keeps them loaded while it lives: unloading a
@@ -147,36 +155,30 @@ pub struct ReduceKernels {
 
 /// One context's loaded module and its functions. Never unloaded (see [`ReduceKernels`]).
 struct Loaded {
-    _module: sys::CUmodule,
-    reduce: Vec<((DataType, ReduceOp), sys::CUfunction)>,
-    both: Vec<((DataType, ReduceOp), sys::CUfunction)>,
-    average: Vec<(DataType, sys::CUfunction)>,
-    pattern: Vec<(DataType, sys::CUfunction)>,
-    copy: sys::CUfunction,
-    wait: sys::CUfunction,
-    signal: sys::CUfunction,
-    send: sys::CUfunction,
-    advance: sys::CUfunction,
-    claim: sys::CUfunction,
-    reduce_then: Vec<((DataType, ReduceOp), sys::CUfunction)>,
+    reduce: Vec<((DataType, ReduceOp), CudaFunction)>,
+    both: Vec<((DataType, ReduceOp), CudaFunction)>,
+    average: Vec<(DataType, CudaFunction)>,
+    pattern: Vec<(DataType, CudaFunction)>,
+    copy: CudaFunction,
+    wait: CudaFunction,
+    signal: CudaFunction,
+    send: CudaFunction,
+    advance: CudaFunction,
+    claim: CudaFunction,
+    reduce_then: Vec<((DataType, ReduceOp), CudaFunction)>,
     /// PreMulSum: `d = scalar · d + s` guarded (the ring's receive) and plain (its receive
     /// through a scratch chunk), `d = scalar · s` guarded (its first send) and plain.
-    reduce_then_premul: Vec<(DataType, sys::CUfunction)>,
-    reduce_premul: Vec<(DataType, sys::CUfunction)>,
-    send_scaled: Vec<(DataType, sys::CUfunction)>,
-    scale: Vec<(DataType, sys::CUfunction)>,
-    one_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
-    two_shot: Vec<((DataType, ReduceOp), sys::CUfunction)>,
-    busy: sys::CUfunction,
+    reduce_then_premul: Vec<(DataType, CudaFunction)>,
+    reduce_premul: Vec<(DataType, CudaFunction)>,
+    send_scaled: Vec<(DataType, CudaFunction)>,
+    scale: Vec<(DataType, CudaFunction)>,
+    one_shot: Vec<((DataType, ReduceOp), CudaFunction)>,
+    two_shot: Vec<((DataType, ReduceOp), CudaFunction)>,
+    busy: CudaFunction,
     sms: u32,
     blocks: u32,
     context: Arc<CudaContext>,
 }
-
-// SAFETY: module and function handles are usable from any thread that binds the context.
-unsafe impl Send for Loaded {}
-// SAFETY: as above; launches bind the context first.
-unsafe impl Sync for Loaded {}
 
 /// The kernels loaded in this process, by context (held weakly: an entry whose context is gone
 /// is dropped with the context's modules).
@@ -274,16 +276,19 @@ impl ReduceKernels {
         context
             .bind_to_thread()
             .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        // SAFETY: cubin is a complete ELF image compiled for this GPU's architecture.
-        let module = unsafe { result::module::load_data(cubin.as_ptr().cast()) }
+        let module = context
+            .load_module(Ptx::from_binary(cubin))
             .map_err(|e| cuda_error("cuModuleLoadData", e))?;
-        let get = |name: String| -> Result<sys::CUfunction> {
-            let c = CString::new(name.clone()).expect("kernel names have no NUL");
-            // SAFETY: module is loaded in the current context.
-            unsafe { result::module::get_function(module, c) }.map_err(|e| Error::CompileKernels {
-                arch: format!("sm_{major}{minor}"),
-                log: format!("{name}: {e:?}"),
-            })
+        // Never unloaded: unloading waits for every stream of the context (see
+        // [`ReduceKernels`]). This reference is never dropped.
+        std::mem::forget(module.clone());
+        let get = |name: String| -> Result<CudaFunction> {
+            module
+                .load_function(&name)
+                .map_err(|e| Error::CompileKernels {
+                    arch: format!("sm_{major}{minor}"),
+                    log: format!("{name}: {e:?}"),
+                })
         };
         let mut reduce = Vec::new();
         let mut reduce_then = Vec::new();
@@ -328,7 +333,6 @@ impl ReduceKernels {
         }
         let copy = get("nt_copy".to_owned())?;
         let loaded = Loaded {
-            _module: module,
             reduce,
             both,
             average,
@@ -366,30 +370,23 @@ impl ReduceKernels {
         src: At<'_>,
         count: usize,
     ) -> Result<()> {
-        let (mut d, mut s) = (
+        let (d, s) = (
             dst.checked(stream, count, r.dtype)?,
             src.checked(stream, count, r.dtype)?,
         );
-        let mut n = count as u64;
+        let n = count as u64;
         // 16 bytes per thread (see SOURCE).
         let threads = count.div_ceil(16 / r.dtype.size());
-        if let Some(mut k) = NtScale::of(r.op) {
-            let mut params = [
-                (&mut d as *mut u64).cast::<c_void>(),
-                (&mut s as *mut u64).cast::<c_void>(),
-                (&mut n as *mut u64).cast::<c_void>(),
-                (&mut k as *mut NtScale).cast::<c_void>(),
-            ];
+        if let Some(k) = NtScale::of(r.op) {
             let f = by_type(&self.k.reduce_premul, r.dtype);
-            return self.launch(stream, f, &mut params, threads);
+            let mut call = self.on(stream, f)?;
+            call.arg(&d).arg(&s).arg(&n).arg(&k);
+            return self.elementwise(call, threads);
         }
         let f = pick(&self.k.reduce, r.dtype, r.op)?;
-        let mut params = [
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut s as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-        ];
-        self.launch(stream, f, &mut params, threads)
+        let mut call = self.on(stream, f)?;
+        call.arg(&d).arg(&s).arg(&n);
+        self.elementwise(call, threads)
     }
 
     /// Queues on `stream`: `dst = scalar · src` over `count` elements of `dtype` (`dst` may be
@@ -404,21 +401,17 @@ impl ReduceKernels {
         src: At<'_>,
         count: usize,
     ) -> Result<()> {
-        let (mut d, mut s) = (
+        let (d, s) = (
             dst.checked(stream, count, dtype)?,
             src.checked(stream, count, dtype)?,
         );
-        let mut k = NtScale::of(ReduceOp::pre_mul_sum(scalar)).expect("a PreMulSum");
+        let k = NtScale::of(ReduceOp::pre_mul_sum(scalar)).expect("a PreMulSum");
         let f = by_type(&self.k.scale, dtype);
-        let mut n = count as u64;
-        let mut params = [
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut s as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-            (&mut k as *mut NtScale).cast::<c_void>(),
-        ];
+        let n = count as u64;
+        let mut call = self.on(stream, f)?;
+        call.arg(&d).arg(&s).arg(&n).arg(&k);
         // 16 bytes per thread (see SOURCE).
-        self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
+        self.elementwise(call, count.div_ceil(16 / dtype.size()))
     }
 
     /// Queues on `stream`: `a = b = op(a, b)` over `count` elements
@@ -435,25 +428,21 @@ impl ReduceKernels {
         avg_ranks: u32,
     ) -> Result<()> {
         let Reduction { dtype, op } = r;
-        let (mut x, mut y) = (
+        let (x, y) = (
             a.checked(stream, count, dtype)?,
             b.checked(stream, count, dtype)?,
         );
-        let (op, mut avg) = if op == ReduceOp::Avg {
+        let (op, avg) = if op == ReduceOp::Avg {
             (ReduceOp::Sum, avg_ranks.max(1))
         } else {
             (op, 0)
         };
         let f = pick(&self.k.both, dtype, op)?;
-        let mut n = count as u64;
-        let mut params = [
-            (&mut x as *mut u64).cast::<c_void>(),
-            (&mut y as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-            (&mut avg as *mut u32).cast::<c_void>(),
-        ];
+        let n = count as u64;
+        let mut call = self.on(stream, f)?;
+        call.arg(&x).arg(&y).arg(&n).arg(&avg);
         // 16 bytes per thread (see SOURCE).
-        self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
+        self.elementwise(call, count.div_ceil(16 / dtype.size()))
     }
 
     /// Queues on `stream`: fill `count` elements at `dst` with a test pattern (what a
@@ -469,16 +458,12 @@ impl ReduceKernels {
         first: u64,
         seed: u32,
     ) -> Result<()> {
-        let mut d = dst.checked(stream, count, dtype)?;
+        let d = dst.checked(stream, count, dtype)?;
         let f = by_type(&self.k.pattern, dtype);
-        let (mut n, mut a, mut sd) = (count as u64, first, seed);
-        let mut params = [
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-            (&mut a as *mut u64).cast::<c_void>(),
-            (&mut sd as *mut u32).cast::<c_void>(),
-        ];
-        self.launch(stream, f, &mut params, count)
+        let (n, a, sd) = (count as u64, first, seed);
+        let mut call = self.on(stream, f)?;
+        call.arg(&d).arg(&n).arg(&a).arg(&sd);
+        self.elementwise(call, count)
     }
 
     /// Queues on `stream`: divide `count` elements at `offset` by `ranks` (the end of `Avg`).
@@ -494,31 +479,25 @@ impl ReduceKernels {
         check(dst, offset, count, dtype)?;
         dst.note_use(stream);
         let f = by_type(&self.k.average, dtype);
-        let (mut d, mut n, mut r) = (dst.device_ptr() + offset as u64, count as u64, ranks.max(1));
-        let mut params = [
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-            (&mut r as *mut u32).cast::<c_void>(),
-        ];
+        let (d, n, r) = (dst.device_ptr() + offset as u64, count as u64, ranks.max(1));
+        let mut call = self.on(stream, f)?;
+        call.arg(&d).arg(&n).arg(&r);
         // 16 bytes per thread (see SOURCE).
-        self.launch(stream, f, &mut params, count.div_ceil(16 / dtype.size()))
+        self.elementwise(call, count.div_ceil(16 / dtype.size()))
     }
 
     /// Queues on `stream`: copy `len` bytes from `src` to `dst` with a kernel (16 bytes per thread where both are aligned). For small copies from a peer
     /// GPU this starts sooner than a copy-engine copy; for large ones the copy engine leaves the
     /// SMs free.
     pub fn copy(&self, stream: &GpuStream, dst: At<'_>, src: At<'_>, len: usize) -> Result<()> {
-        let (mut d, mut s, mut n) = (
+        let (d, s, n) = (
             dst.checked(stream, len, DataType::U8)?,
             src.checked(stream, len, DataType::U8)?,
             len as u64,
         );
-        let mut params = [
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut s as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-        ];
-        self.launch(stream, self.k.copy, &mut params, len.div_ceil(16))
+        let mut call = self.on(stream, &self.k.copy)?;
+        call.arg(&d).arg(&s).arg(&n);
+        self.elementwise(call, len.div_ceil(16))
     }
 
     /// Queues on `stream` a one-thread kernel that waits until the word of `first` reaches its
@@ -534,18 +513,12 @@ impl ReduceKernels {
         second: NtFlag,
         g: GuardWords,
     ) -> Result<()> {
-        let (mut f1, mut f2) = (first, second);
-        let mut eq = u32::from(first_equal);
-        let (mut st, mut l, mut t) = (g.stop, g.latch, g.timeout_ns);
-        let mut params = [
-            (&mut f1 as *mut NtFlag).cast::<c_void>(),
-            (&mut eq as *mut u32).cast::<c_void>(),
-            (&mut f2 as *mut NtFlag).cast::<c_void>(),
-            (&mut st as *mut u64).cast::<c_void>(),
-            (&mut l as *mut u64).cast::<c_void>(),
-            (&mut t as *mut u64).cast::<c_void>(),
-        ];
-        self.launch_grid(stream, self.k.wait, &mut params, 1, 1)
+        let (f1, f2) = (first, second);
+        let eq = u32::from(first_equal);
+        let (st, l, t) = (g.stop, g.latch, g.timeout_ns);
+        let mut call = self.on(stream, &self.k.wait)?;
+        call.arg(&f1).arg(&eq).arg(&f2).arg(&st).arg(&l).arg(&t);
+        Self::grid(call, 1, 1)
     }
 
     /// Queues on `stream` a one-thread kernel that, if the latch is 1, stores flag `first` and
@@ -557,13 +530,10 @@ impl ReduceKernels {
         first: NtFlag,
         second: NtFlag,
     ) -> Result<()> {
-        let (mut l, mut a, mut b) = (g.latch, first, second);
-        let mut params = [
-            (&mut l as *mut u64).cast::<c_void>(),
-            (&mut a as *mut NtFlag).cast::<c_void>(),
-            (&mut b as *mut NtFlag).cast::<c_void>(),
-        ];
-        self.launch_grid(stream, self.k.signal, &mut params, 1, 1)
+        let (l, a, b) = (g.latch, first, second);
+        let mut call = self.on(stream, &self.k.signal)?;
+        call.arg(&l).arg(&a).arg(&b);
+        Self::grid(call, 1, 1)
     }
 
     /// Queues on `stream` a one-thread kernel that ends a collective on the stream: its chunk
@@ -575,25 +545,19 @@ impl ReduceKernels {
         align: u32,
         chunks: u32,
     ) -> Result<()> {
-        let (mut c, mut a, mut n, mut claim) = (g.counters, align.max(1), chunks, g.claim);
-        let mut params = [
-            (&mut c as *mut u64).cast::<c_void>(),
-            (&mut a as *mut u32).cast::<c_void>(),
-            (&mut n as *mut u32).cast::<c_void>(),
-            (&mut claim as *mut u64).cast::<c_void>(),
-        ];
-        self.launch_grid(stream, self.k.advance, &mut params, 1, 1)
+        let (c, a, n, claim) = (g.counters, align.max(1), chunks, g.claim);
+        let mut call = self.on(stream, &self.k.advance)?;
+        call.arg(&c).arg(&a).arg(&n).arg(&claim);
+        Self::grid(call, 1, 1)
     }
 
     /// Queues on `stream` the claim of its guard words for the collective that starts (see
     /// `nt_claim` in [`SOURCE`]): a claim still held sets the rank's stop word to 4.
     pub(crate) fn claim(&self, stream: &GpuStream, g: GuardWords) -> Result<()> {
-        let (mut claim, mut stop) = (g.claim, g.stop);
-        let mut params = [
-            (&mut claim as *mut u64).cast::<c_void>(),
-            (&mut stop as *mut u64).cast::<c_void>(),
-        ];
-        self.launch_grid(stream, self.k.claim, &mut params, 1, 1)
+        let (claim, stop) = (g.claim, g.stop);
+        let mut call = self.on(stream, &self.k.claim)?;
+        call.arg(&claim).arg(&stop);
+        Self::grid(call, 1, 1)
     }
 
     /// Queues on `stream` one kernel that, if the latch is 1, copies `len` bytes of `src` to
@@ -625,29 +589,22 @@ impl ReduceKernels {
             });
         }
         let count = len / size;
-        let mut s = src.checked(stream, count, dtype)?;
-        let (mut l, mut d, mut n, mut k) = (g.latch, dst, count as u64, scale);
-        let [mut a, mut b] = signals;
-        let mut dn = g.done;
-        let mut params = [
-            (&mut l as *mut u64).cast::<c_void>(),
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut s as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-            (&mut k as *mut NtScale).cast::<c_void>(),
-            (&mut a as *mut NtFlag).cast::<c_void>(),
-            (&mut b as *mut NtFlag).cast::<c_void>(),
-            (&mut dn as *mut u64).cast::<c_void>(),
-        ];
+        let s = src.checked(stream, count, dtype)?;
+        let (l, d, n, k) = (g.latch, dst, count as u64, scale);
+        let [a, b] = signals;
+        let dn = g.done;
+        let mut call = self.on(stream, by_type(&self.k.send_scaled, dtype))?;
+        call.arg(&l)
+            .arg(&d)
+            .arg(&s)
+            .arg(&n)
+            .arg(&k)
+            .arg(&a)
+            .arg(&b)
+            .arg(&dn);
         // 16 bytes per thread; at least one block, which stores the signals.
         let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.max_blocks);
-        self.launch_grid(
-            stream,
-            by_type(&self.k.send_scaled, dtype),
-            &mut params,
-            blocks,
-            512,
-        )
+        Self::grid(call, blocks, 512)
     }
 
     /// Queues on `stream` one kernel that, if the latch is 1, copies the chunk's `count` bytes
@@ -675,21 +632,20 @@ impl ReduceKernels {
         len: usize,
         [first, second]: [NtFlag; 2],
     ) -> Result<()> {
-        let mut l = g.latch;
-        let (mut d, mut s, mut n) = (dst, src, len as u64);
-        let (mut a, mut b) = (first, second);
-        let mut dn = g.done;
-        let mut params = [
-            (&mut l as *mut u64).cast::<c_void>(),
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut s as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-            (&mut a as *mut NtFlag).cast::<c_void>(),
-            (&mut b as *mut NtFlag).cast::<c_void>(),
-            (&mut dn as *mut u64).cast::<c_void>(),
-        ];
+        let l = g.latch;
+        let (d, s, n) = (dst, src, len as u64);
+        let (a, b) = (first, second);
+        let dn = g.done;
+        let mut call = self.on(stream, &self.k.send)?;
+        call.arg(&l)
+            .arg(&d)
+            .arg(&s)
+            .arg(&n)
+            .arg(&a)
+            .arg(&b)
+            .arg(&dn);
         let blocks = (len.div_ceil(16).div_ceil(512) as u32).clamp(1, self.max_blocks);
-        self.launch_grid(stream, self.k.send, &mut params, blocks, 512)
+        Self::grid(call, blocks, 512)
     }
 
     /// Like [`Self::reduce`] on a received chunk (`dst = op(dst, src)` over its `count`
@@ -705,36 +661,29 @@ impl ReduceKernels {
     ) -> Result<()> {
         let Reduction { dtype, op } = r;
         let count = chunk.count;
-        let mut d = chunk.dst.checked(stream, count, dtype)?;
-        let (mut s, mut n) = (chunk.src, count as u64);
-        let (mut l, mut a, mut dn) = (g.latch, signal, g.done);
+        let d = chunk.dst.checked(stream, count, dtype)?;
+        let (s, n) = (chunk.src, count as u64);
+        let (l, a, dn) = (g.latch, signal, g.done);
         // 16 bytes per thread (see SOURCE); at least one block, which stores the signal.
         let per = 16 / dtype.size();
         let blocks = (count.div_ceil(per).div_ceil(512) as u32).clamp(1, self.max_blocks);
-        if let Some(mut k) = NtScale::of(op) {
+        if let Some(k) = NtScale::of(op) {
             // A PreMulSum: `dst` holds this rank's own values, multiplied as they are read.
-            let mut params = [
-                (&mut d as *mut u64).cast::<c_void>(),
-                (&mut s as *mut u64).cast::<c_void>(),
-                (&mut n as *mut u64).cast::<c_void>(),
-                (&mut k as *mut NtScale).cast::<c_void>(),
-                (&mut l as *mut u64).cast::<c_void>(),
-                (&mut a as *mut NtFlag).cast::<c_void>(),
-                (&mut dn as *mut u64).cast::<c_void>(),
-            ];
             let f = by_type(&self.k.reduce_then_premul, dtype);
-            return self.launch_grid(stream, f, &mut params, blocks, 512);
+            let mut call = self.on(stream, f)?;
+            call.arg(&d)
+                .arg(&s)
+                .arg(&n)
+                .arg(&k)
+                .arg(&l)
+                .arg(&a)
+                .arg(&dn);
+            return Self::grid(call, blocks, 512);
         }
         let f = pick(&self.k.reduce_then, dtype, op)?;
-        let mut params = [
-            (&mut d as *mut u64).cast::<c_void>(),
-            (&mut s as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u64).cast::<c_void>(),
-            (&mut l as *mut u64).cast::<c_void>(),
-            (&mut a as *mut NtFlag).cast::<c_void>(),
-            (&mut dn as *mut u64).cast::<c_void>(),
-        ];
-        self.launch_grid(stream, f, &mut params, blocks, 512)
+        let mut call = self.on(stream, f)?;
+        call.arg(&d).arg(&s).arg(&n).arg(&l).arg(&a).arg(&dn);
+        Self::grid(call, blocks, 512)
     }
 
     /// Queues on `stream` one one-kernel allreduce (see [`super::one_kernel`]: one-shot, or
@@ -766,8 +715,9 @@ impl ReduceKernels {
             op
         };
         let f = pick(table, dtype, op)?;
-        let mut params = [(args as *mut OneShotArgs).cast::<c_void>()];
-        self.launch_grid(stream, f, &mut params, ONE_SHOT_BLOCKS, ONE_SHOT_THREADS)
+        let mut call = self.on(stream, f)?;
+        call.arg(&*args);
+        Self::grid(call, ONE_SHOT_BLOCKS, ONE_SHOT_THREADS)
     }
 
     /// The GPU's streaming multiprocessors.
@@ -807,62 +757,51 @@ impl ReduceKernels {
     ) -> Result<()> {
         check(sink, 0, 1024, DataType::U8)?;
         sink.note_use(stream);
-        let (mut p, mut n) = (sink.device_ptr(), iters);
-        let mut params = [
-            (&mut p as *mut u64).cast::<c_void>(),
-            (&mut n as *mut u32).cast::<c_void>(),
-        ];
-        let threads = super::busy::BUSY_THREADS;
-        self.launch_grid(stream, self.k.busy, &mut params, blocks.max(1), threads)
+        let (p, n) = (sink.device_ptr(), iters);
+        let mut call = self.on(stream, &self.k.busy)?;
+        call.arg(&p).arg(&n);
+        Self::grid(call, blocks.max(1), super::busy::BUSY_THREADS)
     }
 
-    fn launch_grid(
-        &self,
-        stream: &GpuStream,
-        f: sys::CUfunction,
-        params: &mut [*mut c_void],
-        blocks: u32,
-        threads: u32,
-    ) -> Result<()> {
+    /// A launch of `f` on `stream` through cudarc's launch builder: the caller pushes the
+    /// kernel's arguments in its order, then launches with [`Self::elementwise`] or
+    /// [`Self::grid`].
+    fn on<'a>(&self, stream: &'a GpuStream, f: &'a CudaFunction) -> Result<LaunchArgs<'a>> {
         if !crate::cuda::same_context(stream.context(), &self.k.context) {
             return Err(Error::InvalidArgument {
                 reason: "the stream belongs to another GPU than the kernels".into(),
             });
         }
-        let s = stream.bind()?;
-        // SAFETY: f takes exactly the parameters given (the callers above pass device
-        // addresses of live words and in-bounds ranges they checked, and plain integers, or one
-        // `OneShotArgs` block of them, which the launch copies); the memory outlives the queued
-        // work (buffers and peer mappings noted this stream and are freed or closed after it;
-        // the guard words, flag pages and one-kernel words belong to owners that drain their
-        // streams first); the module is never unloaded.
-        unsafe { result::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, s, params) }
+        Ok(stream.launch_on().launch_builder(f))
+    }
+
+    /// Launches `call` as `blocks` blocks of `threads` threads.
+    fn grid(mut call: LaunchArgs<'_>, blocks: u32, threads: u32) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every caller above pushed exactly the kernel's parameters, in its order and
+        // of its types (`NtFlag`, `NtScale` and `OneShotArgs` have the layouts of their C
+        // structs): device addresses of live words and of in-bounds ranges it checked, and
+        // plain integers. The memory outlives the queued work (buffers and peer mappings noted
+        // this stream and are freed or closed after it; the guard words, flag pages and
+        // one-kernel words belong to owners that drain their streams first); the module is
+        // never unloaded ([`ReduceKernels`]).
+        unsafe { call.launch(cfg) }
+            .map(drop)
             .map_err(|e| cuda_error("cuLaunchKernel", e))
     }
 
-    fn launch(
-        &self,
-        stream: &GpuStream,
-        f: sys::CUfunction,
-        params: &mut [*mut c_void],
-        count: usize,
-    ) -> Result<()> {
+    /// Launches `call` over `count` threads' work: blocks of 512, at most
+    /// [`Self::max_blocks`] of them (the kernels stride over the rest); nothing for none.
+    fn elementwise(&self, call: LaunchArgs<'_>, count: usize) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
-        if !crate::cuda::same_context(stream.context(), &self.k.context) {
-            return Err(Error::InvalidArgument {
-                reason: "the stream belongs to another GPU than the kernels".into(),
-            });
-        }
-        let s = stream.bind()?;
         let blocks = (count.div_ceil(512) as u32).clamp(1, self.max_blocks);
-        // SAFETY: f takes exactly the parameters given (checked by the callers above: device
-        // pointers to in-bounds ranges of live buffers, a count, and a rank count); the buffers
-        // noted this stream and are freed only after its queued work; the module is never
-        // unloaded.
-        unsafe { result::launch_kernel(f, (blocks, 1, 1), (512, 1, 1), 0, s, params) }
-            .map_err(|e| cuda_error("cuLaunchKernel", e))
+        Self::grid(call, blocks, 512)
     }
 }
 
@@ -870,10 +809,10 @@ impl ReduceKernels {
 /// a `PreMulSum` multiplies where its rank's values are first read, which a kernel that
 /// combines two operands as they are cannot do: refused here).
 fn pick(
-    table: &[((DataType, ReduceOp), sys::CUfunction)],
+    table: &[((DataType, ReduceOp), CudaFunction)],
     dtype: DataType,
     op: ReduceOp,
-) -> Result<sys::CUfunction> {
+) -> Result<&CudaFunction> {
     let op = if op == ReduceOp::Avg {
         ReduceOp::Sum
     } else {
@@ -882,7 +821,7 @@ fn pick(
     table
         .iter()
         .find(|(k, _)| *k == (dtype, op))
-        .map(|(_, f)| *f)
+        .map(|(_, f)| f)
         .ok_or_else(|| Error::Unsupported {
             what: "this reduction on device memory",
             reason: format!(
@@ -895,11 +834,11 @@ fn pick(
 }
 
 /// The kernel of `table` for `dtype` (every type is loaded).
-fn by_type(table: &[(DataType, sys::CUfunction)], dtype: DataType) -> sys::CUfunction {
+fn by_type(table: &[(DataType, CudaFunction)], dtype: DataType) -> &CudaFunction {
     table
         .iter()
         .find(|(k, _)| *k == dtype)
-        .map(|(_, f)| *f)
+        .map(|(_, f)| f)
         .expect("every type is loaded")
 }
 

@@ -27,11 +27,43 @@ pub struct GpuStream {
 pub(crate) struct RawStream {
     raw: sys::CUstream,
     context: Arc<CudaContext>,
-    /// A stream of the caller's (cudarc's): kept alive while anything refers to it, never
+    /// cudarc's view of the stream, which kernels are launched on (its launch builder): the
+    /// caller's own cudarc stream (kept alive while anything refers to it), else a wrapper
+    /// that never destroys the handle ([`wrap`]).
+    launch_on: Arc<cudarc::driver::CudaStream>,
+    /// A stream of the caller's (cudarc's, or a raw handle, [`GpuStream::borrowed`]): never
     /// destroyed here.
-    borrowed: Option<Arc<cudarc::driver::CudaStream>>,
-    /// A raw stream handle of the caller's ([`GpuStream::borrowed`]): never destroyed here.
-    foreign: bool,
+    borrowed: bool,
+}
+
+impl RawStream {
+    /// A new non-blocking stream of `context`, destroyed with this value.
+    fn create(context: &Arc<CudaContext>) -> Result<RawStream> {
+        context
+            .bind_to_thread()
+            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        let raw = result::stream::create(StreamKind::NonBlocking)
+            .map_err(|e| cuda_error("cuStreamCreate", e))?;
+        Ok(RawStream {
+            raw,
+            context: context.clone(),
+            // SAFETY: the stream just created, destroyed only by this value's Drop.
+            launch_on: unsafe { wrap(context, raw) },
+            borrowed: false,
+        })
+    }
+}
+
+/// cudarc's non-owning view of `raw`, a stream of `context` held by a [`RawStream`] (dropped
+/// with it, before or as the handle is destroyed: the wrapper never destroys it).
+///
+/// # Safety
+///
+/// `raw` is a live stream of `context` that outlives the returned wrapper (it lives in the
+/// same [`RawStream`] and is handed out only as a borrow of it).
+unsafe fn wrap(context: &Arc<CudaContext>, raw: sys::CUstream) -> Arc<cudarc::driver::CudaStream> {
+    // SAFETY: forwarded contract; nodetour orders its own work on the stream.
+    unsafe { context.wrap_borrowed_stream(raw) }
 }
 
 // SAFETY: a CUstream may be used from any thread that binds its context (every method does).
@@ -41,7 +73,7 @@ unsafe impl Sync for RawStream {}
 
 impl Drop for RawStream {
     fn drop(&mut self) {
-        if self.borrowed.is_some() || self.foreign {
+        if self.borrowed {
             return; // the caller's stream: its owner destroys it
         }
         // Failure policy: log nothing; the context is being torn down anyway.
@@ -151,16 +183,7 @@ pub(crate) fn queue_release_after(
     release: impl FnOnce(sys::CUstream) -> std::result::Result<(), result::DriverError>,
 ) -> Result<()> {
     reap_releases();
-    context
-        .bind_to_thread()
-        .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-    let t = RawStream {
-        raw: result::stream::create(StreamKind::NonBlocking)
-            .map_err(|e| cuda_error("cuStreamCreate", e))?,
-        context: context.clone(),
-        borrowed: None,
-        foreign: false,
-    };
+    let t = RawStream::create(context)?;
     for s in streams {
         let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| cuda_error("cuEventCreate", e))?;
@@ -228,18 +251,8 @@ pub fn reap_releases() {
 impl GpuStream {
     /// Creates a stream on `context`'s GPU.
     pub fn new(context: &Arc<CudaContext>) -> Result<GpuStream> {
-        context
-            .bind_to_thread()
-            .map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
-        let raw = result::stream::create(StreamKind::NonBlocking)
-            .map_err(|e| cuda_error("cuStreamCreate", e))?;
         Ok(GpuStream {
-            inner: Arc::new(RawStream {
-                raw,
-                context: context.clone(),
-                borrowed: None,
-                foreign: false,
-            }),
+            inner: Arc::new(RawStream::create(context)?),
         })
     }
 
@@ -253,8 +266,8 @@ impl GpuStream {
             inner: Arc::new(RawStream {
                 raw: stream.cu_stream(),
                 context: stream.context().clone(),
-                borrowed: Some(stream.clone()),
-                foreign: false,
+                launch_on: stream.clone(),
+                borrowed: true,
             }),
         }
     }
@@ -286,8 +299,10 @@ impl GpuStream {
             inner: Arc::new(RawStream {
                 raw,
                 context: context.clone(),
-                borrowed: None,
-                foreign: true,
+                // SAFETY: a live stream of `context` (checked above; the caller keeps it
+                // alive while this value lives), held here.
+                launch_on: unsafe { wrap(context, raw) },
+                borrowed: true,
             }),
         })
     }
@@ -329,12 +344,18 @@ impl GpuStream {
 
     /// Whether this is a stream of the caller's ([`Self::of_cudarc`], [`Self::borrowed`]).
     pub fn is_borrowed(&self) -> bool {
-        self.inner.borrowed.is_some() || self.inner.foreign
+        self.inner.borrowed
     }
 
     /// The stream's context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.inner.context
+    }
+
+    /// cudarc's view of the stream, for kernel launches through its launch builder (borrowed:
+    /// never handed out beyond the launch, so it cannot outlive the handle).
+    pub(crate) fn launch_on(&self) -> &cudarc::driver::CudaStream {
+        &self.inner.launch_on
     }
 
     pub(crate) fn bind(&self) -> Result<sys::CUstream> {
