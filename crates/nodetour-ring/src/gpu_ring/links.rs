@@ -55,6 +55,14 @@ pub(crate) struct EndPages {
     pub prev: Arc<Flags>,
 }
 
+impl EndPages {
+    /// The pages as the stream ring's flag pages (this rank's, the next's, the previous's),
+    /// where its flags are the host pages.
+    pub(crate) fn host_pages(&self) -> [Arc<dyn FlagPage>; 3] {
+        [self.mine.clone(), self.next.clone(), self.prev.clone()]
+    }
+}
+
 /// This rank's two links, set up by whoever formed the ring (the bootstrap exchange).
 pub(crate) struct StreamLinks {
     /// This rank's flag page ([`flag::READY`] and [`flag::RELEASED`] are waited on here).

@@ -10,23 +10,19 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use nodetour_core::Deadline;
-use nodetour_core::memory::DeviceBuffer;
 use nodetour_core::transport::TransportKind;
-use nodetour_core::transport::gpu::{
-    CudaIpcSender, DeviceFlags, FlagPage, Flags, GpuSlot, PeerDeviceFlags, ShmSender, ShmSlot,
-};
+use nodetour_core::transport::gpu::{DeviceFlags, Flags, GpuSlot, ShmSlot};
 use nodetour_core::transport::setup::GpuNeighbourSetup;
 use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_net::bootstrap::Bootstrap;
 
+use super::links::gpu_steps::{GpuConnecting, GpuLinkSteps, Linking, Receiving};
 use super::one_kernel::{OneKernelChoice, OneKernelSeat};
 use super::setups::{Received, missing};
+use super::table;
 use crate::comm::gpu_options::{GpuPaths, GpuRingOptions, OneKernelMode, check_shape};
 use crate::error::{Error, Result};
-use crate::gpu_ring::{EndPages, GpuRing, Incoming, Outgoing, StreamLinks, flag};
-
-const MODE_IPC: u32 = 1;
-const MODE_SHM: u32 = 2;
+use crate::gpu_ring::{EndPages, GpuRing, Outgoing, StreamLinks, flag};
 /// A formed GPU ring (direct where cuda-ipc works), and why the link to the next rank takes
 /// its path.
 pub(crate) struct FormedGpuRing {
@@ -62,13 +58,12 @@ pub(crate) struct Seat<'a> {
     pub timeout: std::time::Duration,
 }
 
-/// What an in-host GPU ring's rank receives into: its flag pages and both kinds of slots
-/// (the unused kind is freed once the previous rank has said which it chose).
+/// What an in-host GPU ring's rank receives into: its host flag page, and every link kind's
+/// flags and slots (the previous rank chooses the kind; the others are freed once it has said
+/// which, as the links are built).
 struct InHostMemory {
     flags: Flags,
-    device_flags: DeviceFlags,
-    gpu_slots: GpuSlot,
-    shm_slots: ShmSlot,
+    receiving: Receiving,
 }
 
 impl InHostMemory {
@@ -78,9 +73,11 @@ impl InHostMemory {
         let shm_total = options.slots as usize * options.shm_slot_bytes;
         Ok(InHostMemory {
             flags: Flags::create(context, flag::WORDS)?,
-            device_flags: DeviceFlags::create(context, flag::WORDS)?,
-            gpu_slots: GpuSlot::new(context, ipc_total)?,
-            shm_slots: ShmSlot::create(context, shm_total)?,
+            receiving: Receiving {
+                device_flags: DeviceFlags::create(context, flag::WORDS)?,
+                gpu_slots: GpuSlot::new(context, ipc_total)?,
+                shm_slots: ShmSlot::create(context, shm_total)?,
+            },
         })
     }
 
@@ -92,9 +89,9 @@ impl InHostMemory {
         seat: &Seat<'_>,
         options: &GpuRingOptions,
     ) -> Result<(GpuNeighbourSetup, GpuNeighbourSetup)> {
-        let (shm_path, shm_len) = self.shm_slots.grant();
-        let my_device_flags = self.device_flags.ipc_grant()?;
-        let my_slots = self.gpu_slots.ipc_grant()?;
+        let (shm_path, shm_len) = self.receiving.shm_slots.grant();
+        let my_device_flags = self.receiving.device_flags.ipc_grant()?;
+        let my_slots = self.receiving.gpu_slots.ipc_grant()?;
         let setup_for = |p: u32| {
             GpuNeighbourSetup {
                 shape: options.shape(),
@@ -122,12 +119,12 @@ impl InHostMemory {
     }
 }
 
-/// How this rank sends to the next: cuda-ipc where the next GPU's slots map (unless the
-/// staged path is asked for), else shm, and why (a refused mapping falls back under
-/// [`GpuPaths::Auto`] and is an error under [`GpuPaths::Direct`]).
+/// How this rank sends to the next: by the first in-host GPU kind of the table that connects
+/// (the direct kinds skipped when the staged path is asked for), and why (a kind refused falls
+/// back under [`GpuPaths::Auto`] and is an error under [`GpuPaths::Direct`]).
 struct ToNext {
-    ipc: Option<CudaIpcSender>,
-    shm: Option<ShmSender>,
+    steps: &'static dyn GpuLinkSteps,
+    out: Outgoing,
     said: Vec<String>,
 }
 
@@ -138,137 +135,80 @@ fn connect_next(
     paths: GpuPaths,
     forced: Option<TransportKind>,
 ) -> Result<ToNext> {
-    let (grant, next_shm, next_shm_len) =
-        theirs.slots.clone().ok_or_else(|| missing(next, "slots"))?;
-    let next_shm_len = usize::try_from(next_shm_len).map_err(|_| Error::Protocol {
+    let (gpu_slots, shm_name, shm_len) = theirs
+        .slots
+        .as_ref()
+        .ok_or_else(|| missing(next, "slots"))?;
+    let shm_len = usize::try_from(*shm_len).map_err(|_| Error::Protocol {
         rank: next,
-        reason: format!("slots of {next_shm_len} bytes"),
+        reason: format!("slots of {shm_len} bytes"),
     })?;
-    let open_flags = || Flags::open(context, &theirs.flags, flag::WORDS);
-    let mut said = Vec::new();
-    let mut ipc = None;
-    if paths != GpuPaths::Staged {
-        match CudaIpcSender::open(context, &grant, open_flags()?, flag::READY) {
-            Ok(s) => {
-                ipc = Some(s);
-                said.push(
-                    "direct (cuda-ipc): the next rank's GPU slots are mapped into this GPU"
-                        .to_owned(),
-                );
+    let at = GpuConnecting {
+        context,
+        flags: &theirs.flags,
+        gpu_slots,
+        shm_slots: (shm_name, shm_len),
+    };
+    let kinds: Vec<_> = table::gpu_steps()
+        .filter(|(_, k)| paths != GpuPaths::Staged || !k.direct())
+        .collect();
+    let mut refused = Vec::new();
+    for (i, (_, steps)) in kinds.iter().enumerate() {
+        match steps.connect(&at) {
+            Ok(out) => {
+                let said = if refused.is_empty() {
+                    let forced_shm = forced == Some(TransportKind::Shm);
+                    vec![format!(
+                        "{}: {}",
+                        steps.path(),
+                        steps.chosen(paths, forced_shm)
+                    )]
+                } else {
+                    refused
+                        .iter()
+                        .map(|e| format!("{}: {e}", steps.path()))
+                        .collect()
+                };
+                return Ok(ToNext {
+                    steps: *steps,
+                    out,
+                    said,
+                });
             }
-            Err(e) if paths == GpuPaths::Auto => said.push(format!("staged (shm): {e}")),
+            Err(e) if paths == GpuPaths::Auto && i + 1 < kinds.len() => refused.push(e),
             Err(e) => return Err(e.into()),
         }
     }
-    let shm = if ipc.is_none() {
-        match (paths, forced) {
-            (GpuPaths::Staged, Some(TransportKind::Shm)) => {
-                said.push("staged (shm): NODETOUR_TRANSPORT=shm".to_owned())
-            }
-            (GpuPaths::Staged, _) => said.push("staged (shm): requested".to_owned()),
-            _ => {}
-        }
-        let flags = open_flags()?;
-        Some(ShmSender::open(
-            context,
-            &next_shm,
-            next_shm_len,
-            flags,
-            flag::READY,
-        )?)
-    } else {
-        None
-    };
-    Ok(ToNext { ipc, shm, said })
+    Err(Error::Unsupported {
+        reason: "no in-host GPU link kind".into(),
+    })
 }
 
-/// The mode word a sender announces in its next rank's flag page.
-fn mode_of(to_next: &ToNext) -> u32 {
-    u32::from(to_next.ipc.is_some()) * MODE_IPC + u32::from(to_next.shm.is_some()) * MODE_SHM
-}
-
-/// The stream ring's links from what formation connected: the direct path's flags in GPU
-/// memory (each GPU polls its own) where asked, else the host pages, which carry end notices
-/// on every path and the staged path's flags too.
+/// The stream ring's links from what formation connected: the chosen kind builds them (its
+/// flags where it keeps them; the host pages carry end notices on every path).
 fn stream_links(
     context: &Arc<CudaContext>,
     memory: InHostMemory,
     to_next: ToNext,
     [next, prev]: [Flags; 2],
-    device_pages: (&GpuNeighbourSetup, &GpuNeighbourSetup),
+    setups: (&GpuNeighbourSetup, &GpuNeighbourSetup),
     options: &GpuRingOptions,
 ) -> Result<StreamLinks> {
-    let InHostMemory {
-        flags,
-        device_flags,
-        gpu_slots,
-        shm_slots,
-    } = memory;
     let ends = EndPages {
-        mine: Arc::new(flags),
+        mine: Arc::new(memory.flags),
         next: Arc::new(next),
         prev: Arc::new(prev),
     };
-    let host_page = |f: &Arc<Flags>| -> Arc<dyn FlagPage> { f.clone() };
-    let host_pages = || {
-        [
-            host_page(&ends.mine),
-            host_page(&ends.next),
-            host_page(&ends.prev),
-        ]
-    };
-    if let Some(out) = to_next.ipc {
-        let [mine, next_page, prev_page]: [Arc<dyn FlagPage>; 3] = if options.device_flags {
-            let open = |s: &GpuNeighbourSetup| {
-                PeerDeviceFlags::open(context, &s.device_flags, flag::WORDS)
-            };
-            [
-                Arc::new(device_flags),
-                Arc::new(open(device_pages.0)?),
-                Arc::new(open(device_pages.1)?),
-            ]
-        } else {
-            host_pages()
-        };
-        return Ok(StreamLinks {
-            flags: mine,
-            next_flags: next_page,
-            prev_flags: prev_page,
-            outgoing: Outgoing::CudaIpc(out),
-            incoming: Incoming::CudaIpc(gpu_slots),
-            slots: options.ipc_slots,
-            slot_bytes: options.ipc_slot_bytes,
-            pipeline: options.ipc_pipeline,
-            host_read_max: 0,
-            copy_kernel_max: options.copy_kernel_max,
+    to_next.steps.links(
+        to_next.out,
+        Linking {
+            context,
             ends,
-            desc_half: 0,
-            net: None,
-        });
-    }
-    let out = to_next.shm.ok_or_else(|| Error::Unsupported {
-        reason: "no GPU path was built".into(),
-    })?;
-    let [mine, next_page, prev_page] = host_pages();
-    Ok(StreamLinks {
-        flags: mine,
-        next_flags: next_page,
-        prev_flags: prev_page,
-        outgoing: Outgoing::Shm(out),
-        incoming: Incoming::Shm {
-            slots: shm_slots,
-            scratch: DeviceBuffer::new(context, options.shm_slot_bytes)?,
+            receiving: memory.receiving,
+            setups,
+            options,
         },
-        slots: options.slots,
-        slot_bytes: options.shm_slot_bytes,
-        pipeline: options.shm_pipeline,
-        host_read_max: options.shm_read_max,
-        // Host slots: the copy engine (see COPY_KERNEL_MAX).
-        copy_kernel_max: 0,
-        ends,
-        desc_half: 0,
-        net: None,
-    })
+    )
 }
 
 /// Forms the GPU ring of `seat`'s job with `options` (every rank calls it, with the same
@@ -290,7 +230,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
     let (theirs, from_prev) = memory.exchange(&seat, &options)?;
     let prev_flags = Flags::open(context, &from_prev.flags, flag::WORDS)?;
     let to_next = connect_next(context, &theirs, next, paths, seat.forced)?;
-    let mode = mode_of(&to_next);
+    let mode = to_next.steps.mode();
     // Opened now: the name goes away after the barrier.
     let next_flags = Flags::open(context, &theirs.flags, flag::WORDS)?;
     next_flags.store(flag::MODE, mode)?;
@@ -298,7 +238,7 @@ pub(crate) fn form(seat: Seat<'_>, options: GpuRingOptions) -> Result<FormedGpuR
     // Every peer has mapped our files and announced its choice: remove the names (nothing is
     // left behind on a crash).
     memory.flags.unlink()?;
-    memory.shm_slots.unlink()?;
+    memory.receiving.shm_slots.unlink()?;
     let incoming_mode = memory.flags.read(flag::MODE)?;
     if incoming_mode != mode {
         return Err(Error::Unsupported {

@@ -24,6 +24,9 @@ use std::fmt;
 use nodetour_core::transport::TransportKind;
 
 use super::links::LinkSteps;
+use super::links::cuda_ipc::CudaIpc;
+use super::links::gpu_steps::GpuLinkSteps;
+use super::links::shm::Shm;
 use super::links::tcp::Tcp;
 use super::links::verbs::Verbs;
 use crate::comm::links::Announcement;
@@ -180,10 +183,18 @@ struct Row {
     memory: Memory,
     /// `Ok(why it can)` or `Err(why it cannot)`.
     can_connect: fn(&Pair<'_>) -> std::result::Result<Why, Why>,
-    /// A host link kind's allocate and connect ([`super::links`]). The GPU rows' steps are
-    /// the GPU ring's (`gpu.rs` in a host; a network link is formed by the host kind its
-    /// host links chose, through these rows' steps, in `net.rs`).
-    steps: Option<&'static dyn LinkSteps>,
+    steps: Steps,
+}
+
+/// A row's formation steps.
+enum Steps {
+    /// A host link kind's allocate and connect ([`super::links`]).
+    Host(&'static dyn LinkSteps),
+    /// An in-host GPU link kind's connect and stream links ([`super::links::gpu_steps`]).
+    Gpu(&'static dyn GpuLinkSteps),
+    /// A network link between GPUs: formed by the host kind the host links chose, through
+    /// that kind's [`Steps::Host`] (`net.rs`).
+    OverHostKind,
 }
 
 /// The table, in order of preference within each kind of memory.
@@ -192,41 +203,50 @@ static TABLE: [Row; 5] = [
         kind: TransportKind::CudaIpc,
         memory: Memory::Device,
         can_connect: gpus_of_one_host,
-        steps: None,
+        steps: Steps::Gpu(&CudaIpc),
     },
     Row {
         kind: TransportKind::Shm,
         memory: Memory::Device,
         can_connect: gpus_of_one_host,
-        steps: None,
+        steps: Steps::Gpu(&Shm),
     },
     Row {
         kind: TransportKind::Tcp,
         memory: Memory::Device,
         can_connect: gpus_on_other_hosts,
-        steps: None,
+        steps: Steps::OverHostKind,
     },
     Row {
         kind: TransportKind::Verbs,
         memory: Memory::Host,
         can_connect: both_have_verbs,
-        steps: Some(&Verbs),
+        steps: Steps::Host(&Verbs),
     },
     Row {
         kind: TransportKind::Tcp,
         memory: Memory::Host,
         can_connect: |_| Ok(Why::TcpReachesAll),
-        steps: Some(&Tcp),
+        steps: Steps::Host(&Tcp),
     },
 ];
 
 /// The host link kinds and their formation steps, in the table's order (formation allocates
 /// and connects each kind's links in turn).
 pub(crate) fn host_steps() -> impl Iterator<Item = (TransportKind, &'static dyn LinkSteps)> {
-    TABLE
-        .iter()
-        .filter(|r| r.memory == Memory::Host)
-        .filter_map(|r| Some((r.kind, r.steps?)))
+    TABLE.iter().filter_map(|r| match r.steps {
+        Steps::Host(s) => Some((r.kind, s)),
+        _ => None,
+    })
+}
+
+/// The in-host GPU link kinds and their formation steps, in the table's order (formation
+/// connects the GPU ring's link to the next rank by the first that can).
+pub(crate) fn gpu_steps() -> impl Iterator<Item = (TransportKind, &'static dyn GpuLinkSteps)> {
+    TABLE.iter().filter_map(|r| match r.steps {
+        Steps::Gpu(s) => Some((r.kind, s)),
+        _ => None,
+    })
 }
 
 /// The first of the pair that passes host memory only.
@@ -300,7 +320,10 @@ fn same_override(p: &Pair<'_>) -> Result<()> {
 /// The host-memory link of `pair`, where its bytes land, and why.
 pub(crate) fn host_link(pair: &Pair<'_>) -> Result<(TransportKind, Landing, Why)> {
     same_override(pair)?;
-    let landing = |row: &Row| row.steps.map_or(Landing::SoftwareHost, |s| s.landing());
+    let landing = |row: &Row| match row.steps {
+        Steps::Host(s) => s.landing(),
+        _ => Landing::SoftwareHost,
+    };
     let forced = pair.ours.0.forced;
     if forced == Some(TransportKind::Mem) {
         return Err(Error::InvalidArgument {

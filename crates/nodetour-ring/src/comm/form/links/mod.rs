@@ -3,13 +3,18 @@
 //! and how it connects once every neighbour's setup came. The transport table's rows
 //! ([`super::table`]) carry them; formation loops over the rows, for the host ring's links
 //! (`host.rs`) and the GPU ring's network links (`net.rs`) alike, so adding a link kind is its
-//! file here and its row there.
+//! file here and its row there. The in-host GPU link kinds (cuda-ipc, shm) carry steps of
+//! their own shape ([`gpu_steps`]): the GPU ring's link to the next rank is connected by the
+//! first of them that can (`gpu.rs`).
 //!
 //! | kind | allocate (per peer) | bytes land in | connect |
 //! |---|---|---|---|
 //! | verbs ([`verbs`]) | a queue pair, its endpoint sent in the setup; the regions are registered with the RDMA device | host memory registered with the NIC | the queue pair to the endpoint the peer sent |
 //! | tcp ([`tcp`]) | nothing | host memory, written by the tcp receiver | an authenticated connection to each peer, starting with what it may write granted |
 
+pub(crate) mod cuda_ipc;
+pub(crate) mod gpu_steps;
+pub(crate) mod shm;
 pub(crate) mod tcp;
 pub(crate) mod verbs;
 
