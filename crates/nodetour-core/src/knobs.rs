@@ -307,6 +307,14 @@ pub const KNOBS: &[Knob] = &[
         "host allreduces up to this size gather every input to every rank (0: always the ring)",
     ),
     knob(
+        "NODETOUR_P2P_MAX_LINKS",
+        count(1, 65535),
+        "16",
+        Local,
+        Tuning,
+        "point-to-point links a rank holds at once (each holds the host ring's slots, a bell and a staging slot)",
+    ),
+    knob(
         "NODETOUR_ONE_KERNEL",
         Kind::Choice(&["auto", "off", "force"]),
         "auto",

@@ -39,6 +39,7 @@ pub mod net_link;
 #[cfg(test)]
 mod net_ring_tests;
 pub mod order;
+pub(crate) mod p2p;
 pub mod plan;
 pub mod progress;
 pub mod reduce;

@@ -20,6 +20,7 @@ fn the_report_reads_as_one_line() {
         device: DevicePath::Staged {
             reason: "the ranks are on several hosts".into(),
         },
+        peers: vec![],
     };
     let line = p.to_string();
     assert!(!line.contains('\n'));

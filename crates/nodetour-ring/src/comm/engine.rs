@@ -42,6 +42,8 @@ pub(super) struct Engine {
     /// The abort handle of the device side formed from a stream, once formed: broken with
     /// this engine.
     pub(super) device_abort: Arc<OnceLock<AbortHandle>>,
+    /// What `paths()` shows of the point-to-point links (a job's; none in a set).
+    pub(super) peer_paths: Option<Arc<Mutex<Vec<super::PeerLinkPath>>>>,
 }
 
 pub(super) struct State {
@@ -55,6 +57,7 @@ impl Engine {
     /// The engine of a formed `job`, with the options' `timeout`.
     pub(super) fn of_job(job: HostJob, timeout: Duration) -> Engine {
         Engine {
+            peer_paths: Some(job.peer_paths()),
             rank: job.rank,
             world: job.world,
             local: job.local,
@@ -93,6 +96,7 @@ impl Engine {
             order: OnceLock::default(),
             in_set: true,
             device_abort: Arc::default(),
+            peer_paths: None,
         }
     }
 

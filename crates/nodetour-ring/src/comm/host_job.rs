@@ -9,6 +9,7 @@ use nodetour_core::Deadline;
 use nodetour_core::cuda::GpuStream;
 use nodetour_core::cuda::reduce::ReduceKernels;
 use nodetour_core::memory::DeviceBuffer;
+use nodetour_core::transport::tcp::TcpEndpoint;
 use nodetour_core::transport::{HostConnection, SlotGrant, SlotRegion};
 use nodetour_core::verbs::LocalSide;
 use nodetour_net::bootstrap::{Bootstrap, JobToken};
@@ -39,9 +40,11 @@ pub(crate) type AbortFlag = Arc<Mutex<Option<String>>>;
 
 /// A formed host ring.
 pub(crate) struct HostJob {
-    // Drop order (fields drop in declaration order): links (queue pairs drained and destroyed,
-    // sockets closed) before the regions they may write, regions before the device, the
-    // bootstrap last. The GPU ring is closed (its teardown handshake) before the job drops.
+    // Drop order (fields drop in declaration order): the peer links (each its connection before
+    // its regions), the ring's links (queue pairs drained and destroyed, sockets closed) before
+    // the regions they may write, regions before the device, the endpoint and the bootstrap
+    // last. The GPU ring is closed (its teardown handshake) before the job drops.
+    peers: super::peers::run::PeerLinks,
     conns: HashMap<u32, Box<dyn HostConnection>>,
     recv: SlotRegion,
     work: SlotRegion,
@@ -65,7 +68,22 @@ pub(crate) struct HostJob {
     pub local: (u32, u32),
     pub order: Vec<u32>,
     pub paths: Paths,
+    /// What forming a peer link uses beside the job: the verbs settings (the device chosen
+    /// for this rank), the links' shape, the joining timeout.
+    p2p: P2pSettings,
+    /// This rank's authenticated endpoint (peer links form through it on first use).
+    endpoint: TcpEndpoint,
     pub job: Bootstrap,
+}
+
+/// What forming a peer link uses (from the options at formation).
+struct P2pSettings {
+    config: nodetour_core::Config,
+    /// The RDMA device's settings for this rank (`None`: links forced to tcp).
+    verbs: Option<nodetour_core::Config>,
+    /// Slots per link and their bytes (the host ring's: settings every rank shares).
+    shape: (u32, usize),
+    join_timeout: std::time::Duration,
 }
 
 /// The GPU side of the staged path: kernels and one slot of scratch (the stream is the caller's).
@@ -98,6 +116,7 @@ impl HostJob {
             links: plan.links.clone(),
             security: launch.token.describe(),
             device,
+            peers: Vec::new(),
         };
         tracing::info!(%paths, "communicator formed");
         if let (super::paths::DevicePath::Staged { reason }, 0) = (&paths.device, plan.local.0) {
@@ -107,6 +126,7 @@ impl HostJob {
             ));
         }
         Ok(HostJob {
+            peers: super::peers::run::PeerLinks::new(options.p2p_max_links),
             conns,
             recv: memory.recv,
             work: memory.work,
@@ -128,8 +148,50 @@ impl HostJob {
             local: plan.local,
             order: plan.order,
             paths,
+            p2p: P2pSettings {
+                config: options.config.clone(),
+                verbs: form::host::verbs_config(options, plan.me),
+                shape: (options.slots, options.slot_bytes),
+                join_timeout: options.join_timeout(),
+            },
+            endpoint: joined.endpoint,
             job: joined.job,
         })
+    }
+
+    /// Runs point-to-point `parts` over the peer links, forming those missing first (within
+    /// the joining timeout), each part within `timeout`.
+    pub(super) fn point_to_point(
+        &mut self,
+        parts: Vec<super::peers::run::Part<'_>>,
+        timeout: std::time::Duration,
+        aborted: &dyn Fn() -> Option<String>,
+    ) -> Result<()> {
+        let peers: Vec<u32> = parts.iter().map(|p| p.peer).collect();
+        if peers.iter().any(|p| !self.peers.has(*p)) {
+            if let (None, Some(config)) = (&self._local, &self.p2p.verbs) {
+                // A peer link may use the RDMA device where the ring's links did not.
+                self._local = LocalSide::open(config, nodetour_core::verbs::Near::Host).ok();
+            }
+            let why_not = "no RDMA device";
+            let at = super::peers::form::Forming {
+                job: &self.job,
+                endpoint: &self.endpoint,
+                verbs: self._local.as_ref().ok_or(why_not),
+                config: &self.p2p.config,
+                shape: self.p2p.shape,
+                timeout,
+                deadline: Deadline::after(self.p2p.join_timeout),
+            };
+            self.peers.ensure(&at, &peers)?;
+        }
+        let deadline = Deadline::after(timeout);
+        self.peers.run(self.rank, parts, deadline, timeout, aborted)
+    }
+
+    /// What `paths()` shows of the peer links, kept up to date as they form.
+    pub(super) fn peer_paths(&self) -> std::sync::Arc<Mutex<Vec<super::PeerLinkPath>>> {
+        self.peers.shown()
     }
 
     /// Bytes of the staging region (the largest piece).

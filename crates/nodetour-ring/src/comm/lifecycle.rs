@@ -296,6 +296,7 @@ impl Communicator {
                     device: DevicePath::InProcess {
                         reason: reason.clone(),
                     },
+                    peers: Vec::new(),
                 };
                 let timeout = options.config.timeout;
                 Communicator {

@@ -91,7 +91,9 @@ mod lifecycle;
 pub(crate) mod links;
 mod operand;
 mod options;
-mod paths;
+mod p2p;
+pub(crate) mod paths;
+mod peers;
 mod scratch;
 mod symmetric;
 mod verbs;
@@ -107,7 +109,8 @@ pub use options::{
     DEFAULT_HOST_GATHER_MAX, DEFAULT_PIECE_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, MUST_AGREE,
     Options,
 };
-pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths};
+pub use p2p::Batch;
+pub use paths::{DevicePath, Direction, Landing, LinkPath, Paths, PeerLinkPath};
 pub use symmetric::{SymmetricBuffer, SymmetricElements};
 
 use std::ops::Range;
@@ -251,6 +254,9 @@ impl Communicator {
     /// GPU of the first device collective's stream (none before it).
     pub fn paths(&self) -> Paths {
         let mut paths = self.engine.paths.clone();
+        if let Some(peers) = &self.engine.peer_paths {
+            paths.peers = peers.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        }
         if let Some(d) = self.device.engine() {
             paths.device = d.paths.device.clone();
         } else if let Some((_, staged)) = self.device.staged.get() {

@@ -76,6 +76,10 @@ pub struct Options {
     /// (`NODETOUR_HOST_GATHER_MAX`; default [`DEFAULT_HOST_GATHER_MAX`]; 0: always the ring).
     /// Part of what the ranks agree on: every rank must use the same value.
     pub host_gather_max: usize,
+    /// Point-to-point links held at once, at most (`NODETOUR_P2P_MAX_LINKS`): each holds
+    /// `slots × slot_bytes` of slots the peer writes, a 64-byte bell and a staging slot of
+    /// `slot_bytes` (5 MiB with the defaults); a batch that needs more fails typed.
+    pub p2p_max_links: usize,
 }
 
 /// The settings every rank must share: each shapes the chunks on the wire (a sender writes at
@@ -163,6 +167,7 @@ impl Options {
             kernel_copy_max: size("NODETOUR_GATHER_KERNEL_MAX")?,
             one_step_max: size("NODETOUR_ONE_STEP_MAX")?,
             host_gather_max: size("NODETOUR_HOST_GATHER_MAX")?,
+            p2p_max_links: size("NODETOUR_P2P_MAX_LINKS")?,
             gpu_ring: GpuRingOptions {
                 net_landing: NetLanding::parse(word("NODETOUR_NET_LANDING")?)
                     .expect("declared words"),

@@ -86,6 +86,25 @@ pub struct Paths {
     pub security: String,
     /// How collectives on GPU memory run.
     pub device: DevicePath,
+    /// The point-to-point links formed so far (on first use), by peer.
+    pub peers: Vec<PeerLinkPath>,
+}
+
+/// A point-to-point link to one peer, formed the first time the pair met
+/// ([`super::Communicator::send`], [`super::Communicator::batch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerLinkPath {
+    /// The peer.
+    pub peer: u32,
+    /// The link's transport.
+    pub transport: TransportKind,
+    /// Where the peer's bytes land.
+    pub landing: Landing,
+    /// Why this transport.
+    pub reason: String,
+    /// Host memory the link holds on this rank: the slots the peer writes, their bell and
+    /// the staging slot this rank writes from.
+    pub memory_bytes: u64,
 }
 
 impl Paths {
@@ -138,6 +157,13 @@ impl fmt::Display for Paths {
                 f,
                 "; {} rank {} {} ({}): {}",
                 l.direction, l.peer, l.transport, l.landing, l.reason
+            )?;
+        }
+        for p in &self.peers {
+            write!(
+                f,
+                "; peer link to rank {} {} ({}, {} bytes held): {}",
+                p.peer, p.transport, p.landing, p.memory_bytes, p.reason
             )?;
         }
         write!(f, "; {}", self.security)?;

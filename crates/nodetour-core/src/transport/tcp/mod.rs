@@ -8,7 +8,7 @@
 //! frame is sent or accepted: the connector answers the acceptor's nonce with its rank and an
 //! HMAC, and the acceptor answers the connector's nonce with its own HMAC.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::ops::Range;
@@ -440,11 +440,25 @@ pub const EXCHANGE_MAX: usize = 64 << 10;
 /// listener's backlog.
 const HANDSHAKES_MAX: usize = 64;
 
+/// Early connections kept per rank, at most (see [`TcpEndpoint`]'s `early`).
+const EARLY_PER_RANK: usize = 2;
+
+/// An authenticated connection, who it is from, and its keys.
+type Accepted = (TcpStream, String, SessionKeys);
+
+/// Authenticated connections that arrived before an accept expected their rank, by rank.
+type EarlyConnections = Arc<std::sync::Mutex<HashMap<u32, VecDeque<Accepted>>>>;
+
 /// A listening endpoint that accepts authenticated connections from ranks of the job.
 pub struct TcpEndpoint {
     listener: TcpListener,
     token: JobToken,
     timeout: Duration,
+    /// Connections from ranks of the job that proved themselves while this endpoint accepted
+    /// for other ranks (a peer link formed on first use by a rank that reached this one first):
+    /// kept in arrival order, at most [`EARLY_PER_RANK`] per rank, for the accept that expects
+    /// them. One whose dialler gave up (closed) is dropped when taken.
+    early: EarlyConnections,
 }
 
 impl TcpEndpoint {
@@ -471,6 +485,7 @@ impl TcpEndpoint {
             listener,
             token,
             timeout,
+            early: EarlyConnections::default(),
         })
     }
 
@@ -672,9 +687,14 @@ impl TcpEndpoint {
         me: Acceptor<'_>,
         alive: &(dyn Fn() -> Result<()> + Sync),
         deadline: Deadline,
-    ) -> Result<HashMap<u32, (TcpStream, String, SessionKeys)>> {
+    ) -> Result<HashMap<u32, Accepted>> {
         type Outcome = (String, Result<(TcpStream, u32, SessionKeys)>);
-        let mut got: HashMap<u32, (TcpStream, String, SessionKeys)> = HashMap::new();
+        let mut got: HashMap<u32, Accepted> = HashMap::new();
+        for &r in expected {
+            if let Some(a) = take_early(&self.early, r) {
+                got.insert(r, a);
+            }
+        }
         let (tx, rx) = std::sync::mpsc::channel::<Outcome>();
         let mut pending = 0usize;
         let me_owned = (me.rank, me.address.to_owned());
@@ -683,6 +703,7 @@ impl TcpEndpoint {
             match accepted {
                 Some(Ok((s, peer))) => {
                     let (tx, token, me) = (tx.clone(), self.token.clone(), me_owned.clone());
+                    let early = self.early.clone();
                     let peer = peer.to_string();
                     pending += 1;
                     std::thread::spawn(move || {
@@ -691,7 +712,13 @@ impl TcpEndpoint {
                             address: &me.1,
                         };
                         let r = handshake::accept(s, &peer, &token, world_size, me, deadline);
-                        let _ = tx.send((peer, r));
+                        // The accept that started it has returned: a rank's connection is kept
+                        // for the next accept that expects it.
+                        if let Err(std::sync::mpsc::SendError((peer, Ok((s, rank, keys))))) =
+                            tx.send((peer, r))
+                        {
+                            keep_early(&early, rank, (s, format!("rank {rank} at {peer}"), keys));
+                        }
                     });
                     continue;
                 }
@@ -710,10 +737,23 @@ impl TcpEndpoint {
                     Ok((s, rank, keys)) if expected.contains(&rank) && !got.contains_key(&rank) => {
                         got.insert(rank, (s, format!("rank {rank} at {peer}"), keys));
                     }
-                    Ok((_, rank, _)) => {
-                        tracing::warn!(%peer, rank, "refused an unexpected or duplicate tcp connection")
+                    Ok((s, rank, keys)) => {
+                        tracing::debug!(%peer, rank, "kept an early tcp connection for a later accept");
+                        keep_early(
+                            &self.early,
+                            rank,
+                            (s, format!("rank {rank} at {peer}"), keys),
+                        );
                     }
                     Err(e) => tracing::warn!(%peer, error = %e, "refused a tcp connection"),
+                }
+            }
+            // Kept by a handshake that finished after an earlier accept returned.
+            for &r in expected {
+                if !got.contains_key(&r)
+                    && let Some(a) = take_early(&self.early, r)
+                {
+                    got.insert(r, a);
                 }
             }
             if got.len() == expected.len() {
@@ -734,6 +774,43 @@ impl TcpEndpoint {
         }
         Ok(got)
     }
+}
+
+/// Keeps `a`, an authenticated connection from `rank`, for the next accept that expects it
+/// (the oldest goes past [`EARLY_PER_RANK`]).
+fn keep_early(early: &EarlyConnections, rank: u32, a: Accepted) {
+    let mut e = early.lock().unwrap_or_else(|p| p.into_inner());
+    let q = e.entry(rank).or_default();
+    if q.len() == EARLY_PER_RANK {
+        q.pop_front();
+    }
+    q.push_back(a);
+}
+
+/// The oldest early connection from `rank` still open (its dialler may have given up and
+/// closed it: those are dropped).
+fn take_early(early: &EarlyConnections, rank: u32) -> Option<Accepted> {
+    let mut e = early.lock().unwrap_or_else(|p| p.into_inner());
+    let q = e.get_mut(&rank)?;
+    while let Some(a) = q.pop_front() {
+        if still_open(&a.0) {
+            return Some(a);
+        }
+    }
+    None
+}
+
+/// Whether the peer has not closed `s` (a look without blocking: bytes waiting, or none yet).
+fn still_open(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let mut b = [0u8; 1];
+    let open = match s.peek(&mut b) {
+        Ok(n) => n > 0,
+        Err(e) => e.kind() == io::ErrorKind::WouldBlock,
+    };
+    open && s.set_nonblocking(false).is_ok()
 }
 
 /// Connects to the endpoint of a peer rank, proves this rank's identity, and starts the

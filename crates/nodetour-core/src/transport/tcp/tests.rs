@@ -509,3 +509,43 @@ fn silence_times_out() {
     ));
     assert!(start.elapsed() < Duration::from_secs(2));
 }
+
+/// A rank reached by a peer it does not expect yet (a peer link formed on first use): rank 2
+/// dials rank 0 while rank 0 accepts rank 1 only; rank 0's next exchange, with rank 2, takes
+/// the connection kept for it, and every payload arrives where it was sent.
+#[test]
+fn a_connection_that_comes_early_waits_for_the_accept_that_expects_it() {
+    let timeout = Duration::from_secs(5);
+    let token = JobToken::new("t");
+    let e: Vec<TcpEndpoint> = (0..3)
+        .map(|_| TcpEndpoint::bind("127.0.0.1:0", token.clone(), timeout).unwrap())
+        .collect();
+    let addr: Vec<String> = e
+        .iter()
+        .map(|x| x.local_addr().unwrap().to_string())
+        .collect();
+    let wait = Deadline::after(Duration::from_secs(10));
+    let ex = |me: u32, peers: &[u32]| {
+        e[me as usize].exchange(
+            peers,
+            me,
+            3,
+            &|r| addr[r as usize].clone(),
+            &|p| format!("{me} to {p}").into_bytes(),
+            &|| Ok(()),
+            wait,
+        )
+    };
+    std::thread::scope(|s| {
+        let two = s.spawn(|| ex(2, &[0]));
+        // Rank 2's dial is accepted (and kept) while rank 0 waits for rank 1.
+        std::thread::sleep(Duration::from_millis(300));
+        let one = s.spawn(|| ex(1, &[0]));
+        let first = ex(0, &[1]).unwrap();
+        assert_eq!(first[&1], b"1 to 0");
+        let second = ex(0, &[2]).unwrap();
+        assert_eq!(second[&2], b"2 to 0");
+        assert_eq!(one.join().unwrap().unwrap()[&0], b"0 to 1");
+        assert_eq!(two.join().unwrap().unwrap()[&0], b"0 to 2");
+    });
+}

@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use nodetour_core::Deadline;
-use nodetour_core::cuda::one_kernel::ONE_SHOT_MAX_RANKS;
 use nodetour_core::memory::HostBuffer;
 use nodetour_core::transport::setup::NeighbourSetup;
 use nodetour_core::transport::tcp::TcpEndpoint;
@@ -37,20 +36,27 @@ pub(crate) struct Joined {
 /// Opens this rank's RDMA device for host memory, unless the links are forced to tcp; `Err`
 /// says why there is none.
 fn open_verbs(options: &Options, rank: u32) -> std::result::Result<LocalSide, String> {
+    let config = verbs_config(options, rank).ok_or("NODETOUR_TRANSPORT=tcp")?;
+    LocalSide::open(&config, Near::Host).map_err(|e| e.to_string())
+}
+
+/// The settings this rank opens its RDMA device with (the device `NODETOUR_IB_DEVICES` names
+/// for it), or `None` where the links are forced to tcp.
+pub(crate) fn verbs_config(options: &Options, rank: u32) -> Option<nodetour_core::Config> {
     if options.transport == Some(TransportKind::Tcp) {
-        return Err("NODETOUR_TRANSPORT=tcp".into());
+        return None;
     }
     let mut config = options.config.clone();
     if !options.devices.is_empty() {
         config.ib_device = Some(options.devices[rank as usize % options.devices.len()].clone());
     }
-    LocalSide::open(&config, Near::Host).map_err(|e| e.to_string())
+    Some(config)
 }
 
 /// Announce: joins `launch`'s job. The bootstrap, which every rank hears, carries no key and
 /// no queue pair: where to reach this rank and what it can link with. What only a neighbour
-/// may use goes to that neighbour alone (the exchange step). Each rank receives the addresses
-/// of the ranks it links with only ([`address_book`]).
+/// may use goes to that neighbour alone (the exchange step). Each rank receives every other
+/// rank's address ([`address_book`]: no secret; a point-to-point link may join any two).
 pub(crate) fn announce(launch: &Launch, options: &Options) -> Result<Joined> {
     let (me, world) = (launch.rank, launch.world);
     // Joining has its own, longer budget (ranks of a job start tens of seconds apart); the
@@ -74,14 +80,7 @@ pub(crate) fn announce(launch: &Launch, options: &Options) -> Result<Joined> {
         address: format!("{ip}:{}", endpoint.local_addr()?.port()),
         blob: ours.encode(),
     };
-    let share = |table: &[PeerEntry]| -> Vec<Vec<u32>> {
-        let hosts: Vec<&HostIdentity> = table.iter().map(|p| &p.host).collect();
-        let announced: Vec<Option<Announcement>> = table
-            .iter()
-            .map(|p| Announcement::decode(p.rank, &p.blob).ok())
-            .collect();
-        address_book(&hosts, &announced, ONE_SHOT_MAX_RANKS)
-    };
+    let share = |table: &[PeerEntry]| -> Vec<Vec<u32>> { address_book(table.len()) };
     let job = Bootstrap::rendezvous_sharing(
         rendezvous,
         me,

@@ -78,26 +78,16 @@ pub(crate) struct RingPlan {
     pub device: DevicePlan,
 }
 
-/// Which ranks each rank learns the address of (rank 0's bootstrap shares them): its ring
-/// neighbours; every other rank in a job of GPU ranks all on one host small enough for the
-/// one-kernel path (each rank exchanges its scratch with every rank).
-pub(crate) fn address_book(
-    hosts: &[&HostIdentity],
-    announced: &[Option<Announcement>],
-    one_kernel_ranks: usize,
-) -> Vec<Vec<u32>> {
-    let keys: Vec<&str> = hosts.iter().map(|h| h.boot_id.as_str()).collect();
-    let order = ring_order(&keys);
-    let n = hosts.len() as u32;
-    let one_host = hosts.iter().all(|h| h.same_host(hosts[0]));
-    let all_gpus = announced.iter().all(|a| a.is_some_and(|a| a.gpu.is_some()));
-    if one_host && all_gpus && (2..=one_kernel_ranks as u32).contains(&n) {
-        return (0..n)
-            .map(|r| (0..n).filter(|p| *p != r).collect())
-            .collect();
-    }
+/// Which ranks each rank learns the address of (rank 0's bootstrap shares them): every other
+/// rank. An address is where a rank's authenticated endpoint listens, no secret: connecting
+/// needs the job token, and what only a peer may use (keys, queue pairs, handles, names) goes
+/// to that peer alone over the pair's own authenticated connection. Every rank may need any
+/// other's: the one-kernel path maps every rank of a host, and a point-to-point link forms
+/// the first time two ranks meet.
+pub(crate) fn address_book(world: usize) -> Vec<Vec<u32>> {
+    let n = world as u32;
     (0..n)
-        .map(|r| neighbours(&order, r).map_or(vec![], |(p, n)| vec![p, n]))
+        .map(|r| (0..n).filter(|p| *p != r).collect())
         .collect()
 }
 
@@ -423,17 +413,8 @@ mod tests {
         })
         .unwrap();
         assert_eq!(p.oversubscribed, Some((3, 2)));
-        // GPU ranks of one host: everyone learns everyone (the one-kernel path).
-        let some: Vec<Option<Announcement>> = ranks.iter().copied().map(Some).collect();
-        assert_eq!(
-            address_book(&refs, &some, 8),
-            [vec![1, 2], vec![0, 2], vec![0, 1]]
-        );
-        // Too many for the one-kernel path, or a host rank: neighbours only.
-        let four = [host("a"), host("b"), host("a"), host("b")];
-        let four: Vec<&HostIdentity> = four.iter().collect();
-        let book = address_book(&four, &[None, None, None, None], 8);
-        assert_eq!(book[0], [3, 2]);
-        assert_eq!(book[2], [0, 1]);
+        // Every rank learns every other's address (point-to-point links to any peer).
+        assert_eq!(address_book(3), [vec![1, 2], vec![0, 2], vec![0, 1]]);
+        assert_eq!(address_book(1), [Vec::<u32>::new()]);
     }
 }
