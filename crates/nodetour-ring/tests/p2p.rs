@@ -30,15 +30,27 @@ fn ranks<R: Send>(
     options: Options,
     body: impl Fn(&Communicator) -> R + Sync,
 ) -> Vec<R> {
-    ranks_closing(world, options, true, body)
+    ranks_closing(world, options, Closing::Checked, body)
 }
 
-/// [`ranks`]; with `strict` off, a close that fails is not checked (a drill where one rank's
-/// communicator broke: the others' close may then fail too).
+/// How a rank leaves once its body returns.
+#[derive(Clone, Copy, PartialEq)]
+enum Closing {
+    /// `close`, checked where the communicator is healthy.
+    Checked,
+    /// `close`, not checked (a drill where one rank's communicator broke: the others' close
+    /// may then fail too).
+    Unchecked,
+    /// Rank `r` drops its communicator without `close` (a rank that vanishes); the others'
+    /// closes are not checked.
+    DropRank(u32),
+}
+
+/// [`ranks`], leaving as `closing` says.
 fn ranks_closing<R: Send>(
     world: u32,
     options: Options,
-    strict: bool,
+    closing: Closing,
     body: impl Fn(&Communicator) -> R + Sync,
 ) -> Vec<R> {
     let id = UniqueId::create().unwrap();
@@ -50,9 +62,13 @@ fn ranks_closing<R: Send>(
                     let comm = Communicator::from_unique_id(id, r, world, options)
                         .unwrap_or_else(|e| panic!("rank {r} formation: {e}"));
                     let out = body(&comm);
+                    if closing == Closing::DropRank(r) {
+                        drop(comm);
+                        return out;
+                    }
                     let healthy = comm.error().is_none();
                     let closed = comm.close(Deadline::after(Duration::from_secs(60)));
-                    if healthy && strict {
+                    if healthy && closing == Closing::Checked {
                         closed.unwrap_or_else(|e| panic!("rank {r} close: {e}"));
                     }
                     out
@@ -242,21 +258,26 @@ fn a_send_and_receive_that_disagree_fail_typed_on_both_and_write_nothing() {
 
 #[test]
 fn a_send_whose_receive_never_comes_fails_at_the_timeout() {
-    let got = ranks_closing(2, options(Duration::from_secs(2)), false, |comm| {
-        let other = 1 - comm.rank();
-        if comm.rank() == 0 {
-            let mut first = [0u64; 4];
-            comm.recv(&mut first, other).unwrap();
-            let started = std::time::Instant::now();
-            let r = comm.send(&vec![3u64; 5000], other);
-            Some((r, started.elapsed()))
-        } else {
-            comm.send(&[9u64; 4], other).unwrap();
-            // Never receives: rank 0's second send fills this rank's slots and waits.
-            std::thread::sleep(Duration::from_secs(4));
-            None
-        }
-    });
+    let got = ranks_closing(
+        2,
+        options(Duration::from_secs(2)),
+        Closing::Unchecked,
+        |comm| {
+            let other = 1 - comm.rank();
+            if comm.rank() == 0 {
+                let mut first = [0u64; 4];
+                comm.recv(&mut first, other).unwrap();
+                let started = std::time::Instant::now();
+                let r = comm.send(&vec![3u64; 5000], other);
+                Some((r, started.elapsed()))
+            } else {
+                comm.send(&[9u64; 4], other).unwrap();
+                // Never receives: rank 0's second send fills this rank's slots and waits.
+                std::thread::sleep(Duration::from_secs(4));
+                None
+            }
+        },
+    );
     let (r, took) = got[0].as_ref().unwrap();
     assert!(
         matches!(r, Err(Error::Timeout { rank: Some(1), .. })),
@@ -315,4 +336,158 @@ fn paths_names_each_peer_link_with_its_transport_memory_and_reason() {
             got[r]
         );
     }
+}
+
+/// This machine's RDMA devices for the ranks (`NODETOUR_VM_DEV0/1` in the VM), or `None`
+/// after printing `SKIP <reason>` (a failure with `NODETOUR_REQUIRE_RDMA=1`).
+fn verbs_devices() -> Option<Vec<String>> {
+    let skip = |reason: String| {
+        if std::env::var("NODETOUR_REQUIRE_RDMA").as_deref() == Ok("1") {
+            panic!("NODETOUR_REQUIRE_RDMA=1 but {reason}");
+        }
+        println!("SKIP {reason}");
+        None
+    };
+    let found = match nodetour_core::verbs::devices() {
+        Ok(list) if !list.is_empty() => list,
+        Ok(_) => return skip("no RDMA device on this machine".into()),
+        Err(e) => return skip(e.to_string()),
+    };
+    let d0 = std::env::var("NODETOUR_VM_DEV0").unwrap_or(found[0].name.clone());
+    let d1 = std::env::var("NODETOUR_VM_DEV1").unwrap_or(d0.clone());
+    Some(vec![d0, d1])
+}
+
+#[test]
+#[ignore = "needs an RDMA device (the VM tier runs it over soft-RoCE)"]
+fn batches_over_verbs_arrive_whole_on_every_rank() {
+    let Some(devices) = verbs_devices() else {
+        return;
+    };
+    for (world, cases) in [(2u32, 30u64), (3, 30), (4, 20)] {
+        let mut o = options(Duration::from_secs(60)).with_transport(TransportKind::Verbs);
+        o.devices = devices.clone();
+        let checked: Vec<usize> = ranks(world, o, |comm| {
+            let me = comm.rank();
+            let mut checked = 0;
+            for case in 0..cases {
+                let all = messages(world, case);
+                let mut recvs: Vec<(usize, u32, Vec<u32>)> = all
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| m.1 == me)
+                    .map(|(i, m)| (i, m.0, vec![u32::MAX; m.2]))
+                    .collect();
+                let sends: Vec<(u32, Vec<u32>)> = all
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| m.0 == me)
+                    .map(|(i, m)| (m.1, payload(case, i, m.2)))
+                    .collect();
+                let mut batch = comm.batch();
+                for (to, data) in &sends {
+                    batch.send(data, *to);
+                }
+                for (_, from, data) in recvs.iter_mut() {
+                    batch.recv(data, *from);
+                }
+                batch
+                    .run()
+                    .unwrap_or_else(|e| panic!("world {world} case {case} rank {me}: {e}"));
+                for (index, _, got) in &recvs {
+                    assert_eq!(got, &payload(case, *index, got.len()), "case {case}");
+                    checked += 1;
+                }
+            }
+            for p in &comm.paths().peers {
+                assert_eq!(p.transport, TransportKind::Verbs, "{}", comm.paths());
+            }
+            checked
+        });
+        let expected: usize = (0..cases).map(|c| messages(world, c).len()).sum();
+        assert_eq!(checked.iter().sum::<usize>(), expected, "world {world}");
+        println!("P2P_VERBS OK world={world} cases={cases} messages={expected}");
+    }
+}
+
+#[test]
+fn an_abort_or_a_lost_peer_mid_batch_fails_every_rank_typed_before_the_timeout() {
+    // Rank 0 aborts while its batch waits for rank 1's message (rank 1 sends only after it
+    // has seen rank 0's); rank 1's receive learns of it from the link's end notice.
+    let started = std::time::Instant::now();
+    let got = ranks_closing(
+        2,
+        options(Duration::from_secs(30)),
+        Closing::Unchecked,
+        |comm| {
+            let me = comm.rank();
+            if me == 0 {
+                let abort = comm.abort_handle();
+                let aborter = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(500));
+                    abort.abort("the drill's abort");
+                });
+                let mut never = vec![0u8; 10];
+                let mut b = comm.batch();
+                let mine = [1u8; 10];
+                b.send(&mine, 1).recv(&mut never, 1);
+                let r = b.run();
+                aborter.join().unwrap();
+                r
+            } else {
+                let mut first = vec![0u8; 10];
+                comm.recv(&mut first, 0).unwrap();
+                // Rank 0 is aborted before this: the receive below meets the end notice.
+                let mut more = vec![0u8; 10];
+                comm.recv(&mut more, 0)
+            }
+        },
+    );
+    assert!(
+        matches!(&got[0], Err(Error::Aborted { reason }) if reason.contains("drill")),
+        "{:?}",
+        got[0]
+    );
+    assert!(
+        matches!(&got[1], Err(Error::Aborted { reason }) if reason.contains("rank 0")),
+        "{:?}",
+        got[1]
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // Rank 1 leaves (its communicator dropped) while rank 0 waits for its message.
+    let started = std::time::Instant::now();
+    let got = ranks_closing(
+        2,
+        options(Duration::from_secs(30)),
+        Closing::DropRank(1),
+        |comm| {
+            if comm.rank() == 0 {
+                let mut x = [0u8; 4];
+                comm.recv(&mut x, 1).unwrap();
+                let mut y = [0u8; 4];
+                Some(comm.recv(&mut y, 1))
+            } else {
+                comm.send(&[5u8; 4], 0).unwrap();
+                None
+            }
+        },
+    );
+    let r = got[0].as_ref().unwrap();
+    assert!(
+        matches!(
+            r,
+            Err(Error::PeerLost { rank: 1 }) | Err(Error::Transport { .. })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "{:?}",
+        started.elapsed()
+    );
 }

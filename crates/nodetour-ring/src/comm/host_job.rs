@@ -186,7 +186,10 @@ impl HostJob {
             self.peers.ensure(&at, &peers)?;
         }
         let deadline = Deadline::after(timeout);
-        self.peers.run(self.rank, parts, deadline, timeout, aborted)
+        // An abort, or a rank of the job gone (the bootstrap's liveness mesh), ends the batch.
+        let job = &self.job;
+        let stop = || aborted().or_else(|| job.check_present().err().map(|e| e.to_string()));
+        self.peers.run(self.rank, parts, deadline, timeout, &stop)
     }
 
     /// What `paths()` shows of the peer links, kept up to date as they form.
