@@ -22,6 +22,7 @@ pub mod oob;
 pub mod perf;
 pub mod perf_gpu;
 pub mod perf_handoff;
+pub mod perf_p2p;
 pub mod plot;
 pub mod write_bw;
 pub mod write_lat;

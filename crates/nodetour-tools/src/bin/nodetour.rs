@@ -51,6 +51,10 @@ enum Command {
         /// Bytes per slot (host buffers).
         #[arg(long, default_value_t = 1 << 20)]
         slot_bytes: usize,
+        /// Point-to-point instead: send/recv bandwidth from rank 0 to rank 1 (host buffers),
+        /// beside the same bytes over a bare TCP socket between the same processes.
+        #[arg(long, conflicts_with_all = ["gpu", "gpus", "handoff"])]
+        p2p: bool,
         #[command(flatten)]
         gpu: GpuArgs,
     },
@@ -218,9 +222,13 @@ fn main() -> ExitCode {
         transport,
         devices,
         slot_bytes,
+        p2p,
         gpu,
     } = &cli.command
     {
+        if *p2p {
+            return exit(perf_p2p(sweep, transport, devices, *slot_bytes));
+        }
         if !gpu.gpus.is_empty() {
             return exit(perf_gpus(sweep, gpu));
         }
@@ -576,6 +584,47 @@ fn perf_ring(sweep: &SweepArgs, gpu: &GpuArgs) -> anyhow::Result<bool> {
         .all(|r| r.nodetour.2 && r.nccl.is_none_or(|x| x.2)))
 }
 
+fn perf_p2p(
+    sweep: &SweepArgs,
+    transport: &str,
+    devices: &[String],
+    slot_bytes: usize,
+) -> anyhow::Result<bool> {
+    use nodetour_tools::perf::parse_sizes;
+    use nodetour_tools::perf_p2p::{render, sweep as run};
+    let sizes = parse_sizes(&sweep.sizes, sweep.factor)?;
+    let options = host_options(transport, devices, slot_bytes)?;
+    let timeout = options.timeout();
+    let comm = nodetour::Communicator::from_env(options)?;
+    let rows = run(&comm, &sizes, sweep.warmup, sweep.iters)?;
+    if comm.rank() == 0 {
+        print!(
+            "{}",
+            render(&rows, &sweep.format, &comm.paths().to_string())
+        );
+    }
+    comm.close(nodetour_core::Deadline::after(timeout))?;
+    Ok(rows.iter().all(|r| r.correct))
+}
+
+/// The options of a host-buffer sweep: the environment's, with `transport`, `devices` and
+/// `slot_bytes`.
+fn host_options(
+    transport: &str,
+    devices: &[String],
+    slot_bytes: usize,
+) -> anyhow::Result<nodetour::Options> {
+    let mut options = nodetour::Options::from_env()?;
+    options.transport = Some(match transport {
+        "tcp" => nodetour::core::transport::TransportKind::Tcp,
+        "verbs" => nodetour::core::transport::TransportKind::Verbs,
+        other => anyhow::bail!("perf runs host buffers over tcp or verbs, not {other}"),
+    });
+    options.devices = devices.to_vec();
+    options.slot_bytes = slot_bytes;
+    Ok(options)
+}
+
 fn perf(
     sweep: &SweepArgs,
     transport: &str,
@@ -588,14 +637,7 @@ fn perf(
         parse_dtype(&sweep.dtype)?,
         parse_op(&sweep.op)?,
     );
-    let mut options = nodetour::Options::from_env()?;
-    options.transport = Some(match transport {
-        "tcp" => nodetour::core::transport::TransportKind::Tcp,
-        "verbs" => nodetour::core::transport::TransportKind::Verbs,
-        other => anyhow::bail!("perf runs host buffers over tcp or verbs, not {other}"),
-    });
-    options.devices = devices.to_vec();
-    options.slot_bytes = slot_bytes;
+    let mut options = host_options(transport, devices, slot_bytes)?;
     // One piece per collective at every size measured (as the ring ran before pieces), and
     // at least the default staging region: a small allreduce gathers every rank's input
     // (world × its size), which a region of the largest size alone would split.
