@@ -125,15 +125,22 @@ impl HostJob {
                 "device collectives are staged through host memory: {reason}"
             ));
         }
+        let ring_options = form::host::ring_options(&plan, options);
         Ok(HostJob {
-            peers: super::peers::run::PeerLinks::new(options.p2p_max_links),
+            peers: super::peers::run::PeerLinks::new(
+                options.p2p_max_links,
+                super::peers::run::Waiting {
+                    spin: ring_options.spin,
+                    yields: ring_options.spin_yields,
+                },
+            ),
             conns,
             recv: memory.recv,
             work: memory.work,
             bell: memory.bell,
             next_slots: grants.next_slots,
             prev_slots: grants.prev_slots,
-            options: form::host::ring_options(&plan, options),
+            options: ring_options,
             backlog: Vec::new(),
             owed: Vec::new(),
             host_gather_max: options.host_gather_max,

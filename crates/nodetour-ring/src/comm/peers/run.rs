@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nodetour_core::Deadline;
-use nodetour_core::transport::{HostConnection, wait_any};
+use nodetour_core::transport::{Event, HostConnection, wait_any};
 
 use super::form::{self, Formed, Forming};
 use crate::comm::paths::PeerLinkPath;
@@ -31,6 +31,15 @@ pub(crate) struct Part<'a> {
     pub memory: PartMemory<'a>,
 }
 
+/// How a batch waits for its peers: looks without blocking for `spin` after each event
+/// (`NODETOUR_RING_SPIN_US`, as the host ring), giving its CPU away between looks where the
+/// host runs more ranks than CPUs, then blocks in the kernel.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Waiting {
+    pub spin: Duration,
+    pub yields: bool,
+}
+
 /// A communicator's peer links: formed on first use, reused, at most `max` at once.
 pub(crate) struct PeerLinks {
     links: HashMap<u32, PeerLink>,
@@ -39,17 +48,19 @@ pub(crate) struct PeerLinks {
     shown: Arc<Mutex<Vec<PeerLinkPath>>>,
     next_id: PartId,
     max: usize,
+    waiting: Waiting,
 }
 
 impl PeerLinks {
     /// No links yet; at most `max` at once.
-    pub(crate) fn new(max: usize) -> PeerLinks {
+    pub(crate) fn new(max: usize, waiting: Waiting) -> PeerLinks {
         PeerLinks {
             links: HashMap::new(),
             paths: Vec::new(),
             shown: Arc::default(),
             next_id: 0,
             max,
+            waiting,
         }
     }
 
@@ -194,24 +205,53 @@ impl PeerLinks {
                     after: timeout,
                 });
             }
-            // Wait a short while at most, so that an abort is seen soon.
-            let step = Deadline::after(Duration::from_millis(50)).min(deadline);
             events.clear();
-            let mut conns: Vec<&mut dyn HostConnection> = Vec::new();
-            let mut order = Vec::new();
-            // Only links with parts open: a peer done with this batch may close its side
-            // (its next use here reports it).
-            let open = |p: &u32, l: &PeerLink| touched.contains(p) && !l.link.is_idle();
-            for (p, l) in self.links.iter_mut().filter(|(p, l)| open(p, l)) {
-                order.push(*p);
-                conns.push(l.conn());
-            }
-            wait_any(&mut conns, &mut events, step)?;
-            drop(conns);
-            for (i, e) in &events {
-                self.links.get_mut(&order[*i]).expect("formed").handle(e)?;
+            self.wait(touched, &mut events, deadline)?;
+            for (p, e) in &events {
+                self.links.get_mut(p).expect("formed").handle(e)?;
             }
         }
+    }
+
+    /// Waits for events on the links of `touched` with parts open: looks without blocking for
+    /// the spin, then blocks (50 ms at most, so that an abort is seen soon).
+    fn wait(
+        &mut self,
+        touched: &[u32],
+        events: &mut Vec<(u32, Event)>,
+        deadline: Deadline,
+    ) -> Result<()> {
+        // Only links with parts open: a peer done with this batch may close its side (its
+        // next use here reports it).
+        let open = |p: &u32, l: &PeerLink| touched.contains(p) && !l.link.is_idle();
+        let mut order = Vec::new();
+        let mut conns: Vec<&mut dyn HostConnection> = Vec::new();
+        for (p, l) in self.links.iter_mut().filter(|(p, l)| open(p, l)) {
+            order.push(*p);
+            conns.push(l.conn());
+        }
+        let (mut got, mut indexed) = (Vec::new(), Vec::new());
+        let spin_until = std::time::Instant::now() + self.waiting.spin;
+        loop {
+            for (i, c) in conns.iter_mut().enumerate() {
+                c.poll(&mut got)?;
+                indexed.extend(got.drain(..).map(|e| (i, e)));
+            }
+            if !indexed.is_empty() || std::time::Instant::now() >= spin_until {
+                break;
+            }
+            if self.waiting.yields {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        if indexed.is_empty() {
+            let step = Deadline::after(Duration::from_millis(50)).min(deadline);
+            wait_any(&mut conns, &mut indexed, step)?;
+        }
+        events.extend(indexed.into_iter().map(|(i, e)| (order[i], e)));
+        Ok(())
     }
 
     /// The peers whose links still have parts open.
