@@ -5,7 +5,9 @@
     dist.init_process_group("nodetour")  # torchrun's environment, as for "gloo" or "nccl"
 
 DDP runs unchanged; FSDP2 (``fully_shard`` on a one-dimensional mesh) through
-``all_gather_into_tensor`` and ``reduce_scatter_tensor``. CPU tensors: each call returns with
+``all_gather_into_tensor`` and ``reduce_scatter_tensor``; pipeline stages through ``send``,
+``recv``, ``isend`` and ``irecv`` on CPU tensors (posted, then run together as one nodetour
+batch at the first wait or the group's next collective). CPU tensors: each call returns with
 the answer (the GIL released meanwhile). CUDA tensors: each call is queued on torch's current
 stream of the tensor's device (the default stream too) and returns at once; the tensors are
 recorded on that stream, so the caching allocator does not reuse them before the collective
@@ -27,7 +29,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import Work, _create_work_from_future
 from torch.distributed import ReduceOp
 from torch.futures import Future
 
@@ -141,6 +143,33 @@ def _done(result, device: Optional[torch.device]):
     return _create_work_from_future(fut)
 
 
+class _Posted(Work):
+    """A send or receive posted to its group's batch (torch's ``isend``/``irecv``, and each
+    part of ``batch_isend_irecv``): waiting for it, or the group's next collective, runs every
+    send and receive posted so far as one nodetour batch, so none waits for another whatever
+    order each rank posted its parts in."""
+
+    def __init__(self, group: "NodetourProcessGroup"):
+        super().__init__()
+        self._group = group
+
+    def wait(self, timeout=None) -> bool:
+        self._group._flush()
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._group._posted
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self):
+        self._group._flush()
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+
 class NodetourProcessGroup(dist.ProcessGroup):
     """One rank's process group over a nodetour communicator (formed through ``store``)."""
 
@@ -162,6 +191,8 @@ class NodetourProcessGroup(dist.ProcessGroup):
         address = store.get(address_key).decode()
         job = None if authenticated else store.get(job_key).decode()
         self._comm = Comm(address, rank, size, job, timeout.total_seconds())
+        # Sends and receives posted and not yet run (see _Posted).
+        self._posted = []
 
     # -- what torch asks of every process group --
 
@@ -223,6 +254,7 @@ class NodetourProcessGroup(dist.ProcessGroup):
         name, scalar = _reduction(op, t)
         x = _Operand(t)
         with _on(ordinal):
+            self._flush()
             self._comm.all_reduce(x.ptr, x.ptr, x.count, x.dtype, name, scalar, ordinal, stream)
         self._after([x], stream, ordinal)
         x.write_back()
@@ -233,6 +265,7 @@ class NodetourProcessGroup(dist.ProcessGroup):
         for t in tensors:
             x = _Operand(t)
             with _on(ordinal):
+                self._flush()
                 self._comm.broadcast(x.ptr, x.count, x.dtype, root, ordinal, stream)
             self._after([x], stream, ordinal)
             x.write_back()
@@ -247,6 +280,7 @@ class NodetourProcessGroup(dist.ProcessGroup):
         ordinal, stream, _ = _place([out, inp])
         i, o = _Operand(inp), _Operand(out)
         with _on(ordinal):
+            self._flush()
             self._comm.all_gather(i.ptr, o.ptr, i.count, i.dtype, ordinal, stream)
         self._after([i, o], stream, ordinal)
         o.write_back()
@@ -261,6 +295,7 @@ class NodetourProcessGroup(dist.ProcessGroup):
         name, scalar = _reduction(op, out)
         i, o = _Operand(inp), _Operand(out)
         with _on(ordinal):
+            self._flush()
             self._comm.reduce_scatter(
                 i.ptr, o.ptr, o.count, o.dtype, name, scalar, ordinal, stream
             )
@@ -316,8 +351,35 @@ class NodetourProcessGroup(dist.ProcessGroup):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def barrier(self, opts=None):
+        self._flush()
         self._comm.barrier()
         return _done([], None)
+
+    # -- point-to-point (host memory) --
+
+    def send(self, tensors, dstRank, tag=0):
+        return self._post(tensors, True, dstRank)
+
+    def recv(self, tensors, srcRank, tag=0):
+        return self._post(tensors, False, srcRank)
+
+    def _post(self, tensors, send: bool, peer: int):
+        ordinal, _, _ = _place(tensors)
+        if ordinal >= 0:
+            raise NotImplementedError("nodetour: send and recv of CUDA tensors are not built yet")
+        for t in tensors:
+            self._posted.append((send, _Operand(t), peer))
+        return _Posted(self)
+
+    def _flush(self) -> None:
+        """Runs the sends and receives posted so far, together (before any later call)."""
+        if not self._posted:
+            return
+        parts, self._posted = self._posted, []
+        self._comm.p2p([(s, x.ptr, x.count, x.dtype, peer) for s, x, peer in parts])
+        for s, x, _ in parts:
+            if not s:
+                x.write_back()
 
     # -- what nodetour does not build yet --
 
@@ -331,8 +393,6 @@ class NodetourProcessGroup(dist.ProcessGroup):
     alltoall = _missing("alltoall")
     alltoall_base = _missing("alltoall_base")
     all_to_all_single = _missing("all_to_all_single")
-    send = _missing("send")
-    recv = _missing("recv")
     recvAnysource = _missing("recvAnysource")
     reduce = _missing("reduce")
     gather = _missing("gather")

@@ -119,6 +119,30 @@ impl Operand {
     }
 }
 
+/// Refuses parts whose memory overlaps where either is received into (the receive would write
+/// what another part reads or writes: two borrows of one byte, one of them mutable).
+fn disjoint(ops: &[(bool, usize, Operand, u32)]) -> PyResult<()> {
+    let mut spans: Vec<(usize, usize, bool)> = ops
+        .iter()
+        .filter(|(_, n, _, _)| *n > 0)
+        .map(|(send, n, op, _)| (op.ptr, op.ptr.saturating_add(*n), !*send))
+        .collect();
+    spans.sort_unstable();
+    for (i, a) in spans.iter().enumerate() {
+        for b in &spans[i + 1..] {
+            if b.0 >= a.1 {
+                break;
+            }
+            if a.2 || b.2 {
+                return Err(PyValueError::new_err(
+                    "two parts of one batch share memory and one of them receives into it",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_host(ptr: usize, dtype: DataType) -> PyResult<()> {
     if ptr == 0 || !ptr.is_multiple_of(dtype.size()) {
         return Err(PyValueError::new_err(format!(
@@ -461,6 +485,44 @@ impl Comm {
                 Queue::Device(st) => c.broadcast_in_place(&mut out.device()?, root, st),
             },
         )
+    }
+
+    /// Sends and receives on host memory, run together as one batch (none waits for another,
+    /// whatever order each rank lists its parts in): each part is `(send, ptr, count, dtype,
+    /// peer)`, `send` true for a send of `count` elements at `ptr` to `peer`, false for a
+    /// receive into them from `peer`. Returns once every part is done. No part's memory may
+    /// overlap another's where either is received into.
+    fn p2p(&self, py: Python<'_>, parts: Vec<(bool, usize, usize, String, u32)>) -> PyResult<()> {
+        let mut ops = Vec::with_capacity(parts.len());
+        for (send, ptr, count, name, peer) in &parts {
+            let op = Operand::new(*ptr, *count, dtype(name)?);
+            ops.push((*send, op.bytes()?, op, *peer));
+        }
+        disjoint(&ops)?;
+        let mut lent = Vec::with_capacity(ops.len());
+        for (send, _, op, peer) in &ops {
+            let bytes = if *send {
+                // SAFETY: `op` is a contiguous CPU tensor the Python layer holds for the call,
+                // read only; no part received into overlaps it (`disjoint`).
+                HostBytes::new(unsafe { op.host() }?, op.dtype)
+            } else {
+                // SAFETY: as above, written by this call alone: no other part overlaps it.
+                HostBytes::new_mut(unsafe { op.host_mut() }?, op.dtype)
+            }
+            .map_err(|e| raise(self.rank, "p2p", &e))?;
+            lent.push((*send, bytes, *peer));
+        }
+        self.with(py, "p2p", move |c| {
+            let mut b = c.batch();
+            for (send, bytes, peer) in lent {
+                if send {
+                    b.send_bytes(bytes, peer);
+                } else {
+                    b.recv_bytes(bytes, peer)?;
+                }
+            }
+            b.run()
+        })
     }
 
     /// Returns once every rank has called it (a one-byte host allreduce).

@@ -90,6 +90,18 @@ impl<'a> HostBytes<'a> {
     }
 }
 
+impl<'a> HostBytes<'a> {
+    /// The bytes for reading, their element type, and whether they may be written (made by
+    /// [`Self::new_mut`]).
+    pub(crate) fn into_parts(self) -> (std::result::Result<&'a mut [u8], &'a [u8]>, DataType) {
+        let bytes = match self.bytes {
+            HostSide::Read(b) => Err(b),
+            HostSide::Write(b) => Ok(b),
+        };
+        (bytes, self.dtype)
+    }
+}
+
 fn whole(len: usize, dtype: DataType) -> Result<()> {
     if !len.is_multiple_of(dtype.size()) {
         return Err(Error::InvalidArgument {

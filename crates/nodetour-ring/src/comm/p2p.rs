@@ -36,10 +36,41 @@ impl<'a> Batch<'_, 'a> {
         self.add::<T>(peer, count, PartMemory::Recv(bytes_mut(data)))
     }
 
+    /// Adds a send of `data` (elements of a type known at run time) to rank `peer`.
+    pub fn send_bytes(&mut self, data: HostBytes<'a>, peer: u32) -> &mut Self {
+        let (bytes, dtype) = data.into_parts();
+        let bytes: &'a [u8] = match bytes {
+            Ok(w) => w,
+            Err(r) => r,
+        };
+        let count = bytes.len() / dtype.size();
+        self.add_typed(peer, count, dtype, PartMemory::Send(bytes))
+    }
+
+    /// Adds a receive into `data` (made by [`HostBytes::new_mut`]) from rank `peer`.
+    pub fn recv_bytes(&mut self, data: HostBytes<'a>, peer: u32) -> Result<&mut Self> {
+        let (bytes, dtype) = data.into_parts();
+        let bytes = bytes.map_err(|_| Error::InvalidArgument {
+            reason: "a receive into bytes made by HostBytes::new (read only): use new_mut".into(),
+        })?;
+        let count = bytes.len() / dtype.size();
+        Ok(self.add_typed(peer, count, dtype, PartMemory::Recv(bytes)))
+    }
+
     fn add<T: Element>(&mut self, peer: u32, count: usize, memory: PartMemory<'a>) -> &mut Self {
+        self.add_typed(peer, count, T::DATA_TYPE, memory)
+    }
+
+    fn add_typed(
+        &mut self,
+        peer: u32,
+        count: usize,
+        dtype: DataType,
+        memory: PartMemory<'a>,
+    ) -> &mut Self {
         let shape = Shape {
             count: count as u64,
-            dtype: T::DATA_TYPE,
+            dtype,
         };
         self.parts.push(Part {
             peer,
