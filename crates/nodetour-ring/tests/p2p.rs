@@ -437,6 +437,10 @@ fn an_abort_or_a_lost_peer_mid_batch_fails_every_rank_typed_before_the_timeout()
             } else {
                 let mut first = vec![0u8; 10];
                 comm.recv(&mut first, 0).unwrap();
+                assert_eq!(
+                    first, [1u8; 10],
+                    "the Ok before the abort holds rank 0's bytes"
+                );
                 // Rank 0 is aborted before this: the receive below meets the end notice.
                 let mut more = vec![0u8; 10];
                 comm.recv(&mut more, 0)
@@ -469,6 +473,7 @@ fn an_abort_or_a_lost_peer_mid_batch_fails_every_rank_typed_before_the_timeout()
             if comm.rank() == 0 {
                 let mut x = [0u8; 4];
                 comm.recv(&mut x, 1).unwrap();
+                assert_eq!(x, [5u8; 4], "the Ok before the loss holds rank 1's bytes");
                 let mut y = [0u8; 4];
                 Some(comm.recv(&mut y, 1))
             } else {
